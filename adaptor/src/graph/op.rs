@@ -1,0 +1,296 @@
+//! The op set: what each node computes, with its attributes.
+//!
+//! Forward ops (v1) cover MLPs, CNNs and transformers; `*Grad` ops are the
+//! backward rules that cannot be written as compositions of forward ops;
+//! optimizer ops update variables in place. Shape and dtype rules live in
+//! [`super::infer`].
+
+use crate::tensor::{Tensor, TensorType};
+use serde::{Deserialize, Serialize};
+
+/// Attributes of a 2-D convolution on NCHW tensors (weights OIHW, I = C / groups).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Conv2dAttrs {
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+impl Default for Conv2dAttrs {
+    fn default() -> Self {
+        Conv2dAttrs {
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+        }
+    }
+}
+
+/// Attributes of a 2-D pooling window on NCHW tensors (floor mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Pool2dAttrs {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+/// What a node computes. Input order is fixed per op and documented on each
+/// variant; `(mut)` marks inputs the op updates in place (they must be wired
+/// straight from a `Variable`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    // ---- sources -------------------------------------------------------
+    /// Per-iteration input fed by the job on each Run; the node name is the feed key.
+    Placeholder(TensorType),
+    /// Persistent tensor (weights, optimizer state, running statistics); its
+    /// initial value comes with LoadGraph under the node name.
+    Variable(TensorType),
+    /// A constant embedded in the graph (small: scalars, masks).
+    Constant(Tensor),
+
+    // ---- elementwise, with numpy broadcasting (f32) -----------------------
+    /// (a, b)
+    Add,
+    /// (a, b)
+    Sub,
+    /// (a, b)
+    Mul,
+    /// (a, b)
+    Div,
+    /// (x)
+    Relu,
+    /// (x) exact (erf) GELU, as PyTorch's default.
+    Gelu,
+    /// (x)
+    Sigmoid,
+    /// (x)
+    Tanh,
+    /// (x)
+    Exp,
+    /// (x)
+    Log,
+    /// (x)
+    Sqrt,
+    /// (x) -> x * factor
+    Scale(f32),
+
+    // ---- softmax family ----------------------------------------------------
+    /// (x)
+    Softmax { axis: usize },
+    /// (x)
+    LogSoftmax { axis: usize },
+
+    // ---- shape ---------------------------------------------------------------
+    /// (x) same elements, new shape.
+    Reshape { shape: Vec<usize> },
+    /// (x) output axis i is input axis perm[i].
+    Transpose { perm: Vec<usize> },
+    /// (x0, x1, ...) joined along `axis`.
+    Concat { axis: usize },
+    /// (x) the range start..end of one axis.
+    Slice {
+        axis: usize,
+        start: usize,
+        end: usize,
+    },
+    /// (x) numpy broadcast to `shape`.
+    BroadcastTo { shape: Vec<usize> },
+    /// (x) sum over the axes that broadcasting `shape` to x's shape would add
+    /// or stretch: the adjoint of BroadcastTo.
+    SumTo { shape: Vec<usize> },
+
+    // ---- reductions ----------------------------------------------------------
+    /// (x)
+    ReduceSum { axes: Vec<usize>, keep_dims: bool },
+    /// (x)
+    ReduceMean { axes: Vec<usize>, keep_dims: bool },
+    /// (x)
+    ReduceMax { axes: Vec<usize>, keep_dims: bool },
+
+    // ---- linear algebra ------------------------------------------------------
+    /// (a, b): a [..., m, k] (or [..., k, m] transposed), b [..., k, n] (or
+    /// [..., n, k]); batch dimensions broadcast.
+    MatMul {
+        transpose_a: bool,
+        transpose_b: bool,
+    },
+
+    // ---- neural-network ops --------------------------------------------------
+    /// (x [N,C,H,W], w [O,C/g,kh,kw], bias [O] optional)
+    Conv2d(Conv2dAttrs),
+    /// (x [N,C,H,W])
+    MaxPool2d(Pool2dAttrs),
+    /// (x [N,C,H,W])
+    AvgPool2d {
+        pool: Pool2dAttrs,
+        count_include_pad: bool,
+    },
+    /// (x [N,C,H,W]) -> [N,C]
+    GlobalAvgPool,
+    /// Inference form. (x [N,C,...], gamma [C], beta [C], mean [C], var [C])
+    BatchNorm { eps: f32 },
+    /// Training form: normalises with batch statistics and updates the
+    /// running statistics in place (PyTorch's unbiased variance for the
+    /// running value). (x [N,C,...], gamma [C], beta [C], running_mean [C] (mut),
+    /// running_var [C] (mut)) -> (y, saved_mean [C], saved_invstd [C])
+    BatchNormTrain { eps: f32, momentum: f32 },
+    /// Normalises over the last axis. (x [..., D], gamma [D], beta [D])
+    LayerNorm { eps: f32 },
+    /// (table [V, D] f32, indices [...] i64) -> [..., D]
+    Embedding,
+    /// Mean cross-entropy of logits against class labels.
+    /// (logits [N, C], labels [N] i64) -> scalar
+    CrossEntropy,
+    /// Mean squared error. (prediction, target) same shape -> scalar
+    MseLoss,
+
+    // ---- backward rules --------------------------------------------------------
+    /// (x, dy) -> dx
+    ReluGrad,
+    /// (x, dy) -> dx
+    GeluGrad,
+    /// (y, dy) -> dx, y the op's output
+    SigmoidGrad,
+    /// (y, dy) -> dx, y the op's output
+    TanhGrad,
+    /// (y, dy) -> dx, y the softmax output
+    SoftmaxGrad { axis: usize },
+    /// (y, dy) -> dx, y the log-softmax output
+    LogSoftmaxGrad { axis: usize },
+    /// (x, y, dy) -> dx: dy routed to the (first) maximum of each reduced group.
+    ReduceMaxGrad { axes: Vec<usize>, keep_dims: bool },
+    /// (dy) -> dx of the input's length `input_dim` along `axis`, zero outside start..end.
+    SliceGrad {
+        axis: usize,
+        start: usize,
+        input_dim: usize,
+    },
+    /// (dy, w) -> dx [N,C,H,W] = input_shape
+    Conv2dGradInput {
+        attrs: Conv2dAttrs,
+        input_shape: [usize; 4],
+    },
+    /// (x, dy) -> dw [O,C/g,kh,kw] = filter_shape
+    Conv2dGradFilter {
+        attrs: Conv2dAttrs,
+        filter_shape: [usize; 4],
+    },
+    /// (x, dy) -> dx
+    MaxPool2dGrad(Pool2dAttrs),
+    /// (x, dy) -> dx; x gives the shape only.
+    AvgPool2dGrad {
+        pool: Pool2dAttrs,
+        count_include_pad: bool,
+    },
+    /// (x, gamma, saved_mean, saved_invstd, dy) -> (dx, dgamma, dbeta)
+    BatchNormTrainGrad,
+    /// (x, gamma, dy) -> (dx, dgamma, dbeta)
+    LayerNormGrad { eps: f32 },
+    /// (indices, dy) -> dtable [num_embeddings, D]
+    EmbeddingGrad { num_embeddings: usize },
+    /// (logits, labels, dloss scalar) -> dlogits
+    CrossEntropyGrad,
+
+    // ---- in-place updates --------------------------------------------------------
+    /// PyTorch's SGD: (param (mut), grad, momentum_buf (mut)); no outputs.
+    SgdUpdate {
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+        nesterov: bool,
+    },
+    /// Adam, or AdamW when `decoupled`: (param (mut), grad, m (mut), v (mut),
+    /// step (mut) f32 [1]); no outputs.
+    AdamUpdate {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        decoupled: bool,
+    },
+    /// (target (mut), value): copies value into the variable; no outputs.
+    Assign,
+}
+
+impl Op {
+    /// Stable lower-case name, used in errors, logs and node names.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Placeholder(_) => "placeholder",
+            Op::Variable(_) => "variable",
+            Op::Constant(_) => "constant",
+            Op::Add => "add",
+            Op::Sub => "sub",
+            Op::Mul => "mul",
+            Op::Div => "div",
+            Op::Relu => "relu",
+            Op::Gelu => "gelu",
+            Op::Sigmoid => "sigmoid",
+            Op::Tanh => "tanh",
+            Op::Exp => "exp",
+            Op::Log => "log",
+            Op::Sqrt => "sqrt",
+            Op::Scale(_) => "scale",
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Concat { .. } => "concat",
+            Op::Slice { .. } => "slice",
+            Op::BroadcastTo { .. } => "broadcast_to",
+            Op::SumTo { .. } => "sum_to",
+            Op::ReduceSum { .. } => "reduce_sum",
+            Op::ReduceMean { .. } => "reduce_mean",
+            Op::ReduceMax { .. } => "reduce_max",
+            Op::MatMul { .. } => "matmul",
+            Op::Conv2d(_) => "conv2d",
+            Op::MaxPool2d(_) => "max_pool2d",
+            Op::AvgPool2d { .. } => "avg_pool2d",
+            Op::GlobalAvgPool => "global_avg_pool",
+            Op::BatchNorm { .. } => "batch_norm",
+            Op::BatchNormTrain { .. } => "batch_norm_train",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Embedding => "embedding",
+            Op::CrossEntropy => "cross_entropy",
+            Op::MseLoss => "mse_loss",
+            Op::ReluGrad => "relu_grad",
+            Op::GeluGrad => "gelu_grad",
+            Op::SigmoidGrad => "sigmoid_grad",
+            Op::TanhGrad => "tanh_grad",
+            Op::SoftmaxGrad { .. } => "softmax_grad",
+            Op::LogSoftmaxGrad { .. } => "log_softmax_grad",
+            Op::ReduceMaxGrad { .. } => "reduce_max_grad",
+            Op::SliceGrad { .. } => "slice_grad",
+            Op::Conv2dGradInput { .. } => "conv2d_grad_input",
+            Op::Conv2dGradFilter { .. } => "conv2d_grad_filter",
+            Op::MaxPool2dGrad(_) => "max_pool2d_grad",
+            Op::AvgPool2dGrad { .. } => "avg_pool2d_grad",
+            Op::BatchNormTrainGrad => "batch_norm_train_grad",
+            Op::LayerNormGrad { .. } => "layer_norm_grad",
+            Op::EmbeddingGrad { .. } => "embedding_grad",
+            Op::CrossEntropyGrad => "cross_entropy_grad",
+            Op::SgdUpdate { .. } => "sgd_update",
+            Op::AdamUpdate { .. } => "adam_update",
+            Op::Assign => "assign",
+        }
+    }
+
+    /// Input positions this op updates in place.
+    pub fn mutated_inputs(&self) -> &'static [usize] {
+        match self {
+            Op::BatchNormTrain { .. } => &[3, 4],
+            Op::SgdUpdate { .. } => &[0, 2],
+            Op::AdamUpdate { .. } => &[0, 2, 3, 4],
+            Op::Assign => &[0],
+            _ => &[],
+        }
+    }
+
+    /// True for sources (no inputs): placeholders, variables, constants.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Placeholder(_) | Op::Variable(_) | Op::Constant(_))
+    }
+}

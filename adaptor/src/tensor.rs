@@ -1,0 +1,354 @@
+//! Tensors as they travel between a job and the service: a dtype, a static
+//! shape, and the values in row-major order.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Element type of a tensor. `F32` for values, `I64` for indices and labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DType {
+    F32,
+    I64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::I64 => 8,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::I64 => "i64",
+        })
+    }
+}
+
+/// A static shape. The empty shape is a scalar (one element).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub struct Shape(pub Vec<usize>);
+
+impl Shape {
+    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
+        Shape(dims.into())
+    }
+    pub fn scalar() -> Self {
+        Shape(Vec::new())
+    }
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+    /// Number of elements, `None` on overflow.
+    pub fn checked_numel(&self) -> Option<usize> {
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+    /// Number of elements. Shapes built by [`crate::graph::GraphBuilder`] or
+    /// accepted by validation never overflow; for others this saturates.
+    pub fn numel(&self) -> usize {
+        self.checked_numel().unwrap_or(usize::MAX)
+    }
+    /// Row-major strides in elements.
+    pub fn strides(&self) -> Vec<usize> {
+        let mut s = vec![1usize; self.0.len()];
+        for i in (0..self.0.len().saturating_sub(1)).rev() {
+            s[i] = s[i + 1].saturating_mul(self.0[i + 1]);
+        }
+        s
+    }
+}
+
+impl From<Vec<usize>> for Shape {
+    fn from(v: Vec<usize>) -> Self {
+        Shape(v)
+    }
+}
+impl From<&[usize]> for Shape {
+    fn from(v: &[usize]) -> Self {
+        Shape(v.to_vec())
+    }
+}
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(v: [usize; N]) -> Self {
+        Shape(v.to_vec())
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        write!(f, "]")
+    }
+}
+
+/// The type of a wire: dtype and shape.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Shape,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: impl Into<Shape>) -> Self {
+        TensorType {
+            dtype,
+            shape: shape.into(),
+        }
+    }
+    pub fn f32(shape: impl Into<Shape>) -> Self {
+        Self::new(DType::F32, shape)
+    }
+    pub fn i64(shape: impl Into<Shape>) -> Self {
+        Self::new(DType::I64, shape)
+    }
+    /// Size in bytes, `None` on overflow.
+    pub fn checked_bytes(&self) -> Option<usize> {
+        self.shape.checked_numel()?.checked_mul(self.dtype.size())
+    }
+    pub fn bytes(&self) -> usize {
+        self.checked_bytes().unwrap_or(usize::MAX)
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.dtype, self.shape)
+    }
+}
+
+/// Values of a tensor, row-major.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum TensorData {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+impl TensorData {
+    pub fn dtype(&self) -> DType {
+        match self {
+            TensorData::F32(_) => DType::F32,
+            TensorData::I64(_) => DType::I64,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            TensorData::F32(v) => v.len(),
+            TensorData::I64(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Error building a tensor from parts that do not agree.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TensorError {
+    #[error("tensor of shape {shape} needs {expected} elements, got {got}")]
+    Length {
+        shape: Shape,
+        expected: usize,
+        got: usize,
+    },
+    #[error("tensor of type {ty} needs {expected} bytes, got {got}")]
+    Bytes {
+        ty: TensorType,
+        expected: usize,
+        got: usize,
+    },
+    #[error("tensor shape {shape} overflows")]
+    Overflow { shape: Shape },
+    #[error("expected a {expected} tensor, got {got}")]
+    DType { expected: DType, got: DType },
+}
+
+/// A tensor: type plus values.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tensor {
+    shape: Shape,
+    data: TensorData,
+}
+
+impl Tensor {
+    /// Builds a tensor; the number of values must match the shape.
+    pub fn new(shape: impl Into<Shape>, data: TensorData) -> Result<Self, TensorError> {
+        let shape = shape.into();
+        let expected = shape.checked_numel().ok_or_else(|| TensorError::Overflow {
+            shape: shape.clone(),
+        })?;
+        if expected != data.len() {
+            return Err(TensorError::Length {
+                shape,
+                expected,
+                got: data.len(),
+            });
+        }
+        Ok(Tensor { shape, data })
+    }
+    pub fn from_f32(shape: impl Into<Shape>, v: Vec<f32>) -> Result<Self, TensorError> {
+        Self::new(shape, TensorData::F32(v))
+    }
+    pub fn from_i64(shape: impl Into<Shape>, v: Vec<i64>) -> Result<Self, TensorError> {
+        Self::new(shape, TensorData::I64(v))
+    }
+    pub fn scalar(v: f32) -> Self {
+        Tensor {
+            shape: Shape::scalar(),
+            data: TensorData::F32(vec![v]),
+        }
+    }
+    pub fn zeros(ty: &TensorType) -> Self {
+        let n = ty.shape.numel();
+        let data = match ty.dtype {
+            DType::F32 => TensorData::F32(vec![0.0; n]),
+            DType::I64 => TensorData::I64(vec![0; n]),
+        };
+        Tensor {
+            shape: ty.shape.clone(),
+            data,
+        }
+    }
+    pub fn full(shape: impl Into<Shape>, v: f32) -> Self {
+        let shape = shape.into();
+        let n = shape.numel();
+        Tensor {
+            shape,
+            data: TensorData::F32(vec![v; n]),
+        }
+    }
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    pub fn ty(&self) -> TensorType {
+        TensorType::new(self.dtype(), self.shape.clone())
+    }
+    pub fn data(&self) -> &TensorData {
+        &self.data
+    }
+    pub fn into_data(self) -> TensorData {
+        self.data
+    }
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+    pub fn f32s(&self) -> Result<&[f32], TensorError> {
+        match &self.data {
+            TensorData::F32(v) => Ok(v),
+            TensorData::I64(_) => Err(TensorError::DType {
+                expected: DType::F32,
+                got: DType::I64,
+            }),
+        }
+    }
+    pub fn i64s(&self) -> Result<&[i64], TensorError> {
+        match &self.data {
+            TensorData::I64(v) => Ok(v),
+            TensorData::F32(_) => Err(TensorError::DType {
+                expected: DType::I64,
+                got: DType::F32,
+            }),
+        }
+    }
+    pub fn f32s_mut(&mut self) -> Result<&mut [f32], TensorError> {
+        match &mut self.data {
+            TensorData::F32(v) => Ok(v),
+            TensorData::I64(_) => Err(TensorError::DType {
+                expected: DType::F32,
+                got: DType::I64,
+            }),
+        }
+    }
+    /// Same values, new shape with the same number of elements.
+    pub fn reshape(self, shape: impl Into<Shape>) -> Result<Self, TensorError> {
+        Self::new(shape, self.data)
+    }
+    /// Values as little-endian bytes (the wire's tensor frame).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        match &self.data {
+            TensorData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorData::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+    /// Rebuilds a tensor from its type and little-endian bytes.
+    pub fn from_le_bytes(ty: &TensorType, bytes: &[u8]) -> Result<Self, TensorError> {
+        let expected = ty.checked_bytes().ok_or_else(|| TensorError::Overflow {
+            shape: ty.shape.clone(),
+        })?;
+        if expected != bytes.len() {
+            return Err(TensorError::Bytes {
+                ty: ty.clone(),
+                expected,
+                got: bytes.len(),
+            });
+        }
+        let data = match ty.dtype {
+            DType::F32 => TensorData::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            DType::I64 => TensorData::I64(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                    .collect(),
+            ),
+        };
+        Ok(Tensor {
+            shape: ty.shape.clone(),
+            data,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn le_bytes_round_trip() {
+        let t = Tensor::from_f32([2, 2], vec![1.0, -2.5, 3.25, f32::MIN]).unwrap();
+        let b = t.to_le_bytes();
+        assert_eq!(b.len(), 16);
+        assert_eq!(Tensor::from_le_bytes(&t.ty(), &b).unwrap(), t);
+        let i = Tensor::from_i64([3], vec![1, -1, i64::MAX]).unwrap();
+        assert_eq!(Tensor::from_le_bytes(&i.ty(), &i.to_le_bytes()).unwrap(), i);
+    }
+
+    #[test]
+    fn wrong_lengths_are_errors() {
+        assert!(Tensor::from_f32([2, 3], vec![0.0; 5]).is_err());
+        let ty = TensorType::f32([2]);
+        assert!(matches!(
+            Tensor::from_le_bytes(&ty, &[0u8; 7]),
+            Err(TensorError::Bytes {
+                expected: 8,
+                got: 7,
+                ..
+            })
+        ));
+        let huge = TensorType::f32([usize::MAX, 2]);
+        assert!(matches!(
+            Tensor::from_le_bytes(&huge, &[]),
+            Err(TensorError::Overflow { .. })
+        ));
+    }
+}

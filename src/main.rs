@@ -1,0 +1,5 @@
+//! The `lanes` command line.
+
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}
