@@ -1,5 +1,41 @@
 //! The `lanes` command line.
 
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// Lanes: many deep-learning jobs sharing one GPU.
+#[derive(Debug, Parser)]
+#[command(name = "lanes", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the execution service.
+    Serve(cli::serve::Args),
+    /// Start an embedded service and run several jobs through real sockets.
+    Demo(cli::demo::Args),
+    /// Show a running service's sessions, lanes and queues.
+    Status(cli::status::Args),
+    /// Simulate a job trace under one or all scheduling policies.
+    Simulate(cli::simulate::Args),
+    /// Job traces: generate synthetic ones.
+    Trace(cli::trace::Args),
+    /// Replay a trace against a live service with real jobs.
+    Replay(cli::replay::Args),
+}
+
 fn main() -> anyhow::Result<()> {
-    Ok(())
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(a) => cli::serve::run(a),
+        Command::Demo(a) => cli::demo::run(a),
+        Command::Status(a) => cli::status::run(a),
+        Command::Simulate(a) => cli::simulate::run(a),
+        Command::Trace(a) => cli::trace::run(a),
+        Command::Replay(a) => cli::replay::run(a),
+    }
 }
