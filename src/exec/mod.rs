@@ -5,6 +5,7 @@
 //! serves tensors held in their own buffers and tensors placed in an arena.
 
 pub mod cpu;
+pub mod cuda;
 
 use lanes_adaptor::{DType, TensorType};
 
