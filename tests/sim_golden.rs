@@ -23,11 +23,18 @@ struct Fixture {
 
 fn parse(path: &Path) -> anyhow::Result<Fixture> {
     let text = std::fs::read_to_string(path)?;
-    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#'));
+    let mut lines = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'));
     let (mut lanes, mut memory, mut trace, mut expect) = (None, None, None, Vec::new());
     while let Some(line) = lines.next() {
         let mut block = || -> Vec<String> {
-            lines.by_ref().take_while(|l| *l != "end").map(String::from).collect()
+            lines
+                .by_ref()
+                .take_while(|l| *l != "end")
+                .map(String::from)
+                .collect()
         };
         match line.split_once(' ').unwrap_or((line, "")) {
             ("lanes", n) => lanes = Some(n.trim().parse()?),
@@ -65,10 +72,18 @@ fn every_fixture_matches_its_hand_worked_schedule_under_every_policy() {
         let fx = parse(&path).unwrap();
         let trace = read_trace(fx.trace.as_bytes()).unwrap();
         let names: Vec<&str> = fx.expect.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, POLICY_NAMES, "{}: one block per policy, in order", path.display());
+        assert_eq!(
+            names,
+            POLICY_NAMES,
+            "{}: one block per policy, in order",
+            path.display()
+        );
         for (name, expected) in &fx.expect {
             let mut policy = by_name(name).unwrap();
-            let cfg = SimConfig { memory: fx.memory, lanes: fx.lanes };
+            let cfg = SimConfig {
+                memory: fx.memory,
+                lanes: fx.lanes,
+            };
             let run = simulate(&trace, policy.as_mut(), cfg).unwrap();
             let mut got = run.schedule_lines();
             got.extend(run.jct_lines());
@@ -94,9 +109,24 @@ fn a_job_larger_than_a_lane_is_refused_with_its_need() {
     )
     .unwrap();
     let mut policy = by_name("fifo").unwrap();
-    let err = simulate(&trace, policy.as_mut(), SimConfig { memory: 200, lanes: 2 }).unwrap_err();
+    let err = simulate(
+        &trace,
+        policy.as_mut(),
+        SimConfig {
+            memory: 200,
+            lanes: 2,
+        },
+    )
+    .unwrap_err();
     assert!(
-        matches!(err, lanes::sim::SimError::JobNeverFits { job: 1, need: 110, capacity: 100 }),
+        matches!(
+            err,
+            lanes::sim::SimError::JobNeverFits {
+                job: 1,
+                need: 110,
+                capacity: 100
+            }
+        ),
         "{err}"
     );
 }

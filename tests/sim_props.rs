@@ -56,7 +56,11 @@ fn watch(
     name: &str,
     check: impl FnMut(LaneId, &[JobView], Option<JobId>) -> Option<String> + Send + 'static,
 ) -> Watch {
-    Watch { inner: by_name(name).unwrap(), check: Box::new(check), violations: Vec::new() }
+    Watch {
+        inner: by_name(name).unwrap(),
+        check: Box::new(check),
+        violations: Vec::new(),
+    }
 }
 
 fn ms(n: u64) -> Duration {
@@ -66,22 +70,36 @@ fn ms(n: u64) -> Duration {
 /// Random small traces; `at_zero` puts every submission at time 0.
 fn traces(max_jobs: usize, at_zero: bool) -> impl Strategy<Value = Vec<TraceJob>> {
     prop::collection::vec(
-        (0u64..100, any::<bool>(), 1u64..7, 1u64..20, 0i32..3, 0u64..60, 0u64..60),
+        (
+            0u64..100,
+            any::<bool>(),
+            1u64..7,
+            1u64..20,
+            0i32..3,
+            0u64..60,
+            0u64..60,
+        ),
         1..=max_jobs,
     )
     .prop_map(move |v| {
         v.into_iter()
             .enumerate()
-            .map(|(i, (submit, inference, iterations, iter_ms, priority, p, t))| TraceJob {
-                id: i as u64 + 1,
-                submit: if at_zero { Duration::ZERO } else { ms(submit) },
-                kind: if inference { JobKind::Inference } else { JobKind::Training },
-                iterations,
-                iteration: ms(iter_ms),
-                persistent_bytes: p,
-                ephemeral_bytes: t,
-                priority,
-            })
+            .map(
+                |(i, (submit, inference, iterations, iter_ms, priority, p, t))| TraceJob {
+                    id: i as u64 + 1,
+                    submit: if at_zero { Duration::ZERO } else { ms(submit) },
+                    kind: if inference {
+                        JobKind::Inference
+                    } else {
+                        JobKind::Training
+                    },
+                    iterations,
+                    iteration: ms(iter_ms),
+                    persistent_bytes: p,
+                    ephemeral_bytes: t,
+                    priority,
+                },
+            )
             .collect()
     })
 }
@@ -97,7 +115,15 @@ const TIGHT: u64 = 120;
 const AMPLE: u64 = 1 << 40;
 
 fn run(trace: &[TraceJob], policy: &mut dyn Policy, lanes: usize, per_lane: u64) -> SimRun {
-    simulate(trace, policy, SimConfig { memory: per_lane * lanes as u64, lanes }).unwrap()
+    simulate(
+        trace,
+        policy,
+        SimConfig {
+            memory: per_lane * lanes as u64,
+            lanes,
+        },
+    )
+    .unwrap()
 }
 
 proptest! {
