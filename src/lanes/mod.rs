@@ -1,1 +1,24 @@
-//! Placeholder: filled in by its issue.
+//! Memory lanes: one reservation made at start-up, divided into lanes; jobs
+//! admitted under the safety condition `sum P + max T <= C_lane`.
+//!
+//! - [`Reservation`]: the one block of memory (on the CPU backend a host
+//!   buffer standing in for device memory); never grown.
+//! - [`LaneManager`]: the decisions — which lane, when to open, grow,
+//!   re-partition, and who waits (see its module docs for the rules).
+//! - [`SharedLanes`]: the manager and the reservation behind one lock, with
+//!   RAII [`Lease`]s that release their job's memory on drop and let a
+//!   waiting job block until it is admitted.
+//! - [`parse_size`] / [`format_size`]: `--memory 512MiB`.
+
+mod manager;
+mod reservation;
+mod shared;
+mod size;
+
+pub use manager::{
+    Admission, AdmitError, JobId, JobSnapshot, LaneId, LaneManager, LaneSnapshot, LanesConfig,
+    LanesSnapshot, Move, Placement, QueueReason, QueuedSnapshot, Released,
+};
+pub use reservation::{Reservation, ReserveError};
+pub use shared::{Lease, SharedError, SharedLanes};
+pub use size::{format_size, parse_size, ByteSize, SizeError};
