@@ -8,12 +8,15 @@
 //! - [`SharedLanes`]: the manager and the reservation behind one lock, with
 //!   RAII [`Lease`]s that release their job's memory on drop and let a
 //!   waiting job block until it is admitted.
+//! - [`LaneWorkers`]: one worker thread per lane (the CPU backend's
+//!   execution context): in order within a lane, concurrent across lanes.
 //! - [`parse_size`] / [`format_size`]: `--memory 512MiB`.
 
 mod manager;
 mod reservation;
 mod shared;
 mod size;
+mod workers;
 
 pub use manager::{
     Admission, AdmitError, JobId, JobSnapshot, LaneId, LaneManager, LaneSnapshot, LanesConfig,
@@ -22,3 +25,4 @@ pub use manager::{
 pub use reservation::{Reservation, ReserveError};
 pub use shared::{Lease, SharedError, SharedLanes};
 pub use size::{format_size, parse_size, ByteSize, SizeError};
+pub use workers::{LaneWorkers, WorkerError, LANE_QUEUE};
