@@ -53,23 +53,26 @@ impl LaneWorkers {
     }
 
     fn ensure(&mut self, lane: LaneId) -> Result<&Worker, WorkerError> {
-        if !self.workers.contains_key(&lane) {
-            let (tx, rx) = bounded::<Task>(LANE_QUEUE);
-            let handle = std::thread::Builder::new()
-                .name(format!("lane-{}", lane.0))
-                .spawn(move || {
-                    for task in rx {
-                        // A panicking task loses its result, not the lane.
-                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
-                    }
-                })
-                .map_err(|e| WorkerError::Spawn {
-                    lane,
-                    reason: e.to_string(),
-                })?;
-            self.workers.insert(lane, Worker { tx, handle });
+        use std::collections::hash_map::Entry;
+        match self.workers.entry(lane) {
+            Entry::Occupied(e) => Ok(e.into_mut()),
+            Entry::Vacant(v) => {
+                let (tx, rx) = bounded::<Task>(LANE_QUEUE);
+                let handle = std::thread::Builder::new()
+                    .name(format!("lane-{}", lane.0))
+                    .spawn(move || {
+                        for task in rx {
+                            // A panicking task loses its result, not the lane.
+                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
+                        }
+                    })
+                    .map_err(|e| WorkerError::Spawn {
+                        lane,
+                        reason: e.to_string(),
+                    })?;
+                Ok(v.insert(Worker { tx, handle }))
+            }
         }
-        self.workers.get(&lane).ok_or(WorkerError::Stopped { lane })
     }
 
     /// Runs `f` on `lane`'s worker (started on first use) after the tasks
