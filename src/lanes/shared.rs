@@ -94,6 +94,15 @@ impl SharedLanes {
         Ok((lease, a))
     }
 
+    /// Admits a job with the P and T of its memory plan.
+    pub fn admit_plan(
+        &self,
+        job: JobId,
+        plan: &crate::compile::MemoryPlan,
+    ) -> Result<(Lease, Admission), AdmitError> {
+        self.admit(job, plan.persistent, plan.ephemeral)
+    }
+
     /// Releases `job` (admitted or waiting) and wakes jobs admitted as a result.
     pub fn release(&self, job: JobId) -> Result<Released, AdmitError> {
         let mut st = self.lock();
