@@ -39,6 +39,10 @@ use std::fmt;
 
 use super::size::ByteSize;
 
+/// Largest reservation the manager accepts: sums of sizes it forms (at
+/// most twice the capacity) then never overflow.
+pub const MAX_CAPACITY: u64 = 1 << 62;
+
 /// A job known to the manager (the service uses its session id).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct JobId(pub u64);
@@ -267,6 +271,11 @@ impl LaneManager {
         if cfg.alignment == 0 || !cfg.alignment.is_power_of_two() {
             return Err(AdmitError::Config {
                 reason: "alignment must be a power of two",
+            });
+        }
+        if cfg.capacity > MAX_CAPACITY {
+            return Err(AdmitError::Config {
+                reason: "capacity above 2^62 bytes",
             });
         }
         if cfg.max_lanes == 0 {

@@ -84,6 +84,7 @@ fn duplicate_and_unknown_jobs() {
         max_lanes: 1
     })
     .is_err());
+    assert!(LaneManager::new(LanesConfig::new(u64::MAX)).is_err());
 }
 
 #[test]
