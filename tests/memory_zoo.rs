@@ -10,7 +10,7 @@
 //! training step. Weights are declared as variables without values:
 //! planning needs types only.
 //!
-//! `cargo test --release --test memory_zoo -- --nocapture` prints the table
+//! `cargo test --test memory_zoo -- --nocapture` prints the table
 //! that docs/memory.md quotes.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -49,6 +49,11 @@ enum Rec {
         x: Outlet,
         y: Outlet,
         attrs: Pool2dAttrs,
+        avg: bool,
+    },
+    Concat {
+        xs: Vec<Outlet>,
+        y: Outlet,
     },
     Add {
         a: Outlet,
@@ -126,15 +131,65 @@ impl Net {
         p
     }
     fn conv(&mut self, x: Outlet, out: usize, k: usize, stride: usize) -> Outlet {
+        self.conv_k(x, out, [k, k], stride, [k / 2, k / 2])
+    }
+    fn conv_k(
+        &mut self,
+        x: Outlet,
+        out: usize,
+        k: [usize; 2],
+        stride: usize,
+        padding: [usize; 2],
+    ) -> Outlet {
         let c = self.dims(x)[1];
-        let w = self.param(&[out, c, k, k]);
+        let w = self.param(&[out, c, k[0], k[1]]);
         let attrs = Conv2dAttrs {
             stride: [stride, stride],
-            padding: [k / 2, k / 2],
+            padding,
             ..Conv2dAttrs::default()
         };
         let y = self.b.conv2d(x, w, None, attrs);
         self.tape.push(Rec::Conv { x, w, y, attrs });
+        y
+    }
+    fn max_pool(&mut self, x: Outlet, k: usize, stride: usize, pad: usize) -> Outlet {
+        let attrs = Pool2dAttrs {
+            kernel: [k, k],
+            stride: [stride, stride],
+            padding: [pad, pad],
+        };
+        let y = self.b.max_pool2d(x, attrs);
+        self.tape.push(Rec::Pool {
+            x,
+            y,
+            attrs,
+            avg: false,
+        });
+        y
+    }
+    fn avg_pool(&mut self, x: Outlet, k: usize, stride: usize, pad: usize) -> Outlet {
+        let attrs = Pool2dAttrs {
+            kernel: [k, k],
+            stride: [stride, stride],
+            padding: [pad, pad],
+        };
+        let y = self.b.avg_pool2d(x, attrs, true);
+        self.tape.push(Rec::Pool {
+            x,
+            y,
+            attrs,
+            avg: true,
+        });
+        y
+    }
+    fn concat(&mut self, xs: &[Outlet]) -> Outlet {
+        let y = self.b.concat(xs, 1);
+        self.tape.push(Rec::Concat { xs: xs.to_vec(), y });
+        y
+    }
+    fn gap(&mut self, x: Outlet) -> Outlet {
+        let y = self.b.global_avg_pool(x);
+        self.tape.push(Rec::Gap { x, y });
         y
     }
     fn bn(&mut self, x: Outlet) -> Outlet {
@@ -330,10 +385,28 @@ impl Net {
                     let t = b.transpose(dy, &inv);
                     acc(b, &mut grads, *x, t);
                 }
-                Rec::Pool { x, y, attrs } => {
+                Rec::Pool { x, y, attrs, avg } => {
                     let Some(dy) = grads.remove(y) else { continue };
-                    let d = b.op1(Op::MaxPool2dGrad(*attrs), &[*x, dy]);
+                    let op = if *avg {
+                        Op::AvgPool2dGrad {
+                            pool: *attrs,
+                            count_include_pad: true,
+                        }
+                    } else {
+                        Op::MaxPool2dGrad(*attrs)
+                    };
+                    let d = b.op1(op, &[*x, dy]);
                     acc(b, &mut grads, *x, d);
+                }
+                Rec::Concat { xs, y } => {
+                    let Some(dy) = grads.remove(y) else { continue };
+                    let mut start = 0;
+                    for x in xs {
+                        let c = b.dims(*x)[1];
+                        let d = b.slice(dy, 1, start, start + c);
+                        start += c;
+                        acc(b, &mut grads, *x, d);
+                    }
                 }
                 Rec::BnTrain {
                     x,
@@ -437,14 +510,7 @@ fn resnet(blocks: [usize; 4], batch: usize, train: bool) -> ValidGraph {
     let mut n = Net::new(train);
     let x = n.b.placeholder("x", TensorType::f32([batch, 3, 224, 224]));
     let mut h = conv_bn(&mut n, x, 64, 7, 2, true);
-    let attrs = Pool2dAttrs {
-        kernel: [3, 3],
-        stride: [2, 2],
-        padding: [1, 1],
-    };
-    let y = n.b.max_pool2d(h, attrs);
-    n.tape.push(Rec::Pool { x: h, y, attrs });
-    h = y;
+    h = n.max_pool(h, 3, 2, 1);
     let mut c_in = 64;
     for (stage, (&count, &width)) in blocks.iter().zip(&[64usize, 128, 256, 512]).enumerate() {
         for i in 0..count {
@@ -462,10 +528,112 @@ fn resnet(blocks: [usize; 4], batch: usize, train: bool) -> ValidGraph {
             c_in = width * 4;
         }
     }
-    let p = n.b.global_avg_pool(h);
-    n.tape.push(Rec::Gap { x: h, y: p });
+    let p = n.gap(h);
     let logits = n.linear(p, 1000);
     n.finish(logits)
+}
+
+/// BasicConv2d of Inception-v3: conv (no bias), batch norm, ReLU.
+fn bconv(
+    n: &mut Net,
+    x: Outlet,
+    out: usize,
+    k: [usize; 2],
+    stride: usize,
+    pad: [usize; 2],
+) -> Outlet {
+    let y = n.conv_k(x, out, k, stride, pad);
+    let y = n.bn(y);
+    n.relu(y)
+}
+
+fn c1(n: &mut Net, x: Outlet, out: usize) -> Outlet {
+    bconv(n, x, out, [1, 1], 1, [0, 0])
+}
+
+fn c3(n: &mut Net, x: Outlet, out: usize, stride: usize, pad: usize) -> Outlet {
+    bconv(n, x, out, [3, 3], stride, [pad, pad])
+}
+
+/// Inception-v3 as in torchvision (299×299 input, no auxiliary head).
+fn inception_v3(batch: usize, train: bool) -> ValidGraph {
+    let mut n = Net::new(train);
+    let x = n.b.placeholder("x", TensorType::f32([batch, 3, 299, 299]));
+    let n = &mut n;
+    let mut h = c3(n, x, 32, 2, 0);
+    h = c3(n, h, 32, 1, 0);
+    h = c3(n, h, 64, 1, 1);
+    h = n.max_pool(h, 3, 2, 0);
+    h = c1(n, h, 80);
+    h = c3(n, h, 192, 1, 0);
+    h = n.max_pool(h, 3, 2, 0);
+    for pf in [32, 64, 64] {
+        // InceptionA
+        let a = c1(n, h, 64);
+        let b5 = c1(n, h, 48);
+        let b5 = bconv(n, b5, 64, [5, 5], 1, [2, 2]);
+        let d = c1(n, h, 64);
+        let d = c3(n, d, 96, 1, 1);
+        let d = c3(n, d, 96, 1, 1);
+        let p = n.avg_pool(h, 3, 1, 1);
+        let p = c1(n, p, pf);
+        h = n.concat(&[a, b5, d, p]);
+    }
+    {
+        // InceptionB
+        let a = c3(n, h, 384, 2, 0);
+        let d = c1(n, h, 64);
+        let d = c3(n, d, 96, 1, 1);
+        let d = c3(n, d, 96, 2, 0);
+        let p = n.max_pool(h, 3, 2, 0);
+        h = n.concat(&[a, d, p]);
+    }
+    for c7 in [128, 160, 160, 192] {
+        // InceptionC
+        let a = c1(n, h, 192);
+        let b = c1(n, h, c7);
+        let b = bconv(n, b, c7, [1, 7], 1, [0, 3]);
+        let b = bconv(n, b, 192, [7, 1], 1, [3, 0]);
+        let d = c1(n, h, c7);
+        let d = bconv(n, d, c7, [7, 1], 1, [3, 0]);
+        let d = bconv(n, d, c7, [1, 7], 1, [0, 3]);
+        let d = bconv(n, d, c7, [7, 1], 1, [3, 0]);
+        let d = bconv(n, d, 192, [1, 7], 1, [0, 3]);
+        let p = n.avg_pool(h, 3, 1, 1);
+        let p = c1(n, p, 192);
+        h = n.concat(&[a, b, d, p]);
+    }
+    {
+        // InceptionD
+        let a = c1(n, h, 192);
+        let a = c3(n, a, 320, 2, 0);
+        let b = c1(n, h, 192);
+        let b = bconv(n, b, 192, [1, 7], 1, [0, 3]);
+        let b = bconv(n, b, 192, [7, 1], 1, [3, 0]);
+        let b = c3(n, b, 192, 2, 0);
+        let p = n.max_pool(h, 3, 2, 0);
+        h = n.concat(&[a, b, p]);
+    }
+    for _ in 0..2 {
+        // InceptionE
+        let a = c1(n, h, 320);
+        let b = c1(n, h, 384);
+        let b1 = bconv(n, b, 384, [1, 3], 1, [0, 1]);
+        let b2 = bconv(n, b, 384, [3, 1], 1, [1, 0]);
+        let b = n.concat(&[b1, b2]);
+        let d = c1(n, h, 448);
+        let d = c3(n, d, 384, 1, 1);
+        let d1 = bconv(n, d, 384, [1, 3], 1, [0, 1]);
+        let d2 = bconv(n, d, 384, [3, 1], 1, [1, 0]);
+        let d = n.concat(&[d1, d2]);
+        let p = n.avg_pool(h, 3, 1, 1);
+        let p = c1(n, p, 192);
+        h = n.concat(&[a, b, d, p]);
+    }
+    assert_eq!(n.dims(h), vec![batch, 2048, 8, 8]);
+    let p = n.gap(h);
+    let logits = n.linear(p, 1000);
+    std::mem::replace(n, Net::new(false)).finish(logits)
 }
 
 /// BERT-base encoder (12 layers, hidden 768, 12 heads, FFN 3072) with a
@@ -558,6 +726,8 @@ fn zoo_plans_within_ten_percent_of_the_lower_bound() {
         ("ResNet-50 training b8", resnet([3, 4, 6, 3], 8, true)),
         ("ResNet-152 inference b8", resnet([3, 8, 36, 3], 8, false)),
         ("ResNet-152 training b8", resnet([3, 8, 36, 3], 8, true)),
+        ("Inception-v3 inference b8", inception_v3(8, false)),
+        ("Inception-v3 training b8", inception_v3(8, true)),
         ("BERT-base inference b8 s128", bert_base(8, 128, false)),
         ("BERT-base training b8 s128", bert_base(8, 128, true)),
     ];
