@@ -16,13 +16,15 @@ mod manager;
 mod reservation;
 mod shared;
 mod size;
+mod snapshot;
 mod workers;
 
 pub use manager::{
-    Admission, AdmitError, JobId, JobSnapshot, LaneId, LaneManager, LaneSnapshot, LanesConfig,
-    LanesSnapshot, Move, Placement, QueueReason, QueuedSnapshot, Released,
+    Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, QueueReason,
+    Released, MAX_CAPACITY,
 };
 pub use reservation::{Reservation, ReserveError};
 pub use shared::{Lease, SharedError, SharedLanes};
 pub use size::{format_size, parse_size, ByteSize, SizeError};
+pub use snapshot::{JobSnapshot, LaneSnapshot, LanesSnapshot, QueuedSnapshot};
 pub use workers::{LaneWorkers, WorkerError, LANE_QUEUE};

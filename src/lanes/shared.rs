@@ -15,10 +15,9 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::manager::{
-    Admission, AdmitError, JobId, LaneManager, LanesConfig, LanesSnapshot, Placement, Released,
-};
+use super::manager::{Admission, AdmitError, JobId, LaneManager, LanesConfig, Placement, Released};
 use super::reservation::{Reservation, ReserveError};
+use super::snapshot::LanesSnapshot;
 
 #[derive(Debug)]
 struct State {
