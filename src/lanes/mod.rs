@@ -10,9 +10,12 @@
 //!   waiting job block until it is admitted.
 //! - [`LaneWorkers`]: one worker thread per lane (the CPU backend's
 //!   execution context): in order within a lane, concurrent across lanes.
+//! - [`Parked`]: Runs of jobs that wait for admission, handed back when a
+//!   release admits them.
 //! - [`parse_size`] / [`format_size`]: `--memory 512MiB`.
 
 mod manager;
+mod parked;
 mod reservation;
 mod shared;
 mod size;
@@ -23,6 +26,7 @@ pub use manager::{
     Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, QueueReason,
     Released, MAX_CAPACITY,
 };
+pub use parked::{ParkFull, Parked};
 pub use reservation::{Reservation, ReserveError};
 pub use shared::{Lease, SharedError, SharedLanes};
 pub use size::{format_size, parse_size, ByteSize, SizeError};
