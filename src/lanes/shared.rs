@@ -151,6 +151,19 @@ impl SharedLanes {
         self.lock().manager.snapshot()
     }
 
+    /// Runs `f` with `job`'s current placement and the reservation, under
+    /// the lock (so no relocation happens meanwhile). `None` when the job is
+    /// not admitted or no memory is reserved.
+    pub fn with_memory<R>(
+        &self,
+        job: JobId,
+        f: impl FnOnce(Placement, &mut Reservation) -> R,
+    ) -> Option<R> {
+        let mut st = self.lock();
+        let p = st.manager.placement(job)?;
+        st.memory.as_mut().map(|mem| f(p, mem))
+    }
+
     /// Runs `f` on the reservation's bytes of `job`'s persistent region.
     pub fn with_persistent<R>(&self, job: JobId, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
         let mut st = self.lock();
