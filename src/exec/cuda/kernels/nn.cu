@@ -5,6 +5,9 @@
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
 struct Pool {
     int N, C, H, W, OH, OW, kh, kw, sh, sw, ph, pw;
 };
@@ -53,10 +56,10 @@ extern "C" __global__ void maxpool_grad(float* dx, const float* x, const float* 
 
 __device__ __forceinline__ int avg_count(const Pool& p, int oh, int ow, int include_pad) {
     int h0 = oh * p.sh - p.ph, w0 = ow * p.sw - p.pw;
-    int h1 = min(h0 + p.kh, p.H + p.ph), w1 = min(w0 + p.kw, p.W + p.pw);
+    int h1 = imin(h0 + p.kh, p.H + p.ph), w1 = imin(w0 + p.kw, p.W + p.pw);
     if (include_pad) return (h1 - h0) * (w1 - w0);
-    h0 = max(h0, 0); w0 = max(w0, 0);
-    h1 = min(h1, p.H); w1 = min(w1, p.W);
+    h0 = imax(h0, 0); w0 = imax(w0, 0);
+    h1 = imin(h1, p.H); w1 = imin(w1, p.W);
     return (h1 - h0) * (w1 - w0);
 }
 

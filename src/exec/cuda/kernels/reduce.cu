@@ -5,6 +5,9 @@
 #define MAXR 8
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
 // Output element o -> base offset through (odims, ostr); reduced element r ->
 // extra offset through (rdims, rstr).
 struct Red {
@@ -102,7 +105,7 @@ extern "C" __global__ void reduce_max_grad(float* dx, const float* x, const floa
     for (int j = lane; j < n_red; j += 32) {
         if (x[base + red_off(r, j)] == target) { first = j; break; }
     }
-    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffff, first, o));
+    for (int o = 16; o > 0; o >>= 1) first = imin(first, __shfl_xor_sync(0xffffffff, first, o));
     if (lane == 0 && first != 0x7fffffff) dx[base + red_off(r, first)] = dy[warp];
 }
 
