@@ -82,6 +82,7 @@ impl Case {
             opts: CudaOptions {
                 conv_tf32: false,
                 matmul_tf32: false,
+                cuda_graph: true,
             },
             prebuilt: None,
         }
@@ -689,6 +690,7 @@ fn model_case(name: &str, built: models::Built, seed: u64) -> Case {
     c.prebuilt = Some((built.graph, built.vars));
     c.opts = CudaOptions::default();
     c.tol = TF32;
+    c.runs = 2;
     c
 }
 

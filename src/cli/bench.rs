@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use lanes::exec::cpu::CpuProgram;
-use lanes::exec::cuda::CudaProgram;
+use lanes::exec::cuda::{CudaOptions, CudaProgram};
 use lanes_adaptor::{validate, GraphLimits, Tensor, TensorType};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -49,6 +49,9 @@ struct InferArgs {
     /// Sequence length for BERT.
     #[arg(long, default_value_t = 128)]
     seq: usize,
+    /// Launch op by op instead of replaying a recorded CUDA graph.
+    #[arg(long)]
+    no_graph: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -99,7 +102,11 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let (mut prog, gpu) = match a.device.as_str() {
         "cuda" => {
-            let p = CudaProgram::new(graph, built.vars)?;
+            let opts = CudaOptions {
+                cuda_graph: !a.no_graph,
+                ..CudaOptions::default()
+            };
+            let p = CudaProgram::with_options(graph, built.vars, opts)?;
             let name = p.device_name().to_string();
             (Prog::Cuda(Box::new(p)), Some(name))
         }
@@ -130,6 +137,7 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
         "device": a.device,
         "gpu": gpu,
         "precision": "fp32; conv TF32 allowed, matmul full FP32 (PyTorch defaults)",
+        "cuda_graph": matches!(&prog, Prog::Cuda(p) if p.uses_cuda_graph()),
         "iters": a.iters,
         "warmup": a.warmup,
         "median_ms": q(0.5),

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cudnn::Cudnn;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use lanes_adaptor::{DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
 
 use super::conv::ConvPlan;
@@ -23,6 +24,10 @@ pub struct CudaOptions {
     pub conv_tf32: bool,
     /// Let cuBLAS use TF32 tensor cores for FP32 matrix products.
     pub matmul_tf32: bool,
+    /// Record the iteration's launches once as a CUDA graph and replay it
+    /// (addresses never change, so the graph stays valid); falls back to
+    /// launching op by op if capture fails.
+    pub cuda_graph: bool,
 }
 
 impl Default for CudaOptions {
@@ -30,6 +35,7 @@ impl Default for CudaOptions {
         CudaOptions {
             conv_tf32: true,
             matmul_tf32: false,
+            cuda_graph: true,
         }
     }
 }
@@ -44,6 +50,9 @@ pub(super) struct Slot {
 
 /// Alignment of every tensor in the arena, in bytes.
 const ALIGN: usize = 256;
+/// cuBLAS workspace handed over at creation, so that it never allocates
+/// (also required for capturing its calls in a CUDA graph).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
 /// Largest element count a kernel indexes with 32-bit integers.
 const MAX_ELEMS: usize = i32::MAX as usize;
 
@@ -59,8 +68,13 @@ pub struct CudaProgram {
     pub(super) workspace: u64,
     pub(super) workspace_bytes: usize,
     pub(super) options: CudaOptions,
+    /// The recorded iteration, once captured.
+    captured: Option<CudaGraph>,
+    /// Capture failed once: launch op by op from then on.
+    capture_failed: bool,
     // Kept for their lifetimes: every address above points into these.
     _arena: CudaSlice<u8>,
+    _blas_workspace: CudaSlice<u8>,
     _workspace: Option<CudaSlice<u8>>,
     _cudnn: Arc<Cudnn>,
     arena_bytes: usize,
@@ -131,6 +145,23 @@ impl CudaProgram {
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), math) }
             .result()
             .map_err(|e| dev_err("cuBLAS math mode", e))?;
+        let blas_ws = stream
+            .alloc_zeros::<u8>(CUBLAS_WORKSPACE)
+            .map_err(|e| dev_err("allocating the cuBLAS workspace", e))?;
+        {
+            let (p, _sync) = blas_ws.device_ptr(&stream);
+            // SAFETY: `p` is a live allocation of CUBLAS_WORKSPACE bytes kept
+            // alive as long as the handle (both are fields of the program).
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    p as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dev_err("cuBLAS workspace", e))?;
+        }
         let cudnn = Cudnn::new(stream.clone()).map_err(|e| dev_err("cuDNN", e))?;
 
         // Layout: every output of every node gets its own aligned range;
@@ -245,7 +276,10 @@ impl CudaProgram {
             workspace,
             workspace_bytes: ws_bytes,
             options,
+            captured: None,
+            capture_failed: false,
             _arena: arena,
+            _blas_workspace: blas_ws,
             _workspace: ws,
             _cudnn: cudnn,
             arena_bytes,
@@ -381,12 +415,48 @@ impl CudaProgram {
         for (o, t) in feed_list {
             self.upload(o, t)?;
         }
-        for &id in self.graph.order() {
-            self.exec(id)?;
-        }
+        self.iterate()?;
         let r = outs.iter().map(|&o| self.download(o)).collect();
         self.sync()?;
         r
+    }
+
+    /// Launches every node in order, or replays the recorded graph.
+    fn iterate(&mut self) -> Result<(), ExecError> {
+        if !self.options.cuda_graph || self.capture_failed {
+            return self.launch_nodes();
+        }
+        if self.captured.is_none() {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| dev_err("begin capture", e))?;
+            let launched = self.launch_nodes();
+            let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            match (launched, ended) {
+                (Ok(()), Ok(Some(g))) => self.captured = Some(g),
+                _ => {
+                    // Nothing ran while capturing: run op by op instead.
+                    self.capture_failed = true;
+                    return self.launch_nodes();
+                }
+            }
+        }
+        match &self.captured {
+            Some(g) => g.launch().map_err(|e| dev_err("graph launch", e)),
+            None => self.launch_nodes(),
+        }
+    }
+
+    fn launch_nodes(&self) -> Result<(), ExecError> {
+        for &id in self.graph.order() {
+            self.exec(id)?;
+        }
+        Ok(())
+    }
+
+    /// Whether iterations replay a recorded CUDA graph.
+    pub fn uses_cuda_graph(&self) -> bool {
+        self.captured.is_some()
     }
 
     /// Current values of the named variables (all variables when `names` is empty).
