@@ -247,6 +247,8 @@ fn elementwise_and_shape_ops() {
         binary("mul bcast both", Op::Mul, &[4, 1, 6], &[1, 5, 1]),
         binary("div bcast rank", Op::Div, &[6], &[3, 4, 6]),
         binary("add scalar", Op::Add, &[3, 4], &[]),
+        binary("add bias row", Op::Add, &[4, 5, 6], &[6]),
+        binary("mul bias 1xN", Op::Mul, &[4, 5, 6], &[1, 5, 6]),
     ];
     let x = || rnd(&mut StdRng::seed_from_u64(4), &[3, 5, 4, 2], -3.0, 3.0);
     for axis in [1, 3] {

@@ -26,6 +26,7 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
         &[
             "unary",
             "binary_same",
+            "binary_row",
             "binary_bcast",
             "strided_copy32",
             "strided_copy64",

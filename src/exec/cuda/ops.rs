@@ -232,8 +232,20 @@ impl CudaProgram {
                 };
                 let (a, b) = (ity[0].shape.dims(), ity[1].shape.dims());
                 let o = oty[0].shape.dims();
+                // b's dims (leading 1s dropped) are a suffix of out's: b repeats.
+                let b_core: &[usize] = {
+                    let lead = b.iter().take_while(|&&d| d == 1).count();
+                    &b[lead..]
+                };
                 if a == o && b == o {
                     self.k("binary_same", grid(n_out), &[&out[0], &inp[0], &inp[1], &n32, &code])
+                } else if a == o && !b_core.is_empty() && o.ends_with(b_core) {
+                    let len = i(prod(b_core));
+                    self.k(
+                        "binary_row",
+                        grid(n_out),
+                        &[&out[0], &inp[0], &inp[1], &n32, &len, &code],
+                    )
                 } else {
                     let s = strided(o, &bcast_strides(a, o), &bcast_strides(b, o))
                         .ok_or_else(rank_err)?;

@@ -49,6 +49,11 @@ extern "C" __global__ void binary_same(float* out, const float* a, const float* 
     GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i]); }
 }
 
+// b repeats along the leading axes of a (e.g. a bias): b[i % len].
+extern "C" __global__ void binary_row(float* out, const float* a, const float* b, int n, int len, int op) {
+    GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i % len]); }
+}
+
 // out has dims s.dims (row-major); a and b are read through strides (0 on
 // broadcast axes).
 extern "C" __global__ void binary_bcast(float* out, const float* a, const float* b, int n, int op, Strided s) {
