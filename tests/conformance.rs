@@ -49,12 +49,20 @@ const TF32: Tol = Tol {
 
 fn rnd(rng: &mut StdRng, dims: &[usize], lo: f32, hi: f32) -> Tensor {
     let n: usize = dims.iter().product();
-    Tensor::from_f32(dims.to_vec(), (0..n).map(|_| rng.gen_range(lo..hi)).collect()).unwrap()
+    Tensor::from_f32(
+        dims.to_vec(),
+        (0..n).map(|_| rng.gen_range(lo..hi)).collect(),
+    )
+    .unwrap()
 }
 
 fn ints(rng: &mut StdRng, dims: &[usize], hi: i64) -> Tensor {
     let n: usize = dims.iter().product();
-    Tensor::from_i64(dims.to_vec(), (0..n).map(|_| rng.gen_range(0..hi)).collect()).unwrap()
+    Tensor::from_i64(
+        dims.to_vec(),
+        (0..n).map(|_| rng.gen_range(0..hi)).collect(),
+    )
+    .unwrap()
 }
 
 /// A case: a graph, its feeds, what to fetch, how often to run.
@@ -128,7 +136,9 @@ fn compare(what: &str, cpu: &Tensor, gpu: &Tensor, tol: Tol) -> Result<f32, Stri
     let mut worst = 0f32;
     for (k, (&x, &y)) in a.iter().zip(b).enumerate() {
         let d = (x - y).abs();
-        if !(d <= tol.atol + tol.rtol * x.abs()) && !(x.is_nan() && y.is_nan()) {
+        let within = d <= tol.atol + tol.rtol * x.abs();
+        let both_nan = x.is_nan() && y.is_nan();
+        if !within && !both_nan {
             return Err(format!("{what}[{k}]: cpu {x} vs cuda {y}"));
         }
         worst = worst.max(d / (tol.atol + tol.rtol * x.abs()));
@@ -149,8 +159,7 @@ fn run_case(c: Case) -> Result<f32, String> {
     };
     let vg = validate(graph, &limits).map_err(|e| format!("validate: {e}"))?;
     let mut cpu = CpuProgram::new(vg.clone(), vars.clone()).map_err(|e| format!("cpu: {e}"))?;
-    let mut gpu =
-        CudaProgram::with_options(vg, vars, c.opts).map_err(|e| format!("cuda: {e}"))?;
+    let mut gpu = CudaProgram::with_options(vg, vars, c.opts).map_err(|e| format!("cuda: {e}"))?;
     let mut worst = 0f32;
     for r in 0..c.runs {
         let a = cpu
@@ -252,7 +261,12 @@ fn elementwise_and_shape_ops() {
     ];
     let x = || rnd(&mut StdRng::seed_from_u64(4), &[3, 5, 4, 2], -3.0, 3.0);
     for axis in [1, 3] {
-        cases.push(single(&format!("softmax axis {axis}"), Op::Softmax { axis }, vec![x()], FP32));
+        cases.push(single(
+            &format!("softmax axis {axis}"),
+            Op::Softmax { axis },
+            vec![x()],
+            FP32,
+        ));
         cases.push(single(
             &format!("log_softmax axis {axis}"),
             Op::LogSoftmax { axis },
@@ -260,7 +274,12 @@ fn elementwise_and_shape_ops() {
             FP32,
         ));
     }
-    cases.push(single("reshape", Op::Reshape { shape: vec![15, 8] }, vec![x()], FP32));
+    cases.push(single(
+        "reshape",
+        Op::Reshape { shape: vec![15, 8] },
+        vec![x()],
+        FP32,
+    ));
     cases.push(single(
         "transpose",
         Op::Transpose {
@@ -308,7 +327,11 @@ fn elementwise_and_shape_ops() {
         vec![rnd(&mut rng, &[3, 5, 4], -1.0, 1.0)],
         FP32,
     ));
-    for (keep, axes) in [(false, vec![0, 2]), (true, vec![1]), (false, vec![0, 1, 2, 3])] {
+    for (keep, axes) in [
+        (false, vec![0, 2]),
+        (true, vec![1]),
+        (false, vec![0, 1, 2, 3]),
+    ] {
         cases.push(single(
             &format!("reduce_sum {axes:?}"),
             Op::ReduceSum {
@@ -354,7 +377,8 @@ fn elementwise_and_shape_ops() {
 fn matmul_variants() {
     let mut rng = StdRng::seed_from_u64(5);
     let mut cases = Vec::new();
-    let shapes: &[(&str, &[usize], &[usize], bool, bool)] = &[
+    type Shapes<'a> = &'a [(&'a str, &'a [usize], &'a [usize], bool, bool)];
+    let shapes: Shapes = &[
         ("2d", &[5, 7], &[7, 3], false, false),
         ("2d ta", &[7, 5], &[7, 3], true, false),
         ("2d tb", &[5, 7], &[3, 7], false, true),
@@ -414,7 +438,12 @@ fn nn_ops() {
         stride: [s, s],
         padding: [pd, pd],
     };
-    cases.push(single("max_pool 3/2/1", Op::MaxPool2d(p(3, 2, 1)), vec![x.clone()], FP32));
+    cases.push(single(
+        "max_pool 3/2/1",
+        Op::MaxPool2d(p(3, 2, 1)),
+        vec![x.clone()],
+        FP32,
+    ));
     for inc in [true, false] {
         cases.push(single(
             &format!("avg_pool include_pad {inc}"),
@@ -426,7 +455,12 @@ fn nn_ops() {
             FP32,
         ));
     }
-    cases.push(single("global_avg_pool", Op::GlobalAvgPool, vec![x.clone()], FP32));
+    cases.push(single(
+        "global_avg_pool",
+        Op::GlobalAvgPool,
+        vec![x.clone()],
+        FP32,
+    ));
     let c4 = |rng: &mut StdRng, lo: f32, hi: f32| rnd(rng, &[4], lo, hi);
     let bn_in = vec![
         x.clone(),
@@ -435,7 +469,12 @@ fn nn_ops() {
         c4(&mut rng, -0.5, 0.5),
         c4(&mut rng, 0.5, 2.0),
     ];
-    cases.push(single("batch_norm", Op::BatchNorm { eps: 1e-5 }, bn_in, FP32));
+    cases.push(single(
+        "batch_norm",
+        Op::BatchNorm { eps: 1e-5 },
+        bn_in,
+        FP32,
+    ));
     let ln = vec![
         rnd(&mut rng, &[3, 5, 48], -2.0, 2.0),
         rnd(&mut rng, &[48], 0.5, 1.5),
@@ -445,7 +484,10 @@ fn nn_ops() {
     cases.push(single(
         "embedding",
         Op::Embedding,
-        vec![rnd(&mut rng, &[11, 6], -1.0, 1.0), ints(&mut rng, &[3, 4], 11)],
+        vec![
+            rnd(&mut rng, &[11, 6], -1.0, 1.0),
+            ints(&mut rng, &[3, 4], 11),
+        ],
         FP32,
     ));
     cases.push(single(
@@ -457,7 +499,10 @@ fn nn_ops() {
     cases.push(single(
         "mse_loss",
         Op::MseLoss,
-        vec![rnd(&mut rng, &[7, 10], -3.0, 3.0), rnd(&mut rng, &[7, 10], -3.0, 3.0)],
+        vec![
+            rnd(&mut rng, &[7, 10], -3.0, 3.0),
+            rnd(&mut rng, &[7, 10], -3.0, 3.0),
+        ],
         FP32,
     ));
     run_all(cases);
@@ -470,8 +515,18 @@ fn backward_ops() {
     let mut cases = Vec::new();
     let s = [3, 5, 6];
     let xt = |rng: &mut StdRng| rnd(rng, &s, -2.0, 2.0);
-    cases.push(single("relu_grad", Op::ReluGrad, vec![xt(&mut rng), xt(&mut rng)], FP32));
-    cases.push(single("gelu_grad", Op::GeluGrad, vec![xt(&mut rng), xt(&mut rng)], FP32));
+    cases.push(single(
+        "relu_grad",
+        Op::ReluGrad,
+        vec![xt(&mut rng), xt(&mut rng)],
+        FP32,
+    ));
+    cases.push(single(
+        "gelu_grad",
+        Op::GeluGrad,
+        vec![xt(&mut rng), xt(&mut rng)],
+        FP32,
+    ));
     cases.push(single(
         "sigmoid_grad",
         Op::SigmoidGrad,
@@ -584,9 +639,8 @@ fn backward_ops() {
             &[xi, g, b, rm, rv],
         );
         let dyi = c.input("dy", rnd(&mut rng, &[2, 4, 9, 9], -1.0, 1.0));
-        let grads = c
-            .g
-            .op(Op::BatchNormTrainGrad, &[xi, g, outs[1], outs[2], dyi]);
+        let grads =
+            c.g.op(Op::BatchNormTrainGrad, &[xi, g, outs[1], outs[2], dyi]);
         c.fetch_all(&outs, "bn");
         c.fetch_all(&grads, "bn_grad");
         c.runs = 2;
@@ -605,7 +659,10 @@ fn backward_ops() {
     cases.push(single(
         "embedding_grad",
         Op::EmbeddingGrad { num_embeddings: 11 },
-        vec![ints(&mut rng, &[3, 4], 11), rnd(&mut rng, &[3, 4, 6], -1.0, 1.0)],
+        vec![
+            ints(&mut rng, &[3, 4], 11),
+            rnd(&mut rng, &[3, 4, 6], -1.0, 1.0),
+        ],
         FP32,
     ));
     cases.push(single(
@@ -713,8 +770,16 @@ fn models_inference() {
             models::resnet(&[3, 4, 6, 3], 2, 64).unwrap(),
             1,
         ),
-        model_case("inception_v3 b1 96x96", models::inception_v3(1, 96).unwrap(), 2),
-        model_case("bert small b2 s16", models::bert(2, 16, &small_bert).unwrap(), 3),
+        model_case(
+            "inception_v3 b1 96x96",
+            models::inception_v3(1, 96).unwrap(),
+            2,
+        ),
+        model_case(
+            "bert small b2 s16",
+            models::bert(2, 16, &small_bert).unwrap(),
+            3,
+        ),
     ];
     run_all(cases);
 }

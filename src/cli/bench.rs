@@ -162,7 +162,9 @@ fn random_input(ty: &TensorType, vocab: usize, rng: &mut StdRng) -> anyhow::Resu
         )?,
         lanes_adaptor::DType::I64 => Tensor::from_i64(
             ty.shape.clone(),
-            (0..n).map(|_| rng.gen_range(0..vocab.max(1) as i64)).collect(),
+            (0..n)
+                .map(|_| rng.gen_range(0..vocab.max(1) as i64))
+                .collect(),
         )?,
     })
 }

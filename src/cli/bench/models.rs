@@ -60,8 +60,8 @@ impl Net {
         let b = 1.0 / (fan_in.max(1) as f32).sqrt();
         let n: usize = dims.iter().product();
         let v: Vec<f32> = (0..n).map(|_| self.rng.gen_range(-b..b)).collect();
-        let t = Tensor::from_f32(dims.to_vec(), v)
-            .unwrap_or_else(|_| Tensor::full(dims.to_vec(), 0.0));
+        let t =
+            Tensor::from_f32(dims.to_vec(), v).unwrap_or_else(|_| Tensor::full(dims.to_vec(), 0.0));
         let name = self.unique(name);
         self.g.variable(&name, t)
     }

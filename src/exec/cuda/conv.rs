@@ -83,6 +83,14 @@ fn dims4(d: &[usize]) -> Result<[i32; 4], CudnnError> {
     }
 }
 
+/// Convolution, x, w and y descriptors.
+type Descriptors = (
+    ConvDescriptor<f32>,
+    TensorDescriptor<f32>,
+    FilterDescriptor<f32>,
+    TensorDescriptor<f32>,
+);
+
 fn descriptors(
     cudnn: &Arc<Cudnn>,
     a: &Conv2dAttrs,
@@ -90,15 +98,7 @@ fn descriptors(
     w: &[usize],
     y: &[usize],
     tf32: bool,
-) -> Result<
-    (
-        ConvDescriptor<f32>,
-        TensorDescriptor<f32>,
-        FilterDescriptor<f32>,
-        TensorDescriptor<f32>,
-    ),
-    CudnnError,
-> {
+) -> Result<Descriptors, CudnnError> {
     let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     let mut conv = cudnn.create_conv2d::<f32>(
         [a.padding[0] as i32, a.padding[1] as i32],

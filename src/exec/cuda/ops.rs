@@ -195,7 +195,9 @@ impl CudaProgram {
         ob: usize,
         ib: usize,
     ) -> Result<(), ExecError> {
-        let n = (0..s.rank as usize).map(|k| s.dims[k] as usize).product::<usize>();
+        let n = (0..s.rank as usize)
+            .map(|k| s.dims[k] as usize)
+            .product::<usize>();
         if n == 0 {
             return Ok(());
         }
@@ -238,7 +240,11 @@ impl CudaProgram {
                     &b[lead..]
                 };
                 if a == o && b == o {
-                    self.k("binary_same", grid(n_out), &[&out[0], &inp[0], &inp[1], &n32, &code])
+                    self.k(
+                        "binary_same",
+                        grid(n_out),
+                        &[&out[0], &inp[0], &inp[1], &n32, &code],
+                    )
                 } else if a == o && !b_core.is_empty() && o.ends_with(b_core) {
                     let len = i(prod(b_core));
                     self.k(
@@ -348,8 +354,12 @@ impl CudaProgram {
             }
             Op::BroadcastTo { .. } => {
                 let o = oty[0].shape.dims();
-                let s = strided(o, &contiguous_strides(o), &bcast_strides(ity[0].shape.dims(), o))
-                    .ok_or_else(rank_err)?;
+                let s = strided(
+                    o,
+                    &contiguous_strides(o),
+                    &bcast_strides(ity[0].shape.dims(), o),
+                )
+                .ok_or_else(rank_err)?;
                 self.strided_copy(DType::F32, out[0], inp[0], s, 0, 0)
             }
             Op::SumTo { shape } => {
@@ -361,7 +371,9 @@ impl CudaProgram {
                 self.reduce(out[0], inp[0], d, &flags, false, false)
                     .and_then(|r| r.ok_or_else(rank_err))
             }
-            Op::ReduceSum { axes, .. } | Op::ReduceMean { axes, .. } | Op::ReduceMax { axes, .. } => {
+            Op::ReduceSum { axes, .. }
+            | Op::ReduceMean { axes, .. }
+            | Op::ReduceMax { axes, .. } => {
                 let d = ity[0].shape.dims();
                 let flags: Vec<bool> = (0..d.len()).map(|k| axes.contains(&k)).collect();
                 let mean = matches!(node.op, Op::ReduceMean { .. });
@@ -415,7 +427,11 @@ impl CudaProgram {
                 if let (Op::Conv2d(_), Some(bias)) = (&node.op, inp.get(2)) {
                     let d = oty[0].shape.dims();
                     let (c, inner) = (i(d[1]), i(d[2] * d[3]));
-                    self.k("channel_bias", grid(n_out), &[&out[0], bias, &n32, &c, &inner])?;
+                    self.k(
+                        "channel_bias",
+                        grid(n_out),
+                        &[&out[0], bias, &n32, &c, &inner],
+                    )?;
                 }
                 Ok(())
             }
@@ -460,8 +476,7 @@ impl CudaProgram {
                     "batchnorm_infer",
                     grid(n_out),
                     &[
-                        &out[0], &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &n32, &c, &inner,
-                        eps,
+                        &out[0], &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &n32, &c, &inner, eps,
                     ],
                 )
             }
@@ -472,8 +487,7 @@ impl CudaProgram {
                     "bn_stats",
                     blocks(d[1], 256),
                     &[
-                        &out[1], &out[2], &inp[3], &inp[4], &inp[0], &nb, &c, &inner, eps,
-                        momentum,
+                        &out[1], &out[2], &inp[3], &inp[4], &inp[0], &nb, &c, &inner, eps, momentum,
                     ],
                 )?;
                 self.k(
@@ -571,7 +585,11 @@ impl CudaProgram {
             }
             Op::MseLoss => {
                 let n = i(ity[0].shape.numel());
-                self.k("mse_loss", blocks(1, 1024), &[&out[0], &inp[0], &inp[1], &n])
+                self.k(
+                    "mse_loss",
+                    blocks(1, 1024),
+                    &[&out[0], &inp[0], &inp[1], &n],
+                )
             }
             Op::SgdUpdate {
                 lr,
@@ -585,7 +603,14 @@ impl CudaProgram {
                     "sgd_update",
                     grid(n),
                     &[
-                        &inp[0], &inp[1], &inp[2], &n32, lr, momentum, weight_decay, &nest,
+                        &inp[0],
+                        &inp[1],
+                        &inp[2],
+                        &n32,
+                        lr,
+                        momentum,
+                        weight_decay,
+                        &nest,
                     ],
                 )
             }
@@ -603,8 +628,18 @@ impl CudaProgram {
                     "adam_update",
                     grid(n),
                     &[
-                        &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &n32, lr, beta1, beta2, eps,
-                        weight_decay, &dec,
+                        &inp[0],
+                        &inp[1],
+                        &inp[2],
+                        &inp[3],
+                        &inp[4],
+                        &n32,
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        &dec,
                     ],
                 )?;
                 self.k("step_incr", blocks(1, 32), &[&inp[4]])
@@ -669,7 +704,8 @@ impl CudaProgram {
         }
         let f = 4u64;
         if k == 0 {
-            self.fill(pc, nc * m * n, 0.0).map_err(|e| format!("{e:?}"))?;
+            self.fill(pc, nc * m * n, 0.0)
+                .map_err(|e| format!("{e:?}"))?;
             return Ok(());
         }
         // Fold a's batch into its rows when b is shared and a is not transposed.

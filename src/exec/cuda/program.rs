@@ -9,7 +9,9 @@ use cudarc::cublas::CudaBlas;
 use cudarc::cudnn::Cudnn;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
-use lanes_adaptor::{DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
+use lanes_adaptor::{
+    DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
+};
 
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
@@ -174,7 +176,11 @@ impl CudaProgram {
             for ty in &node.outputs {
                 let n = ty.shape.checked_numel().unwrap_or(usize::MAX);
                 if n > MAX_ELEMS {
-                    return Err(op_err(id, node, format!("{ty} is too large for this backend")));
+                    return Err(op_err(
+                        id,
+                        node,
+                        format!("{ty} is too large for this backend"),
+                    ));
                 }
                 if let (Op::Reshape { .. }, Some(src)) = (&node.op, node.inputs.first()) {
                     let src_node = &g.nodes[src.node.index()];
@@ -212,7 +218,10 @@ impl CudaProgram {
         for &id in graph.order() {
             let node = &g.nodes[id.index()];
             let in_ty = |k: usize| -> Result<TensorType, ExecError> {
-                let o = node.inputs.get(k).ok_or_else(|| op_err(id, node, "missing input".into()))?;
+                let o = node
+                    .inputs
+                    .get(k)
+                    .ok_or_else(|| op_err(id, node, "missing input".into()))?;
                 Ok(slots[o.node.index()][o.slot as usize].ty.clone())
             };
             let plan = match &node.op {
@@ -410,7 +419,10 @@ impl CudaProgram {
         }
         let outs = fetches
             .iter()
-            .map(|k| g.resolve(k).ok_or_else(|| ExecError::UnknownFetch { key: k.clone() }))
+            .map(|k| {
+                g.resolve(k)
+                    .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         for (o, t) in feed_list {
             self.upload(o, t)?;
