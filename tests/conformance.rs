@@ -783,3 +783,123 @@ fn models_inference() {
     ];
     run_all(cases);
 }
+
+/// Replaying the recorded CUDA graph gives the same results as launching op
+/// by op (no CPU needed). Within 1e-6: only atomics may reorder sums.
+#[test]
+#[ignore = "needs a GPU"]
+fn graph_replay_matches_op_by_op() {
+    let small_bert = models::BertConfig {
+        vocab: 100,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        intermediate: 128,
+        max_positions: 32,
+    };
+    for built in [
+        models::resnet(&[3, 4, 6, 3], 2, 64).unwrap(),
+        models::bert(2, 16, &small_bert).unwrap(),
+    ] {
+        let mut rng = StdRng::seed_from_u64(9);
+        let feeds: BTreeMap<String, Tensor> = built
+            .inputs
+            .iter()
+            .map(|(n, ty)| {
+                let t = match ty.dtype {
+                    lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
+                    lanes_adaptor::DType::I64 => {
+                        ints(&mut rng, ty.shape.dims(), built.vocab as i64)
+                    }
+                };
+                (n.clone(), t)
+            })
+            .collect();
+        let limits = GraphLimits {
+            max_nodes: 1 << 20,
+            ..GraphLimits::default()
+        };
+        let vg = validate(built.graph, &limits).unwrap();
+        let fetch = vec![built.output.clone()];
+        let mut outs = Vec::new();
+        for cuda_graph in [true, false] {
+            let opts = CudaOptions {
+                cuda_graph,
+                ..CudaOptions::default()
+            };
+            let mut p = CudaProgram::with_options(vg.clone(), built.vars.clone(), opts).unwrap();
+            let first = p.run(&feeds, &fetch).unwrap();
+            let second = p.run(&feeds, &fetch).unwrap();
+            assert_eq!(p.uses_cuda_graph(), cuda_graph);
+            assert_eq!(first, second, "repeated runs differ (graph {cuda_graph})");
+            outs.push(first);
+        }
+        let w = compare(
+            "graph vs op by op",
+            &outs[1][0],
+            &outs[0][0],
+            Tol {
+                rtol: 1e-6,
+                atol: 1e-6,
+            },
+        )
+        .unwrap();
+        println!("graph replay vs op by op: worst {w:.3} of tolerance");
+        assert!(outs[0][0].f32s().unwrap().iter().all(|v| v.is_finite()));
+    }
+}
+
+/// On the GPU machine the probe finds the device and never panics.
+#[test]
+#[ignore = "needs a GPU"]
+fn probe_finds_the_gpu() {
+    let info = lanes::exec::cuda::probe().unwrap();
+    println!("probe: {} with {} bytes", info.name, info.total_memory);
+    assert!(info.total_memory > 0);
+    assert!(!info.name.is_empty());
+}
+
+/// Errors are typed, never panics: bad feeds and fetches on a CUDA program.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_program_rejects_bad_requests() {
+    use lanes::exec::ExecError;
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", lanes_adaptor::TensorType::f32([2, 3]));
+    let w = g.variable("w", Tensor::full([3, 4], 0.5));
+    let y = g.matmul(x, w);
+    g.set_name(y, "y");
+    let (graph, vars) = g.finish().unwrap();
+    let vg = validate(graph, &GraphLimits::default()).unwrap();
+    assert!(matches!(
+        CudaProgram::new(vg.clone(), VarValues::new()),
+        Err(ExecError::MissingVariable { .. })
+    ));
+    let mut p = CudaProgram::new(vg, vars).unwrap();
+    let good: BTreeMap<String, Tensor> = [("x".to_string(), Tensor::full([2, 3], 1.0))].into();
+    let out = p.run(&good, &["y".into()]).unwrap();
+    assert_eq!(out[0].f32s().unwrap(), &[1.5f32; 8][..]);
+    assert!(matches!(
+        p.run(&BTreeMap::new(), &["y".into()]),
+        Err(ExecError::MissingFeed { .. })
+    ));
+    let wrong: BTreeMap<String, Tensor> = [("x".to_string(), Tensor::full([3, 3], 1.0))].into();
+    assert!(matches!(
+        p.run(&wrong, &["y".into()]),
+        Err(ExecError::FeedType { .. })
+    ));
+    assert!(matches!(
+        p.run(&good, &["nope".into()]),
+        Err(ExecError::UnknownFetch { .. })
+    ));
+    let vars = p.read_variables(&[]).unwrap();
+    assert_eq!(vars["w"], Tensor::full([3, 4], 0.5));
+    p.write_variables([("w".to_string(), Tensor::full([3, 4], 1.0))].into())
+        .unwrap();
+    let out = p.run(&good, &["y".into()]).unwrap();
+    assert_eq!(out[0].f32s().unwrap(), &[3.0f32; 8][..]);
+    assert!(matches!(
+        p.write_variables([("w".to_string(), Tensor::full([4], 1.0))].into()),
+        Err(ExecError::VariableType { .. })
+    ));
+}
