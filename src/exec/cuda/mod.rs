@@ -49,4 +49,22 @@ mod tests {
             Err(e) => panic!("unexpected error kind: {e}"),
         }
     }
+
+    /// Building a program agrees with the probe: a clear `NoDevice` error
+    /// without a GPU, a program with one.
+    #[test]
+    fn program_without_gpu_is_a_clear_error() {
+        use lanes_adaptor::{validate, GraphBuilder, GraphLimits, Tensor, TensorType};
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([2]));
+        let w = g.variable("w", Tensor::full([2], 1.0));
+        let _ = g.add(x, w);
+        let (graph, vars) = g.finish().expect("graph builds");
+        let vg = validate(graph, &GraphLimits::default()).expect("graph validates");
+        match (probe(), CudaProgram::new(vg, vars)) {
+            (Ok(_), Ok(p)) => assert!(p.device_bytes() > 0),
+            (Err(_), Err(ExecError::NoDevice { reason })) => assert!(!reason.is_empty()),
+            (a, b) => panic!("probe {a:?} disagrees with program {b:?}"),
+        }
+    }
 }
