@@ -36,6 +36,7 @@ pub fn probe() -> Result<CudaInfo, ExecError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 
