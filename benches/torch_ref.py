@@ -67,6 +67,11 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--bert-attn", default="sdpa", help="sdpa (transformers default) or eager")
+    ap.add_argument(
+        "--train",
+        action="store_true",
+        help="time one training step instead (cross-entropy, SGD momentum 0.9)",
+    )
     a = ap.parse_args()
     dev = torch.device("cuda")
     settings = {
@@ -76,6 +81,10 @@ def main():
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }
+    if a.train:
+        for name in a.models.split(","):
+            train_step(name, a, settings, dev)
+        return
     for name in a.models.split(","):
         model, make = build(name, a.seq, a.bert_attn)
         model = model.eval().to(dev)
@@ -116,6 +125,41 @@ def main():
         print(json.dumps(rec), flush=True)
         del model
         torch.cuda.empty_cache()
+
+
+def train_step(name, a, settings, dev):
+    """One SGD step of an image model: forward in train mode (batch-norm batch
+    statistics), cross-entropy, backward, update; input and labels resident."""
+    model, make = build(name, a.seq, a.bert_attn)
+    model = model.train().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = make(a.batch).to(dev)
+    y = torch.randint(0, 1000, (a.batch,), device=dev)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+
+    ts = time_it(step, a.iters, a.warmup)
+    print(
+        json.dumps(
+            {
+                "bench": "train",
+                "impl": "pytorch-eager",
+                "model": name,
+                "batch": a.batch,
+                "iters": a.iters,
+                "median_ms": statistics.median(ts),
+                "min_ms": ts[0],
+                **settings,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
