@@ -138,6 +138,10 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
         "gpu": gpu,
         "precision": "fp32; conv TF32 allowed, matmul full FP32 (PyTorch defaults)",
         "cuda_graph": matches!(&prog, Prog::Cuda(p) if p.uses_cuda_graph()),
+        "device_bytes": match &prog {
+            Prog::Cuda(p) => Some(p.device_bytes()),
+            Prog::Cpu(_) => None,
+        },
         "iters": a.iters,
         "warmup": a.warmup,
         "median_ms": q(0.5),
