@@ -98,7 +98,9 @@ fn check_with(name: &str, mut g: GraphBuilder, out: Outlet, h: f32, tol: f32) {
     let feeds = BTreeMap::new();
     let mut fetches = vec!["loss_for_check".to_string()];
     fetches.extend(grad_keys.iter().cloned());
-    let got = p.run(&feeds, &fetches).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let got = p
+        .run(&feeds, &fetches)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut worst = 0.0f32;
     for (vi, vname) in var_names.iter().enumerate() {
         let analytic = got[vi + 1].f32s().unwrap().to_vec();
@@ -376,7 +378,8 @@ fn whole_small_cnn() {
     let h = nn.basic_block("block", h, 4, 2);
     let h = nn.g.global_avg_pool(h);
     let logits = nn.linear("fc", h, 3, true);
-    let labels = nn.g.constant(Tensor::from_i64([4], vec![0, 1, 2, 1]).unwrap());
+    let labels =
+        nn.g.constant(Tensor::from_i64([4], vec![0, 1, 2, 1]).unwrap());
     let l = nn.g.cross_entropy(logits, labels);
     check_with("small cnn", nn.g, l, 1e-2, 5e-2);
 }
@@ -406,8 +409,11 @@ fn check_transformer(mut g: GraphBuilder, loss: Outlet, ids: Tensor, labels: Ten
     let names: Vec<String> = wrt.iter().map(|v| g.name_of(*v).to_string()).collect();
     let keys: Vec<String> = grads.iter().map(|o| key(&g, o.unwrap())).collect();
     let (graph, vars) = g.finish().unwrap();
-    let mut p = CpuProgram::new(validate(graph, &GraphLimits::default()).unwrap(), vars.clone())
-        .unwrap();
+    let mut p = CpuProgram::new(
+        validate(graph, &GraphLimits::default()).unwrap(),
+        vars.clone(),
+    )
+    .unwrap();
     let mut feeds = BTreeMap::new();
     feeds.insert("input_ids".to_string(), ids);
     feeds.insert("labels".to_string(), labels);
@@ -422,7 +428,8 @@ fn check_transformer(mut g: GraphBuilder, loss: Outlet, ids: Tensor, labels: Ten
             let mut eval = |d: f32| {
                 let mut t = base.clone();
                 t.f32s_mut().unwrap()[i] += d;
-                p.write_variables(BTreeMap::from([(name.clone(), t)])).unwrap();
+                p.write_variables(BTreeMap::from([(name.clone(), t)]))
+                    .unwrap();
                 p.run(&feeds, &fetches[..1]).unwrap()[0].f32s().unwrap()[0]
             };
             let numeric = (eval(h) - eval(-h)) / (2.0 * h);
@@ -433,6 +440,7 @@ fn check_transformer(mut g: GraphBuilder, loss: Outlet, ids: Tensor, labels: Ten
                 "transformer d/d {name}[{i}]: analytic {a}, numeric {numeric}"
             );
         }
-        p.write_variables(BTreeMap::from([(name.clone(), base)])).unwrap();
+        p.write_variables(BTreeMap::from([(name.clone(), base)]))
+            .unwrap();
     }
 }

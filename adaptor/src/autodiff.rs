@@ -360,9 +360,9 @@ fn backward(
         Op::Concat { axis } => {
             let mut off = 0;
             let mut v = Vec::with_capacity(node.inputs.len());
-            for k in 0..node.inputs.len() {
+            for (k, &wanted) in want.iter().enumerate() {
                 let len = dims(g, k).get(*axis).copied().unwrap_or(0);
-                v.push(want[k].then(|| g.slice(dy, *axis, off, off + len)));
+                v.push(wanted.then(|| g.slice(dy, *axis, off, off + len)));
                 off += len;
             }
             v

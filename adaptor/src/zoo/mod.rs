@@ -20,6 +20,9 @@ use crate::nn::{Mode, Nn};
 use crate::optim::{training_graph, Optimizer, TrainError, TrainingGraph};
 use crate::tensor::TensorType;
 
+/// Placeholders a job feeds: (name, type).
+pub type Inputs = Vec<(String, TensorType)>;
+
 /// A model of the zoo.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Arch {
@@ -72,7 +75,7 @@ pub enum Target {
 pub struct Forward {
     pub nn: Nn,
     /// Placeholders the job feeds: (name, type).
-    pub inputs: Vec<(String, TensorType)>,
+    pub inputs: Inputs,
     pub output: Outlet,
     /// Auxiliary classifier output (Inception-v3, training form only).
     pub aux: Option<Outlet>,
@@ -84,7 +87,7 @@ pub struct Forward {
 pub struct ModelGraph {
     pub graph: Graph,
     pub vars: VarValues,
-    pub inputs: Vec<(String, TensorType)>,
+    pub inputs: Inputs,
     /// Fetch key of the output.
     pub output: String,
 }
@@ -194,7 +197,7 @@ impl Arch {
         &self,
         batch: usize,
         seed: u64,
-    ) -> Result<(GraphBuilder, Outlet, Vec<(String, TensorType)>), ZooError> {
+    ) -> Result<(GraphBuilder, Outlet, Inputs), ZooError> {
         self.check_batch(batch)?;
         let f = self.forward(batch, Mode::Train, seed);
         let mut g = f.nn.g;
@@ -238,7 +241,7 @@ impl Arch {
         batch: usize,
         seed: u64,
         opt: &Optimizer,
-    ) -> Result<(TrainingGraph, Vec<(String, TensorType)>), ZooError> {
+    ) -> Result<(TrainingGraph, Inputs), ZooError> {
         let (g, loss, inputs) = self.with_loss(batch, seed)?;
         let t = training_graph(g, loss, opt).map_err(|source| ZooError::Train {
             model: self.name(),
