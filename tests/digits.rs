@@ -15,6 +15,7 @@ use lanes_adaptor::{validate, GraphLimits, Optimizer, Tensor, VarValues};
 const BATCH: usize = 64;
 const EPOCHS: usize = 25;
 
+#[derive(Debug)]
 pub struct Digits {
     pub x: Vec<[f32; 64]>,
     pub y: Vec<i64>,
