@@ -1,0 +1,408 @@
+//! The blocking client a job uses: a ZeroMQ DEALER talking to `lanes serve`.
+//!
+//! ```no_run
+//! use lanes_adaptor::{Client, GraphBuilder, SessionSpec, Tensor, TensorType};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut g = GraphBuilder::new();
+//! let x = g.placeholder("x", TensorType::f32([1, 2]));
+//! let w = g.variable("w", Tensor::full([2, 2], 0.5));
+//! let y = g.matmul(x, w);
+//! g.set_name(y, "y");
+//! let (graph, vars) = g.finish()?;
+//!
+//! let mut client = Client::connect("tcp://127.0.0.1:5555")?;
+//! let mut session = client.open_session(SessionSpec::inference("doc"))?;
+//! session.load(&graph, vars)?;
+//! let out = session.run(vec![("x", Tensor::from_f32([1, 2], vec![1.0, 2.0])?)], &["y"])?;
+//! assert_eq!(out[0].f32s()?, &[1.5, 1.5]);
+//! session.close()?;
+//! # Ok(()) }
+//! ```
+
+use crate::graph::{Graph, VarValues};
+use crate::tensor::Tensor;
+use crate::wire::{
+    self, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId, SessionSpec,
+    StatusReport, WireError,
+};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("zeromq: {0}")]
+    Zmq(#[from] zmq::Error),
+    #[error("no reply to {request} within {timeout:?}")]
+    Timeout {
+        request: &'static str,
+        timeout: Duration,
+    },
+    #[error("could not encode the request: {0}")]
+    Encode(WireError),
+    #[error("undecodable reply: {0}")]
+    Decode(#[from] DecodeError),
+    /// The service answered with an error reply.
+    #[error("service error {code}: {message}")]
+    Service { code: ErrorCode, message: String },
+    #[error("service speaks protocol {server}, this client {client}")]
+    Version { server: u32, client: u32 },
+    #[error("unexpected reply `{got}` to `{request}`")]
+    UnexpectedReply {
+        request: &'static str,
+        got: &'static str,
+    },
+    #[error("the session was already closed")]
+    Closed,
+}
+
+impl ClientError {
+    /// The service's error code, when the service answered with an error.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Service { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Options of [`Client::connect_with`].
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// How long to wait for each reply (and for a send to be queued).
+    pub timeout: Duration,
+    /// Bounds on the replies this client decodes.
+    pub limits: Limits,
+    /// Name sent in the handshake (shown in the service's logs).
+    pub name: String,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            timeout: Duration::from_secs(30),
+            limits: Limits::default(),
+            name: format!("lanes-adaptor/{}", env!("CARGO_PKG_VERSION")),
+        }
+    }
+}
+
+fn context() -> &'static zmq::Context {
+    static CTX: OnceLock<zmq::Context> = OnceLock::new();
+    CTX.get_or_init(zmq::Context::new)
+}
+
+/// A connection to one Lanes service. Blocking: one request at a time.
+pub struct Client {
+    socket: zmq::Socket,
+    next_id: u64,
+    options: ClientOptions,
+    server: String,
+    server_limits: Limits,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("server", &self.server)
+            .field("next_id", &self.next_id)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Connects with default options and performs the versioned handshake.
+    pub fn connect(endpoint: &str) -> Result<Client, ClientError> {
+        Self::connect_with(endpoint, ClientOptions::default())
+    }
+
+    /// Connects and performs the versioned handshake.
+    pub fn connect_with(endpoint: &str, options: ClientOptions) -> Result<Client, ClientError> {
+        let socket = context().socket(zmq::DEALER)?;
+        let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
+        socket.set_sndtimeo(ms)?;
+        socket.set_linger(200)?;
+        socket.set_maxmsgsize(i64::try_from(options.limits.max_frame_bytes).unwrap_or(i64::MAX))?;
+        socket.connect(endpoint)?;
+        let mut client = Client {
+            socket,
+            next_id: 1,
+            server: String::new(),
+            server_limits: Limits::default(),
+            options,
+        };
+        let hello = Request::Hello {
+            client: client.options.name.clone(),
+        };
+        match client.request(&hello)? {
+            Reply::Hello {
+                server,
+                version,
+                limits,
+            } => {
+                if version != wire::PROTOCOL_VERSION {
+                    return Err(ClientError::Version {
+                        server: version,
+                        client: wire::PROTOCOL_VERSION,
+                    });
+                }
+                client.server = server;
+                client.server_limits = limits;
+                Ok(client)
+            }
+            other => Err(unexpected(&hello, &other)),
+        }
+    }
+
+    /// The service's name and version string from the handshake.
+    pub fn server(&self) -> &str {
+        &self.server
+    }
+
+    /// The limits the service enforces.
+    pub fn server_limits(&self) -> &Limits {
+        &self.server_limits
+    }
+
+    /// Sends one request and waits for its reply. Error replies become
+    /// [`ClientError::Service`]; replies to earlier, timed-out requests are
+    /// skipped.
+    pub fn request(&mut self, req: &Request) -> Result<Reply, ClientError> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        let frames = wire::encode_request(id, req).map_err(ClientError::Encode)?;
+        self.socket.send_multipart(frames, 0).map_err(|e| match e {
+            zmq::Error::EAGAIN => ClientError::Timeout {
+                request: req.name(),
+                timeout: self.options.timeout,
+            },
+            other => ClientError::Zmq(other),
+        })?;
+        let deadline = Instant::now() + self.options.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
+            if left.is_zero() || self.socket.poll(zmq::POLLIN, ms)? == 0 {
+                return Err(ClientError::Timeout {
+                    request: req.name(),
+                    timeout: self.options.timeout,
+                });
+            }
+            let frames = recv_frames(&self.socket)?;
+            match wire::decode_reply(&frames, &self.options.limits) {
+                Ok(env) if env.request_id != id => continue,
+                Ok(env) => {
+                    return match env.message {
+                        Reply::Error(e) => Err(ClientError::Service {
+                            code: e.code,
+                            message: e.message,
+                        }),
+                        r => Ok(r),
+                    }
+                }
+                Err(e) if e.request_id.is_some_and(|r| r != id) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Opens a session for a job.
+    pub fn open_session(&mut self, spec: SessionSpec) -> Result<Session<'_>, ClientError> {
+        let req = Request::OpenSession(spec);
+        match self.request(&req)? {
+            Reply::SessionOpened { session } => Ok(Session {
+                client: self,
+                id: session,
+                closed: false,
+            }),
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+
+    /// The service's sessions and queue.
+    pub fn status(&mut self) -> Result<StatusReport, ClientError> {
+        let req = Request::Status;
+        match self.request(&req)? {
+            Reply::Status(s) => Ok(s),
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+
+    /// Loads a graph into a session by id (see [`Session::load`]).
+    pub fn load_in(
+        &mut self,
+        session: SessionId,
+        graph: &Graph,
+        variables: VarValues,
+    ) -> Result<(), ClientError> {
+        let req = Request::LoadGraph {
+            session,
+            graph: graph.clone(),
+            variables: named(variables),
+        };
+        match self.request(&req)? {
+            Reply::GraphLoaded { .. } => Ok(()),
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+
+    /// Runs one iteration of a session by id (see [`Session::run`]).
+    pub fn run_in<N: Into<String>>(
+        &mut self,
+        session: SessionId,
+        feeds: Vec<(N, Tensor)>,
+        fetches: &[&str],
+    ) -> Result<Vec<Tensor>, ClientError> {
+        let req = Request::Run {
+            session,
+            feeds: feeds
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+            fetches: fetches.iter().map(|s| s.to_string()).collect(),
+        };
+        match self.request(&req)? {
+            Reply::RunDone { outputs } => Ok(outputs),
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+
+    /// Reads variables of a session by id; all when `names` is empty.
+    pub fn read_variables_in(
+        &mut self,
+        session: SessionId,
+        names: &[&str],
+    ) -> Result<VarValues, ClientError> {
+        let req = Request::ReadVariables {
+            session,
+            names: names.iter().map(|s| s.to_string()).collect(),
+        };
+        match self.request(&req)? {
+            Reply::Variables { variables } => {
+                Ok(variables.into_iter().map(|t| (t.name, t.tensor)).collect())
+            }
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+
+    /// Overwrites variables of a session by id.
+    pub fn write_variables_in(
+        &mut self,
+        session: SessionId,
+        values: VarValues,
+    ) -> Result<(), ClientError> {
+        let req = Request::WriteVariables {
+            session,
+            variables: named(values),
+        };
+        match self.request(&req)? {
+            Reply::VariablesWritten { .. } => Ok(()),
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+
+    /// Closes a session by id.
+    pub fn close_in(&mut self, session: SessionId) -> Result<(), ClientError> {
+        let req = Request::CloseSession { session };
+        match self.request(&req)? {
+            Reply::SessionClosed { .. } => Ok(()),
+            other => Err(unexpected(&req, &other)),
+        }
+    }
+}
+
+fn named(values: VarValues) -> Vec<NamedTensor> {
+    values
+        .into_iter()
+        .map(|(n, t)| NamedTensor::new(n, t))
+        .collect()
+}
+
+fn unexpected(req: &Request, got: &Reply) -> ClientError {
+    ClientError::UnexpectedReply {
+        request: req.name(),
+        got: got.name(),
+    }
+}
+
+fn recv_frames(socket: &zmq::Socket) -> Result<Vec<zmq::Message>, zmq::Error> {
+    let mut frames = vec![socket.recv_msg(0)?];
+    while socket.get_rcvmore()? {
+        frames.push(socket.recv_msg(0)?);
+    }
+    Ok(frames)
+}
+
+/// An open session of a job. Closed by [`Session::close`]; dropping it sends
+/// a close without waiting (the service also reclaims silent sessions).
+#[derive(Debug)]
+pub struct Session<'c> {
+    client: &'c mut Client,
+    id: SessionId,
+    closed: bool,
+}
+
+impl Session<'_> {
+    pub fn id(&self) -> SessionId {
+        self.id
+    }
+
+    fn live(&self) -> Result<SessionId, ClientError> {
+        if self.closed {
+            Err(ClientError::Closed)
+        } else {
+            Ok(self.id)
+        }
+    }
+
+    /// Sends the graph and the initial values of all its variables.
+    pub fn load(&mut self, graph: &Graph, variables: VarValues) -> Result<(), ClientError> {
+        let id = self.live()?;
+        self.client.load_in(id, graph, variables)
+    }
+
+    /// Runs one iteration: feeds by placeholder name, fetches as `node` or
+    /// `node:slot`; returns the fetched tensors in order.
+    pub fn run<N: Into<String>>(
+        &mut self,
+        feeds: Vec<(N, Tensor)>,
+        fetches: &[&str],
+    ) -> Result<Vec<Tensor>, ClientError> {
+        let id = self.live()?;
+        self.client.run_in(id, feeds, fetches)
+    }
+
+    /// Current values of variables; all of them when `names` is empty.
+    pub fn read_variables(&mut self, names: &[&str]) -> Result<VarValues, ClientError> {
+        let id = self.live()?;
+        self.client.read_variables_in(id, names)
+    }
+
+    /// Overwrites variables (each must exist and keep its type).
+    pub fn write_variables(&mut self, values: VarValues) -> Result<(), ClientError> {
+        let id = self.live()?;
+        self.client.write_variables_in(id, values)
+    }
+
+    /// Closes the session; its memory is released on the service.
+    pub fn close(mut self) -> Result<(), ClientError> {
+        let id = self.live()?;
+        self.closed = true;
+        self.client.close_in(id)
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        let id = self.client.next_id;
+        self.client.next_id = self.client.next_id.wrapping_add(1);
+        if let Ok(frames) = wire::encode_request(id, &Request::CloseSession { session: self.id }) {
+            // Best effort: the reply is skipped by the next request's id check.
+            let _ = self.client.socket.send_multipart(frames, zmq::DONTWAIT);
+        }
+    }
+}

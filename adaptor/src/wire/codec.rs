@@ -1,0 +1,590 @@
+//! Encoding and bounded decoding of messages into frames.
+//!
+//! Frame 0 is the header: 4 magic bytes `LNS\0`, the protocol version (u32
+//! LE), the request id (u64 LE), then the body in bincode (fixed-width
+//! integers, little endian, decoding bounded by `Limits::max_header_bytes`).
+//! Frames 1.. are the raw little-endian values of the tensors the body
+//! announces (name and type in the body, values in the frame, in order).
+
+use super::error::{DecodeError, ErrorCode, WireError};
+use super::message::{
+    ErrorReply, NamedTensor, Reply, Request, SessionId, SessionSpec, StatusReport,
+};
+use super::{Limits, PROTOCOL_VERSION};
+use crate::graph::Graph;
+use crate::tensor::{DType, Tensor, TensorData, TensorError, TensorType};
+use bincode::Options;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::ops::Deref;
+
+/// First bytes of every header frame.
+pub const MAGIC: [u8; 4] = *b"LNS\0";
+/// Bytes before the bincode body: magic, version, request id.
+pub const PREFIX_BYTES: usize = 16;
+
+/// Name and type of a tensor whose values travel in their own frame.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct TensorMeta {
+    name: String,
+    ty: TensorType,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum RequestBody<'a> {
+    Hello {
+        client: String,
+    },
+    OpenSession(SessionSpec),
+    LoadGraph {
+        session: SessionId,
+        graph: Cow<'a, Graph>,
+        variables: Vec<TensorMeta>,
+    },
+    Run {
+        session: SessionId,
+        feeds: Vec<TensorMeta>,
+        fetches: Vec<String>,
+    },
+    ReadVariables {
+        session: SessionId,
+        names: Vec<String>,
+    },
+    WriteVariables {
+        session: SessionId,
+        variables: Vec<TensorMeta>,
+    },
+    CloseSession {
+        session: SessionId,
+    },
+    Status,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum ReplyBody {
+    Hello {
+        server: String,
+        version: u32,
+        limits: Limits,
+    },
+    SessionOpened {
+        session: SessionId,
+    },
+    GraphLoaded {
+        session: SessionId,
+        nodes: u64,
+        variables: u64,
+    },
+    RunDone {
+        outputs: Vec<TensorType>,
+    },
+    Variables {
+        variables: Vec<TensorMeta>,
+    },
+    VariablesWritten {
+        count: u64,
+    },
+    SessionClosed {
+        session: SessionId,
+    },
+    Status(StatusReport),
+    Error(ErrorReply),
+}
+
+/// A decoded message: its request id and value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope<T> {
+    pub request_id: u64,
+    pub message: T,
+}
+
+fn options() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .with_little_endian()
+}
+
+fn metas(ts: &[NamedTensor]) -> Vec<TensorMeta> {
+    ts.iter()
+        .map(|t| TensorMeta {
+            name: t.name.clone(),
+            ty: t.tensor.ty(),
+        })
+        .collect()
+}
+
+fn header<B: Serialize>(request_id: u64, body: &B) -> Result<Vec<u8>, WireError> {
+    let mut out = Vec::with_capacity(PREFIX_BYTES + 64);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&request_id.to_le_bytes());
+    options()
+        .serialize_into(&mut out, body)
+        .map_err(|e| WireError::Encode {
+            reason: e.to_string(),
+        })?;
+    Ok(out)
+}
+
+/// A tensor's values as one little-endian frame.
+pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
+    #[cfg(target_endian = "little")]
+    {
+        match t.data() {
+            TensorData::F32(v) => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
+            TensorData::I64(v) => bytemuck::cast_slice::<i64, u8>(v).to_vec(),
+        }
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        t.to_le_bytes()
+    }
+}
+
+/// Rebuilds a tensor from its type and a little-endian frame (one copy into
+/// aligned memory; no per-element decoding on little-endian hosts).
+pub fn tensor_from_frame(ty: &TensorType, bytes: &[u8]) -> Result<Tensor, TensorError> {
+    let expected = ty.checked_bytes().ok_or_else(|| TensorError::Overflow {
+        shape: ty.shape.clone(),
+    })?;
+    if expected != bytes.len() {
+        return Err(TensorError::Bytes {
+            ty: ty.clone(),
+            expected,
+            got: bytes.len(),
+        });
+    }
+    #[cfg(target_endian = "little")]
+    {
+        let data = match ty.dtype {
+            DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(bytes)),
+            DType::I64 => TensorData::I64(bytemuck::pod_collect_to_vec::<u8, i64>(bytes)),
+        };
+        Tensor::new(ty.shape.clone(), data)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        Tensor::from_le_bytes(ty, bytes)
+    }
+}
+
+fn frames_of(header: Vec<u8>, tensors: impl Iterator<Item = Vec<u8>>) -> Vec<Vec<u8>> {
+    std::iter::once(header).chain(tensors).collect()
+}
+
+/// Encodes a request into frames (header, then one frame per tensor).
+pub fn encode_request(request_id: u64, req: &Request) -> Result<Vec<Vec<u8>>, WireError> {
+    let named = |ts: &[NamedTensor]| {
+        ts.iter()
+            .map(|t| tensor_frame(&t.tensor))
+            .collect::<Vec<_>>()
+    };
+    let (body, tensors) = match req {
+        Request::Hello { client } => (
+            RequestBody::Hello {
+                client: client.clone(),
+            },
+            Vec::new(),
+        ),
+        Request::OpenSession(spec) => (RequestBody::OpenSession(spec.clone()), Vec::new()),
+        Request::LoadGraph {
+            session,
+            graph,
+            variables,
+        } => (
+            RequestBody::LoadGraph {
+                session: *session,
+                graph: Cow::Borrowed(graph),
+                variables: metas(variables),
+            },
+            named(variables),
+        ),
+        Request::Run {
+            session,
+            feeds,
+            fetches,
+        } => (
+            RequestBody::Run {
+                session: *session,
+                feeds: metas(feeds),
+                fetches: fetches.clone(),
+            },
+            named(feeds),
+        ),
+        Request::ReadVariables { session, names } => (
+            RequestBody::ReadVariables {
+                session: *session,
+                names: names.clone(),
+            },
+            Vec::new(),
+        ),
+        Request::WriteVariables { session, variables } => (
+            RequestBody::WriteVariables {
+                session: *session,
+                variables: metas(variables),
+            },
+            named(variables),
+        ),
+        Request::CloseSession { session } => {
+            (RequestBody::CloseSession { session: *session }, Vec::new())
+        }
+        Request::Status => (RequestBody::Status, Vec::new()),
+    };
+    Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
+}
+
+/// Encodes a reply into frames.
+pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, WireError> {
+    let (body, tensors): (ReplyBody, Vec<Vec<u8>>) = match reply {
+        Reply::Hello {
+            server,
+            version,
+            limits,
+        } => (
+            ReplyBody::Hello {
+                server: server.clone(),
+                version: *version,
+                limits: *limits,
+            },
+            Vec::new(),
+        ),
+        Reply::SessionOpened { session } => {
+            (ReplyBody::SessionOpened { session: *session }, Vec::new())
+        }
+        Reply::GraphLoaded {
+            session,
+            nodes,
+            variables,
+        } => (
+            ReplyBody::GraphLoaded {
+                session: *session,
+                nodes: *nodes,
+                variables: *variables,
+            },
+            Vec::new(),
+        ),
+        Reply::RunDone { outputs } => (
+            ReplyBody::RunDone {
+                outputs: outputs.iter().map(Tensor::ty).collect(),
+            },
+            outputs.iter().map(tensor_frame).collect(),
+        ),
+        Reply::Variables { variables } => (
+            ReplyBody::Variables {
+                variables: metas(variables),
+            },
+            variables.iter().map(|t| tensor_frame(&t.tensor)).collect(),
+        ),
+        Reply::VariablesWritten { count } => {
+            (ReplyBody::VariablesWritten { count: *count }, Vec::new())
+        }
+        Reply::SessionClosed { session } => {
+            (ReplyBody::SessionClosed { session: *session }, Vec::new())
+        }
+        Reply::Status(s) => (ReplyBody::Status(s.clone()), Vec::new()),
+        Reply::Error(e) => (ReplyBody::Error(e.clone()), Vec::new()),
+    };
+    Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
+}
+
+/// An error reply's frames. Never fails: a message that cannot be encoded
+/// is replaced by a fixed one.
+pub fn encode_error(request_id: u64, code: ErrorCode, message: &str) -> Vec<Vec<u8>> {
+    let reply = Reply::error(code, message);
+    encode_reply(request_id, &reply).unwrap_or_else(|_| {
+        let mut out = Vec::with_capacity(PREFIX_BYTES);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        out.extend_from_slice(&request_id.to_le_bytes());
+        vec![out]
+    })
+}
+
+/// Reads the request id from a header frame's prefix, if it has one with the
+/// right magic (whatever its version), so an error can still be matched.
+pub fn peek_request_id(header: &[u8]) -> Option<u64> {
+    if header.len() < PREFIX_BYTES || header[..4] != MAGIC {
+        return None;
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&header[8..16]);
+    Some(u64::from_le_bytes(id))
+}
+
+/// Checks frame count and sizes, the prefix, and decodes the body.
+fn decode_header<'f, B, F>(
+    frames: &'f [F],
+    limits: &Limits,
+) -> Result<(u64, B, &'f [F]), DecodeError>
+where
+    B: serde::de::DeserializeOwned,
+    F: Deref<Target = [u8]>,
+{
+    let fail = |request_id, error| DecodeError { request_id, error };
+    let Some((head, rest)) = frames.split_first() else {
+        return Err(fail(None, WireError::Empty));
+    };
+    let request_id = peek_request_id(head);
+    if frames.len() > limits.max_frames {
+        return Err(fail(
+            request_id,
+            WireError::TooManyFrames {
+                frames: frames.len(),
+                limit: limits.max_frames,
+            },
+        ));
+    }
+    for (index, f) in frames.iter().enumerate() {
+        let limit = if index == 0 {
+            limits.max_header_bytes.min(limits.max_frame_bytes)
+        } else {
+            limits.max_frame_bytes
+        };
+        if f.len() > limit {
+            return Err(fail(
+                request_id,
+                WireError::FrameTooLarge {
+                    index,
+                    bytes: f.len(),
+                    limit,
+                },
+            ));
+        }
+    }
+    if head.len() < PREFIX_BYTES {
+        let error = if head.len() >= 4 && head[..4] == MAGIC {
+            WireError::ShortHeader {
+                bytes: head.len(),
+                needed: PREFIX_BYTES,
+            }
+        } else {
+            WireError::BadMagic
+        };
+        return Err(fail(None, error));
+    }
+    if head[..4] != MAGIC {
+        return Err(fail(None, WireError::BadMagic));
+    }
+    let mut v = [0u8; 4];
+    v.copy_from_slice(&head[4..8]);
+    let version = u32::from_le_bytes(v);
+    if version != PROTOCOL_VERSION {
+        return Err(fail(
+            request_id,
+            WireError::VersionMismatch {
+                got: version,
+                supported: PROTOCOL_VERSION,
+            },
+        ));
+    }
+    let body: B = options()
+        .with_limit(limits.max_header_bytes as u64)
+        .deserialize(&head[PREFIX_BYTES..])
+        .map_err(|e| {
+            let error = match *e {
+                bincode::ErrorKind::Io(ref io)
+                    if io.kind() == std::io::ErrorKind::UnexpectedEof =>
+                {
+                    WireError::TruncatedHeader {
+                        reason: e.to_string(),
+                    }
+                }
+                _ => WireError::Malformed {
+                    reason: e.to_string(),
+                },
+            };
+            fail(request_id, error)
+        })?;
+    Ok((request_id.unwrap_or(0), body, rest))
+}
+
+/// Pairs tensor metadata with the tensor frames, checking count, size limit
+/// and byte length of each.
+fn take_tensors<F: Deref<Target = [u8]>>(
+    metas: Vec<TensorMeta>,
+    frames: &[F],
+    limits: &Limits,
+) -> Result<Vec<NamedTensor>, WireError> {
+    if metas.len() != frames.len() {
+        return Err(WireError::FrameCount {
+            expected: metas.len(),
+            got: frames.len(),
+        });
+    }
+    metas
+        .into_iter()
+        .zip(frames)
+        .map(|(m, f)| {
+            if m.ty
+                .checked_bytes()
+                .is_none_or(|b| b > limits.max_tensor_bytes)
+            {
+                return Err(WireError::TensorTooLarge {
+                    name: m.name,
+                    ty: m.ty,
+                    limit: limits.max_tensor_bytes,
+                });
+            }
+            match tensor_from_frame(&m.ty, f) {
+                Ok(tensor) => Ok(NamedTensor {
+                    name: m.name,
+                    tensor,
+                }),
+                Err(source) => Err(WireError::TensorBytes {
+                    name: m.name,
+                    source,
+                }),
+            }
+        })
+        .collect()
+}
+
+fn no_tensors<F>(frames: &[F]) -> Result<(), WireError> {
+    if frames.is_empty() {
+        Ok(())
+    } else {
+        Err(WireError::FrameCount {
+            expected: 0,
+            got: frames.len(),
+        })
+    }
+}
+
+/// Decodes a request from its frames, within `limits`. Never panics.
+pub fn decode_request<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+) -> Result<Envelope<Request>, DecodeError> {
+    let (request_id, body, rest) = decode_header::<RequestBody<'static>, F>(frames, limits)?;
+    let wrap = |error| DecodeError {
+        request_id: Some(request_id),
+        error,
+    };
+    let message = match body {
+        RequestBody::Hello { client } => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::Hello { client }
+        }
+        RequestBody::OpenSession(spec) => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::OpenSession(spec)
+        }
+        RequestBody::LoadGraph {
+            session,
+            graph,
+            variables,
+        } => {
+            if graph.nodes.len() > limits.max_nodes {
+                return Err(wrap(WireError::Malformed {
+                    reason: format!(
+                        "graph has {} nodes, more than the limit of {}",
+                        graph.nodes.len(),
+                        limits.max_nodes
+                    ),
+                }));
+            }
+            Request::LoadGraph {
+                session,
+                graph: graph.into_owned(),
+                variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+            }
+        }
+        RequestBody::Run {
+            session,
+            feeds,
+            fetches,
+        } => Request::Run {
+            session,
+            feeds: take_tensors(feeds, rest, limits).map_err(wrap)?,
+            fetches,
+        },
+        RequestBody::ReadVariables { session, names } => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::ReadVariables { session, names }
+        }
+        RequestBody::WriteVariables { session, variables } => Request::WriteVariables {
+            session,
+            variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+        },
+        RequestBody::CloseSession { session } => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::CloseSession { session }
+        }
+        RequestBody::Status => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::Status
+        }
+    };
+    Ok(Envelope {
+        request_id,
+        message,
+    })
+}
+
+/// Decodes a reply from its frames, within `limits`. Never panics.
+pub fn decode_reply<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+) -> Result<Envelope<Reply>, DecodeError> {
+    let (request_id, body, rest) = decode_header::<ReplyBody, F>(frames, limits)?;
+    let wrap = |error| DecodeError {
+        request_id: Some(request_id),
+        error,
+    };
+    let message = match body {
+        ReplyBody::RunDone { outputs } => {
+            let metas = outputs
+                .into_iter()
+                .enumerate()
+                .map(|(i, ty)| TensorMeta {
+                    name: format!("output {i}"),
+                    ty,
+                })
+                .collect();
+            let ts = take_tensors(metas, rest, limits).map_err(wrap)?;
+            Reply::RunDone {
+                outputs: ts.into_iter().map(|t| t.tensor).collect(),
+            }
+        }
+        ReplyBody::Variables { variables } => Reply::Variables {
+            variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+        },
+        other => {
+            no_tensors(rest).map_err(wrap)?;
+            match other {
+                ReplyBody::Hello {
+                    server,
+                    version,
+                    limits,
+                } => Reply::Hello {
+                    server,
+                    version,
+                    limits,
+                },
+                ReplyBody::SessionOpened { session } => Reply::SessionOpened { session },
+                ReplyBody::GraphLoaded {
+                    session,
+                    nodes,
+                    variables,
+                } => Reply::GraphLoaded {
+                    session,
+                    nodes,
+                    variables,
+                },
+                ReplyBody::VariablesWritten { count } => Reply::VariablesWritten { count },
+                ReplyBody::SessionClosed { session } => Reply::SessionClosed { session },
+                ReplyBody::Status(s) => Reply::Status(s),
+                ReplyBody::Error(e) => Reply::Error(e),
+                ReplyBody::RunDone { .. } | ReplyBody::Variables { .. } => {
+                    return Err(wrap(WireError::Malformed {
+                        reason: "unreachable reply body".into(),
+                    }))
+                }
+            }
+        }
+    };
+    Ok(Envelope {
+        request_id,
+        message,
+    })
+}

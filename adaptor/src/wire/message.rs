@@ -1,0 +1,265 @@
+//! The messages a job and the service exchange, as Rust values. Tensors are
+//! held here as [`Tensor`]s; the codec moves their values into raw frames.
+
+use super::error::ErrorCode;
+use super::Limits;
+use crate::graph::Graph;
+use crate::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A session's id, unique within one service run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SessionId(pub u64);
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "s{}", self.0)
+    }
+}
+
+/// What a job does with its iterations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum JobKind {
+    Training,
+    Inference,
+}
+
+impl fmt::Display for JobKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            JobKind::Training => "training",
+            JobKind::Inference => "inference",
+        })
+    }
+}
+
+/// What a job tells the service when it opens a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionSpec {
+    /// Human-readable job name (shown by `lanes status`); not empty.
+    pub name: String,
+    pub kind: JobKind,
+    /// Larger runs first under priority policies.
+    pub priority: i32,
+    /// Iterations the job expects to run, if known (used by SRTF-like policies).
+    pub expected_iterations: Option<u64>,
+}
+
+impl SessionSpec {
+    pub fn new(name: impl Into<String>, kind: JobKind) -> Self {
+        SessionSpec {
+            name: name.into(),
+            kind,
+            priority: 0,
+            expected_iterations: None,
+        }
+    }
+    pub fn inference(name: impl Into<String>) -> Self {
+        Self::new(name, JobKind::Inference)
+    }
+    pub fn training(name: impl Into<String>) -> Self {
+        Self::new(name, JobKind::Training)
+    }
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+    pub fn with_expected_iterations(mut self, n: u64) -> Self {
+        self.expected_iterations = Some(n);
+        self
+    }
+}
+
+/// A tensor with a name: a feed, a variable value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedTensor {
+    pub name: String,
+    pub tensor: Tensor,
+}
+
+impl NamedTensor {
+    pub fn new(name: impl Into<String>, tensor: Tensor) -> Self {
+        NamedTensor {
+            name: name.into(),
+            tensor,
+        }
+    }
+}
+
+/// A request from a job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    /// Versioned handshake; the service answers with its version and limits.
+    Hello {
+        client: String,
+    },
+    OpenSession(SessionSpec),
+    /// The graph and the initial values of all its variables.
+    LoadGraph {
+        session: SessionId,
+        graph: Graph,
+        variables: Vec<NamedTensor>,
+    },
+    /// One iteration: feeds by placeholder name, fetches as `node` or `node:slot`.
+    Run {
+        session: SessionId,
+        feeds: Vec<NamedTensor>,
+        fetches: Vec<String>,
+    },
+    /// Current variable values; all variables when `names` is empty.
+    ReadVariables {
+        session: SessionId,
+        names: Vec<String>,
+    },
+    WriteVariables {
+        session: SessionId,
+        variables: Vec<NamedTensor>,
+    },
+    CloseSession {
+        session: SessionId,
+    },
+    Status,
+}
+
+impl Request {
+    /// Short name for logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Hello { .. } => "hello",
+            Request::OpenSession(_) => "open_session",
+            Request::LoadGraph { .. } => "load_graph",
+            Request::Run { .. } => "run",
+            Request::ReadVariables { .. } => "read_variables",
+            Request::WriteVariables { .. } => "write_variables",
+            Request::CloseSession { .. } => "close_session",
+            Request::Status => "status",
+        }
+    }
+    /// The session a request addresses, if any.
+    pub fn session(&self) -> Option<SessionId> {
+        match self {
+            Request::LoadGraph { session, .. }
+            | Request::Run { session, .. }
+            | Request::ReadVariables { session, .. }
+            | Request::WriteVariables { session, .. }
+            | Request::CloseSession { session } => Some(*session),
+            Request::Hello { .. } | Request::OpenSession(_) | Request::Status => None,
+        }
+    }
+}
+
+/// Where a session stands, as `lanes status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SessionState {
+    /// Open, no graph loaded yet.
+    Open,
+    /// Graph loaded, nothing queued.
+    Ready,
+    /// A request waits for a worker.
+    Queued,
+    /// A worker is running one of its requests.
+    Running,
+}
+
+impl fmt::Display for SessionState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SessionState::Open => "open",
+            SessionState::Ready => "ready",
+            SessionState::Queued => "queued",
+            SessionState::Running => "running",
+        })
+    }
+}
+
+/// One session in a [`StatusReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionStatus {
+    pub session: SessionId,
+    pub spec: SessionSpec,
+    pub state: SessionState,
+    /// Iterations (Runs) completed.
+    pub iterations: u64,
+    /// Milliseconds since the session's last request or reply.
+    pub idle_ms: u64,
+}
+
+/// The service's answer to [`Request::Status`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub server: String,
+    pub version: u32,
+    /// The device iterations run on (`cpu`, or the GPU's name).
+    pub device: String,
+    /// Memory given with `--memory`, if any.
+    pub memory_bytes: Option<u64>,
+    pub workers: u32,
+    pub uptime_ms: u64,
+    /// Requests waiting for a worker.
+    pub queued: u64,
+    pub sessions: Vec<SessionStatus>,
+}
+
+/// An error reply: a stable code and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// A reply from the service. Every reply carries its request's id in the header.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    Hello {
+        server: String,
+        version: u32,
+        limits: Limits,
+    },
+    SessionOpened {
+        session: SessionId,
+    },
+    GraphLoaded {
+        session: SessionId,
+        nodes: u64,
+        variables: u64,
+    },
+    /// Fetched tensors, in the order of the Run's fetches.
+    RunDone {
+        outputs: Vec<Tensor>,
+    },
+    Variables {
+        variables: Vec<NamedTensor>,
+    },
+    VariablesWritten {
+        count: u64,
+    },
+    SessionClosed {
+        session: SessionId,
+    },
+    Status(StatusReport),
+    Error(ErrorReply),
+}
+
+impl Reply {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Reply::Error(ErrorReply {
+            code,
+            message: message.into(),
+        })
+    }
+    /// Short name for logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Reply::Hello { .. } => "hello",
+            Reply::SessionOpened { .. } => "session_opened",
+            Reply::GraphLoaded { .. } => "graph_loaded",
+            Reply::RunDone { .. } => "run_done",
+            Reply::Variables { .. } => "variables",
+            Reply::VariablesWritten { .. } => "variables_written",
+            Reply::SessionClosed { .. } => "session_closed",
+            Reply::Status(_) => "status",
+            Reply::Error(_) => "error",
+        }
+    }
+}

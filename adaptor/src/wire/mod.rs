@@ -1,0 +1,265 @@
+//! The wire protocol: the only place that knows the byte format.
+//!
+//! A message is a ZeroMQ multipart message. Frame 0 is a header (magic,
+//! protocol version, request id, bincode body); each tensor the body names
+//! travels as its own frame of raw little-endian values and is never
+//! re-encoded. The service's ROUTER socket prepends the peer's routing id;
+//! jobs use a DEALER and see only the frames described here.
+//!
+//! Decoding is bounded everywhere by [`Limits`]: frames per message, bytes
+//! per frame, bytes of bincode per header, nodes per graph, bytes per
+//! tensor. Every failure is a [`WireError`] with a stable [`ErrorCode`].
+//! The byte layout is documented in `docs/protocol.md`.
+
+mod codec;
+mod error;
+mod message;
+
+pub use codec::{
+    decode_reply, decode_request, encode_error, encode_reply, encode_request, peek_request_id,
+    tensor_frame, tensor_from_frame, Envelope, MAGIC, PREFIX_BYTES,
+};
+pub use error::{DecodeError, ErrorCode, WireError};
+pub use message::{
+    ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,
+    SessionStatus, StatusReport,
+};
+
+use crate::graph::GraphLimits;
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks. Bumped on any change to the byte
+/// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Bounds on what one side accepts from the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Largest frame (header or tensor) in bytes.
+    pub max_frame_bytes: usize,
+    /// Largest header frame, and the bincode decoding limit, in bytes.
+    pub max_header_bytes: usize,
+    /// Largest tensor sent as a frame, in bytes.
+    pub max_tensor_bytes: usize,
+    /// Most frames in one message (header included).
+    pub max_frames: usize,
+    /// Most nodes in one graph.
+    pub max_nodes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_frame_bytes: 1 << 30,
+            max_header_bytes: 64 << 20,
+            max_tensor_bytes: 1 << 30,
+            max_frames: 4096,
+            max_nodes: 100_000,
+        }
+    }
+}
+
+impl Limits {
+    /// The graph validation limits these wire limits imply.
+    pub fn graph_limits(&self) -> GraphLimits {
+        let d = GraphLimits::default();
+        GraphLimits {
+            max_nodes: self.max_nodes,
+            max_constant_bytes: d.max_constant_bytes.min(self.max_header_bytes),
+            ..d
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::graph::GraphBuilder;
+    use crate::tensor::{Tensor, TensorType};
+
+    fn load_graph() -> Request {
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([2, 3]));
+        let w = g.variable("w", Tensor::full([3, 4], 0.5));
+        let y = g.matmul(x, w);
+        g.set_name(y, "y");
+        let (graph, vars) = g.finish().unwrap();
+        Request::LoadGraph {
+            session: SessionId(7),
+            graph,
+            variables: vars
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        }
+    }
+
+    fn run() -> Request {
+        Request::Run {
+            session: SessionId(3),
+            feeds: vec![
+                NamedTensor::new(
+                    "x",
+                    Tensor::from_f32([2, 2], vec![1.0, -2.0, 3.5, f32::MAX]).unwrap(),
+                ),
+                NamedTensor::new("i", Tensor::from_i64([3], vec![1, -7, i64::MIN]).unwrap()),
+            ],
+            fetches: vec!["y".into(), "z:1".into()],
+        }
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let l = Limits::default();
+        for req in [
+            Request::Hello { client: "t".into() },
+            Request::OpenSession(SessionSpec::training("job").with_priority(-3)),
+            load_graph(),
+            run(),
+            Request::ReadVariables {
+                session: SessionId(1),
+                names: vec!["w".into()],
+            },
+            Request::CloseSession {
+                session: SessionId(9),
+            },
+            Request::Status,
+        ] {
+            let frames = encode_request(42, &req).unwrap();
+            let env = decode_request(&frames, &l).unwrap();
+            assert_eq!(env.request_id, 42);
+            assert_eq!(env.message, req);
+        }
+    }
+
+    #[test]
+    fn tensors_travel_as_raw_frames() {
+        let frames = encode_request(1, &run()).unwrap();
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[1].len(), 16);
+        assert_eq!(&frames[1][..4], &1.0f32.to_le_bytes());
+        assert_eq!(&frames[2][8..16], &(-7i64).to_le_bytes());
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let l = Limits::default();
+        for rep in [
+            Reply::RunDone {
+                outputs: vec![Tensor::scalar(2.5), Tensor::from_i64([1], vec![4]).unwrap()],
+            },
+            Reply::error(ErrorCode::BadFeed, "nope"),
+            Reply::Hello {
+                server: "s".into(),
+                version: PROTOCOL_VERSION,
+                limits: l,
+            },
+        ] {
+            let frames = encode_reply(u64::MAX, &rep).unwrap();
+            let env = decode_reply(&frames, &l).unwrap();
+            assert_eq!(env.request_id, u64::MAX);
+            assert_eq!(env.message, rep);
+        }
+    }
+
+    #[test]
+    fn bad_input_gives_typed_errors() {
+        let l = Limits::default();
+        let err = |frames: &[Vec<u8>]| decode_request(frames, &l).unwrap_err();
+        // Garbage.
+        let e = err(&[b"definitely not a lanes message".to_vec()]);
+        assert_eq!(e.error, WireError::BadMagic);
+        assert_eq!(e.error.code(), ErrorCode::Malformed);
+        assert_eq!(err(&[]).error, WireError::Empty);
+        // Wrong version keeps the request id.
+        let mut frames = encode_request(5, &run()).unwrap();
+        frames[0][4..8].copy_from_slice(&99u32.to_le_bytes());
+        let e = err(&frames);
+        assert_eq!(e.request_id, Some(5));
+        assert_eq!(e.error.code(), ErrorCode::VersionMismatch);
+        // Missing tensor frame.
+        let mut frames = encode_request(6, &run()).unwrap();
+        frames.pop();
+        let e = err(&frames);
+        assert_eq!(
+            e.error,
+            WireError::FrameCount {
+                expected: 2,
+                got: 1
+            }
+        );
+        assert_eq!(e.error.code(), ErrorCode::Truncated);
+        // Short tensor frame.
+        let mut frames = encode_request(6, &run()).unwrap();
+        frames[1].truncate(10);
+        assert_eq!(err(&frames).error.code(), ErrorCode::Truncated);
+        // Truncated header.
+        let mut frames = encode_request(6, &load_graph()).unwrap();
+        let n = frames[0].len();
+        frames[0].truncate(n / 2);
+        let e = err(&frames);
+        assert_eq!(e.error.code(), ErrorCode::Truncated, "{e}");
+        assert_eq!(e.request_id, Some(6));
+        // Every prefix of a header fails cleanly.
+        let frames = encode_request(6, &load_graph()).unwrap();
+        for cut in 0..frames[0].len() {
+            let mut f = frames.clone();
+            f[0].truncate(cut);
+            assert!(decode_request(&f, &l).is_err());
+        }
+    }
+
+    #[test]
+    fn limits_are_enforced() {
+        let small = Limits {
+            max_frame_bytes: 12,
+            ..Limits::default()
+        };
+        let frames = encode_request(1, &run()).unwrap();
+        let e = decode_request(&frames, &small).unwrap_err();
+        assert!(matches!(e.error, WireError::FrameTooLarge { .. }), "{e}");
+        let few = Limits {
+            max_frames: 2,
+            ..Limits::default()
+        };
+        assert_eq!(
+            decode_request(&frames, &few).unwrap_err().error.code(),
+            ErrorCode::TooManyFrames
+        );
+        let tiny_tensor = Limits {
+            max_tensor_bytes: 8,
+            ..Limits::default()
+        };
+        assert_eq!(
+            decode_request(&frames, &tiny_tensor)
+                .unwrap_err()
+                .error
+                .code(),
+            ErrorCode::TensorTooLarge
+        );
+        let nodes = Limits {
+            max_nodes: 1,
+            ..Limits::default()
+        };
+        let frames = encode_request(1, &load_graph()).unwrap();
+        assert!(decode_request(&frames, &nodes).is_err());
+        // A header claiming a huge vector length is refused by the bincode limit.
+        let mut frames = encode_request(1, &Request::Status).unwrap();
+        frames[0].truncate(PREFIX_BYTES);
+        frames[0].extend_from_slice(&3u32.to_le_bytes()); // Run
+        frames[0].extend_from_slice(&1u64.to_le_bytes()); // session
+        frames[0].extend_from_slice(&u64::MAX.to_le_bytes()); // feeds.len()
+        assert!(decode_request(&frames, &Limits::default()).is_err());
+    }
+
+    #[test]
+    fn error_codes_are_stable() {
+        assert_eq!(ErrorCode::Malformed.as_u16(), 1);
+        assert_eq!(ErrorCode::UnknownSession.as_u16(), 10);
+        assert_eq!(ErrorCode::BadFeed.as_u16(), 14);
+        for c in 0..40u16 {
+            assert_eq!(ErrorCode::from(c).as_u16(), c);
+        }
+    }
+}
