@@ -26,6 +26,8 @@ enum Command {
     Trace(cli::trace::Args),
     /// Replay a trace against a live service with real jobs.
     Replay(cli::replay::Args),
+    /// Benchmarks: executor latency of reference models (JSON).
+    Bench(cli::bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -37,5 +39,6 @@ fn main() -> anyhow::Result<()> {
         Command::Simulate(a) => cli::simulate::run(a),
         Command::Trace(a) => cli::trace::run(a),
         Command::Replay(a) => cli::replay::run(a),
+        Command::Bench(a) => cli::bench::run(a),
     }
 }

@@ -1,6 +1,7 @@
 //! Subcommands of the `lanes` binary, one module each. Errors are reported
 //! with `anyhow`; the library underneath uses typed errors.
 
+pub mod bench;
 pub mod demo;
 pub mod replay;
 pub mod serve;

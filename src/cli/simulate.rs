@@ -1,8 +1,68 @@
-//! Placeholder until this subcommand lands.
+//! `lanes simulate`: run a trace through one or every scheduling policy in the
+//! discrete-event simulator and report JCT, makespan, queueing, utilisation.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use lanes::sim::{load_trace, parse_size, plot_jct_cdf, simulate, table, SimConfig, Summary};
+use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Trace file (CSV, see docs/scheduling.md).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// fifo, srtf, fair, pack, priority, or all (side by side).
+    #[arg(long, default_value = "all")]
+    pub policy: String,
+    /// Device memory shared by the lanes, e.g. 16G.
+    #[arg(long, default_value = "16G")]
+    pub memory: String,
+    /// Number of equal lanes the memory is split into.
+    #[arg(long, default_value_t = 1)]
+    pub lanes: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also draw the JCT distribution per policy into this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let trace = load_trace(&args.trace)?;
+    let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    let cfg = SimConfig {
+        memory,
+        lanes: args.lanes,
+    };
+    let names: Vec<&str> = if args.policy == "all" {
+        POLICY_NAMES.to_vec()
+    } else {
+        vec![args.policy.as_str()]
+    };
+    let mut runs = Vec::new();
+    for name in names {
+        let mut policy = by_name(name)?;
+        runs.push(simulate(&trace, policy.as_mut(), cfg)?);
+    }
+    let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "{} jobs, {} lane(s) of {} bytes each",
+            trace.len(),
+            cfg.lanes,
+            cfg.memory / cfg.lanes.max(1) as u64
+        );
+        print!("{}", table(&rows));
+    }
+    if let Some(path) = &args.plot {
+        plot_jct_cdf(&runs, path)?;
+        if !args.json {
+            println!("JCT distribution written to {}", path.display());
+        }
+    }
+    Ok(())
 }

@@ -1,1 +1,403 @@
-//! Placeholder: filled in by its issue.
+//! The compile stage's memory planner: from a [`ValidGraph`] to a
+//! [`MemoryPlan`] with the job's exact persistent bytes **P** and
+//! ephemeral bytes **T**, and where every tensor lives.
+//!
+//! - **P**: variables (weights, optimizer state, running statistics) and
+//!   constants, side by side, each aligned. They live across iterations.
+//! - **T**: one arena for everything else an iteration touches — feeds,
+//!   intermediate results, gradients, fetched results. Each tensor lives
+//!   from its producer to its last consumer (see [`lifetime`] for the step
+//!   model); offsets come from a best-fit assignment ([`arena`]). T is the
+//!   arena's extent.
+//!
+//! The plan also reports the two numbers T is judged against:
+//! `lower_bound` (the largest total of tensors live at one step; no arena
+//! can be smaller) and `no_reuse` (every ephemeral tensor in its own
+//! bytes). [`verify`] re-checks a plan independently of how it was made.
+//!
+//! Which results a Run will fetch is not known when a graph is loaded;
+//! [`plan`] assumes the graph's sinks (outputs nobody reads), and
+//! [`plan_with_fetches`] takes an explicit set. Sizes are rounded up to
+//! [`PlanOptions::alignment`] (256 bytes by default, the CUDA allocation
+//! granule that keeps every tensor suitably aligned for vector loads).
+
+pub mod arena;
+mod lifetime;
+
+pub use arena::{ArenaViolation, Block, Strategy};
+
+use lanes_adaptor::{NodeId, Outlet, ValidGraph};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+
+/// Default alignment of every tensor in the plan, in bytes.
+pub const DEFAULT_ALIGNMENT: u64 = 256;
+
+/// Knobs of the planner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Every offset and size is a multiple of this (a power of two).
+    pub alignment: u64,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            alignment: DEFAULT_ALIGNMENT,
+        }
+    }
+}
+
+/// Why a graph could not be planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("fetch `{key}` names no output of the graph")]
+    UnknownFetch { key: String },
+    #[error("node {node} `{name}`: an output's size in bytes does not fit in 64 bits")]
+    TensorTooLarge { node: NodeId, name: String },
+    #[error("the graph's total memory does not fit in 64 bits")]
+    TotalOverflow,
+    #[error("alignment {alignment} is not a power of two")]
+    BadAlignment { alignment: u64 },
+}
+
+impl PlanError {
+    /// Stable code for wire replies and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PlanError::UnknownFetch { .. } => "unknown_fetch",
+            PlanError::TensorTooLarge { .. } => "tensor_too_large",
+            PlanError::TotalOverflow => "plan_overflow",
+            PlanError::BadAlignment { .. } => "bad_alignment",
+        }
+    }
+}
+
+/// Why a plan is unsound (see [`verify`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    #[error("ephemeral tensors {a:?} and {b:?} are live together at step {step} and share bytes")]
+    Overlap { a: Outlet, b: Outlet, step: usize },
+    #[error("ephemeral tensor {outlet:?} at offset {offset} ({size} bytes) ends past T = {arena}")]
+    OutOfArena {
+        outlet: Outlet,
+        offset: u64,
+        size: u64,
+        arena: u64,
+    },
+    #[error("tensor at offset {offset} is not aligned to {alignment}")]
+    Misaligned { offset: u64, alignment: u64 },
+    #[error("persistent tensors of nodes {a} and {b} share bytes")]
+    PersistentOverlap { a: NodeId, b: NodeId },
+    #[error("persistent tensor of node {node} ends past P = {persistent}")]
+    PersistentOutOfRange { node: NodeId, persistent: u64 },
+    #[error("slot of {outlet:?} holds {bytes} bytes in {size}: too small, or not rounded to the alignment")]
+    BadSize {
+        outlet: Outlet,
+        bytes: u64,
+        size: u64,
+    },
+    #[error("recorded {what} is {recorded}, the tensors give {actual}")]
+    Summary {
+        what: &'static str,
+        recorded: u64,
+        actual: u64,
+    },
+}
+
+/// Where one ephemeral tensor lives in the arena and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSlot {
+    pub outlet: Outlet,
+    /// Exact bytes of the tensor.
+    pub bytes: u64,
+    /// Bytes reserved: `bytes` rounded up to the alignment.
+    pub size: u64,
+    /// First step the tensor is live (see the module docs).
+    pub first: usize,
+    /// Last step the tensor is live, inclusive.
+    pub last: usize,
+    /// Offset from the start of the arena.
+    pub offset: u64,
+}
+
+/// Where one persistent tensor (a variable or constant) lives in the
+/// persistent region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistentSlot {
+    pub node: NodeId,
+    pub bytes: u64,
+    pub size: u64,
+    pub offset: u64,
+}
+
+/// A graph's memory: exact P and T, and every tensor's place.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    pub alignment: u64,
+    /// P: bytes of the persistent region.
+    pub persistent: u64,
+    /// T: bytes of the ephemeral arena (its peak extent).
+    pub ephemeral: u64,
+    /// Largest total of ephemeral slots live at one step.
+    pub lower_bound: u64,
+    /// Total of all ephemeral slots: the arena with no reuse at all.
+    pub no_reuse: u64,
+    /// Number of steps: nodes, plus one for handing back results.
+    pub steps: usize,
+    /// The assignment order that produced the offsets.
+    pub strategy: Strategy,
+    /// Outputs planned to live until the end of the iteration.
+    pub fetched: Vec<Outlet>,
+    pub tensors: Vec<TensorSlot>,
+    pub persistent_slots: Vec<PersistentSlot>,
+    #[serde(skip)]
+    index: HashMap<Outlet, usize>,
+}
+
+impl MemoryPlan {
+    /// The arena slot of an ephemeral output.
+    pub fn slot(&self, outlet: Outlet) -> Option<&TensorSlot> {
+        if self.index.is_empty() && !self.tensors.is_empty() {
+            return self.tensors.iter().find(|t| t.outlet == outlet);
+        }
+        self.index.get(&outlet).map(|&i| &self.tensors[i])
+    }
+    /// The persistent slot of a variable or constant node.
+    pub fn persistent_slot(&self, node: NodeId) -> Option<&PersistentSlot> {
+        self.persistent_slots.iter().find(|s| s.node == node)
+    }
+    /// T over the lower bound (1.0 is optimal; 1.0 for an empty arena).
+    pub fn ratio_to_lower_bound(&self) -> f64 {
+        if self.lower_bound == 0 {
+            1.0
+        } else {
+            self.ephemeral as f64 / self.lower_bound as f64
+        }
+    }
+    /// True when a Run may fetch `outlet` without exceeding T: it is
+    /// persistent, or planned to live until the end.
+    pub fn covers_fetch(&self, outlet: Outlet) -> bool {
+        self.persistent_slot(outlet.node).is_some() || self.fetched.contains(&outlet)
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "P = {} B, T = {} B (lower bound {} B, x{:.3}; no reuse {} B; {} tensors, {})",
+            self.persistent,
+            self.ephemeral,
+            self.lower_bound,
+            self.ratio_to_lower_bound(),
+            self.no_reuse,
+            self.tensors.len(),
+            self.strategy
+        )
+    }
+}
+
+/// Plans `g` with default options, fetching the graph's sinks.
+pub fn plan(g: &ValidGraph) -> Result<MemoryPlan, PlanError> {
+    let fetched = lifetime::sinks(g);
+    plan_outlets(g, fetched, PlanOptions::default())
+}
+
+/// Plans `g` for Runs that fetch `fetches` (keys `name` or `name:slot`).
+pub fn plan_with_fetches<S: AsRef<str>>(
+    g: &ValidGraph,
+    fetches: &[S],
+    options: PlanOptions,
+) -> Result<MemoryPlan, PlanError> {
+    let mut set = HashSet::new();
+    for key in fetches {
+        let key = key.as_ref();
+        let o = g
+            .graph()
+            .resolve(key)
+            .ok_or_else(|| PlanError::UnknownFetch {
+                key: key.to_string(),
+            })?;
+        set.insert(o);
+    }
+    plan_outlets(g, set, options)
+}
+
+fn align_up(bytes: u64, alignment: u64) -> Option<u64> {
+    bytes
+        .checked_add(alignment - 1)
+        .map(|b| b & !(alignment - 1))
+}
+
+fn plan_outlets(
+    g: &ValidGraph,
+    fetched: HashSet<Outlet>,
+    options: PlanOptions,
+) -> Result<MemoryPlan, PlanError> {
+    let alignment = options.alignment;
+    if alignment == 0 || !alignment.is_power_of_two() {
+        return Err(PlanError::BadAlignment { alignment });
+    }
+    let tensors = lifetime::collect(g, &fetched)?;
+
+    let mut persistent = 0u64;
+    let mut persistent_slots = Vec::with_capacity(tensors.persistent.len());
+    for p in &tensors.persistent {
+        let size = align_up(p.bytes, alignment).ok_or(PlanError::TotalOverflow)?;
+        persistent_slots.push(PersistentSlot {
+            node: p.node,
+            bytes: p.bytes,
+            size,
+            offset: persistent,
+        });
+        persistent = persistent
+            .checked_add(size)
+            .ok_or(PlanError::TotalOverflow)?;
+    }
+
+    let mut blocks = Vec::with_capacity(tensors.ephemeral.len());
+    let mut no_reuse = 0u64;
+    for e in &tensors.ephemeral {
+        let size = align_up(e.bytes, alignment).ok_or(PlanError::TotalOverflow)?;
+        no_reuse = no_reuse.checked_add(size).ok_or(PlanError::TotalOverflow)?;
+        blocks.push(Block {
+            size,
+            first: e.first,
+            last: e.last,
+        });
+    }
+    let assignment = arena::assign(&blocks);
+    let lower_bound = arena::lower_bound(&blocks);
+    let slots: Vec<TensorSlot> = tensors
+        .ephemeral
+        .iter()
+        .zip(&blocks)
+        .zip(&assignment.offsets)
+        .map(|((e, b), &offset)| TensorSlot {
+            outlet: e.outlet,
+            bytes: e.bytes,
+            size: b.size,
+            first: e.first,
+            last: e.last,
+            offset,
+        })
+        .collect();
+    let index = slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.outlet, i))
+        .collect();
+    let mut fetched: Vec<Outlet> = fetched
+        .into_iter()
+        .filter(|o| slots.iter().any(|s| s.outlet == *o))
+        .collect();
+    fetched.sort();
+    Ok(MemoryPlan {
+        alignment,
+        persistent,
+        ephemeral: assignment.size,
+        lower_bound,
+        no_reuse,
+        steps: tensors.steps,
+        strategy: assignment.strategy,
+        fetched,
+        tensors: slots,
+        persistent_slots,
+        index,
+    })
+}
+
+/// Checks a plan independently of how it was made: every ephemeral slot is
+/// aligned, large enough, inside T, and shares no byte with another slot
+/// live at the same step; persistent slots are disjoint and inside P; and
+/// the recorded lower bound and no-reuse totals match the slots.
+pub fn verify(plan: &MemoryPlan) -> Result<(), VerifyError> {
+    let a = plan.alignment.max(1);
+    for t in &plan.tensors {
+        if t.size < t.bytes || t.size % a != 0 {
+            return Err(VerifyError::BadSize {
+                outlet: t.outlet,
+                bytes: t.bytes,
+                size: t.size,
+            });
+        }
+    }
+    let blocks: Vec<Block> = plan
+        .tensors
+        .iter()
+        .map(|t| Block {
+            size: t.size,
+            first: t.first,
+            last: t.last,
+        })
+        .collect();
+    let offsets: Vec<u64> = plan.tensors.iter().map(|t| t.offset).collect();
+    arena::check(&blocks, &offsets, plan.ephemeral, a).map_err(|v| match v {
+        ArenaViolation::Overlap { a, b, step } => VerifyError::Overlap {
+            a: plan.tensors[a].outlet,
+            b: plan.tensors[b].outlet,
+            step,
+        },
+        ArenaViolation::OutOfArena {
+            block,
+            offset,
+            size,
+            arena,
+        } => VerifyError::OutOfArena {
+            outlet: plan.tensors[block].outlet,
+            offset,
+            size,
+            arena,
+        },
+        ArenaViolation::Misaligned {
+            offset, alignment, ..
+        } => VerifyError::Misaligned { offset, alignment },
+    })?;
+    let mut ps: Vec<&PersistentSlot> = plan.persistent_slots.iter().collect();
+    ps.sort_by_key(|s| s.offset);
+    for s in &ps {
+        if s.offset % a != 0 {
+            return Err(VerifyError::Misaligned {
+                offset: s.offset,
+                alignment: a,
+            });
+        }
+        if s.size < s.bytes || s.offset.saturating_add(s.size) > plan.persistent {
+            return Err(VerifyError::PersistentOutOfRange {
+                node: s.node,
+                persistent: plan.persistent,
+            });
+        }
+    }
+    for w in ps.windows(2) {
+        if w[0].offset + w[0].size > w[1].offset {
+            return Err(VerifyError::PersistentOverlap {
+                a: w[0].node,
+                b: w[1].node,
+            });
+        }
+    }
+    let lb = arena::lower_bound(&blocks);
+    if lb != plan.lower_bound {
+        return Err(VerifyError::Summary {
+            what: "lower bound",
+            recorded: plan.lower_bound,
+            actual: lb,
+        });
+    }
+    let total: u64 = blocks.iter().map(|b| b.size).fold(0, u64::saturating_add);
+    if total != plan.no_reuse {
+        return Err(VerifyError::Summary {
+            what: "no-reuse total",
+            recorded: plan.no_reuse,
+            actual: total,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests;

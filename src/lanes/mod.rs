@@ -1,1 +1,34 @@
-//! Placeholder: filled in by its issue.
+//! Memory lanes: one reservation made at start-up, divided into lanes; jobs
+//! admitted under the safety condition `sum P + max T <= C_lane`.
+//!
+//! - [`Reservation`]: the one block of memory (on the CPU backend a host
+//!   buffer standing in for device memory); never grown.
+//! - [`LaneManager`]: the decisions — which lane, when to open, grow,
+//!   re-partition, and who waits (see its module docs for the rules).
+//! - [`SharedLanes`]: the manager and the reservation behind one lock, with
+//!   RAII [`Lease`]s that release their job's memory on drop and let a
+//!   waiting job block until it is admitted.
+//! - [`LaneWorkers`]: one worker thread per lane (the CPU backend's
+//!   execution context): in order within a lane, concurrent across lanes.
+//! - [`Parked`]: Runs of jobs that wait for admission, handed back when a
+//!   release admits them.
+//! - [`parse_size`] / [`format_size`]: `--memory 512MiB`.
+
+mod manager;
+mod parked;
+mod reservation;
+mod shared;
+mod size;
+mod snapshot;
+mod workers;
+
+pub use manager::{
+    Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, QueueReason,
+    Released, MAX_CAPACITY,
+};
+pub use parked::{ParkFull, Parked};
+pub use reservation::{Reservation, ReserveError};
+pub use shared::{Lease, SharedError, SharedLanes};
+pub use size::{format_size, parse_size, ByteSize, SizeError};
+pub use snapshot::{JobSnapshot, LaneSnapshot, LanesSnapshot, QueuedSnapshot};
+pub use workers::{LaneWorkers, WorkerError, LANE_QUEUE};

@@ -1,1 +1,17 @@
-//! Placeholder: filled in by its issue.
+//! The trace simulator: a discrete-event simulation of lanes that drives the
+//! very same [`lanes_policies::Policy`] code as the service.
+//!
+//! - [`trace`]: the CSV trace format (read, write, validate) and sizes;
+//! - [`gen`]: synthetic traces with documented distributions;
+//! - [`engine`]: the simulation itself ([`simulate`]);
+//! - [`report`]: average / p99 JCT, makespan, queueing, utilisation, plots.
+
+pub mod engine;
+pub mod gen;
+pub mod report;
+pub mod trace;
+
+pub use engine::{simulate, JobOutcome, Segment, SimConfig, SimError, SimRun};
+pub use gen::{generate, GenConfig};
+pub use report::{plot_jct_cdf, table, Summary};
+pub use trace::{load_trace, parse_size, read_trace, write_trace, TraceError, TraceJob};

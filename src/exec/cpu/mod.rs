@@ -10,6 +10,9 @@
 //!   update the program's variables.
 //! - [`run_op`] runs one op on typed slices: the kernel entry point.
 
+mod backward;
+mod forward;
+
 use std::collections::BTreeMap;
 
 use lanes_adaptor::{Op, Tensor, ValidGraph, VarValues};
@@ -95,10 +98,8 @@ pub fn run_op(
     inplace: &mut [TensorMut<'_>],
     outputs: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
-    let _ = (inputs, inplace, outputs);
-    Err(ExecError::Op {
-        node: node.into(),
-        op: op.name(),
-        reason: "not implemented".into(),
-    })
+    match backward::run(node, op, inputs, inplace, outputs) {
+        Some(result) => result,
+        None => forward::run(node, op, inputs, outputs),
+    }
 }

@@ -1,0 +1,229 @@
+use super::*;
+use lanes_adaptor::{validate, GraphBuilder, GraphLimits, Op, Tensor, TensorType};
+use proptest::prelude::*;
+
+fn valid(b: GraphBuilder) -> ValidGraph {
+    let (g, _) = b.finish().unwrap();
+    validate(g, &GraphLimits::default()).unwrap()
+}
+
+/// x[4,256] -> matmul w1 -> relu -> matmul w2 -> relu: every activation is
+/// 4 KiB, and at most two are live at once.
+fn mlp() -> (ValidGraph, Outlet) {
+    let mut b = GraphBuilder::new();
+    let x = b.placeholder("x", TensorType::f32([4, 256]));
+    let w1 = b.variable("w1", Tensor::full([256, 256], 0.1));
+    let h1 = b.matmul(x, w1);
+    b.set_name(h1, "h1");
+    let r1 = b.relu(h1);
+    let w2 = b.variable("w2", Tensor::full([256, 256], 0.1));
+    let h2 = b.matmul(r1, w2);
+    let r2 = b.relu(h2);
+    b.set_name(r2, "y");
+    (valid(b), h1)
+}
+
+const ACT: u64 = 4 * 256 * 4;
+
+#[test]
+fn mlp_peak_is_two_activations() {
+    let (g, _) = mlp();
+    let p = plan(&g).unwrap();
+    verify(&p).unwrap();
+    assert_eq!(p.persistent, 2 * 256 * 256 * 4);
+    assert_eq!(p.ephemeral, 2 * ACT);
+    assert_eq!(p.lower_bound, 2 * ACT);
+    assert_eq!(p.no_reuse, 5 * ACT);
+    assert_eq!(p.tensors.len(), 5);
+    assert_eq!(p.persistent_slots.len(), 2);
+    let y = g.graph().resolve("y").unwrap();
+    assert!(p.covers_fetch(y));
+    assert_eq!(p.slot(y).unwrap().last, p.steps - 1);
+}
+
+#[test]
+fn fetching_an_intermediate_extends_its_life() {
+    let (g, h1) = mlp();
+    let p = plan_with_fetches(&g, &["h1", "y"], PlanOptions::default()).unwrap();
+    verify(&p).unwrap();
+    // h1 now lives to the end: at the second matmul h1, r1 and h2 are live.
+    assert_eq!(p.ephemeral, 3 * ACT);
+    assert!(p.covers_fetch(h1));
+    let d = plan(&g).unwrap();
+    assert!(!d.covers_fetch(h1));
+}
+
+#[test]
+fn unknown_fetch_and_bad_alignment_are_typed() {
+    let (g, _) = mlp();
+    assert_eq!(
+        plan_with_fetches(&g, &["nope"], PlanOptions::default()).unwrap_err(),
+        PlanError::UnknownFetch { key: "nope".into() }
+    );
+    assert_eq!(
+        plan_with_fetches(&g, &["y"], PlanOptions { alignment: 3 }).unwrap_err(),
+        PlanError::BadAlignment { alignment: 3 }
+    );
+}
+
+#[test]
+fn residual_block_peaks_at_three() {
+    // x -> a = relu(x); b = relu(a); c = a + b: at the add, a, b and c are live.
+    let mut bld = GraphBuilder::new();
+    let x = bld.placeholder("x", TensorType::f32([1000]));
+    let a = bld.relu(x);
+    let b = bld.relu(a);
+    let c = bld.add(a, b);
+    let _ = bld.relu(c);
+    let p = plan(&valid(bld)).unwrap();
+    verify(&p).unwrap();
+    let unit = 4096; // 4000 bytes rounded to 256
+    assert_eq!(p.lower_bound, 3 * unit);
+    assert_eq!(p.ephemeral, 3 * unit);
+    assert_eq!(p.no_reuse, 5 * unit);
+    assert_eq!(p.persistent, 0);
+}
+
+#[test]
+fn training_step_counts_optimizer_state_as_persistent() {
+    // loss = mse(x w, target); dw by hand; sgd with momentum updates w and buf.
+    let mut b = GraphBuilder::new();
+    let x = b.placeholder("x", TensorType::f32([8, 16]));
+    let t = b.placeholder("t", TensorType::f32([8, 4]));
+    let w = b.variable("w", Tensor::full([16, 4], 0.0));
+    let buf = b.variable("w/momentum", Tensor::full([16, 4], 0.0));
+    let y = b.matmul(x, w);
+    let loss = b.mse_loss(y, t);
+    b.set_name(loss, "loss");
+    let d = b.sub(y, t);
+    let dw = b.op1(
+        Op::MatMul {
+            transpose_a: true,
+            transpose_b: false,
+        },
+        &[x, d],
+    );
+    b.op(
+        Op::SgdUpdate {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            nesterov: false,
+        },
+        &[w, dw, buf],
+    );
+    let g = valid(b);
+    let p = plan(&g).unwrap();
+    verify(&p).unwrap();
+    assert_eq!(p.persistent, 2 * 256); // two 256-byte variables
+                                       // The loss is a sink and lives to the end; the update has no outputs.
+    let loss = g.graph().resolve("loss").unwrap();
+    assert!(p.fetched.contains(&loss));
+    assert!(p.ephemeral >= p.lower_bound);
+    assert!(p.ephemeral <= p.no_reuse);
+    assert_eq!(p.tensors.len(), 6); // x, t, y, loss, d, dw
+}
+
+#[test]
+fn verify_rejects_corrupted_plans() {
+    let (g, _) = mlp();
+    let good = plan(&g).unwrap();
+    // Two slots live at the same step put at the same offset.
+    let mut bad = good.clone();
+    let (i, j) = (0..bad.tensors.len())
+        .flat_map(|i| (0..bad.tensors.len()).map(move |j| (i, j)))
+        .find(|&(i, j)| {
+            let (a, b) = (&bad.tensors[i], &bad.tensors[j]);
+            i < j && a.first <= b.last && b.first <= a.last && a.offset != b.offset
+        })
+        .unwrap();
+    bad.tensors[j].offset = bad.tensors[i].offset;
+    assert!(matches!(verify(&bad), Err(VerifyError::Overlap { .. })));
+    let mut bad = good.clone();
+    bad.ephemeral -= 256;
+    assert!(matches!(verify(&bad), Err(VerifyError::OutOfArena { .. })));
+    let mut bad = good.clone();
+    bad.tensors[0].offset += 4;
+    assert!(verify(&bad).is_err());
+    let mut bad = good.clone();
+    bad.persistent_slots[1].offset = 0;
+    assert!(matches!(
+        verify(&bad),
+        Err(VerifyError::PersistentOverlap { .. })
+    ));
+    let mut bad = good;
+    bad.lower_bound += 1;
+    assert!(matches!(verify(&bad), Err(VerifyError::Summary { .. })));
+}
+
+#[test]
+fn plan_survives_serde_round_trip() {
+    let (g, h1) = mlp();
+    let p = plan(&g).unwrap();
+    let json = serde_json::to_string(&p).unwrap();
+    let back: MemoryPlan = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.slot(h1), p.slot(h1));
+    verify(&back).unwrap();
+}
+
+/// A random DAG of elementwise ops over placeholders of three sizes.
+fn random_graph(sizes: &[usize], ops: &[(u8, usize, usize)]) -> ValidGraph {
+    let mut b = GraphBuilder::new();
+    let mut outs: Vec<(Outlet, usize)> = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        let dim = [7usize, 300, 2500][s % 3];
+        outs.push((
+            b.placeholder(&format!("in{i}"), TensorType::f32([dim])),
+            dim,
+        ));
+    }
+    for &(kind, x, y) in ops {
+        let (a, da) = outs[x % outs.len()];
+        let o = match kind % 4 {
+            0 => b.relu(a),
+            1 => b.tanh(a),
+            2 => {
+                let same: Vec<Outlet> = outs
+                    .iter()
+                    .filter(|(_, d)| *d == da)
+                    .map(|(o, _)| *o)
+                    .collect();
+                let other = same[y % same.len()];
+                b.add(a, other)
+            }
+            _ => b.scale(a, 0.5),
+        };
+        outs.push((o, da));
+    }
+    valid(b)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn random_graphs_plan_soundly(
+        sizes in prop::collection::vec(0usize..3, 1..5),
+        ops in prop::collection::vec((0u8..4, 0usize..1000, 0usize..1000), 1..60),
+        fetch_every in 1usize..8,
+    ) {
+        let g = random_graph(&sizes, &ops);
+        let p = plan(&g).unwrap();
+        verify(&p).unwrap();
+        prop_assert!(p.lower_bound <= p.ephemeral);
+        prop_assert!(p.ephemeral <= p.no_reuse);
+        // Independent peak: brute force over steps.
+        let peak = (0..p.steps)
+            .map(|s| p.tensors.iter().filter(|t| t.first <= s && s <= t.last).map(|t| t.size).sum::<u64>())
+            .max()
+            .unwrap_or(0);
+        prop_assert_eq!(peak, p.lower_bound);
+        // An explicit fetch set is planned soundly too.
+        let keys: Vec<String> = g.graph().nodes.iter().step_by(fetch_every).map(|n| n.name.clone()).collect();
+        let q = plan_with_fetches(&g, &keys, PlanOptions::default()).unwrap();
+        verify(&q).unwrap();
+        for k in &keys {
+            let o = g.graph().resolve(k).unwrap();
+            prop_assert!(q.covers_fetch(o));
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The process-wide GPU: one CUDA context on device 0 and the NVRTC-compiled
+//! kernels, compiled once per process and cached. Programs create their own
+//! stream, cuBLAS and cuDNN handles on top of it.
+
+use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use super::CudaInfo;
+use crate::exec::ExecError;
+
+/// CUDA C sources, one module each.
+const SOURCES: [(&str, &str); 3] = [
+    ("elementwise", include_str!("kernels/elementwise.cu")),
+    ("reduce", include_str!("kernels/reduce.cu")),
+    ("nn", include_str!("kernels/nn.cu")),
+];
+
+/// Kernel entry points of [`SOURCES`], by module.
+const FUNCTIONS: [(&str, &[&str]); 3] = [
+    (
+        "elementwise",
+        &[
+            "unary",
+            "binary_same",
+            "binary_row",
+            "binary_bcast",
+            "strided_copy32",
+            "strided_copy64",
+            "fill",
+            "unary_grad",
+            "batchnorm_infer",
+            "channel_bias",
+            "sgd_update",
+            "adam_update",
+            "step_incr",
+        ],
+    ),
+    (
+        "reduce",
+        &[
+            "reduce_warp",
+            "reduce_block",
+            "reduce_max_grad",
+            "softmax",
+            "softmax_grad",
+            "layernorm",
+            "layernorm_grad",
+            "cross_entropy",
+            "cross_entropy_grad",
+            "mse_loss",
+        ],
+    ),
+    (
+        "nn",
+        &[
+            "maxpool",
+            "maxpool_grad",
+            "avgpool",
+            "avgpool_grad",
+            "row_mean",
+            "embedding",
+            "embedding_grad",
+            "bn_stats",
+            "bn_apply",
+            "bn_grad_reduce",
+            "bn_grad_dx",
+        ],
+    ),
+];
+
+/// The context and the loaded kernels.
+#[derive(Debug)]
+pub(crate) struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub info: CudaInfo,
+    kernels: HashMap<&'static str, CudaFunction>,
+}
+
+impl Gpu {
+    pub fn kernel(&self, name: &'static str) -> Result<&CudaFunction, ExecError> {
+        self.kernels.get(name).ok_or_else(|| ExecError::NoDevice {
+            reason: format!("kernel `{name}` was not loaded"),
+        })
+    }
+}
+
+fn no_device(reason: impl Into<String>) -> ExecError {
+    ExecError::NoDevice {
+        reason: reason.into(),
+    }
+}
+
+/// Checks that the driver, cuBLAS, cuDNN and NVRTC libraries can be opened,
+/// without touching any cudarc entry point that panics when they cannot.
+pub(crate) fn libraries_present() -> Result<(), ExecError> {
+    // SAFETY: these only try `dlopen` on the candidate library names and
+    // report whether one succeeded; no symbol is called.
+    let found = unsafe {
+        [
+            ("libcuda", cudarc::driver::sys::is_culib_present()),
+            ("libcublas", cudarc::cublas::sys::is_culib_present()),
+            ("libnvrtc", cudarc::nvrtc::sys::is_culib_present()),
+            ("libcudnn", cudarc::cudnn::sys::is_culib_present()),
+        ]
+    };
+    let missing: Vec<&str> = found
+        .iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(n, _)| *n)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(no_device(format!(
+            "cannot load {} (no NVIDIA driver or CUDA libraries on this machine)",
+            missing.join(", ")
+        )))
+    }
+}
+
+/// Runs `f`, turning a panic inside cudarc into an error, with the default
+/// panic message silenced for the duration.
+pub(crate) fn contain<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, ExecError> {
+    static HOOK_LOCK: Mutex<()> = Mutex::new(());
+    let _guard = HOOK_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let prev = panic::take_hook();
+    panic::set_hook(Box::new(|_| {}));
+    let r = panic::catch_unwind(AssertUnwindSafe(f));
+    panic::set_hook(prev);
+    r.map_err(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic".into());
+        no_device(format!("{what}: {msg}"))
+    })
+}
+
+fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
+    Some(match cc {
+        (7, 0) => "compute_70",
+        (7, 5) => "compute_75",
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => return None,
+    })
+}
+
+fn open() -> Result<Arc<Gpu>, ExecError> {
+    libraries_present()?;
+    let ctx = contain("CUDA initialisation", || CudaContext::new(0))?
+        .map_err(|e| no_device(format!("no CUDA device 0: {e:?}")))?;
+    // Programs address tensors by raw pointers into their own arena and run on
+    // one stream each, so cudarc's per-slice event tracking is not needed.
+    // SAFETY: no slice of this context exists yet, and every program
+    // synchronises its own stream before reading results.
+    unsafe { ctx.disable_event_tracking() };
+    let name = ctx.name().map_err(|e| no_device(format!("{e:?}")))?;
+    let total_memory = ctx.total_mem().map_err(|e| no_device(format!("{e:?}")))? as u64;
+    let cc = ctx
+        .compute_capability()
+        .map_err(|e| no_device(format!("{e:?}")))?;
+    let mut kernels = HashMap::new();
+    for ((module_name, src), (_, fns)) in SOURCES.iter().zip(FUNCTIONS.iter()) {
+        let opts = CompileOptions {
+            arch: arch_for(cc),
+            name: Some(format!("{module_name}.cu")),
+            ..Default::default()
+        };
+        let ptx = contain("NVRTC", || compile_ptx_with_opts(*src, opts))?
+            .map_err(|e| no_device(format!("compiling {module_name}.cu: {e:?}")))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| no_device(format!("loading {module_name}.cu: {e:?}")))?;
+        for f in fns.iter() {
+            let func = module
+                .load_function(f)
+                .map_err(|e| no_device(format!("kernel {f} in {module_name}.cu: {e:?}")))?;
+            kernels.insert(*f, func);
+        }
+    }
+    Ok(Arc::new(Gpu {
+        ctx,
+        info: CudaInfo { name, total_memory },
+        kernels,
+    }))
+}
+
+/// The process's GPU, opened (and its kernels compiled) on first use.
+pub(crate) fn gpu() -> Result<Arc<Gpu>, ExecError> {
+    static GPU: OnceLock<Result<Arc<Gpu>, ExecError>> = OnceLock::new();
+    GPU.get_or_init(open).clone()
+}
+
+/// Launch geometry for a grid-stride loop over `n` elements.
+pub(crate) fn grid(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65535 * 8) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launch geometry for one warp per row.
+pub(crate) fn warps(rows: usize) -> LaunchConfig {
+    let blocks = (rows * 32).div_ceil(256).max(1) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launch geometry for one block per item.
+pub(crate) fn blocks(items: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (items.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches `f` with `args` on `stream`.
+///
+/// # Safety
+/// The arguments must match the kernel's parameter list in number, order and
+/// type, and every device address must point into live memory large enough
+/// for the indices the kernel computes from the other arguments.
+pub(crate) unsafe fn launch(
+    stream: &Arc<cudarc::driver::CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[&dyn ArgRef],
+) -> Result<(), ExecError> {
+    let mut b = stream.launch_builder(f);
+    for a in args {
+        a.push(&mut b);
+    }
+    // SAFETY: forwarded to the caller (see above).
+    unsafe { b.launch(cfg) }
+        .map(|_| ())
+        .map_err(|e| no_device(format!("kernel launch failed: {e:?}")))
+}
+
+/// Object-safe view of a kernel argument.
+pub(crate) trait ArgRef {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+impl<T: DeviceRepr> ArgRef for T {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}

@@ -1,0 +1,170 @@
+// Elementwise kernels: unary and binary maps (with numpy broadcasting through
+// strides), strided copies (transpose, slice, concat, broadcast), activation
+// gradients, batch-norm inference, bias add and optimizer updates.
+// Every kernel is a grid-stride loop over `n` elements.
+
+#define MAXR 8
+
+struct Strided {
+    int rank;
+    int dims[MAXR];
+    int sa[MAXR];
+    int sb[MAXR];
+};
+
+#define GRID_LOOP(i, n) \
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
+
+__device__ __forceinline__ float gelu_f(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
+
+__device__ __forceinline__ float unary_f(int op, float x, float p) {
+    switch (op) {
+    case 0: return x > 0.0f ? x : 0.0f;
+    case 1: return gelu_f(x);
+    case 2: return 1.0f / (1.0f + expf(-x));
+    case 3: return tanhf(x);
+    case 4: return expf(x);
+    case 5: return logf(x);
+    case 6: return sqrtf(x);
+    default: return x * p;
+    }
+}
+
+extern "C" __global__ void unary(float* out, const float* x, int n, int op, float p) {
+    GRID_LOOP(i, n) { out[i] = unary_f(op, x[i], p); }
+}
+
+__device__ __forceinline__ float binary_f(int op, float a, float b) {
+    switch (op) {
+    case 0: return a + b;
+    case 1: return a - b;
+    case 2: return a * b;
+    default: return a / b;
+    }
+}
+
+extern "C" __global__ void binary_same(float* out, const float* a, const float* b, int n, int op) {
+    GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i]); }
+}
+
+// b repeats along the leading axes of a (e.g. a bias): b[i % len].
+extern "C" __global__ void binary_row(float* out, const float* a, const float* b, int n, int len, int op) {
+    GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i % len]); }
+}
+
+// out has dims s.dims (row-major); a and b are read through strides (0 on
+// broadcast axes).
+extern "C" __global__ void binary_bcast(float* out, const float* a, const float* b, int n, int op, Strided s) {
+    GRID_LOOP(i, n) {
+        int rem = i, oa = 0, ob = 0;
+        for (int d = s.rank - 1; d >= 0; --d) {
+            int k = rem % s.dims[d];
+            rem /= s.dims[d];
+            oa += k * s.sa[d];
+            ob += k * s.sb[d];
+        }
+        out[i] = binary_f(op, a[oa], b[ob]);
+    }
+}
+
+// Iterates over the index space s.dims: out[ob + idx.sa] = in[ib + idx.sb].
+template <typename T>
+__device__ void strided_copy_impl(T* out, const T* in, int n, Strided s, int ob, int ib) {
+    GRID_LOOP(i, n) {
+        int rem = i, oo = ob, oi = ib;
+        for (int d = s.rank - 1; d >= 0; --d) {
+            int k = rem % s.dims[d];
+            rem /= s.dims[d];
+            oo += k * s.sa[d];
+            oi += k * s.sb[d];
+        }
+        out[oo] = in[oi];
+    }
+}
+
+extern "C" __global__ void strided_copy32(float* out, const float* in, int n, Strided s, int ob, int ib) {
+    strided_copy_impl<float>(out, in, n, s, ob, ib);
+}
+
+extern "C" __global__ void strided_copy64(long long* out, const long long* in, int n, Strided s, int ob, int ib) {
+    strided_copy_impl<long long>(out, in, n, s, ob, ib);
+}
+
+extern "C" __global__ void fill(float* out, int n, float v) {
+    GRID_LOOP(i, n) { out[i] = v; }
+}
+
+// op: 0 relu(x), 1 gelu(x), 2 sigmoid(y), 3 tanh(y)
+extern "C" __global__ void unary_grad(float* dx, const float* v, const float* dy, int n, int op) {
+    GRID_LOOP(i, n) {
+        float x = v[i], g = dy[i], r;
+        switch (op) {
+        case 0: r = x > 0.0f ? g : 0.0f; break;
+        case 1: {
+            float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+            float pdf = 0.3989422804014327f * expf(-0.5f * x * x);
+            r = g * (cdf + x * pdf);
+            break;
+        }
+        case 2: r = g * x * (1.0f - x); break;
+        default: r = g * (1.0f - x * x); break;
+        }
+        dx[i] = r;
+    }
+}
+
+// x viewed as [outer, C, inner].
+extern "C" __global__ void batchnorm_infer(float* y, const float* x, const float* g, const float* b,
+                                           const float* m, const float* v, int n, int C, int inner, float eps) {
+    GRID_LOOP(i, n) {
+        int c = (i / inner) % C;
+        y[i] = (x[i] - m[c]) * rsqrtf(v[c] + eps) * g[c] + b[c];
+    }
+}
+
+// y [outer, C, inner] += bias[c]
+extern "C" __global__ void channel_bias(float* y, const float* bias, int n, int C, int inner) {
+    GRID_LOOP(i, n) { y[i] += bias[(i / inner) % C]; }
+}
+
+extern "C" __global__ void sgd_update(float* p, const float* g, float* buf, int n, float lr,
+                                      float momentum, float wd, int nesterov) {
+    GRID_LOOP(i, n) {
+        float d = g[i] + wd * p[i];
+        if (momentum != 0.0f) {
+            float bb = momentum * buf[i] + d;
+            buf[i] = bb;
+            d = nesterov ? d + momentum * bb : bb;
+        }
+        p[i] -= lr * d;
+    }
+}
+
+// step holds the number of steps taken so far; the update uses step + 1 and
+// `step_incr` stores it afterwards.
+extern "C" __global__ void adam_update(float* p, const float* g, float* m, float* v, const float* step, int n,
+                                       float lr, float b1, float b2, float eps, float wd, int decoupled) {
+    float t = step[0] + 1.0f;
+    float bc1 = 1.0f - powf(b1, t);
+    float bc2 = 1.0f - powf(b2, t);
+    GRID_LOOP(i, n) {
+        float gi = g[i], pi = p[i];
+        if (decoupled) {
+            pi = pi * (1.0f - lr * wd);
+        } else {
+            gi = gi + wd * pi;
+        }
+        float mi = b1 * m[i] + (1.0f - b1) * gi;
+        float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float denom = sqrtf(vi) / sqrtf(bc2) + eps;
+        p[i] = pi - (lr / bc1) * mi / denom;
+    }
+}
+
+extern "C" __global__ void step_incr(float* step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) step[0] += 1.0f;
+}

@@ -1,0 +1,211 @@
+// Neural-network kernels on NCHW tensors: pooling (and gradients), global
+// average pooling, embedding (and gradient), training-mode batch norm.
+
+#define GRID_LOOP(i, n) \
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+struct Pool {
+    int N, C, H, W, OH, OW, kh, kw, sh, sw, ph, pw;
+};
+
+// Padding counts as -inf; the first maximum wins.
+extern "C" __global__ void maxpool(float* y, const float* x, Pool p) {
+    int n = p.N * p.C * p.OH * p.OW;
+    GRID_LOOP(i, n) {
+        int ow = i % p.OW, oh = (i / p.OW) % p.OH, nc = i / (p.OW * p.OH);
+        const float* xp = x + (long long)nc * p.H * p.W;
+        float m = NEG_INF;
+        for (int a = 0; a < p.kh; ++a) {
+            int h = oh * p.sh - p.ph + a;
+            if (h < 0 || h >= p.H) continue;
+            for (int b = 0; b < p.kw; ++b) {
+                int w = ow * p.sw - p.pw + b;
+                if (w < 0 || w >= p.W) continue;
+                m = fmaxf(m, xp[h * p.W + w]);
+            }
+        }
+        y[i] = m;
+    }
+}
+
+// dx zeroed first; dy goes to the first maximum of each window.
+extern "C" __global__ void maxpool_grad(float* dx, const float* x, const float* dy, Pool p) {
+    int n = p.N * p.C * p.OH * p.OW;
+    GRID_LOOP(i, n) {
+        int ow = i % p.OW, oh = (i / p.OW) % p.OH, nc = i / (p.OW * p.OH);
+        const float* xp = x + (long long)nc * p.H * p.W;
+        float m = NEG_INF;
+        int at = -1;
+        for (int a = 0; a < p.kh; ++a) {
+            int h = oh * p.sh - p.ph + a;
+            if (h < 0 || h >= p.H) continue;
+            for (int b = 0; b < p.kw; ++b) {
+                int w = ow * p.sw - p.pw + b;
+                if (w < 0 || w >= p.W) continue;
+                float v = xp[h * p.W + w];
+                if (at < 0 || v > m) { m = v; at = h * p.W + w; }
+            }
+        }
+        if (at >= 0) atomicAdd(&dx[(long long)nc * p.H * p.W + at], dy[i]);
+    }
+}
+
+__device__ __forceinline__ int avg_count(const Pool& p, int oh, int ow, int include_pad) {
+    int h0 = oh * p.sh - p.ph, w0 = ow * p.sw - p.pw;
+    int h1 = imin(h0 + p.kh, p.H + p.ph), w1 = imin(w0 + p.kw, p.W + p.pw);
+    if (include_pad) return (h1 - h0) * (w1 - w0);
+    h0 = imax(h0, 0); w0 = imax(w0, 0);
+    h1 = imin(h1, p.H); w1 = imin(w1, p.W);
+    return (h1 - h0) * (w1 - w0);
+}
+
+extern "C" __global__ void avgpool(float* y, const float* x, Pool p, int include_pad) {
+    int n = p.N * p.C * p.OH * p.OW;
+    GRID_LOOP(i, n) {
+        int ow = i % p.OW, oh = (i / p.OW) % p.OH, nc = i / (p.OW * p.OH);
+        const float* xp = x + (long long)nc * p.H * p.W;
+        float s = 0.0f;
+        for (int a = 0; a < p.kh; ++a) {
+            int h = oh * p.sh - p.ph + a;
+            if (h < 0 || h >= p.H) continue;
+            for (int b = 0; b < p.kw; ++b) {
+                int w = ow * p.sw - p.pw + b;
+                if (w < 0 || w >= p.W) continue;
+                s += xp[h * p.W + w];
+            }
+        }
+        int c = avg_count(p, oh, ow, include_pad);
+        y[i] = c > 0 ? s / c : 0.0f;
+    }
+}
+
+extern "C" __global__ void avgpool_grad(float* dx, const float* dy, Pool p, int include_pad) {
+    int n = p.N * p.C * p.OH * p.OW;
+    GRID_LOOP(i, n) {
+        int ow = i % p.OW, oh = (i / p.OW) % p.OH, nc = i / (p.OW * p.OH);
+        int c = avg_count(p, oh, ow, include_pad);
+        if (c <= 0) continue;
+        float g = dy[i] / c;
+        float* dp = dx + (long long)nc * p.H * p.W;
+        for (int a = 0; a < p.kh; ++a) {
+            int h = oh * p.sh - p.ph + a;
+            if (h < 0 || h >= p.H) continue;
+            for (int b = 0; b < p.kw; ++b) {
+                int w = ow * p.sw - p.pw + b;
+                if (w < 0 || w >= p.W) continue;
+                atomicAdd(&dp[h * p.W + w], g);
+            }
+        }
+    }
+}
+
+// y[q] = mean of row q (length L); one warp per row.
+extern "C" __global__ void row_mean(float* y, const float* x, int rows, int L) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    const float* xr = x + (long long)q * L;
+    float s = 0.0f;
+    for (int j = lane; j < L; j += 32) s += xr[j];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    if (lane == 0) y[q] = s / L;
+}
+
+// Out-of-range indices give NaN rows.
+extern "C" __global__ void embedding(float* y, const float* table, const long long* idx, int n_idx, int D, int V) {
+    int n = n_idx * D;
+    GRID_LOOP(i, n) {
+        int r = i / D, d = i % D;
+        long long k = idx[r];
+        y[i] = (k >= 0 && k < V) ? table[k * D + d] : __int_as_float(0x7fc00000);
+    }
+}
+
+extern "C" __global__ void embedding_grad(float* dt, const long long* idx, const float* dy, int n_idx, int D, int V) {
+    int n = n_idx * D;
+    GRID_LOOP(i, n) {
+        int r = i / D, d = i % D;
+        long long k = idx[r];
+        if (k >= 0 && k < V) atomicAdd(&dt[k * D + d], dy[i]);
+    }
+}
+
+__device__ float block_sum(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    float t = lane < nw ? sh[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+    return t;
+}
+
+// x viewed as [N, C, inner]; one block per channel. Saves mean and
+// 1/sqrt(var + eps) (biased var) and updates the running statistics with the
+// unbiased variance, as PyTorch.
+extern "C" __global__ void bn_stats(float* mean, float* invstd, float* rmean, float* rvar, const float* x,
+                                    int N, int C, int inner, float eps, float momentum) {
+    int c = blockIdx.x;
+    int M = N * inner;
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < M; j += blockDim.x) {
+        int nn = j / inner, k = j % inner;
+        s += x[((long long)nn * C + c) * inner + k];
+    }
+    float mu = block_sum(s) / M;
+    float v = 0.0f;
+    for (int j = threadIdx.x; j < M; j += blockDim.x) {
+        int nn = j / inner, k = j % inner;
+        float d = x[((long long)nn * C + c) * inner + k] - mu;
+        v += d * d;
+    }
+    float var = block_sum(v) / M;
+    if (threadIdx.x == 0) {
+        mean[c] = mu;
+        invstd[c] = rsqrtf(var + eps);
+        float unbiased = M > 1 ? var * M / (M - 1) : var;
+        rmean[c] = (1.0f - momentum) * rmean[c] + momentum * mu;
+        rvar[c] = (1.0f - momentum) * rvar[c] + momentum * unbiased;
+    }
+}
+
+extern "C" __global__ void bn_apply(float* y, const float* x, const float* mean, const float* invstd,
+                                    const float* g, const float* b, int n, int C, int inner) {
+    GRID_LOOP(i, n) {
+        int c = (i / inner) % C;
+        y[i] = (x[i] - mean[c]) * invstd[c] * g[c] + b[c];
+    }
+}
+
+// One block per channel: dbeta = sum dy, dgamma = sum dy * xhat.
+extern "C" __global__ void bn_grad_reduce(float* dg, float* db, const float* x, const float* mean, const float* invstd,
+                                          const float* dy, int N, int C, int inner) {
+    int c = blockIdx.x;
+    int M = N * inner;
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int j = threadIdx.x; j < M; j += blockDim.x) {
+        int nn = j / inner, k = j % inner;
+        long long at = ((long long)nn * C + c) * inner + k;
+        s1 += dy[at];
+        s2 += dy[at] * (x[at] - mean[c]) * invstd[c];
+    }
+    s1 = block_sum(s1);
+    s2 = block_sum(s2);
+    if (threadIdx.x == 0) { db[c] = s1; dg[c] = s2; }
+}
+
+extern "C" __global__ void bn_grad_dx(float* dx, const float* x, const float* g, const float* mean, const float* invstd,
+                                      const float* dy, const float* dg, const float* db, int n, int C, int inner, int M) {
+    GRID_LOOP(i, n) {
+        int c = (i / inner) % C;
+        float xh = (x[i] - mean[c]) * invstd[c];
+        dx[i] = g[c] * invstd[c] / M * (M * dy[i] - db[c] - xh * dg[c]);
+    }
+}

@@ -1,0 +1,249 @@
+// Reductions and row-wise kernels: sum/mean/max over any axes, softmax and
+// log-softmax (and their gradients), layer norm (and gradient), losses, and
+// the routing of ReduceMax's gradient.
+
+#define MAXR 8
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+// Output element o -> base offset through (odims, ostr); reduced element r ->
+// extra offset through (rdims, rstr).
+struct Red {
+    int orank;
+    int odims[MAXR];
+    int ostr[MAXR];
+    int rrank;
+    int rdims[MAXR];
+    int rstr[MAXR];
+};
+
+__device__ __forceinline__ int red_base(const Red& r, int o) {
+    int off = 0;
+    for (int d = r.orank - 1; d >= 0; --d) {
+        int k = o % r.odims[d];
+        o /= r.odims[d];
+        off += k * r.ostr[d];
+    }
+    return off;
+}
+
+__device__ __forceinline__ int red_off(const Red& r, int j) {
+    int off = 0;
+    for (int d = r.rrank - 1; d >= 0; --d) {
+        int k = j % r.rdims[d];
+        j /= r.rdims[d];
+        off += k * r.rstr[d];
+    }
+    return off;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// Block-wide reduction (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the result.
+__device__ float block_reduce(float v, int is_max) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    v = is_max ? warp_max(v) : warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    float t = lane < nw ? sh[lane] : (is_max ? NEG_INF : 0.0f);
+    t = is_max ? warp_max(t) : warp_sum(t);
+    return t;
+}
+
+// One warp per output. op 0: sum * scale; op 1: max.
+extern "C" __global__ void reduce_warp(float* out, const float* in, int n_out, int n_red, Red r, int op, float scale) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= n_out) return;
+    int base = red_base(r, warp);
+    float acc = op ? NEG_INF : 0.0f;
+    for (int j = lane; j < n_red; j += 32) {
+        float v = in[base + red_off(r, j)];
+        acc = op ? fmaxf(acc, v) : acc + v;
+    }
+    acc = op ? warp_max(acc) : warp_sum(acc);
+    if (lane == 0) out[warp] = op ? acc : acc * scale;
+}
+
+// One block per output, for long reductions.
+extern "C" __global__ void reduce_block(float* out, const float* in, int n_out, int n_red, Red r, int op, float scale) {
+    int o = blockIdx.x;
+    if (o >= n_out) return;
+    int base = red_base(r, o);
+    float acc = op ? NEG_INF : 0.0f;
+    for (int j = threadIdx.x; j < n_red; j += blockDim.x) {
+        float v = in[base + red_off(r, j)];
+        acc = op ? fmaxf(acc, v) : acc + v;
+    }
+    acc = block_reduce(acc, op);
+    if (threadIdx.x == 0) out[o] = op ? acc : acc * scale;
+}
+
+// dx (zeroed) gets dy at the first position of each group where x == y.
+extern "C" __global__ void reduce_max_grad(float* dx, const float* x, const float* y, const float* dy,
+                                           int n_out, int n_red, Red r) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= n_out) return;
+    int base = red_base(r, warp);
+    float target = y[warp];
+    int first = 0x7fffffff;
+    for (int j = lane; j < n_red; j += 32) {
+        if (x[base + red_off(r, j)] == target) { first = j; break; }
+    }
+    for (int o = 16; o > 0; o >>= 1) first = imin(first, __shfl_xor_sync(0xffffffff, first, o));
+    if (lane == 0 && first != 0x7fffffff) dx[base + red_off(r, first)] = dy[warp];
+}
+
+// Rows of a [outer, D, inner] tensor: row q has elements at
+// (q / inner) * D * inner + q % inner + j * inner. One warp per row.
+__device__ __forceinline__ int row_base(int q, int D, int inner) {
+    return (q / inner) * D * inner + (q % inner);
+}
+
+extern "C" __global__ void softmax(float* y, const float* x, int rows, int D, int inner, int log_mode) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    int b = row_base(q, D, inner);
+    float mx = NEG_INF;
+    for (int j = lane; j < D; j += 32) mx = fmaxf(mx, x[b + j * inner]);
+    mx = warp_max(mx);
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) s += expf(x[b + j * inner] - mx);
+    s = warp_sum(s);
+    if (log_mode) {
+        float ls = logf(s);
+        for (int j = lane; j < D; j += 32) y[b + j * inner] = x[b + j * inner] - mx - ls;
+    } else {
+        float inv = 1.0f / s;
+        for (int j = lane; j < D; j += 32) y[b + j * inner] = expf(x[b + j * inner] - mx) * inv;
+    }
+}
+
+// softmax: dx = y * (dy - sum(dy * y)); log-softmax: dx = dy - exp(y) * sum(dy).
+extern "C" __global__ void softmax_grad(float* dx, const float* y, const float* dy, int rows, int D, int inner, int log_mode) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    int b = row_base(q, D, inner);
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) {
+        int k = b + j * inner;
+        s += log_mode ? dy[k] : dy[k] * y[k];
+    }
+    s = warp_sum(s);
+    for (int j = lane; j < D; j += 32) {
+        int k = b + j * inner;
+        dx[k] = log_mode ? dy[k] - expf(y[k]) * s : y[k] * (dy[k] - s);
+    }
+}
+
+// One warp per row of D contiguous values; biased variance as PyTorch.
+extern "C" __global__ void layernorm(float* y, const float* x, const float* g, const float* bt, int rows, int D, float eps) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    const float* xr = x + (long long)q * D;
+    float* yr = y + (long long)q * D;
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) s += xr[j];
+    float mean = warp_sum(s) / D;
+    float v = 0.0f;
+    for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; v += d * d; }
+    float inv = rsqrtf(warp_sum(v) / D + eps);
+    for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * inv * g[j] + bt[j];
+}
+
+// dx per row; dgamma and dbeta (zeroed first) accumulate with atomics.
+extern "C" __global__ void layernorm_grad(float* dx, float* dg, float* db, const float* x, const float* g,
+                                          const float* dy, int rows, int D, float eps) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    const float* xr = x + (long long)q * D;
+    const float* dyr = dy + (long long)q * D;
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) s += xr[j];
+    float mean = warp_sum(s) / D;
+    float v = 0.0f;
+    for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; v += d * d; }
+    float inv = rsqrtf(warp_sum(v) / D + eps);
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int j = lane; j < D; j += 32) {
+        float xh = (xr[j] - mean) * inv;
+        float gd = dyr[j] * g[j];
+        s1 += gd;
+        s2 += gd * xh;
+        atomicAdd(&dg[j], dyr[j] * xh);
+        atomicAdd(&db[j], dyr[j]);
+    }
+    s1 = warp_sum(s1) / D;
+    s2 = warp_sum(s2) / D;
+    for (int j = lane; j < D; j += 32) {
+        float xh = (xr[j] - mean) * inv;
+        dx[(long long)q * D + j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
+    }
+}
+
+// Per-row loss lse(x) - x[label] (NaN for a label out of range), one warp per
+// row, summed into out[0] (zeroed first) times `scale`.
+extern "C" __global__ void cross_entropy(float* out, const float* logits, const long long* labels, int N, int C, float scale) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= N) return;
+    const float* xr = logits + (long long)q * C;
+    float mx = NEG_INF;
+    for (int j = lane; j < C; j += 32) mx = fmaxf(mx, xr[j]);
+    mx = warp_max(mx);
+    float s = 0.0f;
+    for (int j = lane; j < C; j += 32) s += expf(xr[j] - mx);
+    s = warp_sum(s);
+    if (lane == 0) {
+        long long l = labels[q];
+        float loss = (l >= 0 && l < C) ? (logf(s) + mx - xr[l]) : __int_as_float(0x7fc00000);
+        atomicAdd(out, loss * scale);
+    }
+}
+
+extern "C" __global__ void cross_entropy_grad(float* dx, const float* logits, const long long* labels, const float* dloss,
+                                              int N, int C) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= N) return;
+    const float* xr = logits + (long long)q * C;
+    float mx = NEG_INF;
+    for (int j = lane; j < C; j += 32) mx = fmaxf(mx, xr[j]);
+    mx = warp_max(mx);
+    float s = 0.0f;
+    for (int j = lane; j < C; j += 32) s += expf(xr[j] - mx);
+    s = warp_sum(s);
+    float k = dloss[0] / N;
+    long long l = labels[q];
+    for (int j = lane; j < C; j += 32) {
+        float p = expf(xr[j] - mx) / s;
+        dx[(long long)q * C + j] = (p - (j == l ? 1.0f : 0.0f)) * k;
+    }
+}
+
+// out[0] = mean((p - t)^2); one block.
+extern "C" __global__ void mse_loss(float* out, const float* p, const float* t, int n) {
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { float d = p[i] - t[i]; acc += d * d; }
+    acc = block_reduce(acc, 0);
+    if (threadIdx.x == 0) out[0] = acc / n;
+}

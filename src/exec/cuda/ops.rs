@@ -1,0 +1,804 @@
+//! One node at a time: each op becomes kernel launches, a cuBLAS call or a
+//! cuDNN call on the program's stream, on arena addresses.
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+use lanes_adaptor::{DType, NodeId, Op, Pool2dAttrs, TensorType};
+
+use super::device::{blocks, grid, launch, warps, ArgRef};
+use super::program::{dev_err, op_err, CudaProgram};
+use crate::exec::ExecError;
+
+const MAXR: usize = 8;
+
+/// Index space plus two stride sets (see `elementwise.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Strided {
+    rank: i32,
+    dims: [i32; MAXR],
+    sa: [i32; MAXR],
+    sb: [i32; MAXR],
+}
+// SAFETY: plain `#[repr(C)]` integers, laid out as the CUDA struct `Strided`.
+unsafe impl DeviceRepr for Strided {}
+
+/// Reduction geometry (see `reduce.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Red {
+    orank: i32,
+    odims: [i32; MAXR],
+    ostr: [i32; MAXR],
+    rrank: i32,
+    rdims: [i32; MAXR],
+    rstr: [i32; MAXR],
+}
+// SAFETY: plain `#[repr(C)]` integers, laid out as the CUDA struct `Red`.
+unsafe impl DeviceRepr for Red {}
+
+/// Pooling geometry (see `nn.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Pool {
+    n: i32,
+    c: i32,
+    h: i32,
+    w: i32,
+    oh: i32,
+    ow: i32,
+    kh: i32,
+    kw: i32,
+    sh: i32,
+    sw: i32,
+    ph: i32,
+    pw: i32,
+}
+// SAFETY: plain `#[repr(C)]` integers, laid out as the CUDA struct `Pool`.
+unsafe impl DeviceRepr for Pool {}
+
+fn contiguous_strides(d: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; d.len()];
+    for i in (0..d.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * d[i + 1];
+    }
+    s
+}
+
+fn prod(d: &[usize]) -> usize {
+    d.iter().product()
+}
+
+fn i(v: usize) -> i32 {
+    // Every tensor was checked to hold at most i32::MAX elements.
+    v as i32
+}
+
+/// Strides of `src` (right-aligned) read at the indices of `out`, 0 on
+/// broadcast axes.
+fn bcast_strides(src: &[usize], out: &[usize]) -> Vec<usize> {
+    let s = contiguous_strides(src);
+    let off = out.len() - src.len();
+    (0..out.len())
+        .map(|k| {
+            if k < off || src[k - off] == 1 {
+                0
+            } else {
+                s[k - off]
+            }
+        })
+        .collect()
+}
+
+fn strided(dims: &[usize], sa: &[usize], sb: &[usize]) -> Option<Strided> {
+    if dims.len() > MAXR {
+        return None;
+    }
+    let mut s = Strided {
+        rank: dims.len() as i32,
+        ..Default::default()
+    };
+    for k in 0..dims.len() {
+        s.dims[k] = i(dims[k]);
+        s.sa[k] = i(sa[k]);
+        s.sb[k] = i(sb[k]);
+    }
+    Some(s)
+}
+
+/// Reduction of `dims` over `axes` (each a flag per axis).
+fn red(dims: &[usize], reduced: &[bool]) -> Option<(Red, usize, usize)> {
+    if dims.len() > MAXR {
+        return None;
+    }
+    let st = contiguous_strides(dims);
+    let mut r = Red::default();
+    let (mut n_out, mut n_red) = (1usize, 1usize);
+    for k in 0..dims.len() {
+        if reduced[k] {
+            let j = r.rrank as usize;
+            r.rdims[j] = i(dims[k]);
+            r.rstr[j] = i(st[k]);
+            r.rrank += 1;
+            n_red *= dims[k];
+        } else {
+            let j = r.orank as usize;
+            r.odims[j] = i(dims[k]);
+            r.ostr[j] = i(st[k]);
+            r.orank += 1;
+            n_out *= dims[k];
+        }
+    }
+    Some((r, n_out, n_red))
+}
+
+fn pool(x: &[usize], y: &[usize], p: &Pool2dAttrs) -> Pool {
+    Pool {
+        n: i(x[0]),
+        c: i(x[1]),
+        h: i(x[2]),
+        w: i(x[3]),
+        oh: i(y[2]),
+        ow: i(y[3]),
+        kh: i(p.kernel[0]),
+        kw: i(p.kernel[1]),
+        sh: i(p.stride[0]),
+        sw: i(p.stride[1]),
+        ph: i(p.padding[0]),
+        pw: i(p.padding[1]),
+    }
+}
+
+/// [outer, axis, inner] view of `dims` around `axis`.
+fn around(dims: &[usize], axis: usize) -> (usize, usize, usize) {
+    (prod(&dims[..axis]), dims[axis], prod(&dims[axis + 1..]))
+}
+
+impl CudaProgram {
+    fn k(
+        &self,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &[&dyn ArgRef],
+    ) -> Result<(), ExecError> {
+        let f = self.gpu.kernel(name)?;
+        // SAFETY: every call site below passes the kernel's parameters in
+        // order with matching types (u64 for pointers, i32, f32, the
+        // `#[repr(C)]` structs above), and addresses of arena ranges whose
+        // types were inferred and checked at validation, so the indices a
+        // kernel derives from the shape arguments stay inside them.
+        unsafe { launch(&self.stream, f, cfg, args) }
+    }
+
+    fn fill(&self, ptr: u64, n: usize, v: f32) -> Result<(), ExecError> {
+        let n32 = i(n);
+        self.k("fill", grid(n), &[&ptr, &n32, &v])
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), ExecError> {
+        if dst == src || bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges are arena ranges of `bytes` bytes (same type).
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+        }
+        .map_err(|e| dev_err("device copy", e))
+    }
+
+    fn strided_copy(
+        &self,
+        dtype: DType,
+        out: u64,
+        inp: u64,
+        s: Strided,
+        ob: usize,
+        ib: usize,
+    ) -> Result<(), ExecError> {
+        let n = (0..s.rank as usize)
+            .map(|k| s.dims[k] as usize)
+            .product::<usize>();
+        if n == 0 {
+            return Ok(());
+        }
+        let (n32, ob, ib) = (i(n), i(ob), i(ib));
+        let name = match dtype {
+            DType::F32 => "strided_copy32",
+            DType::I64 => "strided_copy64",
+        };
+        self.k(name, grid(n), &[&out, &inp, &n32, &s, &ob, &ib])
+    }
+
+    /// Runs node `id`.
+    pub(super) fn exec(&self, id: NodeId) -> Result<(), ExecError> {
+        let g = self.graph.graph();
+        let node = &g.nodes[id.index()];
+        let err = |reason: String| op_err(id, node, reason);
+        let inp: Vec<u64> = node.inputs.iter().map(|&o| self.addr(o)).collect();
+        let ity: Vec<&TensorType> = node.inputs.iter().map(|&o| &self.slot(o).ty).collect();
+        let out: Vec<u64> = (0..node.outputs.len())
+            .map(|k| self.addr(lanes_adaptor::Outlet::new(id, k as u32)))
+            .collect();
+        let oty = &node.outputs;
+        let rank_err = || err(format!("rank above {MAXR} is not supported on CUDA"));
+        let n_out = oty.first().map(|t| t.shape.numel()).unwrap_or(0);
+        let n32 = i(n_out);
+        match &node.op {
+            Op::Placeholder(_) | Op::Variable(_) | Op::Constant(_) => Ok(()),
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
+                let code: i32 = match node.op {
+                    Op::Add => 0,
+                    Op::Sub => 1,
+                    Op::Mul => 2,
+                    _ => 3,
+                };
+                let (a, b) = (ity[0].shape.dims(), ity[1].shape.dims());
+                let o = oty[0].shape.dims();
+                // b's dims (leading 1s dropped) are a suffix of out's: b repeats.
+                let b_core: &[usize] = {
+                    let lead = b.iter().take_while(|&&d| d == 1).count();
+                    &b[lead..]
+                };
+                if a == o && b == o {
+                    self.k(
+                        "binary_same",
+                        grid(n_out),
+                        &[&out[0], &inp[0], &inp[1], &n32, &code],
+                    )
+                } else if a == o && !b_core.is_empty() && o.ends_with(b_core) {
+                    let len = i(prod(b_core));
+                    self.k(
+                        "binary_row",
+                        grid(n_out),
+                        &[&out[0], &inp[0], &inp[1], &n32, &len, &code],
+                    )
+                } else {
+                    let s = strided(o, &bcast_strides(a, o), &bcast_strides(b, o))
+                        .ok_or_else(rank_err)?;
+                    self.k(
+                        "binary_bcast",
+                        grid(n_out),
+                        &[&out[0], &inp[0], &inp[1], &n32, &code, &s],
+                    )
+                }
+            }
+            Op::Relu
+            | Op::Gelu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Exp
+            | Op::Log
+            | Op::Sqrt
+            | Op::Scale(_) => {
+                let (code, p): (i32, f32) = match node.op {
+                    Op::Relu => (0, 0.0),
+                    Op::Gelu => (1, 0.0),
+                    Op::Sigmoid => (2, 0.0),
+                    Op::Tanh => (3, 0.0),
+                    Op::Exp => (4, 0.0),
+                    Op::Log => (5, 0.0),
+                    Op::Sqrt => (6, 0.0),
+                    Op::Scale(f) => (7, f),
+                    _ => (7, 1.0),
+                };
+                self.k("unary", grid(n_out), &[&out[0], &inp[0], &n32, &code, &p])
+            }
+            Op::ReluGrad | Op::GeluGrad | Op::SigmoidGrad | Op::TanhGrad => {
+                let code: i32 = match node.op {
+                    Op::ReluGrad => 0,
+                    Op::GeluGrad => 1,
+                    Op::SigmoidGrad => 2,
+                    _ => 3,
+                };
+                self.k(
+                    "unary_grad",
+                    grid(n_out),
+                    &[&out[0], &inp[0], &inp[1], &n32, &code],
+                )
+            }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let (outer, d, inner) = around(ity[0].shape.dims(), *axis);
+                let rows = outer * inner;
+                let log: i32 = matches!(node.op, Op::LogSoftmax { .. }).into();
+                let (rows32, d32, inner32) = (i(rows), i(d), i(inner));
+                self.k(
+                    "softmax",
+                    warps(rows),
+                    &[&out[0], &inp[0], &rows32, &d32, &inner32, &log],
+                )
+            }
+            Op::SoftmaxGrad { axis } | Op::LogSoftmaxGrad { axis } => {
+                let (outer, d, inner) = around(ity[0].shape.dims(), *axis);
+                let rows = outer * inner;
+                let log: i32 = matches!(node.op, Op::LogSoftmaxGrad { .. }).into();
+                let (rows32, d32, inner32) = (i(rows), i(d), i(inner));
+                self.k(
+                    "softmax_grad",
+                    warps(rows),
+                    &[&out[0], &inp[0], &inp[1], &rows32, &d32, &inner32, &log],
+                )
+            }
+            Op::Reshape { .. } => self.copy(out[0], inp[0], oty[0].bytes()),
+            Op::Assign => self.copy(inp[0], inp[1], ity[0].bytes()),
+            Op::Transpose { perm } => {
+                let d = ity[0].shape.dims();
+                let st = contiguous_strides(d);
+                let o = oty[0].shape.dims();
+                let sb: Vec<usize> = perm.iter().map(|&p| st[p]).collect();
+                let s = strided(o, &contiguous_strides(o), &sb).ok_or_else(rank_err)?;
+                self.strided_copy(oty[0].dtype, out[0], inp[0], s, 0, 0)
+            }
+            Op::Slice { axis, start, .. } => {
+                let st = contiguous_strides(ity[0].shape.dims());
+                let o = oty[0].shape.dims();
+                let s = strided(o, &contiguous_strides(o), &st).ok_or_else(rank_err)?;
+                self.strided_copy(oty[0].dtype, out[0], inp[0], s, 0, start * st[*axis])
+            }
+            Op::SliceGrad { axis, start, .. } => {
+                self.fill(out[0], n_out, 0.0)?;
+                let ost = contiguous_strides(oty[0].shape.dims());
+                let d = ity[0].shape.dims();
+                let s = strided(d, &ost, &contiguous_strides(d)).ok_or_else(rank_err)?;
+                self.strided_copy(DType::F32, out[0], inp[0], s, start * ost[*axis], 0)
+            }
+            Op::Concat { axis } => {
+                let ost = contiguous_strides(oty[0].shape.dims());
+                let mut at = 0usize;
+                for (k, t) in ity.iter().enumerate() {
+                    let d = t.shape.dims();
+                    let s = strided(d, &ost, &contiguous_strides(d)).ok_or_else(rank_err)?;
+                    self.strided_copy(oty[0].dtype, out[0], inp[k], s, at * ost[*axis], 0)?;
+                    at += d[*axis];
+                }
+                Ok(())
+            }
+            Op::BroadcastTo { .. } => {
+                let o = oty[0].shape.dims();
+                let s = strided(
+                    o,
+                    &contiguous_strides(o),
+                    &bcast_strides(ity[0].shape.dims(), o),
+                )
+                .ok_or_else(rank_err)?;
+                self.strided_copy(DType::F32, out[0], inp[0], s, 0, 0)
+            }
+            Op::SumTo { shape } => {
+                let d = ity[0].shape.dims();
+                let off = d.len() - shape.len();
+                let flags: Vec<bool> = (0..d.len())
+                    .map(|k| k < off || (shape[k - off] == 1 && d[k] != 1))
+                    .collect();
+                self.reduce(out[0], inp[0], d, &flags, false, false)
+                    .and_then(|r| r.ok_or_else(rank_err))
+            }
+            Op::ReduceSum { axes, .. }
+            | Op::ReduceMean { axes, .. }
+            | Op::ReduceMax { axes, .. } => {
+                let d = ity[0].shape.dims();
+                let flags: Vec<bool> = (0..d.len()).map(|k| axes.contains(&k)).collect();
+                let mean = matches!(node.op, Op::ReduceMean { .. });
+                let max = matches!(node.op, Op::ReduceMax { .. });
+                self.reduce(out[0], inp[0], d, &flags, mean, max)
+                    .and_then(|r| r.ok_or_else(rank_err))
+            }
+            Op::ReduceMaxGrad { axes, .. } => {
+                self.fill(out[0], n_out, 0.0)?;
+                let d = ity[0].shape.dims();
+                let flags: Vec<bool> = (0..d.len()).map(|k| axes.contains(&k)).collect();
+                let (r, no, nr) = red(d, &flags).ok_or_else(rank_err)?;
+                let (no32, nr32) = (i(no), i(nr));
+                self.k(
+                    "reduce_max_grad",
+                    warps(no),
+                    &[&out[0], &inp[0], &inp[1], &inp[2], &no32, &nr32, &r],
+                )
+            }
+            Op::MatMul {
+                transpose_a,
+                transpose_b,
+            } => self
+                .matmul(
+                    (inp[0], ity[0].shape.dims()),
+                    (inp[1], ity[1].shape.dims()),
+                    *transpose_a,
+                    *transpose_b,
+                    (out[0], oty[0].shape.dims()),
+                )
+                .map_err(err),
+            Op::Conv2d(_) | Op::Conv2dGradInput { .. } | Op::Conv2dGradFilter { .. } => {
+                let plan = self
+                    .convs
+                    .get(&id.index())
+                    .ok_or_else(|| err("no convolution plan".into()))?;
+                let n = |t: &TensorType| t.shape.numel();
+                // SAFETY: the plan's descriptors were made from these very
+                // types; the workspace holds the largest size any plan asked.
+                unsafe {
+                    plan.run(
+                        &self.stream,
+                        (inp[0], n(ity[0])),
+                        (inp[1], n(ity[1])),
+                        (out[0], n_out),
+                        self.workspace,
+                        self.workspace_bytes,
+                    )
+                }
+                .map_err(|e| err(format!("cuDNN: {e:?}")))?;
+                if let (Op::Conv2d(_), Some(bias)) = (&node.op, inp.get(2)) {
+                    let d = oty[0].shape.dims();
+                    let (c, inner) = (i(d[1]), i(d[2] * d[3]));
+                    self.k(
+                        "channel_bias",
+                        grid(n_out),
+                        &[&out[0], bias, &n32, &c, &inner],
+                    )?;
+                }
+                Ok(())
+            }
+            Op::MaxPool2d(p) => {
+                let pp = pool(ity[0].shape.dims(), oty[0].shape.dims(), p);
+                self.k("maxpool", grid(n_out), &[&out[0], &inp[0], &pp])
+            }
+            Op::AvgPool2d {
+                pool: p,
+                count_include_pad,
+            } => {
+                let pp = pool(ity[0].shape.dims(), oty[0].shape.dims(), p);
+                let inc: i32 = (*count_include_pad).into();
+                self.k("avgpool", grid(n_out), &[&out[0], &inp[0], &pp, &inc])
+            }
+            Op::MaxPool2dGrad(p) => {
+                self.fill(out[0], n_out, 0.0)?;
+                let pp = pool(ity[0].shape.dims(), ity[1].shape.dims(), p);
+                let ny = ity[1].shape.numel();
+                self.k("maxpool_grad", grid(ny), &[&out[0], &inp[0], &inp[1], &pp])
+            }
+            Op::AvgPool2dGrad {
+                pool: p,
+                count_include_pad,
+            } => {
+                self.fill(out[0], n_out, 0.0)?;
+                let pp = pool(ity[0].shape.dims(), ity[1].shape.dims(), p);
+                let ny = ity[1].shape.numel();
+                let inc: i32 = (*count_include_pad).into();
+                self.k("avgpool_grad", grid(ny), &[&out[0], &inp[1], &pp, &inc])
+            }
+            Op::GlobalAvgPool => {
+                let d = ity[0].shape.dims();
+                let (rows, l) = (d[0] * d[1], d[2] * d[3]);
+                let (rows32, l32) = (i(rows), i(l));
+                self.k("row_mean", warps(rows), &[&out[0], &inp[0], &rows32, &l32])
+            }
+            Op::BatchNorm { eps } => {
+                let d = ity[0].shape.dims();
+                let (c, inner) = (i(d[1]), i(prod(&d[2..])));
+                self.k(
+                    "batchnorm_infer",
+                    grid(n_out),
+                    &[
+                        &out[0], &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &n32, &c, &inner, eps,
+                    ],
+                )
+            }
+            Op::BatchNormTrain { eps, momentum } => {
+                let d = ity[0].shape.dims();
+                let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
+                self.k(
+                    "bn_stats",
+                    blocks(d[1], 256),
+                    &[
+                        &out[1], &out[2], &inp[3], &inp[4], &inp[0], &nb, &c, &inner, eps, momentum,
+                    ],
+                )?;
+                self.k(
+                    "bn_apply",
+                    grid(n_out),
+                    &[
+                        &out[0], &inp[0], &out[1], &out[2], &inp[1], &inp[2], &n32, &c, &inner,
+                    ],
+                )
+            }
+            Op::BatchNormTrainGrad => {
+                let d = ity[0].shape.dims();
+                let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
+                let m = i(d[0] * prod(&d[2..]));
+                self.k(
+                    "bn_grad_reduce",
+                    blocks(d[1], 256),
+                    &[
+                        &out[1], &out[2], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner,
+                    ],
+                )?;
+                self.k(
+                    "bn_grad_dx",
+                    grid(n_out),
+                    &[
+                        &out[0], &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &out[1], &out[2],
+                        &n32, &c, &inner, &m,
+                    ],
+                )
+            }
+            Op::LayerNorm { eps } => {
+                let d = *ity[0].shape.dims().last().unwrap_or(&1);
+                let rows = n_out / d.max(1);
+                let (rows32, d32) = (i(rows), i(d));
+                self.k(
+                    "layernorm",
+                    warps(rows),
+                    &[&out[0], &inp[0], &inp[1], &inp[2], &rows32, &d32, eps],
+                )
+            }
+            Op::LayerNormGrad { eps } => {
+                let d = *ity[0].shape.dims().last().unwrap_or(&1);
+                let rows = n_out / d.max(1);
+                self.fill(out[1], d, 0.0)?;
+                self.fill(out[2], d, 0.0)?;
+                let (rows32, d32) = (i(rows), i(d));
+                self.k(
+                    "layernorm_grad",
+                    warps(rows),
+                    &[
+                        &out[0], &out[1], &out[2], &inp[0], &inp[1], &inp[2], &rows32, &d32, eps,
+                    ],
+                )
+            }
+            Op::Embedding => {
+                let t = ity[0].shape.dims();
+                let n_idx = ity[1].shape.numel();
+                let (ni, d, v) = (i(n_idx), i(t[1]), i(t[0]));
+                self.k(
+                    "embedding",
+                    grid(n_out),
+                    &[&out[0], &inp[0], &inp[1], &ni, &d, &v],
+                )
+            }
+            Op::EmbeddingGrad { num_embeddings } => {
+                self.fill(out[0], n_out, 0.0)?;
+                let n_idx = ity[0].shape.numel();
+                let d = *ity[1].shape.dims().last().unwrap_or(&1);
+                let (ni, d32, v) = (i(n_idx), i(d), i(*num_embeddings));
+                self.k(
+                    "embedding_grad",
+                    grid(n_idx * d),
+                    &[&out[0], &inp[0], &inp[1], &ni, &d32, &v],
+                )
+            }
+            Op::CrossEntropy => {
+                let d = ity[0].shape.dims();
+                let (n, c) = (d[0], d[1]);
+                self.fill(out[0], 1, 0.0)?;
+                let (n32, c32, scale) = (i(n), i(c), 1.0f32 / n as f32);
+                self.k(
+                    "cross_entropy",
+                    warps(n),
+                    &[&out[0], &inp[0], &inp[1], &n32, &c32, &scale],
+                )
+            }
+            Op::CrossEntropyGrad => {
+                let d = ity[0].shape.dims();
+                let (n32, c32) = (i(d[0]), i(d[1]));
+                self.k(
+                    "cross_entropy_grad",
+                    warps(d[0]),
+                    &[&out[0], &inp[0], &inp[1], &inp[2], &n32, &c32],
+                )
+            }
+            Op::MseLoss => {
+                let n = i(ity[0].shape.numel());
+                self.k(
+                    "mse_loss",
+                    blocks(1, 1024),
+                    &[&out[0], &inp[0], &inp[1], &n],
+                )
+            }
+            Op::SgdUpdate {
+                lr,
+                momentum,
+                weight_decay,
+                nesterov,
+            } => {
+                let n = ity[0].shape.numel();
+                let (n32, nest) = (i(n), i32::from(*nesterov));
+                self.k(
+                    "sgd_update",
+                    grid(n),
+                    &[
+                        &inp[0],
+                        &inp[1],
+                        &inp[2],
+                        &n32,
+                        lr,
+                        momentum,
+                        weight_decay,
+                        &nest,
+                    ],
+                )
+            }
+            Op::AdamUpdate {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+            } => {
+                let n = ity[0].shape.numel();
+                let (n32, dec) = (i(n), i32::from(*decoupled));
+                self.k(
+                    "adam_update",
+                    grid(n),
+                    &[
+                        &inp[0],
+                        &inp[1],
+                        &inp[2],
+                        &inp[3],
+                        &inp[4],
+                        &n32,
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        &dec,
+                    ],
+                )?;
+                self.k("step_incr", blocks(1, 32), &[&inp[4]])
+            }
+        }
+    }
+
+    /// Sum (times 1/count when `mean`) or max of `dims` over the flagged
+    /// axes into `out`, laid out as the kept axes in order. `None` if the
+    /// rank is too high.
+    fn reduce(
+        &self,
+        out: u64,
+        inp: u64,
+        dims: &[usize],
+        flags: &[bool],
+        mean: bool,
+        max: bool,
+    ) -> Result<Option<()>, ExecError> {
+        let Some((r, no, nr)) = red(dims, flags) else {
+            return Ok(None);
+        };
+        if no == 0 {
+            return Ok(Some(()));
+        }
+        let scale = if mean { 1.0 / nr.max(1) as f32 } else { 1.0 };
+        let op = i32::from(max);
+        let (no32, nr32) = (i(no), i(nr));
+        if nr >= 4096 && no < 1024 {
+            self.k(
+                "reduce_block",
+                blocks(no, 512),
+                &[&out, &inp, &no32, &nr32, &r, &op, &scale],
+            )?;
+        } else {
+            self.k(
+                "reduce_warp",
+                warps(no),
+                &[&out, &inp, &no32, &nr32, &r, &op, &scale],
+            )?;
+        }
+        Ok(Some(()))
+    }
+
+    /// Row-major batched product through cuBLAS (column-major): C = A B is
+    /// computed as Cᵀ = Bᵀ Aᵀ.
+    fn matmul(
+        &self,
+        (pa, a): (u64, &[usize]),
+        (pb, b): (u64, &[usize]),
+        ta: bool,
+        tb: bool,
+        (pc, c): (u64, &[usize]),
+    ) -> Result<(), String> {
+        let (ra, rb, rc) = (a.len(), b.len(), c.len());
+        let (m, n) = (c[rc - 2], c[rc - 1]);
+        let k = if ta { a[ra - 2] } else { a[ra - 1] };
+        let (ba, bb, bc) = (&a[..ra - 2], &b[..rb - 2], &c[..rc - 2]);
+        let (na, nb, nc) = (prod(ba), prod(bb), prod(bc));
+        if nc == 0 || m == 0 || n == 0 {
+            return Ok(());
+        }
+        let f = 4u64;
+        if k == 0 {
+            self.fill(pc, nc * m * n, 0.0)
+                .map_err(|e| format!("{e:?}"))?;
+            return Ok(());
+        }
+        // Fold a's batch into its rows when b is shared and a is not transposed.
+        if nb == 1 && !ta && na == nc {
+            return self.gemm(ta, tb, na * m, n, k, pa, 0, pb, 0, pc, 0, 1);
+        }
+        let (sa, sb, sc) = (m * k, k * n, m * n);
+        if (na == nc || na == 1) && (nb == nc || nb == 1) {
+            let sa = if na == 1 { 0 } else { sa };
+            let sb = if nb == 1 { 0 } else { sb };
+            return self.gemm(ta, tb, m, n, k, pa, sa, pb, sb, pc, sc, nc);
+        }
+        // General broadcasting of batch dimensions: one product per batch.
+        let sta = bcast_strides(ba, bc);
+        let stb = bcast_strides(bb, bc);
+        for q in 0..nc {
+            let (mut rem, mut oa, mut ob) = (q, 0usize, 0usize);
+            for d in (0..bc.len()).rev() {
+                let idx = rem % bc[d];
+                rem /= bc[d];
+                oa += idx * sta[d];
+                ob += idx * stb[d];
+            }
+            self.gemm(
+                ta,
+                tb,
+                m,
+                n,
+                k,
+                pa + (oa * m * k) as u64 * f,
+                0,
+                pb + (ob * k * n) as u64 * f,
+                0,
+                pc + (q * m * n) as u64 * f,
+                0,
+                1,
+            )?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        ta: bool,
+        tb: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        pa: u64,
+        sa: usize,
+        pb: u64,
+        sb: usize,
+        pc: u64,
+        sc: usize,
+        batch: usize,
+    ) -> Result<(), String> {
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let lda = if ta { m } else { k };
+        let ldb = if tb { k } else { n };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the three addresses are arena ranges holding the row-major
+        // operands of the inferred shapes (batch × m×k, k×n, m×n, or strides
+        // 0 for a shared operand), which is exactly what these sizes,
+        // leading dimensions and strides make cuBLAS read and write.
+        unsafe {
+            cudarc::cublas::result::sgemm_strided_batched(
+                *self.blas.handle(),
+                op(tb),
+                op(ta),
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha,
+                pb as *const f32,
+                ldb as i32,
+                sb as i64,
+                pa as *const f32,
+                lda as i32,
+                sa as i64,
+                &beta,
+                pc as *mut f32,
+                n as i32,
+                sc as i64,
+                batch as i32,
+            )
+        }
+        .map_err(|e| format!("cuBLAS: {e:?}"))
+    }
+}

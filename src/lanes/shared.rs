@@ -1,0 +1,282 @@
+//! The lane manager and the reservation behind one lock, for a service
+//! whose sessions live on several threads.
+//!
+//! A [`Lease`] stands for one job: admitted or waiting, its memory (or its
+//! place in the queue) is given back when the lease is dropped, so a
+//! session that closes or vanishes frees its memory by dropping its lease.
+//! A waiting job blocks in [`Lease::wait`] until a release admits it.
+//!
+//! Relocations are applied to the reservation under the lock as soon as
+//! the manager reports them. On the CPU backend executors keep tensors in
+//! their own buffers and the reservation only stands in for device memory,
+//! so moving its bytes at any time is safe; a device backend must instead
+//! apply them at the moved lanes' next iteration boundary.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::manager::{Admission, AdmitError, JobId, LaneManager, LanesConfig, Placement, Released};
+use super::reservation::{Reservation, ReserveError};
+use super::snapshot::LanesSnapshot;
+
+#[derive(Debug)]
+struct State {
+    manager: LaneManager,
+    memory: Option<Reservation>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: Mutex<State>,
+    /// Notified after every release that admitted someone.
+    admitted: Condvar,
+}
+
+/// A cloneable handle to the lanes of one reservation.
+#[derive(Debug, Clone)]
+pub struct SharedLanes {
+    inner: Arc<Inner>,
+}
+
+/// Why shared lanes could not be created.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SharedError {
+    #[error(transparent)]
+    Admit(#[from] AdmitError),
+    #[error(transparent)]
+    Reserve(#[from] ReserveError),
+}
+
+impl SharedLanes {
+    /// Lanes over a fresh reservation of `cfg.capacity` bytes.
+    pub fn new(cfg: LanesConfig) -> Result<Self, SharedError> {
+        let manager = LaneManager::new(cfg)?;
+        let memory = Reservation::new(cfg.capacity)?;
+        Ok(Self::from_parts(manager, Some(memory)))
+    }
+
+    /// Lanes that only keep the books (no memory is reserved): for the
+    /// simulator and tests.
+    pub fn accounting_only(cfg: LanesConfig) -> Result<Self, AdmitError> {
+        Ok(Self::from_parts(LaneManager::new(cfg)?, None))
+    }
+
+    fn from_parts(manager: LaneManager, memory: Option<Reservation>) -> Self {
+        SharedLanes {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State { manager, memory }),
+                admitted: Condvar::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves the books consistent (every
+        // mutation completes before returning), so a poisoned lock is used.
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admits `job` now or queues it. The lease releases it on drop.
+    pub fn admit(&self, job: JobId, p: u64, t: u64) -> Result<(Lease, Admission), AdmitError> {
+        let mut st = self.lock();
+        let a = st.manager.admit(job, p, t)?;
+        if let (Admission::Admitted { moves, .. }, Some(mem)) = (&a, st.memory.as_mut()) {
+            // Moves stay inside the reservation by construction.
+            let _ = mem.apply_moves(moves);
+        }
+        drop(st);
+        let lease = Lease {
+            lanes: self.clone(),
+            job,
+            live: true,
+        };
+        Ok((lease, a))
+    }
+
+    /// Admits a job with the P and T of its memory plan.
+    pub fn admit_plan(
+        &self,
+        job: JobId,
+        plan: &crate::compile::MemoryPlan,
+    ) -> Result<(Lease, Admission), AdmitError> {
+        self.admit(job, plan.persistent, plan.ephemeral)
+    }
+
+    /// Releases `job` (admitted or waiting) and wakes jobs admitted as a result.
+    pub fn release(&self, job: JobId) -> Result<Released, AdmitError> {
+        let mut st = self.lock();
+        let r = st.manager.release(job)?;
+        if let Some(mem) = st.memory.as_mut() {
+            let _ = mem.apply_moves(&r.moves);
+        }
+        drop(st);
+        if !r.admitted.is_empty() {
+            self.inner.admitted.notify_all();
+        }
+        Ok(r)
+    }
+
+    /// Current placement of `job`, if admitted.
+    pub fn placement(&self, job: JobId) -> Option<Placement> {
+        self.lock().manager.placement(job)
+    }
+
+    /// Blocks until `job` is admitted (its placement), it is no longer
+    /// known (`None`), or `timeout` passes (`None`).
+    pub fn wait_admitted(&self, job: JobId, timeout: Duration) -> Option<Placement> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.lock();
+        loop {
+            if let Some(p) = st.manager.placement(job) {
+                return Some(p);
+            }
+            if !st.manager.is_queued(job) {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            st = self
+                .inner
+                .admitted
+                .wait_timeout(st, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// A copy of the state for `lanes status`.
+    pub fn snapshot(&self) -> LanesSnapshot {
+        self.lock().manager.snapshot()
+    }
+
+    /// Runs `f` with `job`'s current placement and the reservation, under
+    /// the lock (so no relocation happens meanwhile). `None` when the job is
+    /// not admitted or no memory is reserved.
+    pub fn with_memory<R>(
+        &self,
+        job: JobId,
+        f: impl FnOnce(Placement, &mut Reservation) -> R,
+    ) -> Option<R> {
+        let mut st = self.lock();
+        let p = st.manager.placement(job)?;
+        st.memory.as_mut().map(|mem| f(p, mem))
+    }
+
+    /// Runs `f` on the reservation's bytes of `job`'s persistent region.
+    pub fn with_persistent<R>(&self, job: JobId, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        let mut st = self.lock();
+        let p = st.manager.placement(job)?;
+        let mem = st.memory.as_mut()?;
+        mem.region_mut(p.p_offset, p.p_bytes).ok().map(f)
+    }
+}
+
+/// One job's claim on the lanes; releases it when dropped.
+#[derive(Debug)]
+pub struct Lease {
+    lanes: SharedLanes,
+    job: JobId,
+    live: bool,
+}
+
+impl Lease {
+    pub fn job(&self) -> JobId {
+        self.job
+    }
+
+    /// Current placement, if admitted.
+    pub fn placement(&self) -> Option<Placement> {
+        self.lanes.placement(self.job)
+    }
+
+    /// Blocks until admitted or `timeout` passes.
+    pub fn wait(&self, timeout: Duration) -> Option<Placement> {
+        self.lanes.wait_admitted(self.job, timeout)
+    }
+
+    /// Releases now, reporting what the release did.
+    pub fn release(mut self) -> Result<Released, AdmitError> {
+        self.live = false;
+        self.lanes.release(self.job)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.live {
+            // Unknown only if released by hand through `SharedLanes::release`.
+            let _ = self.lanes.release(self.job);
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::thread;
+
+    fn cfg(capacity: u64) -> LanesConfig {
+        LanesConfig {
+            capacity,
+            alignment: 256,
+            max_lanes: 4,
+        }
+    }
+
+    #[test]
+    fn dropping_a_lease_admits_the_waiter() {
+        // 3 KiB for the first job; the second would need 1 KiB more, 512 B are free.
+        let lanes = SharedLanes::new(cfg(3584)).unwrap();
+        let (a, adm) = lanes.admit(JobId(1), 1024, 2048).unwrap();
+        assert!(matches!(adm, Admission::Admitted { .. }));
+        let (b, adm) = lanes.admit(JobId(2), 1024, 2048).unwrap();
+        assert!(matches!(adm, Admission::Queued { position: 0, .. }));
+        assert_eq!(lanes.snapshot().queue.len(), 1);
+        let waiter = {
+            let lanes = lanes.clone();
+            thread::spawn(move || lanes.wait_admitted(JobId(2), Duration::from_secs(20)))
+        };
+        drop(a);
+        let placed = waiter.join().unwrap().expect("admitted after the drop");
+        assert_eq!(placed.job, JobId(2));
+        assert_eq!(b.placement(), Some(placed));
+        drop(b);
+        let s = lanes.snapshot();
+        assert!(s.lanes.is_empty() && s.queue.is_empty());
+        assert_eq!(s.free, 3584);
+    }
+
+    #[test]
+    fn persistent_bytes_survive_repartitioning() {
+        // Three 1 KiB lanes; free the middle one, then a 2 KiB job forces a compaction.
+        let lanes = SharedLanes::new(cfg(3 * 1024 + 1024)).unwrap();
+        let mut leases = Vec::new();
+        for j in 0..4u64 {
+            let (l, _) = lanes.admit(JobId(j), 512, 512).unwrap();
+            lanes
+                .with_persistent(JobId(j), |b| b.fill(j as u8 + 1))
+                .unwrap();
+            leases.push(l);
+        }
+        let gone = leases.remove(1);
+        gone.release().unwrap();
+        let gone = leases.remove(2);
+        gone.release().unwrap();
+        let (big, adm) = lanes.admit(JobId(9), 1024, 1024).unwrap();
+        let Admission::Admitted { moves, .. } = adm else {
+            panic!("should fit after re-partitioning: {adm:?}")
+        };
+        assert!(!moves.is_empty());
+        for j in [0u64, 2] {
+            let ok = lanes
+                .with_persistent(JobId(j), |b| b.iter().all(|&x| x == j as u8 + 1))
+                .unwrap();
+            assert!(ok, "job {j} lost its bytes");
+        }
+        assert!(big.placement().is_some());
+        assert!(lanes.wait_admitted(JobId(77), Duration::ZERO).is_none());
+    }
+}

@@ -1,0 +1,905 @@
+//! Conformance: the CUDA backend against the CPU reference, op by op
+//! (forward, backward, in-place updates) and on whole models, on seeded
+//! random inputs.
+//!
+//! Every test here needs a GPU and is `#[ignore]`d (CI has none). On the GPU
+//! machine: `test-conformance --ignored --test-threads=1 --nocapture`.
+//!
+//! Tolerance: |cuda - cpu| <= atol + rtol * |cpu| elementwise. FP32 ops use
+//! rtol 1e-4 / atol 1e-5 (1e-3 where long accumulations reorder sums:
+//! matmul, conv, reductions over thousands of values). Convolutions are
+//! checked with TF32 off (`CudaOptions::conv_tf32 = false`); the model
+//! tests run at the default precision (TF32 convolutions) with 2e-2.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+
+use lanes::exec::cpu::CpuProgram;
+use lanes::exec::cuda::{CudaOptions, CudaProgram};
+use lanes_adaptor::{
+    validate, Conv2dAttrs, Graph, GraphBuilder, GraphLimits, Op, Outlet, Pool2dAttrs, Tensor,
+    VarValues,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[allow(dead_code)]
+#[path = "../src/cli/bench/models.rs"]
+mod models;
+
+#[derive(Debug, Clone, Copy)]
+struct Tol {
+    rtol: f32,
+    atol: f32,
+}
+
+const FP32: Tol = Tol {
+    rtol: 1e-4,
+    atol: 1e-5,
+};
+const ACCUM: Tol = Tol {
+    rtol: 1e-3,
+    atol: 1e-4,
+};
+const TF32: Tol = Tol {
+    rtol: 2e-2,
+    atol: 2e-2,
+};
+
+fn rnd(rng: &mut StdRng, dims: &[usize], lo: f32, hi: f32) -> Tensor {
+    let n: usize = dims.iter().product();
+    Tensor::from_f32(
+        dims.to_vec(),
+        (0..n).map(|_| rng.gen_range(lo..hi)).collect(),
+    )
+    .unwrap()
+}
+
+fn ints(rng: &mut StdRng, dims: &[usize], hi: i64) -> Tensor {
+    let n: usize = dims.iter().product();
+    Tensor::from_i64(
+        dims.to_vec(),
+        (0..n).map(|_| rng.gen_range(0..hi)).collect(),
+    )
+    .unwrap()
+}
+
+/// A case: a graph, its feeds, what to fetch, how often to run.
+struct Case {
+    name: String,
+    g: GraphBuilder,
+    feeds: BTreeMap<String, Tensor>,
+    fetches: Vec<String>,
+    tol: Tol,
+    runs: usize,
+    opts: CudaOptions,
+    /// A graph built elsewhere (models); `g` is ignored then.
+    prebuilt: Option<(Graph, VarValues)>,
+}
+
+impl Case {
+    fn new(name: &str) -> Self {
+        Case {
+            name: name.into(),
+            g: GraphBuilder::new(),
+            feeds: BTreeMap::new(),
+            fetches: Vec::new(),
+            tol: FP32,
+            runs: 1,
+            opts: CudaOptions {
+                conv_tf32: false,
+                matmul_tf32: false,
+                cuda_graph: true,
+            },
+            prebuilt: None,
+        }
+    }
+    fn input(&mut self, name: &str, t: Tensor) -> Outlet {
+        let o = self.g.placeholder(name, t.ty());
+        self.feeds.insert(name.into(), t);
+        o
+    }
+    fn var(&mut self, name: &str, t: Tensor) -> Outlet {
+        self.g.variable(name, t)
+    }
+    fn fetch(&mut self, o: Outlet, name: &str) {
+        self.g.set_name(o, name);
+        self.fetches.push(name.into());
+    }
+    fn fetch_all(&mut self, outs: &[Outlet], name: &str) {
+        self.g.set_name(outs[0], name);
+        for k in 0..outs.len() {
+            self.fetches.push(format!("{name}:{k}"));
+        }
+    }
+    fn tol(mut self, t: Tol) -> Self {
+        self.tol = t;
+        self
+    }
+}
+
+fn compare(what: &str, cpu: &Tensor, gpu: &Tensor, tol: Tol) -> Result<f32, String> {
+    if cpu.ty() != gpu.ty() {
+        return Err(format!("{what}: type {} vs {}", cpu.ty(), gpu.ty()));
+    }
+    let (a, b) = match (cpu.f32s(), gpu.f32s()) {
+        (Ok(a), Ok(b)) => (a, b),
+        _ => {
+            return if cpu == gpu {
+                Ok(0.0)
+            } else {
+                Err(format!("{what}: integer tensors differ"))
+            }
+        }
+    };
+    let mut worst = 0f32;
+    for (k, (&x, &y)) in a.iter().zip(b).enumerate() {
+        let d = (x - y).abs();
+        let within = d <= tol.atol + tol.rtol * x.abs();
+        let both_nan = x.is_nan() && y.is_nan();
+        if !within && !both_nan {
+            return Err(format!("{what}[{k}]: cpu {x} vs cuda {y}"));
+        }
+        worst = worst.max(d / (tol.atol + tol.rtol * x.abs()));
+    }
+    Ok(worst)
+}
+
+/// Runs the case on both backends; returns the worst error as a fraction of
+/// the tolerance (<= 1 passes).
+fn run_case(c: Case) -> Result<f32, String> {
+    let (graph, vars) = match c.prebuilt {
+        Some(p) => p,
+        None => c.g.finish().map_err(|e| format!("build: {e}"))?,
+    };
+    let limits = GraphLimits {
+        max_nodes: 1 << 20,
+        ..GraphLimits::default()
+    };
+    let vg = validate(graph, &limits).map_err(|e| format!("validate: {e}"))?;
+    let mut cpu = CpuProgram::new(vg.clone(), vars.clone()).map_err(|e| format!("cpu: {e}"))?;
+    let mut gpu = CudaProgram::with_options(vg, vars, c.opts).map_err(|e| format!("cuda: {e}"))?;
+    let mut worst = 0f32;
+    for r in 0..c.runs {
+        let a = cpu
+            .run(&c.feeds, &c.fetches)
+            .map_err(|e| format!("cpu run: {e}"))?;
+        let b = gpu
+            .run(&c.feeds, &c.fetches)
+            .map_err(|e| format!("cuda run: {e}"))?;
+        for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+            worst = worst.max(compare(
+                &format!("run {r} fetch {}", c.fetches[k]),
+                x,
+                y,
+                c.tol,
+            )?);
+        }
+        let va = cpu.read_variables(&[]).map_err(|e| e.to_string())?;
+        let vb = gpu.read_variables(&[]).map_err(|e| e.to_string())?;
+        for (name, x) in &va {
+            let y = vb.get(name).ok_or(format!("variable {name} missing"))?;
+            worst = worst.max(compare(&format!("run {r} var {name}"), x, y, c.tol)?);
+        }
+    }
+    Ok(worst)
+}
+
+fn run_all(cases: Vec<Case>) {
+    let mut failed = Vec::new();
+    for c in cases {
+        let name = c.name.clone();
+        let tol = c.tol;
+        match run_case(c) {
+            Ok(w) => println!(
+                "ok   {name:<28} worst {w:.3} of tolerance (rtol {:e}, atol {:e})",
+                tol.rtol, tol.atol
+            ),
+            Err(e) => {
+                println!("FAIL {name:<28} {e}");
+                failed.push(name);
+            }
+        }
+    }
+    assert!(failed.is_empty(), "failed: {failed:?}");
+}
+
+fn unary(name: &str, op: Op, lo: f32, hi: f32) -> Case {
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut c = Case::new(name);
+    let x = c.input("x", rnd(&mut rng, &[3, 5, 7], lo, hi));
+    let y = c.g.op1(op, &[x]);
+    c.fetch(y, "y");
+    c
+}
+
+fn binary(name: &str, op: Op, a: &[usize], b: &[usize]) -> Case {
+    let mut rng = StdRng::seed_from_u64(2);
+    let mut c = Case::new(name);
+    let x = c.input("a", rnd(&mut rng, a, -1.0, 1.0));
+    let y = c.input("b", rnd(&mut rng, b, 0.5, 2.0));
+    let z = c.g.op1(op, &[x, y]);
+    c.fetch(z, "z");
+    c
+}
+
+fn single(name: &str, op: Op, inputs: Vec<Tensor>, tol: Tol) -> Case {
+    let mut c = Case::new(name);
+    let ins: Vec<Outlet> = inputs
+        .into_iter()
+        .enumerate()
+        .map(|(k, t)| c.input(&format!("in{k}"), t))
+        .collect();
+    let outs = c.g.op(op, &ins);
+    if !outs.is_empty() {
+        c.fetch_all(&outs, "out");
+    }
+    c.tol(tol)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn elementwise_and_shape_ops() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut cases = vec![
+        unary("relu", Op::Relu, -1.0, 1.0),
+        unary("gelu", Op::Gelu, -3.0, 3.0),
+        unary("sigmoid", Op::Sigmoid, -4.0, 4.0),
+        unary("tanh", Op::Tanh, -3.0, 3.0),
+        unary("exp", Op::Exp, -3.0, 3.0),
+        unary("log", Op::Log, 0.1, 5.0),
+        unary("sqrt", Op::Sqrt, 0.0, 5.0),
+        unary("scale", Op::Scale(-0.37), -2.0, 2.0),
+        binary("add same", Op::Add, &[4, 5, 6], &[4, 5, 6]),
+        binary("sub bcast", Op::Sub, &[4, 5, 6], &[5, 1]),
+        binary("mul bcast both", Op::Mul, &[4, 1, 6], &[1, 5, 1]),
+        binary("div bcast rank", Op::Div, &[6], &[3, 4, 6]),
+        binary("add scalar", Op::Add, &[3, 4], &[]),
+        binary("add bias row", Op::Add, &[4, 5, 6], &[6]),
+        binary("mul bias 1xN", Op::Mul, &[4, 5, 6], &[1, 5, 6]),
+    ];
+    let x = || rnd(&mut StdRng::seed_from_u64(4), &[3, 5, 4, 2], -3.0, 3.0);
+    for axis in [1, 3] {
+        cases.push(single(
+            &format!("softmax axis {axis}"),
+            Op::Softmax { axis },
+            vec![x()],
+            FP32,
+        ));
+        cases.push(single(
+            &format!("log_softmax axis {axis}"),
+            Op::LogSoftmax { axis },
+            vec![x()],
+            FP32,
+        ));
+    }
+    cases.push(single(
+        "reshape",
+        Op::Reshape { shape: vec![15, 8] },
+        vec![x()],
+        FP32,
+    ));
+    cases.push(single(
+        "transpose",
+        Op::Transpose {
+            perm: vec![2, 0, 3, 1],
+        },
+        vec![x()],
+        FP32,
+    ));
+    cases.push(single(
+        "slice",
+        Op::Slice {
+            axis: 1,
+            start: 1,
+            end: 4,
+        },
+        vec![x()],
+        FP32,
+    ));
+    cases.push(single(
+        "concat",
+        Op::Concat { axis: 2 },
+        vec![
+            rnd(&mut rng, &[2, 3, 1, 2], -1.0, 1.0),
+            rnd(&mut rng, &[2, 3, 4, 2], -1.0, 1.0),
+        ],
+        FP32,
+    ));
+    cases.push(single(
+        "concat i64",
+        Op::Concat { axis: 0 },
+        vec![ints(&mut rng, &[2, 3], 9), ints(&mut rng, &[1, 3], 9)],
+        FP32,
+    ));
+    cases.push(single(
+        "broadcast_to",
+        Op::BroadcastTo {
+            shape: vec![2, 3, 4],
+        },
+        vec![rnd(&mut rng, &[3, 1], -1.0, 1.0)],
+        FP32,
+    ));
+    cases.push(single(
+        "sum_to",
+        Op::SumTo { shape: vec![5, 1] },
+        vec![rnd(&mut rng, &[3, 5, 4], -1.0, 1.0)],
+        FP32,
+    ));
+    for (keep, axes) in [
+        (false, vec![0, 2]),
+        (true, vec![1]),
+        (false, vec![0, 1, 2, 3]),
+    ] {
+        cases.push(single(
+            &format!("reduce_sum {axes:?}"),
+            Op::ReduceSum {
+                axes: axes.clone(),
+                keep_dims: keep,
+            },
+            vec![x()],
+            FP32,
+        ));
+        cases.push(single(
+            &format!("reduce_mean {axes:?}"),
+            Op::ReduceMean {
+                axes: axes.clone(),
+                keep_dims: keep,
+            },
+            vec![x()],
+            FP32,
+        ));
+        cases.push(single(
+            &format!("reduce_max {axes:?}"),
+            Op::ReduceMax {
+                axes,
+                keep_dims: keep,
+            },
+            vec![x()],
+            FP32,
+        ));
+    }
+    cases.push(single(
+        "reduce_sum long",
+        Op::ReduceSum {
+            axes: vec![1],
+            keep_dims: false,
+        },
+        vec![rnd(&mut rng, &[3, 20000], -1.0, 1.0)],
+        ACCUM,
+    ));
+    run_all(cases);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn matmul_variants() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut cases = Vec::new();
+    type Shapes<'a> = &'a [(&'a str, &'a [usize], &'a [usize], bool, bool)];
+    let shapes: Shapes = &[
+        ("2d", &[5, 7], &[7, 3], false, false),
+        ("2d ta", &[7, 5], &[7, 3], true, false),
+        ("2d tb", &[5, 7], &[3, 7], false, true),
+        ("2d ta tb", &[7, 5], &[3, 7], true, true),
+        ("batched", &[4, 5, 7], &[4, 7, 3], false, false),
+        ("batched tb", &[2, 3, 5, 7], &[2, 3, 6, 7], false, true),
+        ("shared b", &[4, 5, 7], &[7, 3], false, false),
+        ("shared b ta", &[4, 7, 5], &[7, 3], true, false),
+        ("shared a", &[5, 7], &[4, 7, 3], false, false),
+        ("bcast batch", &[2, 1, 5, 7], &[1, 3, 7, 4], false, false),
+        ("large", &[64, 300], &[300, 129], false, false),
+    ];
+    for &(name, a, b, ta, tb) in shapes {
+        cases.push(single(
+            &format!("matmul {name}"),
+            Op::MatMul {
+                transpose_a: ta,
+                transpose_b: tb,
+            },
+            vec![rnd(&mut rng, a, -1.0, 1.0), rnd(&mut rng, b, -1.0, 1.0)],
+            ACCUM,
+        ));
+    }
+    run_all(cases);
+}
+
+fn conv_attrs(stride: usize, pad: usize, dil: usize, groups: usize) -> Conv2dAttrs {
+    Conv2dAttrs {
+        stride: [stride, stride],
+        padding: [pad, pad],
+        dilation: [dil, dil],
+        groups,
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn nn_ops() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let mut cases = Vec::new();
+    let x = rnd(&mut rng, &[2, 4, 9, 9], -1.0, 1.0);
+    for (name, a, bias) in [
+        ("conv 3x3 pad 1", conv_attrs(1, 1, 1, 1), true),
+        ("conv stride 2", conv_attrs(2, 1, 1, 1), false),
+        ("conv dilation 2", conv_attrs(1, 2, 2, 1), true),
+        ("conv groups 2", conv_attrs(1, 0, 1, 2), false),
+    ] {
+        let w = rnd(&mut rng, &[6, 4 / a.groups, 3, 3], -0.5, 0.5);
+        let mut ins = vec![x.clone(), w];
+        if bias {
+            ins.push(rnd(&mut rng, &[6], -0.5, 0.5));
+        }
+        cases.push(single(name, Op::Conv2d(a), ins, ACCUM));
+    }
+    let p = |k: usize, s: usize, pd: usize| Pool2dAttrs {
+        kernel: [k, k],
+        stride: [s, s],
+        padding: [pd, pd],
+    };
+    cases.push(single(
+        "max_pool 3/2/1",
+        Op::MaxPool2d(p(3, 2, 1)),
+        vec![x.clone()],
+        FP32,
+    ));
+    for inc in [true, false] {
+        cases.push(single(
+            &format!("avg_pool include_pad {inc}"),
+            Op::AvgPool2d {
+                pool: p(3, 2, 1),
+                count_include_pad: inc,
+            },
+            vec![x.clone()],
+            FP32,
+        ));
+    }
+    cases.push(single(
+        "global_avg_pool",
+        Op::GlobalAvgPool,
+        vec![x.clone()],
+        FP32,
+    ));
+    let c4 = |rng: &mut StdRng, lo: f32, hi: f32| rnd(rng, &[4], lo, hi);
+    let bn_in = vec![
+        x.clone(),
+        c4(&mut rng, 0.5, 1.5),
+        c4(&mut rng, -0.5, 0.5),
+        c4(&mut rng, -0.5, 0.5),
+        c4(&mut rng, 0.5, 2.0),
+    ];
+    cases.push(single(
+        "batch_norm",
+        Op::BatchNorm { eps: 1e-5 },
+        bn_in,
+        FP32,
+    ));
+    let ln = vec![
+        rnd(&mut rng, &[3, 5, 48], -2.0, 2.0),
+        rnd(&mut rng, &[48], 0.5, 1.5),
+        rnd(&mut rng, &[48], -0.5, 0.5),
+    ];
+    cases.push(single("layer_norm", Op::LayerNorm { eps: 1e-5 }, ln, FP32));
+    cases.push(single(
+        "embedding",
+        Op::Embedding,
+        vec![
+            rnd(&mut rng, &[11, 6], -1.0, 1.0),
+            ints(&mut rng, &[3, 4], 11),
+        ],
+        FP32,
+    ));
+    cases.push(single(
+        "cross_entropy",
+        Op::CrossEntropy,
+        vec![rnd(&mut rng, &[7, 10], -3.0, 3.0), ints(&mut rng, &[7], 10)],
+        FP32,
+    ));
+    cases.push(single(
+        "mse_loss",
+        Op::MseLoss,
+        vec![
+            rnd(&mut rng, &[7, 10], -3.0, 3.0),
+            rnd(&mut rng, &[7, 10], -3.0, 3.0),
+        ],
+        FP32,
+    ));
+    run_all(cases);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn backward_ops() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut cases = Vec::new();
+    let s = [3, 5, 6];
+    let xt = |rng: &mut StdRng| rnd(rng, &s, -2.0, 2.0);
+    cases.push(single(
+        "relu_grad",
+        Op::ReluGrad,
+        vec![xt(&mut rng), xt(&mut rng)],
+        FP32,
+    ));
+    cases.push(single(
+        "gelu_grad",
+        Op::GeluGrad,
+        vec![xt(&mut rng), xt(&mut rng)],
+        FP32,
+    ));
+    cases.push(single(
+        "sigmoid_grad",
+        Op::SigmoidGrad,
+        vec![rnd(&mut rng, &s, 0.0, 1.0), xt(&mut rng)],
+        FP32,
+    ));
+    cases.push(single(
+        "tanh_grad",
+        Op::TanhGrad,
+        vec![rnd(&mut rng, &s, -1.0, 1.0), xt(&mut rng)],
+        FP32,
+    ));
+    // y must be a real softmax output for the identities to hold; any y
+    // still checks the formula.
+    cases.push(single(
+        "softmax_grad",
+        Op::SoftmaxGrad { axis: 1 },
+        vec![rnd(&mut rng, &s, 0.0, 1.0), xt(&mut rng)],
+        FP32,
+    ));
+    cases.push(single(
+        "log_softmax_grad",
+        Op::LogSoftmaxGrad { axis: 2 },
+        vec![rnd(&mut rng, &s, -3.0, 0.0), xt(&mut rng)],
+        FP32,
+    ));
+    {
+        // ReduceMaxGrad needs y = max(x): build it from ReduceMax.
+        let mut c = Case::new("reduce_max_grad");
+        let x = c.input("x", xt(&mut rng));
+        let dy = c.input("dy", rnd(&mut rng, &[3, 6], -1.0, 1.0));
+        let y = c.g.max(x, &[1], false);
+        let dx = c.g.op1(
+            Op::ReduceMaxGrad {
+                axes: vec![1],
+                keep_dims: false,
+            },
+            &[x, y, dy],
+        );
+        c.fetch(dx, "dx");
+        cases.push(c);
+    }
+    cases.push(single(
+        "slice_grad",
+        Op::SliceGrad {
+            axis: 1,
+            start: 2,
+            input_dim: 9,
+        },
+        vec![xt(&mut rng)],
+        FP32,
+    ));
+    let a = conv_attrs(2, 1, 1, 1);
+    let x = rnd(&mut rng, &[2, 4, 9, 9], -1.0, 1.0);
+    let w = rnd(&mut rng, &[6, 4, 3, 3], -0.5, 0.5);
+    let dy = rnd(&mut rng, &[2, 6, 5, 5], -1.0, 1.0);
+    cases.push(single(
+        "conv2d_grad_input",
+        Op::Conv2dGradInput {
+            attrs: a,
+            input_shape: [2, 4, 9, 9],
+        },
+        vec![dy.clone(), w],
+        ACCUM,
+    ));
+    cases.push(single(
+        "conv2d_grad_filter",
+        Op::Conv2dGradFilter {
+            attrs: a,
+            filter_shape: [6, 4, 3, 3],
+        },
+        vec![x.clone(), dy],
+        ACCUM,
+    ));
+    let p = Pool2dAttrs {
+        kernel: [3, 3],
+        stride: [2, 2],
+        padding: [1, 1],
+    };
+    let dyp = rnd(&mut rng, &[2, 4, 5, 5], -1.0, 1.0);
+    cases.push(single(
+        "max_pool2d_grad",
+        Op::MaxPool2dGrad(p),
+        vec![x.clone(), dyp.clone()],
+        FP32,
+    ));
+    for inc in [true, false] {
+        cases.push(single(
+            &format!("avg_pool2d_grad pad {inc}"),
+            Op::AvgPool2dGrad {
+                pool: p,
+                count_include_pad: inc,
+            },
+            vec![x.clone(), dyp.clone()],
+            FP32,
+        ));
+    }
+    {
+        let mut c = Case::new("batch_norm_train (+grad)").tol(ACCUM);
+        let xi = c.input("x", x.clone());
+        let g = c.var("gamma", rnd(&mut rng, &[4], 0.5, 1.5));
+        let b = c.var("beta", rnd(&mut rng, &[4], -0.5, 0.5));
+        let rm = c.var("rm", Tensor::full([4], 0.0));
+        let rv = c.var("rv", Tensor::full([4], 1.0));
+        let outs = c.g.op(
+            Op::BatchNormTrain {
+                eps: 1e-5,
+                momentum: 0.1,
+            },
+            &[xi, g, b, rm, rv],
+        );
+        let dyi = c.input("dy", rnd(&mut rng, &[2, 4, 9, 9], -1.0, 1.0));
+        let grads =
+            c.g.op(Op::BatchNormTrainGrad, &[xi, g, outs[1], outs[2], dyi]);
+        c.fetch_all(&outs, "bn");
+        c.fetch_all(&grads, "bn_grad");
+        c.runs = 2;
+        cases.push(c);
+    }
+    cases.push(single(
+        "layer_norm_grad",
+        Op::LayerNormGrad { eps: 1e-5 },
+        vec![
+            rnd(&mut rng, &[3, 5, 48], -2.0, 2.0),
+            rnd(&mut rng, &[48], 0.5, 1.5),
+            rnd(&mut rng, &[3, 5, 48], -1.0, 1.0),
+        ],
+        ACCUM,
+    ));
+    cases.push(single(
+        "embedding_grad",
+        Op::EmbeddingGrad { num_embeddings: 11 },
+        vec![
+            ints(&mut rng, &[3, 4], 11),
+            rnd(&mut rng, &[3, 4, 6], -1.0, 1.0),
+        ],
+        FP32,
+    ));
+    cases.push(single(
+        "cross_entropy_grad",
+        Op::CrossEntropyGrad,
+        vec![
+            rnd(&mut rng, &[7, 10], -3.0, 3.0),
+            ints(&mut rng, &[7], 10),
+            Tensor::scalar(1.5),
+        ],
+        FP32,
+    ));
+    run_all(cases);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn in_place_updates() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let mut cases = Vec::new();
+    for (name, momentum, wd, nesterov) in [
+        ("sgd plain", 0.0, 0.0, false),
+        ("sgd momentum wd", 0.9, 1e-2, false),
+        ("sgd nesterov", 0.9, 0.0, true),
+    ] {
+        let mut c = Case::new(name);
+        let p = c.var("p", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        let buf = c.var("buf", Tensor::full([5, 7], 0.0));
+        let gi = c.input("g", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        c.g.op(
+            Op::SgdUpdate {
+                lr: 0.1,
+                momentum,
+                weight_decay: wd,
+                nesterov,
+            },
+            &[p, gi, buf],
+        );
+        c.runs = 3;
+        cases.push(c);
+    }
+    for decoupled in [false, true] {
+        let mut c = Case::new(&format!("adam decoupled {decoupled}"));
+        let p = c.var("p", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        let m = c.var("m", Tensor::full([5, 7], 0.0));
+        let v = c.var("v", Tensor::full([5, 7], 0.0));
+        let step = c.var("step", Tensor::full([1], 0.0));
+        let gi = c.input("g", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        c.g.op(
+            Op::AdamUpdate {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 1e-2,
+                decoupled,
+            },
+            &[p, gi, m, v, step],
+        );
+        c.runs = 3;
+        cases.push(c);
+    }
+    {
+        let mut c = Case::new("assign");
+        let t = c.var("t", Tensor::full([4], 0.0));
+        let v = c.input("v", rnd(&mut rng, &[4], -1.0, 1.0));
+        c.g.op(Op::Assign, &[t, v]);
+        cases.push(c);
+    }
+    run_all(cases);
+}
+
+fn model_case(name: &str, built: models::Built, seed: u64) -> Case {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut c = Case::new(name);
+    for (n, ty) in &built.inputs {
+        let t = match ty.dtype {
+            lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
+            lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), built.vocab as i64),
+        };
+        c.feeds.insert(n.clone(), t);
+    }
+    c.fetches.push(built.output.clone());
+    c.prebuilt = Some((built.graph, built.vars));
+    c.opts = CudaOptions::default();
+    c.tol = TF32;
+    c.runs = 2;
+    c
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn models_inference() {
+    let small_bert = models::BertConfig {
+        vocab: 100,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        intermediate: 128,
+        max_positions: 32,
+    };
+    let cases = vec![
+        model_case(
+            "resnet50 b2 64x64",
+            models::resnet(&[3, 4, 6, 3], 2, 64).unwrap(),
+            1,
+        ),
+        model_case(
+            "inception_v3 b1 96x96",
+            models::inception_v3(1, 96).unwrap(),
+            2,
+        ),
+        model_case(
+            "bert small b2 s16",
+            models::bert(2, 16, &small_bert).unwrap(),
+            3,
+        ),
+    ];
+    run_all(cases);
+}
+
+/// Replaying the recorded CUDA graph gives the same results as launching op
+/// by op (no CPU needed). Within 1e-6: only atomics may reorder sums.
+#[test]
+#[ignore = "needs a GPU"]
+fn graph_replay_matches_op_by_op() {
+    let small_bert = models::BertConfig {
+        vocab: 100,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        intermediate: 128,
+        max_positions: 32,
+    };
+    for built in [
+        models::resnet(&[3, 4, 6, 3], 2, 64).unwrap(),
+        models::bert(2, 16, &small_bert).unwrap(),
+    ] {
+        let mut rng = StdRng::seed_from_u64(9);
+        let feeds: BTreeMap<String, Tensor> = built
+            .inputs
+            .iter()
+            .map(|(n, ty)| {
+                let t = match ty.dtype {
+                    lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
+                    lanes_adaptor::DType::I64 => {
+                        ints(&mut rng, ty.shape.dims(), built.vocab as i64)
+                    }
+                };
+                (n.clone(), t)
+            })
+            .collect();
+        let limits = GraphLimits {
+            max_nodes: 1 << 20,
+            ..GraphLimits::default()
+        };
+        let vg = validate(built.graph, &limits).unwrap();
+        let fetch = vec![built.output.clone()];
+        let mut outs = Vec::new();
+        for cuda_graph in [true, false] {
+            let opts = CudaOptions {
+                cuda_graph,
+                ..CudaOptions::default()
+            };
+            let mut p = CudaProgram::with_options(vg.clone(), built.vars.clone(), opts).unwrap();
+            let first = p.run(&feeds, &fetch).unwrap();
+            let second = p.run(&feeds, &fetch).unwrap();
+            assert_eq!(p.uses_cuda_graph(), cuda_graph);
+            assert_eq!(first, second, "repeated runs differ (graph {cuda_graph})");
+            outs.push(first);
+        }
+        let w = compare(
+            "graph vs op by op",
+            &outs[1][0],
+            &outs[0][0],
+            Tol {
+                rtol: 1e-6,
+                atol: 1e-6,
+            },
+        )
+        .unwrap();
+        println!("graph replay vs op by op: worst {w:.3} of tolerance");
+        assert!(outs[0][0].f32s().unwrap().iter().all(|v| v.is_finite()));
+    }
+}
+
+/// On the GPU machine the probe finds the device and never panics.
+#[test]
+#[ignore = "needs a GPU"]
+fn probe_finds_the_gpu() {
+    let info = lanes::exec::cuda::probe().unwrap();
+    println!("probe: {} with {} bytes", info.name, info.total_memory);
+    assert!(info.total_memory > 0);
+    assert!(!info.name.is_empty());
+}
+
+/// Errors are typed, never panics: bad feeds and fetches on a CUDA program.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_program_rejects_bad_requests() {
+    use lanes::exec::ExecError;
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", lanes_adaptor::TensorType::f32([2, 3]));
+    let w = g.variable("w", Tensor::full([3, 4], 0.5));
+    let y = g.matmul(x, w);
+    g.set_name(y, "y");
+    let (graph, vars) = g.finish().unwrap();
+    let vg = validate(graph, &GraphLimits::default()).unwrap();
+    assert!(matches!(
+        CudaProgram::new(vg.clone(), VarValues::new()),
+        Err(ExecError::MissingVariable { .. })
+    ));
+    let mut p = CudaProgram::new(vg, vars).unwrap();
+    let good: BTreeMap<String, Tensor> = [("x".to_string(), Tensor::full([2, 3], 1.0))].into();
+    let out = p.run(&good, &["y".into()]).unwrap();
+    assert_eq!(out[0].f32s().unwrap(), &[1.5f32; 8][..]);
+    assert!(matches!(
+        p.run(&BTreeMap::new(), &["y".into()]),
+        Err(ExecError::MissingFeed { .. })
+    ));
+    let wrong: BTreeMap<String, Tensor> = [("x".to_string(), Tensor::full([3, 3], 1.0))].into();
+    assert!(matches!(
+        p.run(&wrong, &["y".into()]),
+        Err(ExecError::FeedType { .. })
+    ));
+    assert!(matches!(
+        p.run(&good, &["nope".into()]),
+        Err(ExecError::UnknownFetch { .. })
+    ));
+    let vars = p.read_variables(&[]).unwrap();
+    assert_eq!(vars["w"], Tensor::full([3, 4], 0.5));
+    p.write_variables([("w".to_string(), Tensor::full([3, 4], 1.0))].into())
+        .unwrap();
+    let out = p.run(&good, &["y".into()]).unwrap();
+    assert_eq!(out[0].f32s().unwrap(), &[3.0f32; 8][..]);
+    assert!(matches!(
+        p.write_variables([("w".to_string(), Tensor::full([4], 1.0))].into()),
+        Err(ExecError::VariableType { .. })
+    ));
+}

@@ -1,0 +1,309 @@
+//! Many jobs, one small reservation: planner, lane manager and lane workers
+//! together, with every tensor of every iteration living in the reservation
+//! at the offsets the plan and the lanes gave it.
+//!
+//! Six MLP jobs of different sizes arrive at once on their own threads; the
+//! reservation holds only the two largest side by side, so some must wait
+//! in the admission queue. Each job, once admitted, writes its weights into
+//! its persistent region and runs iterations on its lane's worker thread: a
+//! small interpreter (matmul, add, relu) reads and writes every tensor at
+//! `arena + slot offset` (ephemeral) or `persistent region + slot offset`
+//! (weights), checks it stays inside its lane, and compares the result with
+//! a reference computed in ordinary vectors. Jobs leaving trigger
+//! re-partitioning, whose relocations move live weights; later iterations
+//! must still be exact.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use lanes::compile::{self, MemoryPlan};
+use lanes::lanes::{
+    Admission, JobId, LaneManager, LaneWorkers, LanesConfig, Placement, Reservation, SharedLanes,
+};
+use lanes_adaptor::{validate, GraphBuilder, GraphLimits, Op, Tensor, TensorType, ValidGraph};
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Duration;
+
+const BATCH: usize = 8;
+const IN: usize = 32;
+const OUT: usize = 16;
+const ITERS: usize = 4;
+
+/// x[B, IN] -> matmul w1 -> + b1 -> relu -> matmul w2, plus a skip path
+/// matmul(x, w3) added at the end (so x lives across the whole iteration)
+/// -> y[B, OUT].
+fn mlp(hidden: usize, seed: usize) -> (ValidGraph, HashMap<String, Vec<f32>>) {
+    let mut b = GraphBuilder::new();
+    let val = |n: usize, k: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 31 + k * 17 + seed * 7) % 23) as f32 - 11.0) / 16.0)
+            .collect()
+    };
+    let x = b.placeholder("x", TensorType::f32([BATCH, IN]));
+    let w1 = b.variable(
+        "w1",
+        Tensor::from_f32([IN, hidden], val(IN * hidden, 1)).unwrap(),
+    );
+    let b1 = b.variable("b1", Tensor::from_f32([hidden], val(hidden, 2)).unwrap());
+    let w2 = b.variable(
+        "w2",
+        Tensor::from_f32([hidden, OUT], val(hidden * OUT, 3)).unwrap(),
+    );
+    let w3 = b.variable("w3", Tensor::from_f32([IN, OUT], val(IN * OUT, 4)).unwrap());
+    let h = b.matmul(x, w1);
+    let h = b.add(h, b1);
+    let h = b.relu(h);
+    let y = b.matmul(h, w2);
+    let skip = b.matmul(x, w3);
+    let y = b.add(y, skip);
+    b.set_name(y, "y");
+    let (g, vars) = b.finish().unwrap();
+    let vals = vars
+        .into_iter()
+        .map(|(k, t)| (k, t.f32s().unwrap().to_vec()))
+        .collect();
+    (validate(g, &GraphLimits::default()).unwrap(), vals)
+}
+
+fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; m * n];
+    for i in 0..m {
+        for p in 0..k {
+            let av = a[i * k + p];
+            for j in 0..n {
+                out[i * n + j] += av * b[p * n + j];
+            }
+        }
+    }
+    out
+}
+
+/// `add` with numpy broadcasting of a trailing vector, then `relu`, as the IR defines them.
+fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
+    a.iter()
+        .enumerate()
+        .map(|(i, &v)| v + b[i % b.len()])
+        .collect()
+}
+
+fn relu(a: &[f32]) -> Vec<f32> {
+    a.iter().map(|&v| v.max(0.0)).collect()
+}
+
+fn feed(job: usize, iter: usize) -> Vec<f32> {
+    (0..BATCH * IN)
+        .map(|i| ((i + job * 5 + iter * 3) % 13) as f32 / 8.0 - 0.75)
+        .collect()
+}
+
+fn reference(vars: &HashMap<String, Vec<f32>>, hidden: usize, x: &[f32]) -> Vec<f32> {
+    let h = matmul(x, &vars["w1"], BATCH, IN, hidden);
+    let h = relu(&add(&h, &vars["b1"]));
+    let y = matmul(&h, &vars["w2"], BATCH, hidden, OUT);
+    add(&y, &matmul(x, &vars["w3"], BATCH, IN, OUT))
+}
+
+/// Byte range of a tensor in the reservation, checked against its region.
+fn place(base: u64, offset: u64, bytes: u64, region: (u64, u64)) -> (u64, u64) {
+    let start = base + offset;
+    assert!(
+        start >= region.0 && start + bytes <= region.1,
+        "tensor [{start}, {}) outside its region [{}, {})",
+        start + bytes,
+        region.0,
+        region.1
+    );
+    (start, bytes)
+}
+
+fn read(mem: &Reservation, at: (u64, u64)) -> Vec<f32> {
+    bytemuck::cast_slice::<u8, f32>(mem.region(at.0, at.1).unwrap()).to_vec()
+}
+
+fn write(mem: &mut Reservation, at: (u64, u64), v: &[f32]) {
+    mem.region_mut(at.0, at.1)
+        .unwrap()
+        .copy_from_slice(bytemuck::cast_slice(v));
+}
+
+/// Where every output of `g` lives for a job placed at `pl`.
+fn locate(plan: &MemoryPlan, pl: &Placement, node: usize) -> (u64, u64) {
+    let id = lanes_adaptor::NodeId(node as u32);
+    if let Some(s) = plan.persistent_slot(id) {
+        return place(
+            pl.p_offset,
+            s.offset,
+            s.bytes,
+            (pl.p_offset, pl.p_offset + pl.p_bytes),
+        );
+    }
+    let s = plan.slot(lanes_adaptor::Outlet::new(id, 0)).unwrap();
+    let arena = (pl.arena_offset, pl.arena_offset + pl.arena_bytes);
+    assert!(plan.ephemeral <= pl.arena_bytes, "arena smaller than T");
+    place(pl.arena_offset, s.offset, s.bytes, arena)
+}
+
+/// One iteration, every tensor in the reservation.
+fn run_in_place(
+    g: &ValidGraph,
+    plan: &MemoryPlan,
+    pl: &Placement,
+    mem: &mut Reservation,
+    x: &[f32],
+) -> Vec<f32> {
+    let graph = g.graph();
+    let dims = |o: lanes_adaptor::Outlet| graph.outlet_type(o).unwrap().shape.dims().to_vec();
+    for &id in g.order() {
+        let node = &graph.nodes[id.index()];
+        let at = |n: lanes_adaptor::NodeId| locate(plan, pl, n.index());
+        let out = match &node.op {
+            Op::Variable(_) => continue,
+            Op::Placeholder(_) => x.to_vec(),
+            Op::MatMul { .. } => {
+                let (a, b) = (node.inputs[0], node.inputs[1]);
+                let (da, db) = (dims(a), dims(b));
+                matmul(
+                    &read(mem, at(a.node)),
+                    &read(mem, at(b.node)),
+                    da[0],
+                    da[1],
+                    db[1],
+                )
+            }
+            Op::Add => add(
+                &read(mem, at(node.inputs[0].node)),
+                &read(mem, at(node.inputs[1].node)),
+            ),
+            Op::Relu => relu(&read(mem, at(node.inputs[0].node))),
+            other => panic!("the test interpreter has no {}", other.name()),
+        };
+        write(mem, at(id), &out);
+    }
+    let y = graph.resolve("y").unwrap();
+    read(mem, locate(plan, pl, y.node.index()))
+}
+
+#[test]
+fn more_jobs_than_fit_all_complete_exactly() {
+    let hidden = [64usize, 256, 128, 512, 96, 384];
+    let jobs: Vec<_> = hidden
+        .iter()
+        .enumerate()
+        .map(|(i, &h)| (mlp(h, i), h))
+        .collect();
+    let plans: Vec<MemoryPlan> = jobs
+        .iter()
+        .map(|((g, _), _)| compile::plan(g).unwrap())
+        .collect();
+    for p in &plans {
+        compile::verify(p).unwrap();
+    }
+    let mut needs: Vec<u64> = plans.iter().map(|p| p.persistent + p.ephemeral).collect();
+    needs.sort_unstable();
+    let capacity = needs[needs.len() - 1] + needs[needs.len() - 2];
+    let cfg = LanesConfig {
+        capacity,
+        alignment: 256,
+        max_lanes: 2,
+    };
+    // The whole set cannot be resident at once.
+    assert!(needs.iter().sum::<u64>() > capacity);
+    assert!(LaneManager::new(cfg).is_ok());
+    let lanes = SharedLanes::new(cfg).unwrap();
+    let workers = Arc::new(Mutex::new(LaneWorkers::new()));
+    let start = Arc::new(Barrier::new(jobs.len()));
+    let waited = Arc::new(Mutex::new(Vec::new()));
+
+    let handles: Vec<_> = jobs
+        .into_iter()
+        .zip(plans)
+        .enumerate()
+        .map(|(j, (((g, vars), h), plan))| {
+            let (lanes, workers, start, waited) = (
+                lanes.clone(),
+                workers.clone(),
+                start.clone(),
+                waited.clone(),
+            );
+            std::thread::spawn(move || {
+                let job = JobId(j as u64);
+                let g = Arc::new(g);
+                let plan = Arc::new(plan);
+                start.wait();
+                let (lease, adm) = lanes.admit_plan(job, &plan).unwrap();
+                if let Admission::Queued { reason, .. } = adm {
+                    waited.lock().unwrap().push((j, reason.to_string()));
+                }
+                let pl = lease
+                    .wait(Duration::from_secs(120))
+                    .expect("admitted in time");
+                // Load: weights into the persistent region.
+                lanes
+                    .with_memory(job, |pl, mem| {
+                        for (name, v) in &vars {
+                            let id = g.graph().find(name).unwrap();
+                            write(mem, locate(&plan, &pl, id.index()), v);
+                        }
+                    })
+                    .unwrap();
+                for it in 0..ITERS {
+                    let x = feed(j, it);
+                    let want = reference(&vars, h, &x);
+                    let (lanes2, g2, plan2) = (lanes.clone(), g.clone(), plan.clone());
+                    let rx = workers
+                        .lock()
+                        .unwrap()
+                        .submit(pl.lane, move || {
+                            lanes2
+                                .with_memory(job, |pl, mem| run_in_place(&g2, &plan2, &pl, mem, &x))
+                                .unwrap()
+                        })
+                        .unwrap();
+                    let got = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+                    assert_eq!(got, want, "job {j} iteration {it}");
+                    assert_eq!(lease.placement().unwrap().lane, pl.lane);
+                }
+                let released = lease.release().unwrap();
+                (j, released.moves.len())
+            })
+        })
+        .collect();
+    let results: Vec<(usize, usize)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let moves: usize = results.iter().map(|r| r.1).sum();
+    let mut done: Vec<usize> = results.iter().map(|r| r.0).collect();
+    done.sort_unstable();
+    assert_eq!(done, (0..hidden.len()).collect::<Vec<_>>());
+    let waited = waited.lock().unwrap();
+    assert!(!waited.is_empty(), "no job had to wait");
+    for (_, reason) in waited.iter() {
+        assert!(reason.contains("free after re-partitioning"), "{reason}");
+    }
+    println!(
+        "{} of {} jobs waited; {moves} relocations on release",
+        waited.len(),
+        hidden.len()
+    );
+    let s = lanes.snapshot();
+    assert!(s.lanes.is_empty() && s.queue.is_empty());
+    assert_eq!(s.free, capacity);
+}
+
+#[test]
+fn a_job_larger_than_the_reservation_is_refused_at_once() {
+    let (g, _) = mlp(512, 0);
+    let plan = compile::plan(&g).unwrap();
+    let lanes = SharedLanes::new(LanesConfig {
+        capacity: plan.persistent,
+        alignment: 256,
+        max_lanes: 2,
+    })
+    .unwrap();
+    let e = lanes.admit_plan(JobId(1), &plan).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&(plan.persistent + plan.ephemeral).to_string()),
+        "{msg}"
+    );
+    assert!(msg.contains(&plan.persistent.to_string()), "{msg}");
+    assert!(lanes.snapshot().queue.is_empty());
+}
