@@ -22,7 +22,9 @@ fn service() -> server::ServerHandle {
 fn tiny_run(c: &mut Criterion) {
     let svc = service();
     let mut client = Client::connect(svc.endpoint()).unwrap();
-    let mut s = client.open_session(SessionSpec::inference("bench-tiny")).unwrap();
+    let mut s = client
+        .open_session(SessionSpec::inference("bench-tiny"))
+        .unwrap();
     let mut g = GraphBuilder::new();
     let x = g.placeholder("x", TensorType::f32([1, 4]));
     let w = g.variable("w", Tensor::full([4, 4], 0.25));
@@ -41,7 +43,9 @@ fn big_tensor(c: &mut Criterion) {
     const N: usize = 16 << 20; // 16 Mi f32 = 64 MiB
     let svc = service();
     let mut client = Client::connect(svc.endpoint()).unwrap();
-    let mut s = client.open_session(SessionSpec::inference("bench-64mib")).unwrap();
+    let mut s = client
+        .open_session(SessionSpec::inference("bench-64mib"))
+        .unwrap();
     let mut g = GraphBuilder::new();
     let v = g.variable("v", Tensor::full([N], 0.0));
     g.set_name(v, "v");

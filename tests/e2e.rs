@@ -22,7 +22,9 @@ fn x_for(seed: u64) -> Tensor {
 
 fn code(r: Result<impl std::fmt::Debug, ClientError>) -> ErrorCode {
     match r {
-        Err(e) => e.code().unwrap_or_else(|| panic!("not a service error: {e}")),
+        Err(e) => e
+            .code()
+            .unwrap_or_else(|| panic!("not a service error: {e}")),
         Ok(v) => panic!("expected an error, got {v:?}"),
     }
 }
@@ -48,7 +50,9 @@ fn thirty_two_concurrent_sessions_get_correct_results() {
             std::thread::spawn(move || {
                 let mut client = Client::connect(&ep).unwrap();
                 let mut session = client
-                    .open_session(SessionSpec::inference(format!("job-{s}")).with_expected_iterations(ITERS))
+                    .open_session(
+                        SessionSpec::inference(format!("job-{s}")).with_expected_iterations(ITERS),
+                    )
                     .unwrap();
                 let (graph, vars) = linear_relu(1000 * s);
                 let w = vars["w"].f32s().unwrap().to_vec();
@@ -82,7 +86,10 @@ fn thirty_two_concurrent_sessions_get_correct_results() {
         t.join().unwrap();
     }
     let mut c = Client::connect(&endpoint).unwrap();
-    assert!(c.status().unwrap().sessions.is_empty(), "all sessions closed");
+    assert!(
+        c.status().unwrap().sessions.is_empty(),
+        "all sessions closed"
+    );
 }
 
 /// A well-behaved job that keeps running while bad input arrives; returns
@@ -127,7 +134,9 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
     assert_eq!(error_code(&r.message), ErrorCode::Malformed);
 
     // A valid session for this raw peer.
-    let r = raw.call(wire::encode_request(1, &Request::OpenSession(SessionSpec::inference("raw"))).unwrap());
+    let r = raw.call(
+        wire::encode_request(1, &Request::OpenSession(SessionSpec::inference("raw"))).unwrap(),
+    );
     let Reply::SessionOpened { session } = r.message else {
         panic!("{:?}", r.message)
     };
@@ -135,7 +144,10 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
     let load = Request::LoadGraph {
         session,
         graph,
-        variables: vars.into_iter().map(|(n, t)| wire::NamedTensor::new(n, t)).collect(),
+        variables: vars
+            .into_iter()
+            .map(|(n, t)| wire::NamedTensor::new(n, t))
+            .collect(),
     };
     // Truncated header (cut in the middle of the graph): request id still echoed.
     let mut frames = wire::encode_request(2, &load).unwrap();
@@ -148,7 +160,10 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
     let mut frames = wire::encode_request(3, &load).unwrap();
     frames.pop();
     let r = raw.call(frames);
-    assert_eq!((r.request_id, error_code(&r.message)), (3, ErrorCode::Truncated));
+    assert_eq!(
+        (r.request_id, error_code(&r.message)),
+        (3, ErrorCode::Truncated)
+    );
     // Tensor frame shorter than its type.
     let mut frames = wire::encode_request(4, &load).unwrap();
     frames[1].truncate(4);
@@ -157,7 +172,10 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
     let mut frames = wire::encode_request(5, &load).unwrap();
     frames[0][4..8].copy_from_slice(&(wire::PROTOCOL_VERSION + 1).to_le_bytes());
     let r = raw.call(frames);
-    assert_eq!((r.request_id, error_code(&r.message)), (5, ErrorCode::VersionMismatch));
+    assert_eq!(
+        (r.request_id, error_code(&r.message)),
+        (5, ErrorCode::VersionMismatch)
+    );
     // Oversized frame (2 MiB against a 1 MiB limit).
     let run = Request::Run {
         session,
@@ -165,19 +183,42 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
         fetches: vec!["y".into()],
     };
     let r = raw.call(wire::encode_request(6, &run).unwrap());
-    assert_eq!((r.request_id, error_code(&r.message)), (6, ErrorCode::FrameTooLarge));
+    assert_eq!(
+        (r.request_id, error_code(&r.message)),
+        (6, ErrorCode::FrameTooLarge)
+    );
     // The real load still works after all that.
     let r = raw.call(wire::encode_request(7, &load).unwrap());
-    assert!(matches!(r.message, Reply::GraphLoaded { nodes: 6, variables: 2, .. }), "{:?}", r.message);
+    assert!(
+        matches!(
+            r.message,
+            Reply::GraphLoaded {
+                nodes: 6,
+                variables: 2,
+                ..
+            }
+        ),
+        "{:?}",
+        r.message
+    );
 
     // Typed errors through the client.
     let mut client = Client::connect(&ep).unwrap();
     // Unknown session, and a session of another connection.
-    assert_eq!(code(client.run_in(SessionId(999_999), vec![("x", x_for(1))], &["y"])), ErrorCode::UnknownSession);
-    assert_eq!(code(client.run_in(session, vec![("x", x_for(1))], &["y"])), ErrorCode::UnknownSession);
+    assert_eq!(
+        code(client.run_in(SessionId(999_999), vec![("x", x_for(1))], &["y"])),
+        ErrorCode::UnknownSession
+    );
+    assert_eq!(
+        code(client.run_in(session, vec![("x", x_for(1))], &["y"])),
+        ErrorCode::UnknownSession
+    );
     let mut s = client.open_session(SessionSpec::inference("bad")).unwrap();
     // Run before load.
-    assert_eq!(code(s.run(vec![("x", x_for(1))], &["y"])), ErrorCode::NoGraph);
+    assert_eq!(
+        code(s.run(vec![("x", x_for(1))], &["y"])),
+        ErrorCode::NoGraph
+    );
     // Invalid graph: a dangling input.
     let (mut graph, vars) = linear_relu(9);
     graph.nodes[3].inputs[0] = Outlet::new(NodeId(77), 0);
@@ -198,9 +239,18 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
     assert_eq!(code(s.run(vec![("x", bad)], &["y"])), ErrorCode::BadFeed);
     let ints = Tensor::from_i64([BATCH, IN], vec![0; BATCH * IN]).unwrap();
     assert_eq!(code(s.run(vec![("x", ints)], &["y"])), ErrorCode::BadFeed);
-    assert_eq!(code(s.run(vec![("x", x_for(1)), ("z", x_for(2))], &["y"])), ErrorCode::BadFeed);
-    assert_eq!(code(s.run(Vec::<(String, Tensor)>::new(), &["y"])), ErrorCode::BadFeed);
-    assert_eq!(code(s.run(vec![("x", x_for(1))], &["nope"])), ErrorCode::UnknownFetch);
+    assert_eq!(
+        code(s.run(vec![("x", x_for(1)), ("z", x_for(2))], &["y"])),
+        ErrorCode::BadFeed
+    );
+    assert_eq!(
+        code(s.run(Vec::<(String, Tensor)>::new(), &["y"])),
+        ErrorCode::BadFeed
+    );
+    assert_eq!(
+        code(s.run(vec![("x", x_for(1))], &["nope"])),
+        ErrorCode::UnknownFetch
+    );
     // Bad variable writes leave the session usable.
     let mut wrong = VarValues::new();
     wrong.insert("w".into(), Tensor::full([2, 2], 1.0));
@@ -208,7 +258,14 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
     assert_eq!(code(s.read_variables(&["missing"])), ErrorCode::BadVariable);
     drop(s);
     // Empty job name.
-    assert_eq!(code(client.open_session(SessionSpec::inference("")).map(|s| s.id())), ErrorCode::BadRequest);
+    assert_eq!(
+        code(
+            client
+                .open_session(SessionSpec::inference(""))
+                .map(|s| s.id())
+        ),
+        ErrorCode::BadRequest
+    );
 
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let iterations = good.join().expect("the good job never failed");
@@ -242,14 +299,19 @@ fn silent_sessions_are_reclaimed() {
         assert!(Instant::now() < deadline, "session not reclaimed");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(code(quiet.run_in(sid, vec![("x", x_for(0))], &["y"])), ErrorCode::UnknownSession);
+    assert_eq!(
+        code(quiet.run_in(sid, vec![("x", x_for(0))], &["y"])),
+        ErrorCode::UnknownSession
+    );
 }
 
 #[test]
 fn status_reports_sessions_and_close_forgets_them() {
     let service = start();
     let mut c = Client::connect(service.endpoint()).unwrap();
-    let mut a = c.open_session(SessionSpec::inference("alpha").with_priority(3)).unwrap();
+    let mut a = c
+        .open_session(SessionSpec::inference("alpha").with_priority(3))
+        .unwrap();
     let (graph, vars) = linear_relu(1);
     a.load(&graph, vars).unwrap();
     for i in 0..3 {
@@ -261,7 +323,10 @@ fn status_reports_sessions_and_close_forgets_them() {
     let st = c2.status().unwrap();
     assert_eq!(st.version, wire::PROTOCOL_VERSION);
     let s = st.sessions.iter().find(|s| s.session == aid).unwrap();
-    assert_eq!((s.spec.name.as_str(), s.spec.priority, s.iterations), ("alpha", 3, 3));
+    assert_eq!(
+        (s.spec.name.as_str(), s.spec.priority, s.iterations),
+        ("alpha", 3, 3)
+    );
     assert_eq!(s.state, SessionState::Ready);
     c.close_in(aid).unwrap();
     assert!(c2.status().unwrap().sessions.is_empty());
@@ -283,7 +348,13 @@ fn a_graph_with_constants_and_two_fetches() {
     let (graph, vars) = g.finish().unwrap();
     s.load(&graph, vars).unwrap();
     let out = s
-        .run(vec![("x", Tensor::from_f32([2, 2], vec![1.0, -1.0, 0.5, 2.0]).unwrap())], &["y", "z"])
+        .run(
+            vec![(
+                "x",
+                Tensor::from_f32([2, 2], vec![1.0, -1.0, 0.5, 2.0]).unwrap(),
+            )],
+            &["y", "z"],
+        )
         .unwrap();
     assert_eq!(out[0].f32s().unwrap(), &[1.0, -2.0, 1.5, 8.0]);
     assert_eq!(out[1].f32s().unwrap(), &[8.5]);

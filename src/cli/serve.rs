@@ -82,7 +82,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let device = server::resolve_device(args.device).context("--device")?;
     if let Some(m) = args.memory {
-        tracing::info!(bytes = m.0, gib = m.0 as f64 / (1u64 << 30) as f64, "memory budget");
+        tracing::info!(
+            bytes = m.0,
+            gib = m.0 as f64 / (1u64 << 30) as f64,
+            "memory budget"
+        );
     }
     let config = ServerConfig {
         endpoint: args.endpoint.clone(),

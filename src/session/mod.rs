@@ -52,9 +52,9 @@ impl SessionError {
 /// The stable wire code for an executor error.
 pub fn exec_code(e: &ExecError) -> ErrorCode {
     match e {
-        ExecError::MissingFeed { .. } | ExecError::UnknownFeed { .. } | ExecError::FeedType { .. } => {
-            ErrorCode::BadFeed
-        }
+        ExecError::MissingFeed { .. }
+        | ExecError::UnknownFeed { .. }
+        | ExecError::FeedType { .. } => ErrorCode::BadFeed,
         ExecError::UnknownFetch { .. } => ErrorCode::UnknownFetch,
         ExecError::MissingVariable { .. } | ExecError::VariableType { .. } => {
             ErrorCode::BadVariable
@@ -291,7 +291,9 @@ mod tests {
         let (graph, vars) = g.finish().unwrap();
         (
             graph,
-            vars.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect(),
+            vars.into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
         )
     }
 
@@ -304,8 +306,14 @@ mod tests {
         let mut s = session();
         let e = s.run(vec![], &[]).unwrap_err();
         assert_eq!(e.code(), ErrorCode::NoGraph);
-        assert_eq!(s.read_variables(&[]).unwrap_err().code(), ErrorCode::NoGraph);
-        assert_eq!(s.write_variables(vec![]).unwrap_err().code(), ErrorCode::NoGraph);
+        assert_eq!(
+            s.read_variables(&[]).unwrap_err().code(),
+            ErrorCode::NoGraph
+        );
+        assert_eq!(
+            s.write_variables(vec![]).unwrap_err().code(),
+            ErrorCode::NoGraph
+        );
         assert_eq!(s.iterations(), 0);
     }
 
@@ -320,7 +328,10 @@ mod tests {
 
         let (g, _) = graph();
         let e = session().load(g, vec![], &limits).unwrap_err();
-        assert!(matches!(&e, SessionError::Variable { name, .. } if name == "w"), "{e}");
+        assert!(
+            matches!(&e, SessionError::Variable { name, .. } if name == "w"),
+            "{e}"
+        );
 
         let (g, _) = graph();
         let wrong = vec![NamedTensor::new("w", Tensor::full([4, 3], 0.5))];
@@ -329,7 +340,10 @@ mod tests {
 
         let (g, mut vars) = graph();
         vars.push(NamedTensor::new("extra", Tensor::scalar(1.0)));
-        assert_eq!(session().load(g, vars, &limits).unwrap_err().code(), ErrorCode::BadVariable);
+        assert_eq!(
+            session().load(g, vars, &limits).unwrap_err().code(),
+            ErrorCode::BadVariable
+        );
     }
 
     #[test]

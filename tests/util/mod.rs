@@ -46,7 +46,12 @@ impl RawPeer {
 
     /// The next reply's raw frames, or `None` after `timeout`.
     pub fn recv_raw(&self, timeout: Duration) -> Option<Vec<Vec<u8>>> {
-        if self.socket.poll(zmq::POLLIN, timeout.as_millis() as i64).unwrap() == 0 {
+        if self
+            .socket
+            .poll(zmq::POLLIN, timeout.as_millis() as i64)
+            .unwrap()
+            == 0
+        {
             return None;
         }
         Some(self.socket.recv_multipart(0).unwrap())
@@ -73,10 +78,14 @@ pub const OUT: usize = 2;
 
 /// Deterministic values in [-1, 1) from a seed.
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -86,7 +95,10 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
 pub fn linear_relu(seed: u64) -> (Graph, VarValues) {
     let mut g = GraphBuilder::new();
     let x = g.placeholder("x", TensorType::f32([BATCH, IN]));
-    let w = g.variable("w", Tensor::from_f32([IN, OUT], values(seed, IN * OUT)).unwrap());
+    let w = g.variable(
+        "w",
+        Tensor::from_f32([IN, OUT], values(seed, IN * OUT)).unwrap(),
+    );
     let b = g.variable("b", Tensor::from_f32([OUT], values(seed + 1, OUT)).unwrap());
     let h = g.matmul(x, w);
     let h = g.add(h, b);
@@ -113,6 +125,9 @@ pub fn linear_relu_ref(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
 pub fn assert_close(got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "element {i}: got {g}, want {w}");
+        assert!(
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "element {i}: got {g}, want {w}"
+        );
     }
 }
