@@ -176,10 +176,10 @@ fn bad_input_gets_typed_errors_while_others_carry_on() {
         (r.request_id, error_code(&r.message)),
         (5, ErrorCode::VersionMismatch)
     );
-    // Oversized frame (2 MiB against a 1 MiB limit).
+    // Oversized frame (1.5 MiB against a 1 MiB limit).
     let run = Request::Run {
         session,
-        feeds: vec![wire::NamedTensor::new("x", Tensor::full([512 * 1024], 1.0))],
+        feeds: vec![wire::NamedTensor::new("x", Tensor::full([384 * 1024], 1.0))],
         fetches: vec!["y".into()],
     };
     let r = raw.call(wire::encode_request(6, &run).unwrap());
@@ -358,4 +358,57 @@ fn a_graph_with_constants_and_two_fetches() {
         .unwrap();
     assert_eq!(out[0].f32s().unwrap(), &[1.0, -2.0, 1.5, 8.0]);
     assert_eq!(out[1].f32s().unwrap(), &[8.5]);
+}
+
+#[test]
+fn shutdown_is_clean_with_clients_connected() {
+    let service = start();
+    let ep = service.endpoint().to_string();
+    let opts = ClientOptions {
+        timeout: Duration::from_millis(500),
+        ..ClientOptions::default()
+    };
+    let mut c = Client::connect_with(&ep, opts).unwrap();
+    let s = c.open_session(SessionSpec::inference("left-open")).unwrap();
+    let sid = s.id();
+    std::mem::forget(s);
+    let t = Instant::now();
+    service.shutdown().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(matches!(c.close_in(sid), Err(ClientError::Timeout { .. })));
+}
+
+#[test]
+fn cli_status_and_device_errors() {
+    let service = start();
+    let mut c = Client::connect(service.endpoint()).unwrap();
+    let s = c
+        .open_session(SessionSpec::training("cli-visible"))
+        .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["status", "--endpoint", service.endpoint()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("cli-visible") && stdout.contains("training"),
+        "{stdout}"
+    );
+    drop(s);
+    if lanes::exec::cuda::probe().is_err() {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+            .args([
+                "serve",
+                "--device",
+                "cuda",
+                "--endpoint",
+                "tcp://127.0.0.1:*",
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains("GPU"), "{stderr}");
+    }
 }

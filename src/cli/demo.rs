@@ -220,7 +220,8 @@ pub fn run_job(endpoint: &str, mut job: DemoJob) -> anyhow::Result<JobReport> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    super::serve::init_tracing();
+    // Quiet by default so the table stands out; RUST_LOG=info shows the service's log.
+    super::serve::init_tracing("warn");
     let config = ServerConfig {
         endpoint: "tcp://127.0.0.1:*".into(),
         workers: args.workers.unwrap_or(ServerConfig::default().workers),
