@@ -3,15 +3,24 @@
 //! It owns the graph IR (an arena of typed nodes), the builder, and the
 //! wire contract. It knows nothing of CUDA, lanes or scheduling.
 
+pub mod autodiff;
+pub mod checkpoint;
 pub mod client;
 pub mod graph;
+pub mod nn;
+pub mod optim;
 pub mod tensor;
 pub mod wire;
+pub mod zoo;
 
+pub use autodiff::{gradients, trainable_variables, AutodiffError};
+pub use checkpoint::CheckpointError;
 pub use client::{Client, ClientError, ClientOptions, Session};
 pub use graph::{
     validate, Conv2dAttrs, Graph, GraphBuilder, GraphError, GraphLimits, Node, NodeId, Op, Outlet,
     Pool2dAttrs, ValidGraph, VarValues,
 };
+pub use optim::{training_graph, training_graph_from, Optimizer, TrainError, TrainingGraph};
 pub use tensor::{DType, Shape, Tensor, TensorData, TensorError, TensorType};
 pub use wire::{ErrorCode, JobKind, Limits, SessionId, SessionSpec, WireError};
+pub use zoo::{Arch, ModelGraph, ZooError};

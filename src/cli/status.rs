@@ -58,5 +58,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if s.sessions.is_empty() {
         println!("(no sessions)");
     }
+    if let Some(lanes) = &s.lanes {
+        println!();
+        print!("{lanes}");
+    }
     Ok(())
 }

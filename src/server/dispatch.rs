@@ -131,6 +131,8 @@ struct State {
     queue: Box<dyn ReadyQueue>,
     busy: HashSet<SessionId>,
     shutdown: bool,
+    /// Sessions whose job waits for memory here are skipped like busy ones.
+    gate: Option<crate::lanes::SharedLanes>,
 }
 
 /// The queue shared by the socket thread and the workers (a mutex and a
@@ -148,6 +150,7 @@ impl Dispatcher {
                 queue,
                 busy: HashSet::new(),
                 shutdown: false,
+                gate: None,
             }),
             ready: Condvar::new(),
         })
@@ -171,13 +174,38 @@ impl Dispatcher {
             if st.shutdown {
                 return None;
             }
-            let State { queue, busy, .. } = &mut *st;
-            if let Some(item) = queue.pop(busy) {
+            let State {
+                queue, busy, gate, ..
+            } = &mut *st;
+            let waiting = gate.as_ref().map(|g| g.waiting_jobs()).unwrap_or_default();
+            let skip: HashSet<SessionId>;
+            let busy_or_waiting = if waiting.is_empty() {
+                &*busy
+            } else {
+                skip = busy
+                    .iter()
+                    .copied()
+                    .chain(waiting.into_iter().map(|j| SessionId(j.0)))
+                    .collect();
+                &skip
+            };
+            if let Some(item) = queue.pop(busy_or_waiting) {
                 busy.insert(item.session);
                 return Some(item);
             }
             st = self.ready.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
+    }
+
+    /// Holds back the items of sessions whose job waits in `lanes`'
+    /// admission queue (lock order: dispatcher, then lanes).
+    pub fn gate_on(&self, lanes: crate::lanes::SharedLanes) {
+        self.lock().gate = Some(lanes);
+    }
+
+    /// Wakes the workers to look again (after memory was released).
+    pub fn wake(&self) {
+        self.ready.notify_all();
     }
 
     /// Marks a session's item finished, so its next item may run.

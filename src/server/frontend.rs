@@ -46,6 +46,8 @@ struct Frontend {
     next_session: u64,
     started: Instant,
     stop: Arc<AtomicBool>,
+    /// Lanes of the `--memory` reservation, if one was given.
+    lanes: Option<crate::lanes::SharedLanes>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -74,6 +76,14 @@ pub(super) fn spawn(
     pull.bind(REPLIES)?;
 
     let dispatcher = Dispatcher::new(Box::new(FifoQueue::default()));
+    let lanes = match config.memory_bytes {
+        Some(bytes) => {
+            let l = crate::lanes::SharedLanes::new(crate::lanes::LanesConfig::new(bytes))?;
+            dispatcher.gate_on(l.clone());
+            Some(l)
+        }
+        None => None,
+    };
     let graph_limits = config.limits.graph_limits();
     let mut workers = Vec::new();
     for i in 0..config.workers.max(1) {
@@ -95,6 +105,7 @@ pub(super) fn spawn(
         started: Instant::now(),
         stop,
         workers,
+        lanes,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -250,6 +261,7 @@ impl Frontend {
                 Ok(_) => {
                     let dropped = self.dispatcher.cancel(session);
                     self.sessions.remove(&session);
+                    self.dispatcher.wake(); // its memory may admit a waiting job
                     tracing::info!(%session, dropped, "session closed");
                     Reply::SessionClosed { session }
                 }
@@ -317,7 +329,9 @@ impl Frontend {
             session,
             Entry {
                 owner: peer.to_vec(),
-                state: Arc::new(Mutex::new(Session::new(session, spec.clone()))),
+                state: Arc::new(Mutex::new(
+                    Session::new(session, spec.clone()).with_lanes(self.lanes.clone()),
+                )),
                 spec,
                 last_seen: Instant::now(),
                 loaded: false,
@@ -390,6 +404,7 @@ impl Frontend {
             version: wire::PROTOCOL_VERSION,
             device: self.config.device.clone(),
             memory_bytes: self.config.memory_bytes,
+            lanes: self.lanes.as_ref().map(|l| l.snapshot().to_string()),
             workers: self.workers.len() as u32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             queued: self.dispatcher.queued() as u64,
@@ -410,6 +425,7 @@ impl Frontend {
         for id in stale {
             if let Some(e) = self.sessions.remove(&id) {
                 tracing::info!(session = %id, name = %e.spec.name, idle_s = e.last_seen.elapsed().as_secs_f64(), "idle session reclaimed");
+                self.dispatcher.wake();
             }
         }
     }

@@ -118,7 +118,8 @@ pub struct ServerConfig {
     pub max_sessions: usize,
     /// Device name reported by Status (see [`resolve_device`]).
     pub device: String,
-    /// Memory given with `--memory` (admission arrives with the lane manager).
+    /// Memory given with `--memory`: one reservation, divided into lanes;
+    /// jobs are admitted under the safety condition (none: no admission).
     pub memory_bytes: Option<u64>,
 }
 
@@ -152,6 +153,8 @@ pub enum ServerError {
     Thread(#[from] std::io::Error),
     #[error("the socket thread panicked")]
     Panicked,
+    #[error("memory reservation: {0}")]
+    Memory(#[from] crate::lanes::SharedError),
 }
 
 /// A running service. Dropping it shuts the service down and waits for it.

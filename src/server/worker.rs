@@ -26,10 +26,16 @@ fn execute(session: &mut Session, work: Work, limits: &GraphLimits) -> Reply {
         Work::Load { graph, variables } => {
             session
                 .load(graph, variables, limits)
-                .map(|(nodes, variables)| Reply::GraphLoaded {
-                    session: id,
-                    nodes,
-                    variables,
+                .map(|(nodes, variables)| {
+                    let (persistent_bytes, ephemeral_bytes) = session.memory().unwrap_or((0, 0));
+                    Reply::GraphLoaded {
+                        session: id,
+                        nodes,
+                        variables,
+                        persistent_bytes,
+                        ephemeral_bytes,
+                        waiting: session.waiting(),
+                    }
                 })
         }
         Work::Run { feeds, fetches } => session

@@ -12,8 +12,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use lanes_adaptor::wire::{ErrorCode, NamedTensor, SessionId, SessionSpec};
 use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType, VarValues};
 
+use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuProgram;
 use crate::exec::ExecError;
+use crate::lanes::{AdmitError, Admission, JobId, Lease, SharedLanes};
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -32,6 +34,10 @@ pub enum SessionError {
     Variable { name: String, reason: String },
     #[error(transparent)]
     Exec(#[from] ExecError),
+    #[error("memory plan: {0}")]
+    Plan(#[from] PlanError),
+    #[error("memory: {0}")]
+    Memory(#[from] AdmitError),
 }
 
 impl SessionError {
@@ -45,6 +51,10 @@ impl SessionError {
             SessionError::Fetch { .. } => ErrorCode::UnknownFetch,
             SessionError::Variable { .. } => ErrorCode::BadVariable,
             SessionError::Exec(e) => exec_code(e),
+            SessionError::Plan(PlanError::TensorTooLarge { .. } | PlanError::TotalOverflow)
+            | SessionError::Memory(AdmitError::TooLarge { .. }) => ErrorCode::MemoryTooLarge,
+            SessionError::Plan(PlanError::UnknownFetch { .. }) => ErrorCode::UnknownFetch,
+            SessionError::Plan(_) | SessionError::Memory(_) => ErrorCode::Internal,
         }
     }
 }
@@ -80,6 +90,12 @@ pub struct Session {
     spec: SessionSpec,
     loaded: Option<Loaded>,
     iterations: u64,
+    /// The service's lanes, when it was started with `--memory`.
+    lanes: Option<SharedLanes>,
+    /// This job's claim on the lanes: its memory goes when the session goes.
+    lease: Option<Lease>,
+    /// (P, T) of the loaded graph.
+    memory: Option<(u64, u64)>,
 }
 
 fn ty_mismatch(expected: &TensorType, got: &TensorType) -> String {
@@ -93,6 +109,40 @@ impl Session {
             spec,
             loaded: None,
             iterations: 0,
+            lanes: None,
+            lease: None,
+            memory: None,
+        }
+    }
+
+    /// Admits this session's graph into `lanes` when it is loaded.
+    pub fn with_lanes(mut self, lanes: Option<SharedLanes>) -> Self {
+        self.lanes = lanes;
+        self
+    }
+
+    /// (P, T) of the loaded graph.
+    pub fn memory(&self) -> Option<(u64, u64)> {
+        self.memory
+    }
+
+    /// Why the job waits for memory, while it does.
+    pub fn waiting(&self) -> Option<String> {
+        let (lanes, _) = (self.lanes.as_ref()?, self.lease.as_ref()?);
+        let job = JobId(self.id.0);
+        lanes
+            .snapshot()
+            .queue
+            .into_iter()
+            .find(|q| q.job == job)
+            .map(|q| q.reason.to_string())
+    }
+
+    /// False while the job waits in the admission queue (its Runs wait).
+    pub fn is_admitted(&self) -> bool {
+        match (&self.lanes, &self.lease) {
+            (Some(_), Some(l)) => l.placement().is_some(),
+            _ => true,
         }
     }
 
@@ -168,7 +218,18 @@ impl Session {
         }
         let nodes = g.nodes.len() as u64;
         let nvars = declared.len() as u64;
+        // Exact P and T, then admission (or the queue) before any memory is used.
+        let plan = compile::plan(&valid)?;
+        let lease = match &self.lanes {
+            Some(lanes) => Some(lanes.admit_plan(JobId(self.id.0), &plan)?),
+            None => None,
+        };
+        if let Some((_, Admission::Queued { reason, .. })) = &lease {
+            tracing::info!(session = %self.id, %reason, "waiting for memory");
+        }
         let program = CpuProgram::new(valid, values)?;
+        self.lease = lease.map(|(l, _)| l);
+        self.memory = Some((plan.persistent, plan.ephemeral));
         self.loaded = Some(Loaded {
             program,
             placeholders,

@@ -401,6 +401,32 @@ impl GraphBuilder {
         self.op1(Op::MseLoss, &[prediction, target])
     }
 
+    /// Continues building on an existing graph and its variables' values
+    /// (e.g. to append gradient and optimizer nodes to a forward graph).
+    pub fn from_parts(graph: Graph, vars: VarValues) -> Self {
+        let names = graph.nodes.iter().map(|n| n.name.clone()).collect();
+        GraphBuilder {
+            nodes: graph.nodes,
+            vars,
+            names,
+            scopes: Vec::new(),
+            error: None,
+        }
+    }
+
+    /// Initial values of the variables added so far.
+    pub fn var_values(&self) -> &VarValues {
+        &self.vars
+    }
+
+    /// Name of the node of `o` (empty if it does not exist).
+    pub fn name_of(&self, o: Outlet) -> &str {
+        self.nodes
+            .get(o.node.index())
+            .map(|n| n.name.as_str())
+            .unwrap_or("")
+    }
+
     /// The first error met while building, if any.
     pub fn error(&self) -> Option<&GraphError> {
         self.error.as_ref()

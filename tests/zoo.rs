@@ -1,0 +1,228 @@
+//! The model zoo: parameter counts equal to the reference implementations,
+//! training graphs that validate, an inference pass of each model on the CPU
+//! backend at batch 1, and a checkpoint that round-trips through a fresh
+//! program with identical outputs.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+
+use lanes::exec::cpu::CpuProgram;
+use lanes_adaptor::checkpoint;
+use lanes_adaptor::zoo::Arch;
+use lanes_adaptor::{validate, DType, GraphLimits, Optimizer, Tensor, TensorType};
+
+fn transformer() -> Arch {
+    Arch::Transformer {
+        vocab: 50,
+        seq: 8,
+        dim: 16,
+        heads: 2,
+        ff: 32,
+        classes: 4,
+    }
+}
+
+fn small_models() -> Vec<(Arch, usize)> {
+    vec![
+        (
+            Arch::Mlp {
+                inputs: 64,
+                hidden: vec![64],
+                classes: 10,
+            },
+            4_810,
+        ),
+        (
+            Arch::LeNet {
+                channels: 1,
+                image: 28,
+                classes: 10,
+            },
+            61_706, // the classic LeNet-5 count
+        ),
+        (
+            Arch::LeNet {
+                channels: 1,
+                image: 8,
+                classes: 10,
+            },
+            21_386,
+        ),
+        (Arch::ResNet18Cifar { classes: 10 }, 11_173_962),
+        (transformer(), 5_444),
+    ]
+}
+
+#[test]
+fn small_model_param_counts() {
+    for (arch, count) in small_models() {
+        assert_eq!(arch.param_count().unwrap(), count, "{}", arch.name());
+    }
+}
+
+/// The published counts (torchvision, Hugging Face). Builds each model with
+/// its initial values, one at a time to bound memory.
+#[test]
+fn reference_param_counts() {
+    for (arch, count) in [
+        (Arch::ResNet50, 25_557_032),
+        (Arch::ResNet152, 60_192_808),
+        (Arch::InceptionV3, 27_161_264),
+        (Arch::BertBase { seq: 8 }, 109_482_240),
+    ] {
+        assert_eq!(arch.param_count().unwrap(), count, "{}", arch.name());
+    }
+}
+
+#[test]
+fn training_graphs_validate() {
+    for (arch, _) in small_models() {
+        for opt in [
+            Optimizer::sgd_momentum(0.1, 0.9, 1e-4),
+            Optimizer::adamw(1e-3, 0.01),
+        ] {
+            let (t, inputs) = arch.training(2, 0, &opt).unwrap();
+            assert!(!inputs.is_empty());
+            let n_params = t.params.len();
+            assert_eq!(
+                t.state.len(),
+                n_params
+                    * if matches!(opt, Optimizer::Sgd { .. }) {
+                        1
+                    } else {
+                        3
+                    }
+            );
+            validate(t.graph, &GraphLimits::default())
+                .unwrap_or_else(|e| panic!("{}: {e}", arch.name()));
+        }
+    }
+}
+
+fn feeds_for(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor> {
+    let mut feeds = BTreeMap::new();
+    let mut s = seed;
+    let mut next = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    for (name, ty) in inputs {
+        let n = ty.shape.numel();
+        let t = match ty.dtype {
+            DType::F32 => Tensor::from_f32(
+                ty.shape.clone(),
+                (0..n)
+                    .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
+                    .collect(),
+            ),
+            // Token ids and labels: small values valid for every model here.
+            DType::I64 => Tensor::from_i64(
+                ty.shape.clone(),
+                (0..n).map(|_| (next() % 2) as i64).collect(),
+            ),
+        };
+        feeds.insert(name.clone(), t.unwrap());
+    }
+    feeds
+}
+
+fn infer_once(arch: &Arch) -> Tensor {
+    let m = arch.inference(1, 3).unwrap();
+    let v = validate(m.graph, &GraphLimits::default()).unwrap();
+    let mut p = CpuProgram::new(v, m.vars).unwrap();
+    let feeds = feeds_for(&m.inputs, 11);
+    let out = p.run(&feeds, &[m.output.clone()]).unwrap().remove(0);
+    assert!(
+        out.f32s().unwrap().iter().all(|x| x.is_finite()),
+        "{}",
+        arch.name()
+    );
+    out
+}
+
+#[test]
+fn small_models_infer_at_batch_1() {
+    for (arch, _) in small_models() {
+        let out = infer_once(&arch);
+        assert_eq!(out.shape().dims()[0], 1);
+    }
+}
+
+// The published models are slow on the CPU reference backend in the dev
+// profile (billions of multiply-adds each); run with `--ignored`.
+#[test]
+#[ignore]
+fn resnet50_infers_at_batch_1() {
+    assert_eq!(infer_once(&Arch::ResNet50).shape().dims(), &[1, 1000]);
+}
+
+#[test]
+#[ignore]
+fn resnet152_infers_at_batch_1() {
+    assert_eq!(infer_once(&Arch::ResNet152).shape().dims(), &[1, 1000]);
+}
+
+#[test]
+#[ignore]
+fn inception_v3_infers_at_batch_1() {
+    assert_eq!(infer_once(&Arch::InceptionV3).shape().dims(), &[1, 1000]);
+}
+
+#[test]
+#[ignore]
+fn bert_base_infers_at_batch_1() {
+    assert_eq!(
+        infer_once(&Arch::BertBase { seq: 16 }).shape().dims(),
+        &[1, 768]
+    );
+}
+
+/// Train a few steps, save, load into a fresh inference program: identical outputs.
+#[test]
+fn checkpoint_round_trip_gives_identical_outputs() {
+    let arch = Arch::LeNet {
+        channels: 1,
+        image: 8,
+        classes: 10,
+    };
+    let (t, inputs) = arch.training(4, 5, &Optimizer::adam(1e-2)).unwrap();
+    let mut train =
+        CpuProgram::new(validate(t.graph, &GraphLimits::default()).unwrap(), t.vars).unwrap();
+    for i in 0..3 {
+        train
+            .run(&feeds_for(&inputs, i), &[t.loss.clone()])
+            .unwrap();
+    }
+    let trained = train.read_variables(&[]).unwrap();
+    let dir = std::env::temp_dir().join(format!("lanes-zoo-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("lenet.safetensors");
+    checkpoint::save(&path, &trained).unwrap();
+
+    let m = arch.inference(2, 99).unwrap(); // a different seed: values must come from the file
+    let x = feeds_for(&m.inputs, 77);
+    let loaded = checkpoint::load_for(&path, &m.graph).unwrap();
+    let mut a = CpuProgram::new(
+        validate(m.graph.clone(), &GraphLimits::default()).unwrap(),
+        m.vars.clone(),
+    )
+    .unwrap();
+    a.write_variables(checkpoint::select_for(&mut trained.clone(), &m.graph).unwrap())
+        .unwrap();
+    let mut b =
+        CpuProgram::new(validate(m.graph, &GraphLimits::default()).unwrap(), loaded).unwrap();
+    let ya = a.run(&x, &[m.output.clone()]).unwrap();
+    let yb = b.run(&x, &[m.output.clone()]).unwrap();
+    assert_eq!(ya, yb);
+    // And the fresh (seed 99) model differs, so the test can fail.
+    let fresh = arch.inference(2, 99).unwrap();
+    let mut c = CpuProgram::new(
+        validate(fresh.graph, &GraphLimits::default()).unwrap(),
+        fresh.vars,
+    )
+    .unwrap();
+    assert_ne!(c.run(&x, &[m.output]).unwrap(), yb);
+    std::fs::remove_dir_all(&dir).ok();
+}
