@@ -7,8 +7,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{
-    self, Envelope, ErrorCode, Reply, Request, SessionId, SessionSpec, SessionState, SessionStatus,
-    StatusReport,
+    self, Envelope, ErrorCode, ErrorReply, Reply, Request, SessionId, SessionSpec, SessionState,
+    SessionStatus, StatusReport,
 };
 
 use super::dispatch::{Dispatcher, FifoQueue, Work, WorkItem};
@@ -265,7 +265,7 @@ impl Frontend {
                     tracing::info!(%session, dropped, "session closed");
                     Reply::SessionClosed { session }
                 }
-                Err(r) => r,
+                Err(e) => Reply::Error(e),
             },
             Request::LoadGraph {
                 session,
@@ -293,16 +293,16 @@ impl Frontend {
     }
 
     /// The session if `peer` opened it; else an UnknownSession reply.
-    fn owned(&mut self, peer: &[u8], session: SessionId) -> Result<&mut Entry, Reply> {
+    fn owned(&mut self, peer: &[u8], session: SessionId) -> Result<&mut Entry, ErrorReply> {
         match self.sessions.get_mut(&session) {
             Some(e) if e.owner == peer => {
                 e.last_seen = Instant::now();
                 Ok(e)
             }
-            _ => Err(Reply::error(
-                ErrorCode::UnknownSession,
-                format!("session {session} is not open on this connection"),
-            )),
+            _ => Err(ErrorReply {
+                code: ErrorCode::UnknownSession,
+                message: format!("session {session} is not open on this connection"),
+            }),
         }
     }
 
@@ -350,7 +350,7 @@ impl Frontend {
     ) -> Result<(), zmq::Error> {
         let entry = match self.owned(&peer, session) {
             Ok(e) => e,
-            Err(r) => return self.reply(&peer, request_id, &r),
+            Err(e) => return self.reply(&peer, request_id, &Reply::Error(e)),
         };
         let item = WorkItem {
             session,

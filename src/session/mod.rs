@@ -15,7 +15,7 @@ use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuProgram;
 use crate::exec::ExecError;
-use crate::lanes::{AdmitError, Admission, JobId, Lease, SharedLanes};
+use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
