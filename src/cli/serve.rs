@@ -80,7 +80,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
         anyhow::bail!("--idle-timeout must be a positive number of seconds");
     }
-    let device = server::resolve_device(args.device).context("--device")?;
+    let device = server::resolve_device(args.device)?;
     if let Some(m) = args.memory {
         tracing::info!(
             bytes = m.0,
