@@ -273,7 +273,7 @@ mod tests {
             cut in proptest::prelude::any::<usize>(),
         ) {
             let l = Limits::default();
-            let _ = decode_request(&[junk.clone()], &l);
+            let _ = decode_request(std::slice::from_ref(&junk), &l);
             let _ = decode_reply(&[junk.clone(), junk], &l);
             for req in [load_graph(), run()] {
                 let mut frames = encode_request(9, &req).unwrap();
