@@ -1,8 +1,106 @@
-//! Placeholder until this subcommand lands.
+//! `lanes serve`: run the execution service until Ctrl-C.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use lanes::server::{self, ByteSize, DeviceChoice, ServerConfig};
+use lanes_adaptor::Limits;
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// ZeroMQ endpoint to bind (`tcp://HOST:PORT`, `tcp://127.0.0.1:*` for a free port, `ipc://PATH`).
+    #[arg(long, default_value = "tcp://127.0.0.1:5555")]
+    pub endpoint: String,
+    /// Where iterations run: `auto` falls back to the CPU when no GPU is usable.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+    /// Device memory the service may use (e.g. 512MiB, 8GiB); reported now, enforced by lane admission.
+    #[arg(long)]
+    pub memory: Option<ByteSize>,
+    /// Seconds of silence after which a session is reclaimed.
+    #[arg(long, default_value_t = 300.0)]
+    pub idle_timeout: f64,
+    /// Worker threads running iterations (default: one per core).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+    /// Most open sessions.
+    #[arg(long, default_value_t = 4096)]
+    pub max_sessions: usize,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+/// Bounds on what the service accepts from the network.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LimitArgs {
+    /// Largest frame of a message (header or tensor).
+    #[arg(long, default_value = "1GiB")]
+    pub max_frame: ByteSize,
+    /// Largest header frame (bincode decoding limit; holds the graph).
+    #[arg(long, default_value = "64MiB")]
+    pub max_header: ByteSize,
+    /// Largest tensor sent in one frame.
+    #[arg(long, default_value = "1GiB")]
+    pub max_tensor: ByteSize,
+    /// Most frames in one message.
+    #[arg(long, default_value_t = 4096)]
+    pub max_frames: usize,
+    /// Most nodes in one graph.
+    #[arg(long, default_value_t = 100_000)]
+    pub max_nodes: usize,
+}
+
+impl LimitArgs {
+    pub fn limits(&self) -> anyhow::Result<Limits> {
+        let size = |b: ByteSize, what: &str| {
+            usize::try_from(b.0).with_context(|| format!("{what} does not fit this machine"))
+        };
+        Ok(Limits {
+            max_frame_bytes: size(self.max_frame, "--max-frame")?,
+            max_header_bytes: size(self.max_header, "--max-header")?,
+            max_tensor_bytes: size(self.max_tensor, "--max-tensor")?,
+            max_frames: self.max_frames,
+            max_nodes: self.max_nodes,
+        })
+    }
+}
+
+/// Logs to stderr; `RUST_LOG` overrides the `info` default.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    init_tracing();
+    if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
+        anyhow::bail!("--idle-timeout must be a positive number of seconds");
+    }
+    let device = server::resolve_device(args.device).context("--device")?;
+    if let Some(m) = args.memory {
+        tracing::info!(bytes = m.0, gib = m.0 as f64 / (1u64 << 30) as f64, "memory budget");
+    }
+    let config = ServerConfig {
+        endpoint: args.endpoint.clone(),
+        limits: args.limits.limits()?,
+        workers: args.workers.unwrap_or(ServerConfig::default().workers),
+        idle_timeout: Duration::from_secs_f64(args.idle_timeout),
+        max_sessions: args.max_sessions,
+        device,
+        memory_bytes: args.memory.map(|m| m.0),
+    };
+    let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
+    let stop = handle.stop_flag();
+    ctrlc::set_handler(move || {
+        tracing::info!("Ctrl-C: shutting down");
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    })
+    .context("installing the Ctrl-C handler")?;
+    println!("lanes serving on {}", handle.endpoint());
+    handle.wait()?;
+    Ok(())
 }

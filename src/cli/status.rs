@@ -1,8 +1,64 @@
-//! Placeholder until this subcommand lands.
+//! `lanes status`: a running service's sessions.
+
+use std::time::Duration;
+
+use lanes_adaptor::{Client, ClientOptions};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The service's endpoint.
+    #[arg(long, default_value = "tcp://127.0.0.1:5555")]
+    pub endpoint: String,
+    /// Seconds to wait for the service.
+    #[arg(long, default_value_t = 5.0)]
+    pub timeout: f64,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let options = ClientOptions {
+        timeout: Duration::try_from_secs_f64(args.timeout)?,
+        name: "lanes status".into(),
+        ..ClientOptions::default()
+    };
+    let mut client = Client::connect_with(&args.endpoint, options)?;
+    let s = client.status()?;
+    println!(
+        "{} on {} · device {} · memory {} · {} workers · up {:.1}s · {} queued",
+        s.server,
+        args.endpoint,
+        s.device,
+        s.memory_bytes
+            .map_or_else(|| "unset".to_string(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)),
+        s.workers,
+        s.uptime_ms as f64 / 1000.0,
+        s.queued
+    );
+    println!(
+        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9}",
+        "session", "name", "kind", "priority", "iterations", "state", "idle (s)"
+    );
+    for x in &s.sessions {
+        let iters = match x.spec.expected_iterations {
+            Some(n) => format!("{}/{}", x.iterations, n),
+            None => x.iterations.to_string(),
+        };
+        println!(
+            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1}",
+            x.session.to_string(),
+            x.spec.name,
+            x.spec.kind.to_string(),
+            x.spec.priority,
+            iters,
+            x.state.to_string(),
+            x.idle_ms as f64 / 1000.0
+        );
+    }
+    if s.sessions.is_empty() {
+        println!("(no sessions)");
+    }
+    if let Some(lanes) = &s.lanes {
+        println!();
+        print!("{lanes}");
+    }
+    Ok(())
 }

@@ -406,6 +406,11 @@ impl LaneManager {
         })
     }
 
+    /// Jobs waiting in the admission queue, in arrival order.
+    pub fn waiting_jobs(&self) -> Vec<JobId> {
+        self.queue.iter().map(|w| w.job).collect()
+    }
+
     /// True while `job` waits in the admission queue.
     pub fn is_queued(&self, job: JobId) -> bool {
         self.queue.iter().any(|w| w.job == job)

@@ -12,8 +12,11 @@
 //!   execution context): in order within a lane, concurrent across lanes.
 //! - [`Parked`]: Runs of jobs that wait for admission, handed back when a
 //!   release admits them.
+//! - [`AdmissionDesk`]: per session, what a non-blocking service loop needs:
+//!   plan and admit at LoadGraph, gate each Run, release on close.
 //! - [`parse_size`] / [`format_size`]: `--memory 512MiB`.
 
+mod desk;
 mod manager;
 mod parked;
 mod reservation;
@@ -22,6 +25,7 @@ mod size;
 mod snapshot;
 mod workers;
 
+pub use desk::{AdmissionDesk, Closed, Gate, LoadError, Loaded};
 pub use manager::{
     Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, QueueReason,
     Released, MAX_CAPACITY,

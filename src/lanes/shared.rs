@@ -146,6 +146,11 @@ impl SharedLanes {
         }
     }
 
+    /// Jobs waiting in the admission queue.
+    pub fn waiting_jobs(&self) -> Vec<JobId> {
+        self.lock().manager.waiting_jobs()
+    }
+
     /// A copy of the state for `lanes status`.
     pub fn snapshot(&self) -> LanesSnapshot {
         self.lock().manager.snapshot()

@@ -1,1 +1,243 @@
-//! Placeholder: filled in by its issue.
+//! The service's frontend: a ZeroMQ ROUTER socket, the session table, and
+//! the workers that run sessions' requests.
+//!
+//! Threads:
+//! - the **socket thread** ([`frontend`]) owns the ROUTER socket and the
+//!   session table. It decodes every message (bounded by [`Limits`]),
+//!   answers control requests itself (Hello, OpenSession, CloseSession,
+//!   Status), queues compute requests on the [`dispatch::Dispatcher`], and
+//!   reclaims sessions that have been silent past the idle timeout;
+//! - **workers** ([`worker`]) take items from the dispatcher, run them on
+//!   the session's program, encode the reply and hand it back to the socket
+//!   thread over an `inproc://` PUSH/PULL pair (ZeroMQ moves the frames
+//!   without copying).
+//!
+//! Nothing from the network can panic the service: decoding is bounded and
+//! typed, and a panic inside an executor is caught and answered as
+//! [`ErrorCode::Internal`](lanes_adaptor::ErrorCode::Internal).
+
+pub mod dispatch;
+mod frontend;
+mod worker;
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use lanes_adaptor::Limits;
+
+pub use dispatch::{Dispatcher, FifoQueue, ReadyQueue, Work, WorkItem};
+
+/// Where iterations run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// The GPU if one is usable, else the CPU (with a log line).
+    Auto,
+    Cpu,
+    /// The GPU; an error if none is usable.
+    Cuda,
+}
+
+/// Resolves `--device` to the device name the service reports. Iterations
+/// run on the CPU reference backend until the CUDA executor lands; a usable
+/// GPU is reported.
+pub fn resolve_device(choice: DeviceChoice) -> Result<String, ServerError> {
+    match choice {
+        DeviceChoice::Cpu => Ok("cpu".into()),
+        DeviceChoice::Auto => match crate::exec::cuda::probe() {
+            Ok(info) => Ok(format!("cuda ({})", info.name)),
+            Err(e) => {
+                tracing::info!(reason = %e, "no usable GPU; running on the CPU");
+                Ok("cpu".into())
+            }
+        },
+        DeviceChoice::Cuda => match crate::exec::cuda::probe() {
+            Ok(info) => Ok(format!("cuda ({})", info.name)),
+            Err(e) => Err(ServerError::NoDevice {
+                reason: e.to_string(),
+            }),
+        },
+    }
+}
+
+/// A byte size such as `512MiB`, `8GiB`, `1.5GB`, `4096`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+/// Why a size could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot read `{input}` as a size (e.g. 512MiB, 8GiB, 1000000)")]
+pub struct SizeError {
+    pub input: String,
+}
+
+impl FromStr for ByteSize {
+    type Err = SizeError;
+    fn from_str(s: &str) -> Result<Self, SizeError> {
+        let err = || SizeError { input: s.into() };
+        let t = s.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kb" => 1000,
+            "m" | "mb" => 1_000_000,
+            "g" | "gb" => 1_000_000_000,
+            "t" | "tb" => 1_000_000_000_000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            "tib" => 1 << 40,
+            _ => return Err(err()),
+        };
+        let v: f64 = num.parse().map_err(|_| err())?;
+        let bytes = v * mult as f64;
+        if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+            return Err(err());
+        }
+        Ok(ByteSize(bytes.round() as u64))
+    }
+}
+
+/// How to run a service.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// ZeroMQ endpoint to bind; `tcp://127.0.0.1:*` picks a free port.
+    pub endpoint: String,
+    pub limits: Limits,
+    /// Worker threads running sessions' requests.
+    pub workers: usize,
+    /// A session with no request for this long (and nothing queued or
+    /// running) is reclaimed.
+    pub idle_timeout: Duration,
+    /// Most open sessions; more are refused with `Overloaded`.
+    pub max_sessions: usize,
+    /// Device name reported by Status (see [`resolve_device`]).
+    pub device: String,
+    /// Memory given with `--memory`: one reservation, divided into lanes;
+    /// jobs are admitted under the safety condition (none: no admission).
+    pub memory_bytes: Option<u64>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            endpoint: "tcp://127.0.0.1:5555".into(),
+            limits: Limits::default(),
+            workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            idle_timeout: Duration::from_secs(300),
+            max_sessions: 4096,
+            device: "cpu".into(),
+            memory_bytes: None,
+        }
+    }
+}
+
+/// Why the service could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("zeromq: {0}")]
+    Zmq(#[from] zmq::Error),
+    #[error("cannot bind {endpoint}: {source}")]
+    Bind {
+        endpoint: String,
+        source: zmq::Error,
+    },
+    #[error("no usable GPU: {reason}")]
+    NoDevice { reason: String },
+    #[error("could not start a thread: {0}")]
+    Thread(#[from] std::io::Error),
+    #[error("the socket thread panicked")]
+    Panicked,
+    #[error("memory reservation: {0}")]
+    Memory(#[from] crate::lanes::SharedError),
+}
+
+/// A running service. Dropping it shuts the service down and waits for it.
+#[derive(Debug)]
+pub struct ServerHandle {
+    endpoint: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<Result<(), ServerError>>>,
+}
+
+impl ServerHandle {
+    /// The endpoint actually bound (with the port a `*` resolved to).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+    /// A flag that stops the service when set (e.g. from a Ctrl-C handler).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.stop)
+    }
+    /// Stops the service and waits for its threads.
+    pub fn shutdown(mut self) -> Result<(), ServerError> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.join()
+    }
+    /// Waits until the service stops (its stop flag is set elsewhere).
+    pub fn wait(mut self) -> Result<(), ServerError> {
+        self.join()
+    }
+    fn join(&mut self) -> Result<(), ServerError> {
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| ServerError::Panicked)?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.join();
+    }
+}
+
+/// Binds the endpoint, starts the socket thread and the workers.
+pub fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (endpoint, thread) = frontend::spawn(config, Arc::clone(&stop))?;
+    Ok(ServerHandle {
+        endpoint,
+        stop,
+        thread: Some(thread),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        let p = |s: &str| s.parse::<ByteSize>().map(|b| b.0);
+        assert_eq!(p("512MiB"), Ok(512 << 20));
+        assert_eq!(p("8GiB"), Ok(8 << 30));
+        assert_eq!(p("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(p("4096"), Ok(4096));
+        assert_eq!(p(" 2 kib "), Ok(2048));
+        assert!(p("lots").is_err());
+        assert!(p("12XB").is_err());
+        assert!(p("-1GiB").is_err());
+        assert!(p("").is_err());
+    }
+
+    #[test]
+    fn device_resolution_never_panics() {
+        assert_eq!(resolve_device(DeviceChoice::Cpu).unwrap(), "cpu");
+        let auto = resolve_device(DeviceChoice::Auto).unwrap();
+        match resolve_device(DeviceChoice::Cuda) {
+            Ok(name) => assert_eq!(name, auto),
+            Err(e) => {
+                assert!(matches!(e, ServerError::NoDevice { .. }));
+                assert_eq!(auto, "cpu");
+            }
+        }
+    }
+}

@@ -1,1 +1,338 @@
-//! Placeholder: filled in by its issue.
+//! Per-job state: the spec the job opened its session with, its validated
+//! program, and its counters. A session is driven by one worker at a time
+//! (the dispatcher never hands two requests of one session to two workers),
+//! so its methods take `&mut self` and need no inner locking.
+//!
+//! Each session has its own variable table: no name or handle of one
+//! session resolves in another. Dropping a session frees its program and
+//! variables (its memory is reclaimed).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use lanes_adaptor::wire::{ErrorCode, NamedTensor, SessionId, SessionSpec};
+use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType, VarValues};
+
+use crate::compile::{self, PlanError};
+use crate::exec::cpu::CpuProgram;
+use crate::exec::ExecError;
+use crate::lanes::{AdmitError, Admission, JobId, Lease, SharedLanes};
+
+/// Why a session request failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SessionError {
+    #[error("invalid graph: {0}")]
+    Graph(#[from] GraphError),
+    #[error("session {session} has no graph loaded")]
+    NoGraph { session: SessionId },
+    #[error("session {session} already has a graph loaded")]
+    AlreadyLoaded { session: SessionId },
+    #[error("feed `{name}`: {reason}")]
+    Feed { name: String, reason: String },
+    #[error("fetch `{key}` names no output of the graph")]
+    Fetch { key: String },
+    #[error("variable `{name}`: {reason}")]
+    Variable { name: String, reason: String },
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    #[error("memory plan: {0}")]
+    Plan(#[from] PlanError),
+    #[error("memory: {0}")]
+    Memory(#[from] AdmitError),
+}
+
+impl SessionError {
+    /// The stable wire code for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            SessionError::Graph(_) => ErrorCode::InvalidGraph,
+            SessionError::NoGraph { .. } => ErrorCode::NoGraph,
+            SessionError::AlreadyLoaded { .. } => ErrorCode::GraphAlreadyLoaded,
+            SessionError::Feed { .. } => ErrorCode::BadFeed,
+            SessionError::Fetch { .. } => ErrorCode::UnknownFetch,
+            SessionError::Variable { .. } => ErrorCode::BadVariable,
+            SessionError::Exec(e) => exec_code(e),
+            SessionError::Plan(PlanError::TensorTooLarge { .. } | PlanError::TotalOverflow)
+            | SessionError::Memory(AdmitError::TooLarge { .. }) => ErrorCode::MemoryTooLarge,
+            SessionError::Plan(PlanError::UnknownFetch { .. }) => ErrorCode::UnknownFetch,
+            SessionError::Plan(_) | SessionError::Memory(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+/// The stable wire code for an executor error.
+pub fn exec_code(e: &ExecError) -> ErrorCode {
+    match e {
+        ExecError::MissingFeed { .. } | ExecError::UnknownFeed { .. } | ExecError::FeedType { .. } => {
+            ErrorCode::BadFeed
+        }
+        ExecError::UnknownFetch { .. } => ErrorCode::UnknownFetch,
+        ExecError::MissingVariable { .. } | ExecError::VariableType { .. } => {
+            ErrorCode::BadVariable
+        }
+        ExecError::Op { .. } | ExecError::DType { .. } => ErrorCode::Exec,
+        ExecError::NoDevice { .. } => ErrorCode::NoDevice,
+    }
+}
+
+/// A loaded graph: the program and what requests are checked against.
+#[derive(Debug)]
+struct Loaded {
+    program: CpuProgram,
+    placeholders: BTreeMap<String, TensorType>,
+    variables: BTreeMap<String, TensorType>,
+    nodes: u64,
+}
+
+/// One job's session on the service.
+#[derive(Debug)]
+pub struct Session {
+    id: SessionId,
+    spec: SessionSpec,
+    loaded: Option<Loaded>,
+    iterations: u64,
+    /// The service's lanes, when it was started with `--memory`.
+    lanes: Option<SharedLanes>,
+    /// This job's claim on the lanes: its memory goes when the session goes.
+    lease: Option<Lease>,
+    /// (P, T) of the loaded graph.
+    memory: Option<(u64, u64)>,
+}
+
+fn ty_mismatch(expected: &TensorType, got: &TensorType) -> String {
+    format!("expected {expected}, got {got}")
+}
+
+impl Session {
+    pub fn new(id: SessionId, spec: SessionSpec) -> Self {
+        Session {
+            id,
+            spec,
+            loaded: None,
+            iterations: 0,
+            lanes: None,
+            lease: None,
+            memory: None,
+        }
+    }
+
+    /// Admits this session's graph into `lanes` when it is loaded.
+    pub fn with_lanes(mut self, lanes: Option<SharedLanes>) -> Self {
+        self.lanes = lanes;
+        self
+    }
+
+    /// (P, T) of the loaded graph.
+    pub fn memory(&self) -> Option<(u64, u64)> {
+        self.memory
+    }
+
+    /// Why the job waits for memory, while it does.
+    pub fn waiting(&self) -> Option<String> {
+        let (lanes, _) = (self.lanes.as_ref()?, self.lease.as_ref()?);
+        let job = JobId(self.id.0);
+        lanes
+            .snapshot()
+            .queue
+            .into_iter()
+            .find(|q| q.job == job)
+            .map(|q| q.reason.to_string())
+    }
+
+    /// False while the job waits in the admission queue (its Runs wait).
+    pub fn is_admitted(&self) -> bool {
+        match (&self.lanes, &self.lease) {
+            (Some(_), Some(l)) => l.placement().is_some(),
+            _ => true,
+        }
+    }
+
+    pub fn id(&self) -> SessionId {
+        self.id
+    }
+    pub fn spec(&self) -> &SessionSpec {
+        &self.spec
+    }
+    pub fn is_loaded(&self) -> bool {
+        self.loaded.is_some()
+    }
+    /// Iterations run so far.
+    pub fn iterations(&self) -> u64 {
+        self.iterations
+    }
+
+    fn loaded(&mut self) -> Result<&mut Loaded, SessionError> {
+        let session = self.id;
+        self.loaded
+            .as_mut()
+            .ok_or(SessionError::NoGraph { session })
+    }
+
+    /// Validates `graph`, checks that `variables` holds exactly its
+    /// variables with their declared types, and builds the program.
+    /// Returns (nodes, variables).
+    pub fn load(
+        &mut self,
+        graph: Graph,
+        variables: Vec<NamedTensor>,
+        limits: &GraphLimits,
+    ) -> Result<(u64, u64), SessionError> {
+        if self.loaded.is_some() {
+            return Err(SessionError::AlreadyLoaded { session: self.id });
+        }
+        let valid = validate(graph, limits)?;
+        let g = valid.graph();
+        let placeholders: BTreeMap<String, TensorType> = g
+            .placeholders()
+            .map(|(_, n, t)| (n.to_string(), t.clone()))
+            .collect();
+        let declared: BTreeMap<String, TensorType> = g
+            .variables()
+            .map(|(_, n, t)| (n.to_string(), t.clone()))
+            .collect();
+        let mut values = VarValues::new();
+        for v in variables {
+            let Some(ty) = declared.get(&v.name) else {
+                return Err(SessionError::Variable {
+                    name: v.name,
+                    reason: "the graph has no such variable".into(),
+                });
+            };
+            if *ty != v.tensor.ty() {
+                return Err(SessionError::Variable {
+                    reason: ty_mismatch(ty, &v.tensor.ty()),
+                    name: v.name,
+                });
+            }
+            if values.insert(v.name.clone(), v.tensor).is_some() {
+                return Err(SessionError::Variable {
+                    name: v.name,
+                    reason: "given twice".into(),
+                });
+            }
+        }
+        if let Some(missing) = declared.keys().find(|n| !values.contains_key(*n)) {
+            return Err(SessionError::Variable {
+                name: missing.clone(),
+                reason: "no initial value given".into(),
+            });
+        }
+        let nodes = g.nodes.len() as u64;
+        let nvars = declared.len() as u64;
+        // Exact P and T, then admission (or the queue) before any memory is used.
+        let plan = compile::plan(&valid)?;
+        let lease = match &self.lanes {
+            Some(lanes) => Some(lanes.admit_plan(JobId(self.id.0), &plan)?),
+            None => None,
+        };
+        if let Some((_, Admission::Queued { reason, .. })) = &lease {
+            tracing::info!(session = %self.id, %reason, "waiting for memory");
+        }
+        let program = CpuProgram::new(valid, values)?;
+        self.lease = lease.map(|(l, _)| l);
+        self.memory = Some((plan.persistent, plan.ephemeral));
+        self.loaded = Some(Loaded {
+            program,
+            placeholders,
+            variables: declared,
+            nodes,
+        });
+        Ok((nodes, nvars))
+    }
+
+    /// Runs one iteration after checking feeds and fetches against the graph.
+    pub fn run(
+        &mut self,
+        feeds: Vec<NamedTensor>,
+        fetches: &[String],
+    ) -> Result<Vec<Tensor>, SessionError> {
+        let loaded = self.loaded()?;
+        let mut fed = BTreeMap::new();
+        for f in feeds {
+            let Some(ty) = loaded.placeholders.get(&f.name) else {
+                return Err(SessionError::Feed {
+                    name: f.name,
+                    reason: "the graph has no such placeholder".into(),
+                });
+            };
+            if *ty != f.tensor.ty() {
+                return Err(SessionError::Feed {
+                    reason: ty_mismatch(ty, &f.tensor.ty()),
+                    name: f.name,
+                });
+            }
+            if fed.contains_key(&f.name) {
+                return Err(SessionError::Feed {
+                    name: f.name,
+                    reason: "fed twice".into(),
+                });
+            }
+            fed.insert(f.name, f.tensor);
+        }
+        if let Some(missing) = loaded.placeholders.keys().find(|n| !fed.contains_key(*n)) {
+            return Err(SessionError::Feed {
+                name: missing.clone(),
+                reason: "placeholder not fed".into(),
+            });
+        }
+        let graph = loaded.program.graph().graph();
+        if let Some(bad) = fetches.iter().find(|k| graph.resolve(k).is_none()) {
+            return Err(SessionError::Fetch { key: bad.clone() });
+        }
+        let out = loaded.program.run(&fed, fetches)?;
+        self.iterations += 1;
+        Ok(out)
+    }
+
+    /// Current values of the named variables (all when `names` is empty).
+    pub fn read_variables(&mut self, names: &[String]) -> Result<Vec<NamedTensor>, SessionError> {
+        let loaded = self.loaded()?;
+        if let Some(bad) = names.iter().find(|n| !loaded.variables.contains_key(*n)) {
+            return Err(SessionError::Variable {
+                name: bad.clone(),
+                reason: "the graph has no such variable".into(),
+            });
+        }
+        let values = loaded.program.read_variables(names)?;
+        Ok(values
+            .into_iter()
+            .map(|(n, t)| NamedTensor::new(n, t))
+            .collect())
+    }
+
+    /// Overwrites variables; each must exist and keep its type. Nothing is
+    /// written unless every value is acceptable.
+    pub fn write_variables(&mut self, values: Vec<NamedTensor>) -> Result<u64, SessionError> {
+        let loaded = self.loaded()?;
+        let mut seen = BTreeSet::new();
+        for v in &values {
+            let Some(ty) = loaded.variables.get(&v.name) else {
+                return Err(SessionError::Variable {
+                    name: v.name.clone(),
+                    reason: "the graph has no such variable".into(),
+                });
+            };
+            if *ty != v.tensor.ty() {
+                return Err(SessionError::Variable {
+                    name: v.name.clone(),
+                    reason: ty_mismatch(ty, &v.tensor.ty()),
+                });
+            }
+            if !seen.insert(v.name.as_str()) {
+                return Err(SessionError::Variable {
+                    name: v.name.clone(),
+                    reason: "given twice".into(),
+                });
+            }
+        }
+        let count = values.len() as u64;
+        loaded
+            .program
+            .write_variables(values.into_iter().map(|v| (v.name, v.tensor)).collect())?;
+        Ok(count)
+    }
+
+    /// Nodes of the loaded graph (0 before LoadGraph).
+    pub fn nodes(&self) -> u64 {
+        self.loaded.as_ref().map_or(0, |l| l.nodes)
+    }
+}

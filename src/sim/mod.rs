@@ -8,10 +8,12 @@
 
 pub mod engine;
 pub mod gen;
+pub mod live;
 pub mod report;
 pub mod trace;
 
 pub use engine::{simulate, JobOutcome, Segment, SimConfig, SimError, SimRun};
 pub use gen::{generate, GenConfig};
+pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
 pub use report::{plot_jct_cdf, table, Summary};
 pub use trace::{load_trace, parse_size, read_trace, write_trace, TraceError, TraceJob};

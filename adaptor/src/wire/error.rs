@@ -49,6 +49,8 @@ pub enum ErrorCode {
     Overloaded,
     /// A bug in the service; the message says where.
     Internal,
+    /// The job's memory (P + T) exceeds the service's whole reservation.
+    MemoryTooLarge,
     /// A code this client does not know (sent by a newer service).
     Unknown(u16),
 }
@@ -76,6 +78,7 @@ impl ErrorCode {
             ErrorCode::ShuttingDown => 20,
             ErrorCode::Overloaded => 21,
             ErrorCode::Internal => 22,
+            ErrorCode::MemoryTooLarge => 23,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -103,6 +106,7 @@ impl From<u16> for ErrorCode {
             20 => ErrorCode::ShuttingDown,
             21 => ErrorCode::Overloaded,
             22 => ErrorCode::Internal,
+            23 => ErrorCode::MemoryTooLarge,
             other => ErrorCode::Unknown(other),
         }
     }

@@ -194,6 +194,8 @@ pub struct StatusReport {
     pub device: String,
     /// Memory given with `--memory`, if any.
     pub memory_bytes: Option<u64>,
+    /// The lanes, their jobs (P/T) and the admission queue, rendered.
+    pub lanes: Option<String>,
     pub workers: u32,
     pub uptime_ms: u64,
     /// Requests waiting for a worker.
@@ -223,6 +225,12 @@ pub enum Reply {
         session: SessionId,
         nodes: u64,
         variables: u64,
+        /// P: persistent bytes (variables, optimizer state, running stats).
+        persistent_bytes: u64,
+        /// T: ephemeral bytes of one iteration.
+        ephemeral_bytes: u64,
+        /// Set when the job waits for memory: why. Its Runs wait too.
+        waiting: Option<String>,
     },
     /// Fetched tensors, in the order of the Run's fetches.
     RunDone {

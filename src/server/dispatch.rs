@@ -1,0 +1,310 @@
+//! The dispatch seam between the socket thread and the workers.
+//!
+//! The socket thread turns each session request that needs compute
+//! (LoadGraph, Run, ReadVariables, WriteVariables) into a [`WorkItem`] and
+//! [`Dispatcher::submit`]s it. Workers call [`Dispatcher::next`], which asks
+//! the [`ReadyQueue`] for the next item whose session is not already being
+//! served, so one session's requests run one at a time and in order.
+//!
+//! This is where later stages plug in:
+//! - an iteration scheduler (`src/sched` with a `lanes-policies` policy)
+//!   replaces [`FifoQueue`] with a [`ReadyQueue`] that picks by policy; each
+//!   item carries what a policy needs (kind, priority, expected iterations,
+//!   enqueue time);
+//! - lane admission (`src/lanes`, memory plan from `src/compile`) decides
+//!   which sessions may have items popped at all: a queue implementation may
+//!   skip sessions whose lane is full exactly as it skips busy sessions.
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use lanes_adaptor::wire::{JobKind, NamedTensor, SessionId};
+use lanes_adaptor::Graph;
+
+use crate::session::Session;
+
+/// What a worker is asked to do for a session.
+#[derive(Debug)]
+pub enum Work {
+    Load {
+        graph: Graph,
+        variables: Vec<NamedTensor>,
+    },
+    Run {
+        feeds: Vec<NamedTensor>,
+        fetches: Vec<String>,
+    },
+    ReadVariables {
+        names: Vec<String>,
+    },
+    WriteVariables {
+        variables: Vec<NamedTensor>,
+    },
+}
+
+impl Work {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Work::Load { .. } => "load_graph",
+            Work::Run { .. } => "run",
+            Work::ReadVariables { .. } => "read_variables",
+            Work::WriteVariables { .. } => "write_variables",
+        }
+    }
+}
+
+/// One queued request of one session, with what a policy needs to order it.
+pub struct WorkItem {
+    pub session: SessionId,
+    pub kind: JobKind,
+    pub priority: i32,
+    pub expected_iterations: Option<u64>,
+    pub enqueued: Instant,
+    /// ZeroMQ routing id of the peer that sent the request.
+    pub peer: Vec<u8>,
+    pub request_id: u64,
+    pub work: Work,
+    /// The session's state; a worker locks it while running the item.
+    pub state: Arc<Mutex<Session>>,
+}
+
+impl fmt::Debug for WorkItem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkItem")
+            .field("session", &self.session)
+            .field("work", &self.work.name())
+            .field("request_id", &self.request_id)
+            .finish()
+    }
+}
+
+/// Orders queued work. Implementations decide which item runs next; they
+/// must never return an item whose session is in `busy`.
+pub trait ReadyQueue: Send + fmt::Debug {
+    fn push(&mut self, item: WorkItem);
+    /// Removes and returns the next item to run, if any is eligible.
+    fn pop(&mut self, busy: &HashSet<SessionId>) -> Option<WorkItem>;
+    /// Removes every queued item of a session (closed or reclaimed).
+    fn remove_session(&mut self, session: SessionId) -> Vec<WorkItem>;
+    /// Items queued in all.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Items queued for one session.
+    fn queued_for(&self, session: SessionId) -> usize;
+}
+
+/// First come, first served across sessions.
+#[derive(Debug, Default)]
+pub struct FifoQueue {
+    items: VecDeque<WorkItem>,
+}
+
+impl ReadyQueue for FifoQueue {
+    fn push(&mut self, item: WorkItem) {
+        self.items.push_back(item);
+    }
+    fn pop(&mut self, busy: &HashSet<SessionId>) -> Option<WorkItem> {
+        let pos = self.items.iter().position(|i| !busy.contains(&i.session))?;
+        self.items.remove(pos)
+    }
+    fn remove_session(&mut self, session: SessionId) -> Vec<WorkItem> {
+        let (gone, keep) = std::mem::take(&mut self.items)
+            .into_iter()
+            .partition(|i| i.session == session);
+        self.items = keep;
+        gone.into()
+    }
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+    fn queued_for(&self, session: SessionId) -> usize {
+        self.items.iter().filter(|i| i.session == session).count()
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    queue: Box<dyn ReadyQueue>,
+    busy: HashSet<SessionId>,
+    shutdown: bool,
+    /// Sessions whose job waits for memory here are skipped like busy ones.
+    gate: Option<crate::lanes::SharedLanes>,
+}
+
+/// The queue shared by the socket thread and the workers (a mutex and a
+/// condition variable; critical sections are a push or a pop).
+#[derive(Debug)]
+pub struct Dispatcher {
+    state: Mutex<State>,
+    ready: Condvar,
+}
+
+impl Dispatcher {
+    pub fn new(queue: Box<dyn ReadyQueue>) -> Arc<Self> {
+        Arc::new(Dispatcher {
+            state: Mutex::new(State {
+                queue,
+                busy: HashSet::new(),
+                shutdown: false,
+                gate: None,
+            }),
+            ready: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues an item and wakes a worker.
+    pub fn submit(&self, item: WorkItem) {
+        self.lock().queue.push(item);
+        self.ready.notify_one();
+    }
+
+    /// Blocks until an item is eligible; `None` once shut down. The item's
+    /// session stays busy until [`Dispatcher::done`].
+    pub fn next(&self) -> Option<WorkItem> {
+        let mut st = self.lock();
+        loop {
+            if st.shutdown {
+                return None;
+            }
+            let State {
+                queue, busy, gate, ..
+            } = &mut *st;
+            let waiting = gate.as_ref().map(|g| g.waiting_jobs()).unwrap_or_default();
+            let skip: HashSet<SessionId>;
+            let busy_or_waiting = if waiting.is_empty() {
+                &*busy
+            } else {
+                skip = busy
+                    .iter()
+                    .copied()
+                    .chain(waiting.into_iter().map(|j| SessionId(j.0)))
+                    .collect();
+                &skip
+            };
+            if let Some(item) = queue.pop(busy_or_waiting) {
+                busy.insert(item.session);
+                return Some(item);
+            }
+            st = self
+                .ready
+                .wait(st)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Holds back the items of sessions whose job waits in `lanes`'
+    /// admission queue (lock order: dispatcher, then lanes).
+    pub fn gate_on(&self, lanes: crate::lanes::SharedLanes) {
+        self.lock().gate = Some(lanes);
+    }
+
+    /// Wakes the workers to look again (after memory was released).
+    pub fn wake(&self) {
+        self.ready.notify_all();
+    }
+
+    /// Marks a session's item finished, so its next item may run.
+    pub fn done(&self, session: SessionId) {
+        self.lock().busy.remove(&session);
+        self.ready.notify_all();
+    }
+
+    /// Drops a session's queued items (a running one finishes).
+    pub fn cancel(&self, session: SessionId) -> usize {
+        self.lock().queue.remove_session(session).len()
+    }
+
+    /// True when the session has nothing queued or running.
+    pub fn is_idle(&self, session: SessionId) -> bool {
+        let st = self.lock();
+        !st.busy.contains(&session) && st.queue.queued_for(session) == 0
+    }
+
+    /// (queued for this session, running for this session).
+    pub fn session_load(&self, session: SessionId) -> (usize, bool) {
+        let st = self.lock();
+        (st.queue.queued_for(session), st.busy.contains(&session))
+    }
+
+    pub fn queued(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Wakes every worker and makes [`Dispatcher::next`] return `None`.
+    pub fn shutdown(&self) {
+        self.lock().shutdown = true;
+        self.ready.notify_all();
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use lanes_adaptor::wire::SessionSpec;
+
+    fn item(s: u64, id: u64) -> WorkItem {
+        let sid = SessionId(s);
+        WorkItem {
+            session: sid,
+            kind: JobKind::Inference,
+            priority: 0,
+            expected_iterations: None,
+            enqueued: Instant::now(),
+            peer: vec![],
+            request_id: id,
+            work: Work::ReadVariables { names: vec![] },
+            state: Arc::new(Mutex::new(Session::new(sid, SessionSpec::inference("t")))),
+        }
+    }
+
+    #[test]
+    fn one_item_per_session_at_a_time_in_order() {
+        let d = Dispatcher::new(Box::new(FifoQueue::default()));
+        d.submit(item(1, 1));
+        d.submit(item(1, 2));
+        d.submit(item(2, 3));
+        let a = d.next().unwrap();
+        assert_eq!(a.request_id, 1);
+        // Session 1 is busy: its second item waits, session 2 goes first.
+        let b = d.next().unwrap();
+        assert_eq!(b.request_id, 3);
+        assert!(!d.is_idle(SessionId(1)));
+        d.done(SessionId(1));
+        assert_eq!(d.next().unwrap().request_id, 2);
+        d.done(SessionId(1));
+        d.done(SessionId(2));
+        assert!(d.is_idle(SessionId(1)));
+        assert_eq!(d.queued(), 0);
+    }
+
+    #[test]
+    fn cancel_and_shutdown() {
+        let d = Dispatcher::new(Box::new(FifoQueue::default()));
+        d.submit(item(1, 1));
+        d.submit(item(2, 2));
+        d.submit(item(1, 3));
+        assert_eq!(d.cancel(SessionId(1)), 2);
+        assert_eq!(d.session_load(SessionId(2)), (1, false));
+        let d2 = Arc::clone(&d);
+        let t = std::thread::spawn(move || {
+            let mut n = 0;
+            while d2.next().is_some() {
+                n += 1;
+            }
+            n
+        });
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        d.shutdown();
+        let n = t.join().unwrap();
+        assert!(n <= 1);
+    }
+}

@@ -1,0 +1,424 @@
+//! The socket thread: ROUTER socket, session table, idle reaping.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lanes_adaptor::wire::{
+    self, Envelope, ErrorCode, Reply, Request, SessionId, SessionSpec, SessionState,
+    SessionStatus, StatusReport,
+};
+
+use super::dispatch::{Dispatcher, FifoQueue, Work, WorkItem};
+use super::worker::{self, REPLIES};
+use super::{ServerConfig, ServerError};
+use crate::session::Session;
+
+/// Longest job name accepted.
+const MAX_NAME_BYTES: usize = 256;
+/// Messages handled per socket per loop turn, so replies and reaping keep
+/// flowing under a flood of requests.
+const BATCH: usize = 256;
+/// How long the loop sleeps in poll when idle (bounds shutdown latency).
+const POLL_MS: i64 = 50;
+
+/// One open session as the socket thread sees it.
+#[derive(Debug)]
+struct Entry {
+    /// Routing id of the connection that opened it; only it may use it.
+    owner: Vec<u8>,
+    spec: SessionSpec,
+    state: Arc<Mutex<Session>>,
+    last_seen: Instant,
+    /// Last values read from the session while it was not running.
+    loaded: bool,
+    iterations: u64,
+}
+
+struct Frontend {
+    config: ServerConfig,
+    router: zmq::Socket,
+    pull: zmq::Socket,
+    dispatcher: Arc<Dispatcher>,
+    sessions: HashMap<SessionId, Entry>,
+    next_session: u64,
+    started: Instant,
+    stop: Arc<AtomicBool>,
+    /// Lanes of the `--memory` reservation, if one was given.
+    lanes: Option<crate::lanes::SharedLanes>,
+    workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
+}
+
+/// Binds the sockets and starts the workers and the socket thread.
+pub(super) fn spawn(
+    config: ServerConfig,
+    stop: Arc<AtomicBool>,
+) -> Result<(String, JoinHandle<Result<(), ServerError>>), ServerError> {
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER)?;
+    router.set_linger(500)?;
+    // Hard cap enforced by ZeroMQ (the connection is dropped above it);
+    // frames between the frame limit and this cap get a FrameTooLarge reply.
+    let cap = config.limits.max_frame_bytes.saturating_mul(2).max(1 << 20);
+    router.set_maxmsgsize(i64::try_from(cap).unwrap_or(i64::MAX))?;
+    router
+        .bind(&config.endpoint)
+        .map_err(|source| ServerError::Bind {
+            endpoint: config.endpoint.clone(),
+            source,
+        })?;
+    let endpoint = router
+        .get_last_endpoint()?
+        .unwrap_or_else(|_| config.endpoint.clone());
+    let pull = ctx.socket(zmq::PULL)?;
+    pull.bind(REPLIES)?;
+
+    let dispatcher = Dispatcher::new(Box::new(FifoQueue::default()));
+    let lanes = match config.memory_bytes {
+        Some(bytes) => {
+            let l = crate::lanes::SharedLanes::new(crate::lanes::LanesConfig::new(bytes))?;
+            dispatcher.gate_on(l.clone());
+            Some(l)
+        }
+        None => None,
+    };
+    let graph_limits = config.limits.graph_limits();
+    let mut workers = Vec::new();
+    for i in 0..config.workers.max(1) {
+        let ctx = ctx.clone();
+        let d = Arc::clone(&dispatcher);
+        workers.push(
+            std::thread::Builder::new()
+                .name(format!("lanes-worker-{i}"))
+                .spawn(move || worker::run(ctx, d, graph_limits))?,
+        );
+    }
+    let fe = Frontend {
+        config,
+        router,
+        pull,
+        dispatcher,
+        sessions: HashMap::new(),
+        next_session: 1,
+        started: Instant::now(),
+        stop,
+        workers,
+        lanes,
+    };
+    let thread = std::thread::Builder::new()
+        .name("lanes-frontend".into())
+        .spawn(move || fe.run())?;
+    Ok((endpoint, thread))
+}
+
+fn recv_message(socket: &zmq::Socket) -> Result<Option<Vec<zmq::Message>>, zmq::Error> {
+    let first = match socket.recv_msg(zmq::DONTWAIT) {
+        Ok(m) => m,
+        Err(zmq::Error::EAGAIN) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut frames = vec![first];
+    while socket.get_rcvmore()? {
+        frames.push(socket.recv_msg(0)?);
+    }
+    Ok(Some(frames))
+}
+
+impl Frontend {
+    fn run(mut self) -> Result<(), ServerError> {
+        tracing::info!(
+            endpoint = %self.router.get_last_endpoint().ok().and_then(|r| r.ok()).unwrap_or_default(),
+            workers = self.workers.len(),
+            device = %self.config.device,
+            memory_bytes = ?self.config.memory_bytes,
+            idle_timeout_s = self.config.idle_timeout.as_secs_f64(),
+            "lanes service ready"
+        );
+        let reap_every = (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let mut last_reap = Instant::now();
+        let result = loop {
+            if self.stop.load(Ordering::SeqCst) {
+                break Ok(());
+            }
+            let (requests, replies) = {
+                let mut items = [
+                    self.router.as_poll_item(zmq::POLLIN),
+                    self.pull.as_poll_item(zmq::POLLIN),
+                ];
+                match zmq::poll(&mut items, POLL_MS) {
+                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
+                    Err(zmq::Error::EINTR) => (false, false),
+                    Err(e) => break Err(ServerError::Zmq(e)),
+                }
+            };
+            if replies {
+                if let Err(e) = self.forward_replies() {
+                    break Err(e.into());
+                }
+            }
+            if requests {
+                if let Err(e) = self.serve_requests() {
+                    break Err(e.into());
+                }
+            }
+            if last_reap.elapsed() >= reap_every {
+                self.reap();
+                last_reap = Instant::now();
+            }
+        };
+        self.dispatcher.shutdown();
+        for w in std::mem::take(&mut self.workers) {
+            match w.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "worker stopped with an error"),
+                Err(_) => tracing::error!("worker panicked"),
+            }
+        }
+        let _ = self.forward_replies();
+        tracing::info!(sessions = self.sessions.len(), "lanes service stopped");
+        result
+    }
+
+    fn forward_replies(&mut self) -> Result<(), zmq::Error> {
+        for _ in 0..BATCH {
+            let Some(mut frames) = recv_message(&self.pull)? else {
+                break;
+            };
+            if frames.len() < 3 {
+                continue;
+            }
+            let mut sid = [0u8; 8];
+            if frames[0].len() == 8 {
+                sid.copy_from_slice(&frames[0]);
+                let sid = SessionId(u64::from_le_bytes(sid));
+                if let Some(e) = self.sessions.get_mut(&sid) {
+                    e.last_seen = Instant::now();
+                }
+            }
+            frames.remove(0);
+            self.router.send_multipart(frames, 0)?;
+        }
+        Ok(())
+    }
+
+    fn serve_requests(&mut self) -> Result<(), zmq::Error> {
+        for _ in 0..BATCH {
+            let Some(mut frames) = recv_message(&self.router)? else {
+                break;
+            };
+            let peer = frames.remove(0).to_vec();
+            self.handle(peer, frames)?;
+        }
+        Ok(())
+    }
+
+    fn send(&self, peer: &[u8], frames: Vec<Vec<u8>>) -> Result<(), zmq::Error> {
+        let mut out = Vec::with_capacity(frames.len() + 1);
+        out.push(peer.to_vec());
+        out.extend(frames);
+        self.router.send_multipart(out, 0)
+    }
+
+    fn reply(&self, peer: &[u8], request_id: u64, reply: &Reply) -> Result<(), zmq::Error> {
+        let frames = wire::encode_reply(request_id, reply).unwrap_or_else(|e| {
+            wire::encode_error(request_id, ErrorCode::Internal, &e.to_string())
+        });
+        self.send(peer, frames)
+    }
+
+    fn handle(&mut self, peer: Vec<u8>, frames: Vec<zmq::Message>) -> Result<(), zmq::Error> {
+        let env = match wire::decode_request(&frames, &self.config.limits) {
+            Ok(env) => env,
+            Err(e) => {
+                tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %e, "bad message");
+                let id = e.request_id.unwrap_or(0);
+                return self.send(&peer, wire::encode_error(id, e.error.code(), &e.to_string()));
+            }
+        };
+        let Envelope {
+            request_id,
+            message,
+        } = env;
+        tracing::debug!(peer = %hex(&peer), request = message.name(), request_id, "request");
+        let reply = match message {
+            Request::Hello { client } => {
+                tracing::debug!(peer = %hex(&peer), %client, "hello");
+                Reply::Hello {
+                    server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
+                    version: wire::PROTOCOL_VERSION,
+                    limits: self.config.limits,
+                }
+            }
+            Request::OpenSession(spec) => self.open(&peer, spec),
+            Request::Status => Reply::Status(self.status()),
+            Request::CloseSession { session } => match self.owned(&peer, session) {
+                Ok(_) => {
+                    let dropped = self.dispatcher.cancel(session);
+                    self.sessions.remove(&session);
+                    self.dispatcher.wake(); // its memory may admit a waiting job
+                    tracing::info!(%session, dropped, "session closed");
+                    Reply::SessionClosed { session }
+                }
+                Err(r) => r,
+            },
+            Request::LoadGraph {
+                session,
+                graph,
+                variables,
+            } => return self.queue(peer, request_id, session, Work::Load { graph, variables }),
+            Request::Run {
+                session,
+                feeds,
+                fetches,
+            } => return self.queue(peer, request_id, session, Work::Run { feeds, fetches }),
+            Request::ReadVariables { session, names } => {
+                return self.queue(peer, request_id, session, Work::ReadVariables { names })
+            }
+            Request::WriteVariables { session, variables } => {
+                return self.queue(peer, request_id, session, Work::WriteVariables { variables })
+            }
+        };
+        self.reply(&peer, request_id, &reply)
+    }
+
+    /// The session if `peer` opened it; else an UnknownSession reply.
+    fn owned(&mut self, peer: &[u8], session: SessionId) -> Result<&mut Entry, Reply> {
+        match self.sessions.get_mut(&session) {
+            Some(e) if e.owner == peer => {
+                e.last_seen = Instant::now();
+                Ok(e)
+            }
+            _ => Err(Reply::error(
+                ErrorCode::UnknownSession,
+                format!("session {session} is not open on this connection"),
+            )),
+        }
+    }
+
+    fn open(&mut self, peer: &[u8], spec: SessionSpec) -> Reply {
+        if spec.name.trim().is_empty() || spec.name.len() > MAX_NAME_BYTES {
+            return Reply::error(
+                ErrorCode::BadRequest,
+                format!("job name must be 1 to {MAX_NAME_BYTES} bytes"),
+            );
+        }
+        if self.sessions.len() >= self.config.max_sessions {
+            return Reply::error(
+                ErrorCode::Overloaded,
+                format!("the service is at its limit of {} sessions", self.config.max_sessions),
+            );
+        }
+        let session = SessionId(self.next_session);
+        self.next_session += 1;
+        tracing::info!(%session, name = %spec.name, kind = %spec.kind, priority = spec.priority, "session opened");
+        self.sessions.insert(
+            session,
+            Entry {
+                owner: peer.to_vec(),
+                state: Arc::new(Mutex::new(
+                    Session::new(session, spec.clone()).with_lanes(self.lanes.clone()),
+                )),
+                spec,
+                last_seen: Instant::now(),
+                loaded: false,
+                iterations: 0,
+            },
+        );
+        Reply::SessionOpened { session }
+    }
+
+    fn queue(
+        &mut self,
+        peer: Vec<u8>,
+        request_id: u64,
+        session: SessionId,
+        work: Work,
+    ) -> Result<(), zmq::Error> {
+        let entry = match self.owned(&peer, session) {
+            Ok(e) => e,
+            Err(r) => return self.reply(&peer, request_id, &r),
+        };
+        let item = WorkItem {
+            session,
+            kind: entry.spec.kind,
+            priority: entry.spec.priority,
+            expected_iterations: entry.spec.expected_iterations,
+            enqueued: Instant::now(),
+            peer,
+            request_id,
+            work,
+            state: Arc::clone(&entry.state),
+        };
+        self.dispatcher.submit(item);
+        Ok(())
+    }
+
+    fn status(&mut self) -> StatusReport {
+        let mut ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        ids.sort();
+        let mut sessions = Vec::with_capacity(ids.len());
+        for id in ids {
+            let (queued, running) = self.dispatcher.session_load(id);
+            let Some(e) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            if !running {
+                if let Ok(s) = e.state.try_lock() {
+                    e.loaded = s.is_loaded();
+                    e.iterations = s.iterations();
+                }
+            }
+            let state = if running {
+                SessionState::Running
+            } else if queued > 0 {
+                SessionState::Queued
+            } else if e.loaded {
+                SessionState::Ready
+            } else {
+                SessionState::Open
+            };
+            sessions.push(SessionStatus {
+                session: id,
+                spec: e.spec.clone(),
+                state,
+                iterations: e.iterations,
+                idle_ms: e.last_seen.elapsed().as_millis() as u64,
+            });
+        }
+        StatusReport {
+            server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
+            version: wire::PROTOCOL_VERSION,
+            device: self.config.device.clone(),
+            memory_bytes: self.config.memory_bytes,
+            lanes: self.lanes.as_ref().map(|l| l.snapshot().to_string()),
+            workers: self.workers.len() as u32,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            queued: self.dispatcher.queued() as u64,
+            sessions,
+        }
+    }
+
+    /// Reclaims sessions silent past the idle timeout with nothing queued
+    /// or running; dropping the entry frees the program and its variables.
+    fn reap(&mut self) {
+        let timeout = self.config.idle_timeout;
+        let stale: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(id, e)| e.last_seen.elapsed() > timeout && self.dispatcher.is_idle(**id))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            if let Some(e) = self.sessions.remove(&id) {
+                tracing::info!(session = %id, name = %e.spec.name, idle_s = e.last_seen.elapsed().as_secs_f64(), "idle session reclaimed");
+                self.dispatcher.wake();
+            }
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

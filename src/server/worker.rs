@@ -1,0 +1,111 @@
+//! Workers: take a [`WorkItem`], run it on its session, send the reply back
+//! to the socket thread.
+//!
+//! Reply path: each worker has its own PUSH socket connected to the socket
+//! thread's PULL (`inproc://`, same context). A reply travels as
+//! `[session id (u64 LE), peer routing id, header, tensor frames…]`; the
+//! socket thread strips the first frame (it refreshes the session's
+//! activity time) and forwards the rest on the ROUTER.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, PoisonError};
+
+use lanes_adaptor::wire::{self, ErrorCode, Reply};
+use lanes_adaptor::GraphLimits;
+
+use super::dispatch::{Dispatcher, Work, WorkItem};
+use crate::session::Session;
+
+/// Address of the socket thread's PULL socket for replies.
+pub(crate) const REPLIES: &str = "inproc://lanes-replies";
+
+/// Runs one item on its (locked) session and makes the reply.
+fn execute(session: &mut Session, work: Work, limits: &GraphLimits) -> Reply {
+    let id = session.id();
+    let res = match work {
+        Work::Load { graph, variables } => {
+            session
+                .load(graph, variables, limits)
+                .map(|(nodes, variables)| {
+                    let (persistent_bytes, ephemeral_bytes) = session.memory().unwrap_or((0, 0));
+                    Reply::GraphLoaded {
+                        session: id,
+                        nodes,
+                        variables,
+                        persistent_bytes,
+                        ephemeral_bytes,
+                        waiting: session.waiting(),
+                    }
+                })
+        }
+        Work::Run { feeds, fetches } => session
+            .run(feeds, &fetches)
+            .map(|outputs| Reply::RunDone { outputs }),
+        Work::ReadVariables { names } => session
+            .read_variables(&names)
+            .map(|variables| Reply::Variables { variables }),
+        Work::WriteVariables { variables } => session
+            .write_variables(variables)
+            .map(|count| Reply::VariablesWritten { count }),
+    };
+    res.unwrap_or_else(|e| {
+        tracing::debug!(session = %id, error = %e, "request failed");
+        Reply::error(e.code(), e.to_string())
+    })
+}
+
+/// Runs one item, turning a panic in the executor into an Internal error.
+pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
+    let WorkItem {
+        session,
+        request_id,
+        work,
+        state,
+        ..
+    } = item;
+    let what = work.name();
+    let reply = catch_unwind(AssertUnwindSafe(|| {
+        let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+        execute(&mut s, work, limits)
+    }))
+    .unwrap_or_else(|_| {
+        tracing::error!(%session, request = what, "executor panicked");
+        Reply::error(
+            ErrorCode::Internal,
+            format!("the executor panicked while running {what}"),
+        )
+    });
+    wire::encode_reply(request_id, &reply).unwrap_or_else(|e| {
+        wire::encode_error(
+            request_id,
+            ErrorCode::Internal,
+            &format!("reply could not be encoded: {e}"),
+        )
+    })
+}
+
+/// A worker's loop: until the dispatcher shuts down.
+pub(crate) fn run(
+    ctx: zmq::Context,
+    dispatcher: Arc<Dispatcher>,
+    limits: GraphLimits,
+) -> Result<(), zmq::Error> {
+    let push = ctx.socket(zmq::PUSH)?;
+    push.set_linger(1000)?;
+    push.connect(REPLIES)?;
+    while let Some(item) = dispatcher.next() {
+        let session = item.session;
+        let peer = item.peer.clone();
+        let started = std::time::Instant::now();
+        let what = item.work.name();
+        let frames = handle(item, &limits);
+        dispatcher.done(session);
+        tracing::trace!(%session, request = what, micros = started.elapsed().as_micros() as u64, "done");
+        let mut out: Vec<Vec<u8>> = Vec::with_capacity(frames.len() + 2);
+        out.push(session.0.to_le_bytes().to_vec());
+        out.push(peer);
+        out.extend(frames);
+        push.send_multipart(out, 0)?;
+    }
+    Ok(())
+}
