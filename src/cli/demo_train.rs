@@ -102,9 +102,8 @@ fn train_one(
     let start = Instant::now();
     let (t, _) = mlp().training(BATCH, 1, &opt)?;
     let mut client = Client::connect(endpoint).with_context(|| format!("{name}: connect"))?;
-    let mut s = client.open_session(
-        SessionSpec::training(name).with_expected_iterations(iterations as u64),
-    )?;
+    let mut s = client
+        .open_session(SessionSpec::training(name).with_expected_iterations(iterations as u64))?;
     s.load(&t.graph, t.vars)
         .with_context(|| format!("{name}: load"))?;
     let (mut first, mut last) = (f32::NAN, f32::NAN);
@@ -123,7 +122,11 @@ fn train_one(
         let out = s
             .run(vec![("input", x), ("labels", y)], &[t.loss.as_str()])
             .with_context(|| format!("{name}: iteration {it}"))?;
-        let l = out.first().map(|t| t.f32s()).transpose()?.and_then(|v| v.first().copied());
+        let l = out
+            .first()
+            .map(|t| t.f32s())
+            .transpose()?
+            .and_then(|v| v.first().copied());
         last = l.unwrap_or(f32::NAN);
         if it == 0 {
             first = last;
@@ -167,9 +170,13 @@ pub fn run(endpoint: &str, iterations: usize) -> Result<()> {
     let d = load_digits()?;
     let perm = permutation(d.len(), 2024);
     let (test, train) = perm.split_at(d.len() / 5);
-    let mut configs: Vec<(String, Optimizer)> = vec![("train-adam-1e-2".into(), Optimizer::adam(1e-2))];
+    let mut configs: Vec<(String, Optimizer)> =
+        vec![("train-adam-1e-2".into(), Optimizer::adam(1e-2))];
     for lr in [0.003f32, 0.03, 0.3] {
-        configs.push((format!("sweep-sgd-lr{lr}"), Optimizer::sgd_momentum(lr, 0.9, 0.0)));
+        configs.push((
+            format!("sweep-sgd-lr{lr}"),
+            Optimizer::sgd_momentum(lr, 0.9, 0.0),
+        ));
     }
     println!(
         "training on UCI digits: MLP 64-64-10, batch {BATCH}, {iterations} iterations, {} train / {} held out",
