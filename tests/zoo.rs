@@ -102,6 +102,34 @@ fn training_graphs_validate() {
     }
 }
 
+/// Training graphs of the published models validate (gradients and SGD
+/// updates for every parameter; the running statistics are not trained).
+#[test]
+fn published_training_graphs_validate() {
+    for (arch, batch) in [(Arch::ResNet50, 2), (Arch::InceptionV3, 2)] {
+        let (t, _) = arch
+            .training(batch, 0, &Optimizer::sgd_momentum(0.1, 0.9, 1e-4))
+            .unwrap();
+        assert_eq!(t.param_count(), arch.param_count().unwrap());
+        assert!(t.params.iter().all(|p| !p.contains("running_")));
+        validate(t.graph, &GraphLimits::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", arch.name()));
+    }
+}
+
+// Large: BERT-base and ResNet-152 with optimizer state take over a GB of
+// initial values; run with `--ignored`.
+#[test]
+#[ignore]
+fn large_training_graphs_validate() {
+    for arch in [Arch::ResNet152, Arch::BertBase { seq: 16 }] {
+        let (t, _) = arch.training(1, 0, &Optimizer::adamw(1e-4, 0.01)).unwrap();
+        assert_eq!(t.param_count(), arch.param_count().unwrap());
+        validate(t.graph, &GraphLimits::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", arch.name()));
+    }
+}
+
 fn feeds_for(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor> {
     let mut feeds = BTreeMap::new();
     let mut s = seed;
