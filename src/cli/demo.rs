@@ -273,6 +273,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         wall.as_secs_f64(),
         total as f64 / wall.as_secs_f64().max(1e-9)
     );
+    super::demo_train::run(&endpoint, args.iterations as usize)?;
     service.shutdown()?;
     Ok(())
 }
