@@ -7,9 +7,12 @@
 use std::collections::BTreeMap;
 
 use lanes::exec::cpu::CpuProgram;
+use lanes::server::{self, ServerConfig};
 use lanes_adaptor::checkpoint;
 use lanes_adaptor::zoo::Arch;
-use lanes_adaptor::{validate, DType, GraphLimits, Optimizer, Tensor, TensorType};
+use lanes_adaptor::{
+    validate, Client, DType, GraphLimits, Optimizer, SessionSpec, Tensor, TensorType,
+};
 
 fn transformer() -> Arch {
     Arch::Transformer {
@@ -99,6 +102,34 @@ fn training_graphs_validate() {
     }
 }
 
+/// Training graphs of the published models validate (gradients and SGD
+/// updates for every parameter; the running statistics are not trained).
+#[test]
+fn published_training_graphs_validate() {
+    for (arch, batch) in [(Arch::ResNet50, 2), (Arch::InceptionV3, 2)] {
+        let (t, _) = arch
+            .training(batch, 0, &Optimizer::sgd_momentum(0.1, 0.9, 1e-4))
+            .unwrap();
+        assert_eq!(t.param_count(), arch.param_count().unwrap());
+        assert!(t.params.iter().all(|p| !p.contains("running_")));
+        validate(t.graph, &GraphLimits::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", arch.name()));
+    }
+}
+
+// Large: BERT-base and ResNet-152 with optimizer state take over a GB of
+// initial values; run with `--ignored`.
+#[test]
+#[ignore]
+fn large_training_graphs_validate() {
+    for arch in [Arch::ResNet152, Arch::BertBase { seq: 16 }] {
+        let (t, _) = arch.training(1, 0, &Optimizer::adamw(1e-4, 0.01)).unwrap();
+        assert_eq!(t.param_count(), arch.param_count().unwrap());
+        validate(t.graph, &GraphLimits::default())
+            .unwrap_or_else(|e| panic!("{}: {e}", arch.name()));
+    }
+}
+
 fn feeds_for(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor> {
     let mut feeds = BTreeMap::new();
     let mut s = seed;
@@ -133,7 +164,10 @@ fn infer_once(arch: &Arch) -> Tensor {
     let v = validate(m.graph, &GraphLimits::default()).unwrap();
     let mut p = CpuProgram::new(v, m.vars).unwrap();
     let feeds = feeds_for(&m.inputs, 11);
-    let out = p.run(&feeds, &[m.output.clone()]).unwrap().remove(0);
+    let out = p
+        .run(&feeds, std::slice::from_ref(&m.output))
+        .unwrap()
+        .remove(0);
     assert!(
         out.f32s().unwrap().iter().all(|x| x.is_finite()),
         "{}",
@@ -179,7 +213,11 @@ fn bert_base_infers_at_batch_1() {
     );
 }
 
-/// Train a few steps, save, load into a fresh inference program: identical outputs.
+/// Through the service: train a few steps in a session, read the variables
+/// back (ReadVariables), save them to a safetensors file, load the file into
+/// a fresh inference session, and compare with a second inference session
+/// whose variables were overwritten in place (WriteVariables): identical
+/// outputs, and different from an untrained model's.
 #[test]
 fn checkpoint_round_trip_gives_identical_outputs() {
     let arch = Arch::LeNet {
@@ -187,42 +225,59 @@ fn checkpoint_round_trip_gives_identical_outputs() {
         image: 8,
         classes: 10,
     };
+    let service = server::start(ServerConfig {
+        endpoint: "tcp://127.0.0.1:*".into(),
+        workers: 2,
+        ..ServerConfig::default()
+    })
+    .unwrap();
+    let mut client = Client::connect(service.endpoint()).unwrap();
+
     let (t, inputs) = arch.training(4, 5, &Optimizer::adam(1e-2)).unwrap();
-    let mut train =
-        CpuProgram::new(validate(t.graph, &GraphLimits::default()).unwrap(), t.vars).unwrap();
+    let mut train = client
+        .open_session(SessionSpec::training("lenet-train"))
+        .unwrap();
+    train.load(&t.graph, t.vars).unwrap();
     for i in 0..3 {
-        train
-            .run(&feeds_for(&inputs, i), &[t.loss.clone()])
-            .unwrap();
+        let feeds: Vec<(String, Tensor)> = feeds_for(&inputs, i).into_iter().collect();
+        train.run(feeds, &[t.loss.as_str()]).unwrap();
     }
     let trained = train.read_variables(&[]).unwrap();
+    train.close().unwrap();
     let dir = std::env::temp_dir().join(format!("lanes-zoo-ckpt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("lenet.safetensors");
     checkpoint::save(&path, &trained).unwrap();
 
-    let m = arch.inference(2, 99).unwrap(); // a different seed: values must come from the file
-    let x = feeds_for(&m.inputs, 77);
-    let loaded = checkpoint::load_for(&path, &m.graph).unwrap();
-    let mut a = CpuProgram::new(
-        validate(m.graph.clone(), &GraphLimits::default()).unwrap(),
-        m.vars.clone(),
-    )
-    .unwrap();
-    a.write_variables(checkpoint::select_for(&mut trained.clone(), &m.graph).unwrap())
+    // A different seed: the values must come from the checkpoint.
+    let m = arch.inference(2, 99).unwrap();
+    let x: Vec<(String, Tensor)> = feeds_for(&m.inputs, 77).into_iter().collect();
+    let out = [m.output.as_str()];
+
+    let mut fresh = client
+        .open_session(SessionSpec::inference("fresh"))
         .unwrap();
-    let mut b =
-        CpuProgram::new(validate(m.graph, &GraphLimits::default()).unwrap(), loaded).unwrap();
-    let ya = a.run(&x, &[m.output.clone()]).unwrap();
-    let yb = b.run(&x, &[m.output.clone()]).unwrap();
-    assert_eq!(ya, yb);
-    // And the fresh (seed 99) model differs, so the test can fail.
-    let fresh = arch.inference(2, 99).unwrap();
-    let mut c = CpuProgram::new(
-        validate(fresh.graph, &GraphLimits::default()).unwrap(),
-        fresh.vars,
-    )
-    .unwrap();
-    assert_ne!(c.run(&x, &[m.output]).unwrap(), yb);
+    fresh.load(&m.graph, m.vars.clone()).unwrap();
+    let y_fresh = fresh.run(x.clone(), &out).unwrap();
+
+    let mut client2 = Client::connect(service.endpoint()).unwrap();
+    let mut from_file = client2
+        .open_session(SessionSpec::inference("from-file"))
+        .unwrap();
+    from_file
+        .load(&m.graph, checkpoint::load_for(&path, &m.graph).unwrap())
+        .unwrap();
+    let y_file = from_file.run(x.clone(), &out).unwrap();
+
+    fresh
+        .write_variables(checkpoint::select_for(&mut trained.clone(), &m.graph).unwrap())
+        .unwrap();
+    let y_written = fresh.run(x, &out).unwrap();
+    assert_eq!(y_file, y_written);
+    assert_ne!(y_file, y_fresh);
+    fresh.close().unwrap();
+    from_file.close().unwrap();
+    drop((client, client2));
+    service.shutdown().unwrap();
     std::fs::remove_dir_all(&dir).ok();
 }

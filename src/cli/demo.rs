@@ -89,7 +89,9 @@ pub fn mlp_job(name: &str, seed: u64, iterations: u64) -> anyhow::Result<DemoJob
         graph,
         variables,
         feeds: Box::new(move |_| {
-            let v = (0..batch * 784).map(|_| feed_rng.gen_range(0.0..1.0)).collect();
+            let v = (0..batch * 784)
+                .map(|_| feed_rng.gen_range(0.0..1.0))
+                .collect();
             Tensor::from_f32([batch, 784], v)
                 .map(|t| vec![("x".to_string(), t)])
                 .unwrap_or_default()
@@ -152,10 +154,18 @@ pub fn cnn_job(name: &str, seed: u64, iterations: u64) -> anyhow::Result<DemoJob
 pub fn jobs(args: &Args) -> anyhow::Result<Vec<DemoJob>> {
     let mut out = Vec::new();
     for i in 0..args.mlp {
-        out.push(mlp_job(&format!("mlp-{i}"), 10 + i as u64, args.iterations)?);
+        out.push(mlp_job(
+            &format!("mlp-{i}"),
+            10 + i as u64,
+            args.iterations,
+        )?);
     }
     for i in 0..args.cnn {
-        out.push(cnn_job(&format!("cnn-{i}"), 100 + i as u64, args.iterations)?);
+        out.push(cnn_job(
+            &format!("cnn-{i}"),
+            100 + i as u64,
+            args.iterations,
+        )?);
     }
     Ok(out)
 }
@@ -210,7 +220,8 @@ pub fn run_job(endpoint: &str, mut job: DemoJob) -> anyhow::Result<JobReport> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    super::serve::init_tracing();
+    // Quiet by default so the table stands out; RUST_LOG=info shows the service's log.
+    super::serve::init_tracing("warn");
     let config = ServerConfig {
         endpoint: "tcp://127.0.0.1:*".into(),
         workers: args.workers.unwrap_or(ServerConfig::default().workers),
@@ -219,7 +230,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let service = server::start(config)?;
     let endpoint = service.endpoint().to_string();
     let jobs = jobs(&args)?;
-    println!("embedded lanes service on {endpoint}; {} jobs × {} iterations", jobs.len(), args.iterations);
+    println!(
+        "embedded lanes service on {endpoint}; {} jobs × {} iterations",
+        jobs.len(),
+        args.iterations
+    );
     let start = Instant::now();
     let handles: Vec<_> = jobs
         .into_iter()
@@ -237,8 +252,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let wall = start.elapsed();
     println!(
-        "{:<10} {:<10} {:>10} {:>10} {:>10} {:>9}  {}",
-        "job", "kind", "iterations", "p50 (ms)", "p99 (ms)", "wall (s)", "last output"
+        "{:<10} {:<10} {:>10} {:>10} {:>10} {:>9}  last output",
+        "job", "kind", "iterations", "p50 (ms)", "p99 (ms)", "wall (s)"
     );
     for r in &reports {
         println!(
@@ -258,6 +273,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         wall.as_secs_f64(),
         total as f64 / wall.as_secs_f64().max(1e-9)
     );
+    super::demo_train::run(&endpoint, args.iterations as usize)?;
     service.shutdown()?;
     Ok(())
 }

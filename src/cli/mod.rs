@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod demo_train;
 pub mod replay;
 pub mod serve;
 pub mod simulate;

@@ -65,10 +65,10 @@ impl LimitArgs {
     }
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the `info` default.
-pub fn init_tracing() {
+/// Logs to stderr; `RUST_LOG` overrides `default` (e.g. `info`).
+pub fn init_tracing(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -76,13 +76,17 @@ pub fn init_tracing() {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    init_tracing();
+    init_tracing("info");
     if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
         anyhow::bail!("--idle-timeout must be a positive number of seconds");
     }
-    let device = server::resolve_device(args.device).context("--device")?;
+    let device = server::resolve_device(args.device)?;
     if let Some(m) = args.memory {
-        tracing::info!(bytes = m.0, gib = m.0 as f64 / (1u64 << 30) as f64, "memory budget");
+        tracing::info!(
+            bytes = m.0,
+            gib = m.0 as f64 / (1u64 << 30) as f64,
+            "memory budget"
+        );
     }
     let config = ServerConfig {
         endpoint: args.endpoint.clone(),

@@ -193,10 +193,7 @@ impl Dispatcher {
                 busy.insert(item.session);
                 return Some(item);
             }
-            st = self
-                .ready
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
+            st = self.ready.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
     }
 

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{
-    self, Envelope, ErrorCode, Reply, Request, SessionId, SessionSpec, SessionState,
+    self, Envelope, ErrorCode, ErrorReply, Reply, Request, SessionId, SessionSpec, SessionState,
     SessionStatus, StatusReport,
 };
 
@@ -136,7 +136,8 @@ impl Frontend {
             idle_timeout_s = self.config.idle_timeout.as_secs_f64(),
             "lanes service ready"
         );
-        let reap_every = (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let reap_every =
+            (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let mut last_reap = Instant::now();
         let result = loop {
             if self.stop.load(Ordering::SeqCst) {
@@ -234,7 +235,10 @@ impl Frontend {
             Err(e) => {
                 tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %e, "bad message");
                 let id = e.request_id.unwrap_or(0);
-                return self.send(&peer, wire::encode_error(id, e.error.code(), &e.to_string()));
+                return self.send(
+                    &peer,
+                    wire::encode_error(id, e.error.code(), &e.to_string()),
+                );
             }
         };
         let Envelope {
@@ -261,7 +265,7 @@ impl Frontend {
                     tracing::info!(%session, dropped, "session closed");
                     Reply::SessionClosed { session }
                 }
-                Err(r) => r,
+                Err(e) => Reply::Error(e),
             },
             Request::LoadGraph {
                 session,
@@ -277,23 +281,28 @@ impl Frontend {
                 return self.queue(peer, request_id, session, Work::ReadVariables { names })
             }
             Request::WriteVariables { session, variables } => {
-                return self.queue(peer, request_id, session, Work::WriteVariables { variables })
+                return self.queue(
+                    peer,
+                    request_id,
+                    session,
+                    Work::WriteVariables { variables },
+                )
             }
         };
         self.reply(&peer, request_id, &reply)
     }
 
     /// The session if `peer` opened it; else an UnknownSession reply.
-    fn owned(&mut self, peer: &[u8], session: SessionId) -> Result<&mut Entry, Reply> {
+    fn owned(&mut self, peer: &[u8], session: SessionId) -> Result<&mut Entry, ErrorReply> {
         match self.sessions.get_mut(&session) {
             Some(e) if e.owner == peer => {
                 e.last_seen = Instant::now();
                 Ok(e)
             }
-            _ => Err(Reply::error(
-                ErrorCode::UnknownSession,
-                format!("session {session} is not open on this connection"),
-            )),
+            _ => Err(ErrorReply {
+                code: ErrorCode::UnknownSession,
+                message: format!("session {session} is not open on this connection"),
+            }),
         }
     }
 
@@ -307,7 +316,10 @@ impl Frontend {
         if self.sessions.len() >= self.config.max_sessions {
             return Reply::error(
                 ErrorCode::Overloaded,
-                format!("the service is at its limit of {} sessions", self.config.max_sessions),
+                format!(
+                    "the service is at its limit of {} sessions",
+                    self.config.max_sessions
+                ),
             );
         }
         let session = SessionId(self.next_session);
@@ -338,7 +350,7 @@ impl Frontend {
     ) -> Result<(), zmq::Error> {
         let entry = match self.owned(&peer, session) {
             Ok(e) => e,
-            Err(r) => return self.reply(&peer, request_id, &r),
+            Err(e) => return self.reply(&peer, request_id, &Reply::Error(e)),
         };
         let item = WorkItem {
             session,

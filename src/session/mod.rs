@@ -15,7 +15,7 @@ use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuProgram;
 use crate::exec::ExecError;
-use crate::lanes::{AdmitError, Admission, JobId, Lease, SharedLanes};
+use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -62,9 +62,9 @@ impl SessionError {
 /// The stable wire code for an executor error.
 pub fn exec_code(e: &ExecError) -> ErrorCode {
     match e {
-        ExecError::MissingFeed { .. } | ExecError::UnknownFeed { .. } | ExecError::FeedType { .. } => {
-            ErrorCode::BadFeed
-        }
+        ExecError::MissingFeed { .. }
+        | ExecError::UnknownFeed { .. }
+        | ExecError::FeedType { .. } => ErrorCode::BadFeed,
         ExecError::UnknownFetch { .. } => ErrorCode::UnknownFetch,
         ExecError::MissingVariable { .. } | ExecError::VariableType { .. } => {
             ErrorCode::BadVariable
@@ -334,5 +334,88 @@ impl Session {
     /// Nodes of the loaded graph (0 before LoadGraph).
     pub fn nodes(&self) -> u64 {
         self.loaded.as_ref().map_or(0, |l| l.nodes)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use lanes_adaptor::{GraphBuilder, NodeId, Outlet};
+
+    fn graph() -> (Graph, Vec<NamedTensor>) {
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([2, 3]));
+        let w = g.variable("w", Tensor::full([3, 4], 0.5));
+        let y = g.matmul(x, w);
+        g.set_name(y, "y");
+        let (graph, vars) = g.finish().unwrap();
+        (
+            graph,
+            vars.into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        )
+    }
+
+    fn session() -> Session {
+        Session::new(SessionId(1), SessionSpec::inference("t"))
+    }
+
+    #[test]
+    fn requests_before_load_are_no_graph() {
+        let mut s = session();
+        let e = s.run(vec![], &[]).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NoGraph);
+        assert_eq!(
+            s.read_variables(&[]).unwrap_err().code(),
+            ErrorCode::NoGraph
+        );
+        assert_eq!(
+            s.write_variables(vec![]).unwrap_err().code(),
+            ErrorCode::NoGraph
+        );
+        assert_eq!(s.iterations(), 0);
+    }
+
+    #[test]
+    fn load_checks_graph_and_variables() {
+        let limits = GraphLimits::default();
+        let (mut g, vars) = graph();
+        g.nodes[2].inputs[1] = Outlet::new(NodeId(40), 0);
+        let e = session().load(g, vars, &limits).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidGraph);
+        assert!(e.to_string().contains("matmul"), "{e}");
+
+        let (g, _) = graph();
+        let e = session().load(g, vec![], &limits).unwrap_err();
+        assert!(
+            matches!(&e, SessionError::Variable { name, .. } if name == "w"),
+            "{e}"
+        );
+
+        let (g, _) = graph();
+        let wrong = vec![NamedTensor::new("w", Tensor::full([4, 3], 0.5))];
+        let e = session().load(g, wrong, &limits).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::BadVariable);
+
+        let (g, mut vars) = graph();
+        vars.push(NamedTensor::new("extra", Tensor::scalar(1.0)));
+        assert_eq!(
+            session().load(g, vars, &limits).unwrap_err().code(),
+            ErrorCode::BadVariable
+        );
+    }
+
+    #[test]
+    fn exec_errors_map_to_stable_codes() {
+        let e = SessionError::Exec(ExecError::MissingFeed { name: "x".into() });
+        assert_eq!(e.code(), ErrorCode::BadFeed);
+        let e = SessionError::Exec(ExecError::Op {
+            node: "n".into(),
+            op: "relu",
+            reason: "r".into(),
+        });
+        assert_eq!(e.code(), ErrorCode::Exec);
     }
 }

@@ -688,6 +688,7 @@ pub fn pool_shape(x: &Shape, p: &Pool2dAttrs) -> R<Vec<usize>> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -398,6 +398,7 @@ fn types_str(ts: &[TensorType]) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use crate::tensor::TensorType;

@@ -262,4 +262,32 @@ mod tests {
             assert_eq!(ErrorCode::from(c).as_u16(), c);
         }
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        /// Random bytes and corrupted valid messages decode to errors, never panics.
+        #[test]
+        fn decoding_never_panics(
+            junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            flips in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 1..8),
+            cut in proptest::prelude::any::<usize>(),
+        ) {
+            let l = Limits::default();
+            let _ = decode_request(std::slice::from_ref(&junk), &l);
+            let _ = decode_reply(&[junk.clone(), junk], &l);
+            for req in [load_graph(), run()] {
+                let mut frames = encode_request(9, &req).unwrap();
+                let n = frames[0].len();
+                for &(pos, byte) in &flips {
+                    // Keep the prefix valid so the body decoder is exercised.
+                    let i = PREFIX_BYTES + pos % (n - PREFIX_BYTES);
+                    frames[0][i] ^= byte;
+                }
+                let _ = decode_request(&frames, &l);
+                let mut whole = encode_request(9, &req).unwrap();
+                whole[0].truncate(PREFIX_BYTES + cut % (n - PREFIX_BYTES));
+                proptest::prop_assert!(decode_request(&whole, &l).is_err());
+            }
+        }
+    }
 }

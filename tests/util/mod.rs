@@ -1,0 +1,133 @@
+//! Shared by the integration tests: a real service on an ephemeral loopback
+//! port, a raw DEALER for sending hand-made frames, and a small graph with a
+//! reference computation.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use lanes::server::{self, ServerConfig, ServerHandle};
+use lanes_adaptor::wire::{self, Envelope, Reply};
+use lanes_adaptor::{Graph, GraphBuilder, Limits, Tensor, TensorType, VarValues};
+
+/// Starts a service on `tcp://127.0.0.1:*` with `f` applied to the config.
+pub fn start_with(f: impl FnOnce(&mut ServerConfig)) -> ServerHandle {
+    let mut config = ServerConfig {
+        endpoint: "tcp://127.0.0.1:*".into(),
+        workers: 2,
+        ..ServerConfig::default()
+    };
+    f(&mut config);
+    server::start(config).expect("service starts")
+}
+
+pub fn start() -> ServerHandle {
+    start_with(|_| {})
+}
+
+/// A DEALER that sends frames exactly as given.
+pub struct RawPeer {
+    socket: zmq::Socket,
+    _ctx: zmq::Context,
+}
+
+impl RawPeer {
+    pub fn connect(endpoint: &str) -> Self {
+        let ctx = zmq::Context::new();
+        let socket = ctx.socket(zmq::DEALER).unwrap();
+        socket.set_linger(0).unwrap();
+        socket.connect(endpoint).unwrap();
+        RawPeer { socket, _ctx: ctx }
+    }
+
+    pub fn send(&self, frames: Vec<Vec<u8>>) {
+        self.socket.send_multipart(frames, 0).unwrap();
+    }
+
+    /// The next reply's raw frames, or `None` after `timeout`.
+    pub fn recv_raw(&self, timeout: Duration) -> Option<Vec<Vec<u8>>> {
+        if self
+            .socket
+            .poll(zmq::POLLIN, timeout.as_millis() as i64)
+            .unwrap()
+            == 0
+        {
+            return None;
+        }
+        Some(self.socket.recv_multipart(0).unwrap())
+    }
+
+    /// The next reply, decoded.
+    pub fn recv(&self) -> Envelope<Reply> {
+        let frames = self
+            .recv_raw(Duration::from_secs(10))
+            .expect("a reply within 10 s");
+        wire::decode_reply(&frames, &Limits::default()).expect("a decodable reply")
+    }
+
+    /// Sends frames and returns the decoded reply.
+    pub fn call(&self, frames: Vec<Vec<u8>>) -> Envelope<Reply> {
+        self.send(frames);
+        self.recv()
+    }
+}
+
+pub const BATCH: usize = 4;
+pub const IN: usize = 3;
+pub const OUT: usize = 2;
+
+/// Deterministic values in [-1, 1) from a seed.
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `y = relu(x @ w + b)` with x [4,3] (placeholder), w [3,2], b [2] (variables).
+pub fn linear_relu(seed: u64) -> (Graph, VarValues) {
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([BATCH, IN]));
+    let w = g.variable(
+        "w",
+        Tensor::from_f32([IN, OUT], values(seed, IN * OUT)).unwrap(),
+    );
+    let b = g.variable("b", Tensor::from_f32([OUT], values(seed + 1, OUT)).unwrap());
+    let h = g.matmul(x, w);
+    let h = g.add(h, b);
+    let y = g.relu(h);
+    g.set_name(y, "y");
+    g.finish().unwrap()
+}
+
+/// Reference for [`linear_relu`].
+pub fn linear_relu_ref(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut y = vec![0.0; BATCH * OUT];
+    for i in 0..BATCH {
+        for j in 0..OUT {
+            let mut acc = b[j];
+            for k in 0..IN {
+                acc += x[i * IN + k] * w[k * OUT + j];
+            }
+            y[i * OUT + j] = acc.max(0.0);
+        }
+    }
+    y
+}
+
+pub fn assert_close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "element {i}: got {g}, want {w}"
+        );
+    }
+}
