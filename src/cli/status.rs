@@ -27,8 +27,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.server,
         args.endpoint,
         s.device,
-        s.memory_bytes
-            .map_or_else(|| "unset".to_string(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)),
+        s.memory_bytes.map_or_else(
+            || "unset".to_string(),
+            |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+        ),
         s.workers,
         s.uptime_ms as f64 / 1000.0,
         s.queued

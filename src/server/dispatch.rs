@@ -193,10 +193,7 @@ impl Dispatcher {
                 busy.insert(item.session);
                 return Some(item);
             }
-            st = self
-                .ready
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
+            st = self.ready.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
@@ -284,6 +281,32 @@ mod tests {
         d.done(SessionId(2));
         assert!(d.is_idle(SessionId(1)));
         assert_eq!(d.queued(), 0);
+    }
+
+    #[test]
+    fn sessions_waiting_for_memory_are_held_back() {
+        use crate::lanes::{JobId, LanesConfig, SharedLanes};
+        let lanes = SharedLanes::accounting_only(LanesConfig {
+            capacity: 1000,
+            alignment: 1,
+            max_lanes: 1,
+        })
+        .unwrap();
+        let (first, _) = lanes.admit(JobId(1), 500, 500).unwrap();
+        let (_second, _) = lanes.admit(JobId(2), 500, 500).unwrap(); // queued
+        let d = Dispatcher::new(Box::new(FifoQueue::default()));
+        d.gate_on(lanes.clone());
+        d.submit(item(2, 1));
+        d.submit(item(1, 2));
+        // Session 2 waits for memory: session 1's later item goes first.
+        assert_eq!(d.next().unwrap().request_id, 2);
+        d.done(SessionId(1));
+        let d2 = Arc::clone(&d);
+        let t = std::thread::spawn(move || d2.next().map(|i| i.request_id));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(first); // releases job 1: job 2 is admitted
+        d.wake();
+        assert_eq!(t.join().unwrap(), Some(1));
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{
-    self, Envelope, ErrorCode, Reply, Request, SessionId, SessionSpec, SessionState,
-    SessionStatus, StatusReport,
+    self, Envelope, ErrorCode, Reply, Request, SessionId, SessionSpec, SessionState, SessionStatus,
+    StatusReport,
 };
 
 use super::dispatch::{Dispatcher, FifoQueue, Work, WorkItem};
@@ -136,7 +136,8 @@ impl Frontend {
             idle_timeout_s = self.config.idle_timeout.as_secs_f64(),
             "lanes service ready"
         );
-        let reap_every = (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let reap_every =
+            (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let mut last_reap = Instant::now();
         let result = loop {
             if self.stop.load(Ordering::SeqCst) {
@@ -234,7 +235,10 @@ impl Frontend {
             Err(e) => {
                 tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %e, "bad message");
                 let id = e.request_id.unwrap_or(0);
-                return self.send(&peer, wire::encode_error(id, e.error.code(), &e.to_string()));
+                return self.send(
+                    &peer,
+                    wire::encode_error(id, e.error.code(), &e.to_string()),
+                );
             }
         };
         let Envelope {
@@ -277,7 +281,12 @@ impl Frontend {
                 return self.queue(peer, request_id, session, Work::ReadVariables { names })
             }
             Request::WriteVariables { session, variables } => {
-                return self.queue(peer, request_id, session, Work::WriteVariables { variables })
+                return self.queue(
+                    peer,
+                    request_id,
+                    session,
+                    Work::WriteVariables { variables },
+                )
             }
         };
         self.reply(&peer, request_id, &reply)
@@ -307,7 +316,10 @@ impl Frontend {
         if self.sessions.len() >= self.config.max_sessions {
             return Reply::error(
                 ErrorCode::Overloaded,
-                format!("the service is at its limit of {} sessions", self.config.max_sessions),
+                format!(
+                    "the service is at its limit of {} sessions",
+                    self.config.max_sessions
+                ),
             );
         }
         let session = SessionId(self.next_session);
@@ -392,7 +404,7 @@ impl Frontend {
             version: wire::PROTOCOL_VERSION,
             device: self.config.device.clone(),
             memory_bytes: self.config.memory_bytes,
-            lanes: self.lanes.as_ref().map(|l| l.snapshot().to_string()),
+            lanes: self.lanes.as_ref().map(|l| Box::new(l.snapshot().to_string())),
             workers: self.workers.len() as u32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             queued: self.dispatcher.queued() as u64,

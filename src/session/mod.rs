@@ -15,7 +15,7 @@ use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuProgram;
 use crate::exec::ExecError;
-use crate::lanes::{AdmitError, Admission, JobId, Lease, SharedLanes};
+use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -62,9 +62,9 @@ impl SessionError {
 /// The stable wire code for an executor error.
 pub fn exec_code(e: &ExecError) -> ErrorCode {
     match e {
-        ExecError::MissingFeed { .. } | ExecError::UnknownFeed { .. } | ExecError::FeedType { .. } => {
-            ErrorCode::BadFeed
-        }
+        ExecError::MissingFeed { .. }
+        | ExecError::UnknownFeed { .. }
+        | ExecError::FeedType { .. } => ErrorCode::BadFeed,
         ExecError::UnknownFetch { .. } => ErrorCode::UnknownFetch,
         ExecError::MissingVariable { .. } | ExecError::VariableType { .. } => {
             ErrorCode::BadVariable
