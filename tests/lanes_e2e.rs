@@ -307,3 +307,176 @@ fn a_job_larger_than_the_reservation_is_refused_at_once() {
     assert!(msg.contains(&plan.persistent.to_string()), "{msg}");
     assert!(lanes.snapshot().queue.is_empty());
 }
+
+// ---- through the service: ZeroMQ sockets, `lanes serve --memory` ----------
+
+mod service {
+    use super::*;
+    use lanes::server::{self, ServerConfig, ServerHandle};
+    use lanes_adaptor::wire::{NamedTensor, Reply, Request};
+    use lanes_adaptor::{Client, ClientOptions, ErrorCode, SessionSpec};
+    use std::time::Instant;
+
+    fn serve(memory: u64) -> ServerHandle {
+        server::start(ServerConfig {
+            endpoint: "tcp://127.0.0.1:*".into(),
+            workers: 2,
+            memory_bytes: Some(memory),
+            ..ServerConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn client(endpoint: &str) -> Client {
+        Client::connect_with(
+            endpoint,
+            ClientOptions {
+                timeout: Duration::from_secs(60),
+                name: "lanes_e2e".into(),
+                ..ClientOptions::default()
+            },
+        )
+        .unwrap()
+    }
+
+    fn graph_and_vars(
+        hidden: usize,
+        seed: usize,
+    ) -> (
+        lanes_adaptor::Graph,
+        Vec<NamedTensor>,
+        HashMap<String, Vec<f32>>,
+    ) {
+        let (g, vals) = mlp(hidden, seed);
+        let named = vals
+            .iter()
+            .map(|(k, v)| {
+                let shape = g
+                    .graph()
+                    .outlet_type(g.graph().resolve(k).unwrap())
+                    .unwrap()
+                    .shape
+                    .clone();
+                NamedTensor::new(k.clone(), Tensor::from_f32(shape, v.clone()).unwrap())
+            })
+            .collect();
+        (g.into_graph(), named, vals)
+    }
+
+    /// Opens a session that stays open until closed by id.
+    fn open(c: &mut Client, name: &str) -> lanes_adaptor::SessionId {
+        match c
+            .request(&Request::OpenSession(SessionSpec::inference(name)))
+            .unwrap()
+        {
+            Reply::SessionOpened { session } => session,
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_job_larger_than_memory_is_refused_with_both_sizes() {
+        let srv = serve(64 << 10);
+        let mut c = client(srv.endpoint());
+        let (graph, variables, _) = graph_and_vars(512, 0);
+        let sid = open(&mut c, "big");
+        let e = c
+            .request(&Request::LoadGraph {
+                session: sid,
+                graph,
+                variables,
+            })
+            .unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::MemoryTooLarge), "{e}");
+        assert!(e.to_string().contains(&(64u64 << 10).to_string()), "{e}");
+        let st = c.status().unwrap();
+        let lanes = st.lanes.expect("lanes in status");
+        assert!(lanes.contains("reservation 64.00 KiB"), "{lanes}");
+        assert!(lanes.contains("queue: empty"), "{lanes}");
+    }
+
+    /// Needs the CPU backend's executor (`CpuProgram`), which LoadGraph
+    /// builds: run with `cargo test --test lanes_e2e -- --ignored` once it
+    /// has landed.
+    #[test]
+    #[ignore = "needs the CPU backend executor"]
+    fn more_jobs_than_memory_all_complete_through_the_service() {
+        let hidden = [64usize, 256, 128, 512, 96, 384];
+        let mut needs: Vec<u64> = hidden
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| {
+                let p = compile::plan(&mlp(h, i).0).unwrap();
+                p.persistent + p.ephemeral
+            })
+            .collect();
+        needs.sort_unstable();
+        let memory = needs[needs.len() - 1] + needs[needs.len() - 2];
+        assert!(needs.iter().sum::<u64>() > memory);
+        let srv = serve(memory);
+        let endpoint = srv.endpoint().to_string();
+        let loaded = Arc::new(Barrier::new(hidden.len()));
+        let handles: Vec<_> = hidden
+            .iter()
+            .enumerate()
+            .map(|(j, &h)| {
+                let (endpoint, loaded) = (endpoint.clone(), loaded.clone());
+                std::thread::spawn(move || {
+                    let mut c = client(&endpoint);
+                    let (graph, variables, vals) = graph_and_vars(h, j);
+                    let plan = compile::plan(&mlp(h, j).0).unwrap();
+                    let sid = open(&mut c, &format!("mlp{j}"));
+                    let reply = c
+                        .request(&Request::LoadGraph {
+                            session: sid,
+                            graph,
+                            variables,
+                        })
+                        .unwrap();
+                    let Reply::GraphLoaded {
+                        persistent_bytes,
+                        ephemeral_bytes,
+                        waiting,
+                        ..
+                    } = reply
+                    else {
+                        panic!("unexpected reply {reply:?}")
+                    };
+                    assert_eq!(
+                        (persistent_bytes, ephemeral_bytes),
+                        (plan.persistent, plan.ephemeral)
+                    );
+                    // Every job has loaded before any runs: the set cannot all be resident.
+                    loaded.wait();
+                    let t0 = Instant::now();
+                    for it in 0..ITERS {
+                        let x = feed(j, it);
+                        let want = reference(&vals, h, &x);
+                        let xt = Tensor::from_f32([BATCH, IN], x).unwrap();
+                        let out = c.run_in(sid, vec![("x", xt)], &["y"]).unwrap();
+                        let got = out[0].f32s().unwrap();
+                        for (g, w) in got.iter().zip(&want) {
+                            assert!(
+                                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                                "job {j}: {g} vs {w}"
+                            );
+                        }
+                    }
+                    c.close_in(sid).unwrap();
+                    (waiting.is_some(), t0.elapsed())
+                })
+            })
+            .collect();
+        let results: Vec<(bool, Duration)> =
+            handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let waited = results.iter().filter(|r| r.0).count();
+        assert!(waited >= 1, "no job waited for memory");
+        let mut c = client(&endpoint);
+        let lanes = c.status().unwrap().lanes.unwrap();
+        assert!(
+            lanes.contains("0 lane(s)") && lanes.contains("queue: empty"),
+            "{lanes}"
+        );
+        srv.shutdown().unwrap();
+    }
+}

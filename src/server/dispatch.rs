@@ -284,6 +284,32 @@ mod tests {
     }
 
     #[test]
+    fn sessions_waiting_for_memory_are_held_back() {
+        use crate::lanes::{JobId, LanesConfig, SharedLanes};
+        let lanes = SharedLanes::accounting_only(LanesConfig {
+            capacity: 1000,
+            alignment: 1,
+            max_lanes: 1,
+        })
+        .unwrap();
+        let (first, _) = lanes.admit(JobId(1), 500, 500).unwrap();
+        let (_second, _) = lanes.admit(JobId(2), 500, 500).unwrap(); // queued
+        let d = Dispatcher::new(Box::new(FifoQueue::default()));
+        d.gate_on(lanes.clone());
+        d.submit(item(2, 1));
+        d.submit(item(1, 2));
+        // Session 2 waits for memory: session 1's later item goes first.
+        assert_eq!(d.next().unwrap().request_id, 2);
+        d.done(SessionId(1));
+        let d2 = Arc::clone(&d);
+        let t = std::thread::spawn(move || d2.next().map(|i| i.request_id));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(first); // releases job 1: job 2 is admitted
+        d.wake();
+        assert_eq!(t.join().unwrap(), Some(1));
+    }
+
+    #[test]
     fn cancel_and_shutdown() {
         let d = Dispatcher::new(Box::new(FifoQueue::default()));
         d.submit(item(1, 1));

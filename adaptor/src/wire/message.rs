@@ -194,8 +194,9 @@ pub struct StatusReport {
     pub device: String,
     /// Memory given with `--memory`, if any.
     pub memory_bytes: Option<u64>,
-    /// The lanes, their jobs (P/T) and the admission queue, rendered.
-    pub lanes: Option<String>,
+    /// The lanes, their jobs (P/T) and the admission queue, rendered
+    /// (boxed: keeps `Reply` small).
+    pub lanes: Option<Box<String>>,
     pub workers: u32,
     pub uptime_ms: u64,
     /// Requests waiting for a worker.
