@@ -12,6 +12,7 @@
 
 mod backward;
 mod forward;
+mod program;
 
 use std::collections::BTreeMap;
 
@@ -29,10 +30,8 @@ pub struct CpuProgram {
 impl CpuProgram {
     /// Checks that every variable of `graph` has a value of its declared type.
     pub fn new(graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
-        let _ = (&graph, &vars);
-        Err(ExecError::NoDevice {
-            reason: "CPU executor not implemented yet".into(),
-        })
+        program::check_vars(&graph, &vars)?;
+        Ok(CpuProgram { graph, vars })
     }
 
     pub fn graph(&self) -> &ValidGraph {
@@ -45,10 +44,7 @@ impl CpuProgram {
         feeds: &BTreeMap<String, Tensor>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
-        let _ = (feeds, fetches);
-        Err(ExecError::NoDevice {
-            reason: "CPU executor not implemented yet".into(),
-        })
+        program::run_iteration(&self.graph, &mut self.vars, feeds, fetches)
     }
 
     /// Current values of the named variables (all variables when `names` is empty).

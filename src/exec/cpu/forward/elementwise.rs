@@ -1,0 +1,147 @@
+//! Elementwise ops with numpy broadcasting, activations, softmax.
+
+use lanes_adaptor::Op;
+use rayon::prelude::*;
+
+use super::{broadcast_strides, gather, split};
+use crate::exec::{ExecError, TensorMut, TensorRef};
+
+/// Below this many elements a kernel runs on one thread.
+const PAR_MIN: usize = 1 << 15;
+
+/// Add, Sub, Mul, Div with numpy broadcasting.
+pub(super) fn binary(
+    op: &Op,
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let f: fn(f32, f32) -> f32 = match op {
+        Op::Add => |a, b| a + b,
+        Op::Sub => |a, b| a - b,
+        Op::Mul => |a, b| a * b,
+        _ => |a, b| a / b,
+    };
+    let out_dims = outputs[0].dims().to_vec();
+    let y = outputs[0].f32s()?;
+    let a = expand(&inputs[0], &out_dims)?;
+    let b = expand(&inputs[1], &out_dims)?;
+    if y.len() >= PAR_MIN {
+        y.par_iter_mut()
+            .zip(a.par_iter().zip(b.par_iter()))
+            .for_each(|(y, (&a, &b))| *y = f(a, b));
+    } else {
+        for (y, (&a, &b)) in y.iter_mut().zip(a.iter().zip(b.iter())) {
+            *y = f(a, b);
+        }
+    }
+    Ok(())
+}
+
+/// The input's values broadcast to `out` (borrowed when already that shape).
+fn expand<'a>(
+    t: &TensorRef<'a>,
+    out: &[usize],
+) -> Result<std::borrow::Cow<'a, [f32]>, ExecError> {
+    let v = t.f32s()?;
+    if t.dims() == out {
+        return Ok(std::borrow::Cow::Borrowed(v));
+    }
+    let mut dst = vec![0.0; super::prod(out)];
+    gather(v, out, &broadcast_strides(t.dims(), out), &mut dst);
+    Ok(std::borrow::Cow::Owned(dst))
+}
+
+/// Exact (erf) GELU.
+pub(crate) fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+/// Logistic sigmoid, stable for large |x|.
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// Relu, Gelu, Sigmoid, Tanh, Exp, Log, Sqrt, Scale.
+pub(super) fn unary(
+    op: &Op,
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let x = inputs[0].f32s()?;
+    let y = outputs[0].f32s()?;
+    let factor = match op {
+        Op::Scale(s) => *s,
+        _ => 1.0,
+    };
+    let f = |x: f32| -> f32 {
+        match op {
+            Op::Relu => x.max(0.0),
+            Op::Gelu => gelu(x),
+            Op::Sigmoid => sigmoid(x),
+            Op::Tanh => x.tanh(),
+            Op::Exp => x.exp(),
+            Op::Log => x.ln(),
+            Op::Sqrt => x.sqrt(),
+            _ => x * factor,
+        }
+    };
+    if y.len() >= PAR_MIN {
+        y.par_iter_mut().zip(x.par_iter()).for_each(|(y, &x)| *y = f(x));
+    } else {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = f(x);
+        }
+    }
+    Ok(())
+}
+
+/// Softmax or log-softmax over `axis`, subtracting the maximum first.
+pub(super) fn softmax(
+    axis: usize,
+    log: bool,
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let x = inputs[0].f32s()?;
+    let (outer, len, inner) = split(inputs[0].dims(), axis);
+    let y = outputs[0].f32s()?;
+    let block = len * inner;
+    if block == 0 {
+        return Ok(());
+    }
+    let run = |(xb, yb): (&[f32], &mut [f32])| {
+        for i in 0..inner {
+            let m = (0..len)
+                .map(|j| xb[j * inner + i])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let m = if m.is_finite() { m } else { 0.0 };
+            let mut sum = 0.0f32;
+            for j in 0..len {
+                let e = (xb[j * inner + i] - m).exp();
+                yb[j * inner + i] = e;
+                sum += e;
+            }
+            if log {
+                let ls = sum.ln() + m;
+                for j in 0..len {
+                    yb[j * inner + i] = xb[j * inner + i] - ls;
+                }
+            } else {
+                for j in 0..len {
+                    yb[j * inner + i] /= sum;
+                }
+            }
+        }
+    };
+    if outer * block >= PAR_MIN {
+        x.par_chunks(block).zip(y.par_chunks_mut(block)).for_each(run);
+    } else {
+        x.chunks(block).zip(y.chunks_mut(block)).for_each(run);
+    }
+    Ok(())
+}
