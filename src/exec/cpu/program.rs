@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use lanes_adaptor::{DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
+use lanes_adaptor::{
+    DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
+};
 
 use super::run_op;
 use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
@@ -88,7 +90,10 @@ pub(super) fn run_iteration(
     // Fetch keys resolve.
     let outlets: Vec<Outlet> = fetches
         .iter()
-        .map(|k| g.resolve(k).ok_or_else(|| ExecError::UnknownFetch { key: k.clone() }))
+        .map(|k| {
+            g.resolve(k)
+                .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
+        })
         .collect::<Result<_, _>>()?;
     // Needed: fetched nodes, in-place updates, and everything they read.
     let mut needed = vec![false; n];
@@ -141,7 +146,10 @@ pub(super) fn run_iteration(
                 // Copies of the mutated variables, written back on success.
                 let mut updated: Vec<(String, TensorData)> = Vec::with_capacity(mutated.len());
                 for &k in mutated {
-                    let src = node.inputs.get(k).ok_or_else(|| bad(node, "missing mutated input"))?;
+                    let src = node
+                        .inputs
+                        .get(k)
+                        .ok_or_else(|| bad(node, "missing mutated input"))?;
                     let var = &g.nodes[src.node.index()];
                     if !matches!(var.op, Op::Variable(_)) {
                         return Err(bad(node, "in-place update of a non-variable"));
@@ -202,11 +210,12 @@ pub(super) fn run_iteration(
         .map(|(o, key)| {
             let node = &g.nodes[o.node.index()];
             if matches!(node.op, Op::Variable(_)) {
-                return vars.get(&node.name).cloned().ok_or_else(|| {
-                    ExecError::MissingVariable {
+                return vars
+                    .get(&node.name)
+                    .cloned()
+                    .ok_or_else(|| ExecError::MissingVariable {
                         name: node.name.clone(),
-                    }
-                });
+                    });
             }
             values[o.node.index()]
                 .as_ref()
@@ -233,7 +242,9 @@ fn input_view<'a>(
 ) -> Result<TensorRef<'a>, ExecError> {
     let g = graph.graph();
     let src = &g.nodes[o.node.index()];
-    let ty = g.outlet_type(o).ok_or_else(|| bad(src, "dangling outlet"))?;
+    let ty = g
+        .outlet_type(o)
+        .ok_or_else(|| bad(src, "dangling outlet"))?;
     let t = if matches!(src.op, Op::Variable(_)) {
         vars.get(&src.name)
             .ok_or_else(|| ExecError::MissingVariable {

@@ -25,7 +25,8 @@ impl Geom {
     /// (0 = height, 1 = width), `None` in the padding.
     fn src(&self, ax: usize, o: usize, k: usize) -> Option<usize> {
         let lim = if ax == 0 { self.h } else { self.w };
-        let p = (o * self.a.stride[ax] + k * self.a.dilation[ax]).checked_sub(self.a.padding[ax])?;
+        let p =
+            (o * self.a.stride[ax] + k * self.a.dilation[ax]).checked_sub(self.a.padding[ax])?;
         (p < lim).then_some(p)
     }
 
@@ -43,7 +44,8 @@ impl Geom {
                             None => dst.fill(0.0),
                             Some(y) => {
                                 for (ox, d) in dst.iter_mut().enumerate() {
-                                    *d = self.src(1, ox, j).map_or(0.0, |xx| plane[y * self.w + xx]);
+                                    *d =
+                                        self.src(1, ox, j).map_or(0.0, |xx| plane[y * self.w + xx]);
                                 }
                             }
                         }

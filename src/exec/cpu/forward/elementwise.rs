@@ -38,10 +38,7 @@ pub(super) fn binary(
 }
 
 /// The input's values broadcast to `out` (borrowed when already that shape).
-fn expand<'a>(
-    t: &TensorRef<'a>,
-    out: &[usize],
-) -> Result<std::borrow::Cow<'a, [f32]>, ExecError> {
+fn expand<'a>(t: &TensorRef<'a>, out: &[usize]) -> Result<std::borrow::Cow<'a, [f32]>, ExecError> {
     let v = t.f32s()?;
     if t.dims() == out {
         return Ok(std::borrow::Cow::Borrowed(v));
@@ -91,7 +88,9 @@ pub(super) fn unary(
         }
     };
     if y.len() >= PAR_MIN {
-        y.par_iter_mut().zip(x.par_iter()).for_each(|(y, &x)| *y = f(x));
+        y.par_iter_mut()
+            .zip(x.par_iter())
+            .for_each(|(y, &x)| *y = f(x));
     } else {
         for (y, &x) in y.iter_mut().zip(x) {
             *y = f(x);
@@ -139,7 +138,9 @@ pub(super) fn softmax(
         }
     };
     if outer * block >= PAR_MIN {
-        x.par_chunks(block).zip(y.par_chunks_mut(block)).for_each(run);
+        x.par_chunks(block)
+            .zip(y.par_chunks_mut(block))
+            .for_each(run);
     } else {
         x.chunks(block).zip(y.chunks_mut(block)).for_each(run);
     }

@@ -23,18 +23,29 @@ pub(super) fn cross_entropy(
         let lse = row.iter().map(|&v| (v - m).exp()).sum::<f32>().ln() + m;
         total += f64::from(lse - row[l]);
     }
-    outputs[0].f32s()?[0] = if n == 0 { f32::NAN } else { (total / n as f64) as f32 };
+    outputs[0].f32s()?[0] = if n == 0 {
+        f32::NAN
+    } else {
+        (total / n as f64) as f32
+    };
     Ok(Ok(()))
 }
 
 /// Mean of squared differences.
-pub(super) fn mse(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> Result<(), ExecError> {
+pub(super) fn mse(
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
     let (p, t) = (inputs[0].f32s()?, inputs[1].f32s()?);
     let s: f64 = p
         .iter()
         .zip(t)
         .map(|(&a, &b)| f64::from((a - b) * (a - b)))
         .sum();
-    outputs[0].f32s()?[0] = if p.is_empty() { f32::NAN } else { (s / p.len() as f64) as f32 };
+    outputs[0].f32s()?[0] = if p.is_empty() {
+        f32::NAN
+    } else {
+        (s / p.len() as f64) as f32
+    };
     Ok(())
 }

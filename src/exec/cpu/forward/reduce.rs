@@ -65,7 +65,10 @@ pub(super) fn reduce(
 }
 
 /// Sums the input down to the output shape.
-pub(super) fn sum_to(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> Result<(), ExecError> {
+pub(super) fn sum_to(
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
     let dims = inputs[0].dims();
     let strides = broadcast_strides(outputs[0].dims(), dims);
     let x = inputs[0].f32s()?;

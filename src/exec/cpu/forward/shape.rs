@@ -25,15 +25,24 @@ fn typed(
 }
 
 /// Reshape: the same values.
-pub(super) fn copy(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> Result<(), ExecError> {
+pub(super) fn copy(
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
     match (&inputs[0].data, &mut outputs[0].data) {
         (DataRef::F32(x), DataMut::F32(y)) => y.copy_from_slice(x),
         (DataRef::I64(x), DataMut::I64(y)) => y.copy_from_slice(x),
         (DataRef::F32(_), DataMut::I64(_)) => {
-            return Err(ExecError::dtype(lanes_adaptor::DType::I64, lanes_adaptor::DType::F32))
+            return Err(ExecError::dtype(
+                lanes_adaptor::DType::I64,
+                lanes_adaptor::DType::F32,
+            ))
         }
         (DataRef::I64(_), DataMut::F32(_)) => {
-            return Err(ExecError::dtype(lanes_adaptor::DType::F32, lanes_adaptor::DType::I64))
+            return Err(ExecError::dtype(
+                lanes_adaptor::DType::F32,
+                lanes_adaptor::DType::I64,
+            ))
         }
     }
     Ok(())
@@ -82,7 +91,12 @@ pub(super) fn concat(
     )
 }
 
-fn slice_into<T: Copy>(x: &[T], (outer, len, inner): (usize, usize, usize), start: usize, y: &mut [T]) {
+fn slice_into<T: Copy>(
+    x: &[T],
+    (outer, len, inner): (usize, usize, usize),
+    start: usize,
+    y: &mut [T],
+) {
     let out_block = y.len() / outer.max(1);
     for o in 0..outer {
         let src = o * len * inner + start * inner;
