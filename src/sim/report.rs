@@ -100,7 +100,7 @@ impl Summary {
 pub fn table(rows: &[Summary]) -> String {
     let base = rows.first().map_or(0.0, |r| r.avg_jct_s);
     let mut s = format!(
-        "{:<9} {:>5} {:>11} {:>11} {:>13} {:>12} {:>13} {:>7} {:>8}\n",
+        "{:<14} {:>5} {:>11} {:>11} {:>13} {:>12} {:>13} {:>7} {:>8}\n",
         "policy",
         "jobs",
         "avg JCT s",
@@ -118,7 +118,7 @@ pub fn table(rows: &[Summary]) -> String {
             0.0
         };
         s.push_str(&format!(
-            "{:<9} {:>5} {:>11.2} {:>11.2} {:>13.2} {:>12.2} {:>13.2} {:>6.1}% {:>7.2}x\n",
+            "{:<14} {:>5} {:>11.2} {:>11.2} {:>13.2} {:>12.2} {:>13.2} {:>6.1}% {:>7.2}x\n",
             r.policy,
             r.jobs,
             r.avg_jct_s,
