@@ -404,7 +404,10 @@ impl Frontend {
             version: wire::PROTOCOL_VERSION,
             device: self.config.device.clone(),
             memory_bytes: self.config.memory_bytes,
-            lanes: self.lanes.as_ref().map(|l| Box::new(l.snapshot().to_string())),
+            lanes: self
+                .lanes
+                .as_ref()
+                .map(|l| Box::new(l.snapshot().to_string())),
             workers: self.workers.len() as u32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             queued: self.dispatcher.queued() as u64,
