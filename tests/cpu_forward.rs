@@ -11,7 +11,10 @@ use lanes_adaptor::{validate, GraphBuilder, GraphLimits, Tensor, TensorType};
 fn matmul_add_broadcast_relu_and_program_errors() {
     let mut g = GraphBuilder::new();
     let x = g.placeholder("x", TensorType::f32([2, 2]));
-    let w = g.variable("w", Tensor::from_f32([2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap());
+    let w = g.variable(
+        "w",
+        Tensor::from_f32([2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap(),
+    );
     let b = g.variable("b", Tensor::from_f32([2], vec![-10.0, 0.0]).unwrap());
     let y = g.matmul(x, w);
     let z = g.add(y, b);
