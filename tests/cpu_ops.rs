@@ -3,7 +3,11 @@
 //! identities for the convolution and pooling gradients, finite differences
 //! for the normalisation and softmax gradients, the optimizers' first steps,
 //! and `CpuProgram`'s feed / fetch / in-place contract.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::cloned_ref_to_slice_refs,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
 
 use std::collections::BTreeMap;
 
@@ -645,7 +649,7 @@ fn adam_and_adamw_first_step() {
         let (_, upd) = exec(&op, &[p, g, z.clone(), z, t(&[1], &[0.0])]).unwrap();
         // First step: m̂ = g', v̂ = g'², so the step is lr · sign(g').
         let want = if decoupled {
-            [1.0 * (1.0 - 0.001) - 0.01, -1.0 * (1.0 - 0.001) - 0.01]
+            [1.0 * (1.0 - 0.001) - 0.01, -(1.0 - 0.001) - 0.01]
         } else {
             // g' = g + 0.1 p = [0.6, 0.15]
             [1.0 - 0.01, -1.0 - 0.01]
