@@ -395,11 +395,9 @@ mod service {
         assert!(lanes.contains("queue: empty"), "{lanes}");
     }
 
-    /// Needs the CPU backend's executor (`CpuProgram`), which LoadGraph
-    /// builds: run with `cargo test --test lanes_e2e -- --ignored` once it
-    /// has landed.
+    /// More jobs than the reservation holds, through real sockets on the
+    /// CPU backend: all complete with correct results, some waited.
     #[test]
-    #[ignore = "needs the CPU backend executor"]
     fn more_jobs_than_memory_all_complete_through_the_service() {
         let hidden = [64usize, 256, 128, 512, 96, 384];
         let mut needs: Vec<u64> = hidden
