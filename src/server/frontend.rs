@@ -330,7 +330,9 @@ impl Frontend {
             Entry {
                 owner: peer.to_vec(),
                 state: Arc::new(Mutex::new(
-                    Session::new(session, spec.clone()).with_lanes(self.lanes.clone()),
+                    Session::new(session, spec.clone())
+                        .with_lanes(self.lanes.clone())
+                        .with_backend(super::backend_of(&self.config.device)),
                 )),
                 spec,
                 last_seen: Instant::now(),

@@ -40,9 +40,8 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// Resolves `--device` to the device name the service reports. Iterations
-/// run on the CPU reference backend until the CUDA executor lands; a usable
-/// GPU is reported.
+/// Resolves `--device` to the device name the service reports: `cuda (…)`
+/// when iterations run on the GPU, `cpu` otherwise (see [`backend_of`]).
 pub fn resolve_device(choice: DeviceChoice) -> Result<String, ServerError> {
     match choice {
         DeviceChoice::Cpu => Ok("cpu".into()),
@@ -59,6 +58,15 @@ pub fn resolve_device(choice: DeviceChoice) -> Result<String, ServerError> {
                 reason: e.to_string(),
             }),
         },
+    }
+}
+
+/// The executor sessions use for a resolved device name.
+pub fn backend_of(device: &str) -> crate::session::Backend {
+    if device.starts_with("cuda") {
+        crate::session::Backend::Cuda
+    } else {
+        crate::session::Backend::Cpu
     }
 }
 

@@ -10,10 +10,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use lanes_adaptor::wire::{ErrorCode, NamedTensor, SessionId, SessionSpec};
-use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType, VarValues};
+use lanes_adaptor::{
+    validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
+};
 
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuProgram;
+use crate::exec::cuda::CudaProgram;
 use crate::exec::ExecError;
 use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
 
@@ -74,10 +77,63 @@ pub fn exec_code(e: &ExecError) -> ErrorCode {
     }
 }
 
+/// Which executor a session's graph runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// A session's executor: the CPU reference backend or the CUDA backend,
+/// which share one contract (new, run, read and write variables).
+#[derive(Debug)]
+enum Program {
+    Cpu(CpuProgram),
+    Cuda(Box<CudaProgram>),
+}
+
+impl Program {
+    fn new(backend: Backend, graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
+        Ok(match backend {
+            Backend::Cpu => Program::Cpu(CpuProgram::new(graph, vars)?),
+            Backend::Cuda => Program::Cuda(Box::new(CudaProgram::new(graph, vars)?)),
+        })
+    }
+    fn graph(&self) -> &ValidGraph {
+        match self {
+            Program::Cpu(p) => p.graph(),
+            Program::Cuda(p) => p.graph(),
+        }
+    }
+    fn run(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+    ) -> Result<Vec<Tensor>, ExecError> {
+        match self {
+            Program::Cpu(p) => p.run(feeds, fetches),
+            Program::Cuda(p) => p.run(feeds, fetches),
+        }
+    }
+    fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
+        match self {
+            Program::Cpu(p) => p.read_variables(names),
+            Program::Cuda(p) => p.read_variables(names),
+        }
+    }
+    fn write_variables(&mut self, values: VarValues) -> Result<(), ExecError> {
+        match self {
+            Program::Cpu(p) => p.write_variables(values),
+            Program::Cuda(p) => p.write_variables(values),
+        }
+    }
+}
+
 /// A loaded graph: the program and what requests are checked against.
 #[derive(Debug)]
 struct Loaded {
-    program: CpuProgram,
+    program: Program,
     placeholders: BTreeMap<String, TensorType>,
     variables: BTreeMap<String, TensorType>,
     nodes: u64,
@@ -96,6 +152,8 @@ pub struct Session {
     lease: Option<Lease>,
     /// (P, T) of the loaded graph.
     memory: Option<(u64, u64)>,
+    /// The executor LoadGraph builds.
+    backend: Backend,
 }
 
 fn ty_mismatch(expected: &TensorType, got: &TensorType) -> String {
@@ -112,7 +170,14 @@ impl Session {
             lanes: None,
             lease: None,
             memory: None,
+            backend: Backend::Cpu,
         }
+    }
+
+    /// Runs this session's graph on `backend` (CPU unless the service found a GPU).
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
     }
 
     /// Admits this session's graph into `lanes` when it is loaded.
@@ -227,7 +292,7 @@ impl Session {
         if let Some((_, Admission::Queued { reason, .. })) = &lease {
             tracing::info!(session = %self.id, %reason, "waiting for memory");
         }
-        let program = CpuProgram::new(valid, values)?;
+        let program = Program::new(self.backend, valid, values)?;
         self.lease = lease.map(|(l, _)| l);
         self.memory = Some((plan.persistent, plan.ephemeral));
         self.loaded = Some(Loaded {

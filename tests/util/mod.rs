@@ -11,10 +11,17 @@ use lanes_adaptor::wire::{self, Envelope, Reply};
 use lanes_adaptor::{Graph, GraphBuilder, Limits, Tensor, TensorType, VarValues};
 
 /// Starts a service on `tcp://127.0.0.1:*` with `f` applied to the config.
+/// `LANES_TEST_DEVICE=cuda` runs the same tests against a GPU-backed service
+/// (on the GPU machine; it fails fast where there is no GPU).
 pub fn start_with(f: impl FnOnce(&mut ServerConfig)) -> ServerHandle {
+    let device = match std::env::var("LANES_TEST_DEVICE").as_deref() {
+        Ok("cuda") => server::resolve_device(server::DeviceChoice::Cuda).expect("a usable GPU"),
+        _ => "cpu".into(),
+    };
     let mut config = ServerConfig {
         endpoint: "tcp://127.0.0.1:*".into(),
         workers: 2,
+        device,
         ..ServerConfig::default()
     };
     f(&mut config);
