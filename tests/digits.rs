@@ -25,7 +25,14 @@ pub struct Digits {
 
 /// Reads the gzipped CSV: 64 pixel values 0..16, then the label 0..9.
 pub fn load_digits() -> Result<Digits> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.csv.gz");
+    // Cargo's path, or the repository-relative one where test binaries were
+    // copied to another machine (the GPU machine runs them from the repo root).
+    let built = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.csv.gz");
+    let path = if std::path::Path::new(built).exists() {
+        built
+    } else {
+        "tests/data/digits.csv.gz"
+    };
     let f = std::fs::File::open(path).with_context(|| path.to_string())?;
     let mut text = String::new();
     flate2::read::GzDecoder::new(f).read_to_string(&mut text)?;

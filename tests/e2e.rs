@@ -322,6 +322,9 @@ fn status_reports_sessions_and_close_forgets_them() {
     let mut c2 = Client::connect(service.endpoint()).unwrap();
     let st = c2.status().unwrap();
     assert_eq!(st.version, wire::PROTOCOL_VERSION);
+    // Under LANES_TEST_DEVICE=cuda the service reports the GPU, not the CPU.
+    let want_gpu = std::env::var("LANES_TEST_DEVICE").as_deref() == Ok("cuda");
+    assert_eq!(st.device != "cpu", want_gpu, "device {}", st.device);
     let s = st.sessions.iter().find(|s| s.session == aid).unwrap();
     assert_eq!(
         (s.spec.name.as_str(), s.spec.priority, s.iterations),
@@ -385,7 +388,7 @@ fn cli_status_and_device_errors() {
     let s = c
         .open_session(SessionSpec::training("cli-visible"))
         .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+    let out = std::process::Command::new(util::lanes_bin())
         .args(["status", "--endpoint", service.endpoint()])
         .output()
         .unwrap();
@@ -397,7 +400,7 @@ fn cli_status_and_device_errors() {
     );
     drop(s);
     if lanes::exec::cuda::probe().is_err() {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+        let out = std::process::Command::new(util::lanes_bin())
             .args([
                 "serve",
                 "--device",

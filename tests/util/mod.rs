@@ -28,6 +28,14 @@ pub fn start_with(f: impl FnOnce(&mut ServerConfig)) -> ServerHandle {
     server::start(config).expect("service starts")
 }
 
+/// The `lanes` binary: `LANES_BIN` when set (the GPU machine runs copied test
+/// binaries, where Cargo's build path does not exist), else Cargo's.
+pub fn lanes_bin() -> std::path::PathBuf {
+    std::env::var_os("LANES_BIN")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_lanes").into())
+}
+
 pub fn start() -> ServerHandle {
     start_with(|_| {})
 }
