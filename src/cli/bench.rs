@@ -18,6 +18,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 pub mod models;
+pub mod switch;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -29,6 +30,9 @@ pub struct Args {
 enum What {
     /// Inference latency of one model.
     Infer(InferArgs),
+    /// First-inference latency of a model that is not resident, per
+    /// switching strategy (pipelined, per layer, load-then-run).
+    Switch(switch::SwitchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -57,6 +61,7 @@ struct InferArgs {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Infer(a) => infer(a),
+        What::Switch(a) => switch::switch(a),
     }
 }
 

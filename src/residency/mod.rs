@@ -357,6 +357,9 @@ impl UnitTimer {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct SwitchReport {
     pub strategy: Strategy,
+    /// The compute replayed recorded segments (CUDA graphs) rather than
+    /// launching op by op.
+    pub replayed: bool,
     pub groups: usize,
     /// Persistent bytes copied in.
     pub bytes: u64,

@@ -50,6 +50,8 @@ struct Residency {
     /// Per-unit copy seconds, measured when the host copy was taken.
     copy: Option<Vec<f64>>,
     profile: Option<Profile>,
+    /// Cached group plans (cleared when a cost changes).
+    plans: std::collections::HashMap<Strategy, GroupPlan>,
 }
 
 /// Per-group cost of the copier (a channel send and wake-up), seconds.
@@ -76,6 +78,7 @@ impl CpuProgram {
                 updates,
                 copy: None,
                 profile: None,
+                plans: std::collections::HashMap::new(),
             }),
         })
     }
@@ -109,6 +112,12 @@ impl CpuProgram {
         &self.res.layout
     }
 
+    /// Host copy bandwidth in bytes/s, measured when the host copy was taken.
+    pub fn bandwidth(&self) -> Option<f64> {
+        let secs: f64 = self.res.copy.as_ref()?.iter().sum();
+        (secs > 0.0).then(|| self.res.layout.bytes() as f64 / secs)
+    }
+
     /// The per-unit compute profile of a resident iteration, once one ran.
     pub fn profile(&self) -> Option<&Profile> {
         self.res.profile.as_ref()
@@ -140,16 +149,31 @@ impl CpuProgram {
             }
             res.host = Some(host);
             res.copy = Some(copy);
+            res.plans.clear();
             res.dirty = false;
         }
         self.vars.clear();
         res.resident = false;
+        if res.plans.is_empty() {
+            let plans = Strategy::ALL
+                .iter()
+                .map(|&s| (s, self.compute_plan(s)))
+                .collect();
+            self.res.plans = plans;
+        }
         Ok(copied)
     }
 
     /// The group plan `strategy` would use now (copy costs are known once
     /// the program was evicted; compute costs once it ran resident).
     pub fn plan(&self, strategy: Strategy) -> GroupPlan {
+        match self.res.plans.get(&strategy) {
+            Some(p) => p.clone(),
+            None => self.compute_plan(strategy),
+        }
+    }
+
+    fn compute_plan(&self, strategy: Strategy) -> GroupPlan {
         let res = &self.res;
         let n = res.layout.units.len();
         let profile = res.profile.clone().unwrap_or(Profile {
@@ -190,6 +214,7 @@ impl CpuProgram {
                 );
                 if out.is_ok() {
                     self.res.profile = Some(timer.finish());
+                    self.res.plans.clear();
                 }
                 out
             } else {
@@ -259,6 +284,7 @@ impl CpuProgram {
         res.dirty = res.updates;
         let report = SwitchReport {
             strategy,
+            replayed: false,
             groups: plan.groups(),
             bytes: res.layout.bytes(),
             predicted: plan.predicted,

@@ -105,6 +105,35 @@ struct Residency {
     profile: Option<Profile>,
     /// Measured host → device bandwidth (bytes/s) and per-copy overhead (s).
     link: Option<(f64, f64)>,
+    /// Iterations launched so far (the first warms up, the second is profiled).
+    iterations: u64,
+    /// GPU time of one replay of the recorded iteration, seconds: the
+    /// op-by-op profile is scaled to it.
+    graph_secs: Option<f64>,
+    /// Per-strategy recorded segments (one CUDA graph per group's nodes,
+    /// after the prefix), valid at the arena base and cut they were
+    /// recorded for.
+    segments: std::collections::HashMap<Strategy, Segments>,
+    /// Cached group plans (cleared when a cost changes).
+    plans: std::collections::HashMap<Strategy, GroupPlan>,
+}
+
+/// A switch's recorded compute: the prefix, then one graph per group.
+struct Segments {
+    base: u64,
+    starts: Vec<usize>,
+    graphs: Vec<Option<CudaGraph>>,
+}
+
+/// `LANES_ARENA_FILL`: `zero` or `poison` (0xFF bytes: NaN) fills the
+/// ephemeral part of an arena allocated by a switch; unset leaves it as is.
+fn arena_fill() -> Option<u8> {
+    static FILL: std::sync::OnceLock<Option<u8>> = std::sync::OnceLock::new();
+    *FILL.get_or_init(|| match std::env::var("LANES_ARENA_FILL").as_deref() {
+        Ok("zero") => Some(0),
+        Ok("poison") => Some(0xFF),
+        _ => None,
+    })
 }
 
 /// Per-group cost on the compute side (one stream wait), seconds.
@@ -138,12 +167,39 @@ impl CudaProgram {
 
     /// The group plan `strategy` would use now.
     pub fn plan(&self, strategy: Strategy) -> GroupPlan {
+        match self.res.plans.get(&strategy) {
+            Some(p) => p.clone(),
+            None => self.compute_plan(strategy),
+        }
+    }
+
+    /// Plans for every strategy, kept until the costs change (the dynamic
+    /// program is O(n³) in units: milliseconds for the largest models,
+    /// which must not land on a switch).
+    fn cache_plans(&mut self) {
+        if self.res.plans.is_empty() {
+            self.res.plans = Strategy::ALL
+                .iter()
+                .map(|&s| (s, self.compute_plan(s)))
+                .collect();
+        }
+    }
+
+    fn compute_plan(&self, strategy: Strategy) -> GroupPlan {
         let res = &self.res;
         let n = res.layout.units.len();
-        let profile = res.profile.clone().unwrap_or(Profile {
+        let mut profile = res.profile.clone().unwrap_or(Profile {
             compute: vec![0.0; n],
             prefix: 0.0,
         });
+        // Switches replay recorded segments: scale the op-by-op profile to
+        // the recorded iteration's time.
+        let total = profile.prefix + profile.compute.iter().sum::<f64>();
+        if let (Some(g), true) = (res.graph_secs, total > 0.0) {
+            let f = g / total;
+            profile.prefix *= f;
+            profile.compute.iter_mut().for_each(|c| *c *= f);
+        }
         let (bw, over) = res.link.unwrap_or((0.0, 0.0));
         let costs = Costs::from_bandwidth(
             &res.layout,
@@ -208,7 +264,9 @@ impl CudaProgram {
         }
         if self.res.link.is_none() {
             self.res.link = Some(self.measure_link()?);
+            self.res.plans.clear();
         }
+        self.cache_plans();
         self.arena = None;
         self.res.resident = false;
         Ok(copied)
@@ -294,21 +352,53 @@ impl CudaProgram {
         self.base = base;
         self.arena = Some(arena);
         let p = self.res.bytes;
-        if self.arena_bytes > p {
-            // SAFETY: [base + p, base + arena_bytes) is inside the new arena.
-            unsafe {
-                cudarc::driver::result::memset_d8_async(
-                    base + p as u64,
-                    0,
-                    self.arena_bytes - p,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(|e| dev_err("memset", e))?;
-        }
+        // The copies may start as soon as the arena exists.
         let allocated = self.event(&self.stream, false)?;
+        // The ephemeral part is left as the pool gives it: every kernel
+        // writes its outputs before anything reads them (checked by filling
+        // it with NaN bytes under LANES_ARENA_FILL=poison and comparing with
+        // resident runs, see docs/switching.md). The fill, when asked for,
+        // runs on the compute stream around the feeds, which the copy stream
+        // brings in first: a copy from pageable memory returns only once
+        // done, so behind the weights it would hold up every launch.
+        let fill = arena_fill();
+        let mut fed: Vec<(usize, usize)> = feed_list
+            .iter()
+            .map(|(o, t)| {
+                let off = self.slot(*o).off;
+                (off, off + t.ty().bytes())
+            })
+            .collect();
+        fed.sort_unstable();
+        let mut at = p;
+        for (lo, hi) in fed
+            .iter()
+            .copied()
+            .chain([(self.arena_bytes, self.arena_bytes)])
+        {
+            if let (Some(byte), true) = (fill, lo > at) {
+                // SAFETY: [base + at, base + lo) is inside the new arena.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        base + at as u64,
+                        byte,
+                        lo - at,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| dev_err("memset", e))?;
+            }
+            at = at.max(hi);
+        }
         let copy = &self.res.copy;
         copy.wait(&allocated)
+            .map_err(|e| dev_err("stream wait", e))?;
+        for (o, t) in &feed_list {
+            self.upload_on(*o, t, copy)?;
+        }
+        let feeds_in = self.event(copy, false)?;
+        self.stream
+            .wait(&feeds_in)
             .map_err(|e| dev_err("stream wait", e))?;
         let host = self
             .res
@@ -334,29 +424,68 @@ impl CudaProgram {
             .map_err(|e| dev_err("host to device copy", e))?;
             groups.push((units[r.start].first_use, self.event(copy, false)?));
         }
-        for (o, t) in feed_list {
-            self.upload(o, t)?;
-        }
-        let mut next = 0;
-        let mut wait_until = |pos: usize| -> Result<(), ExecError> {
-            while next < groups.len() && groups[next].0 <= pos {
-                self.stream
-                    .wait(&groups[next].1)
-                    .map_err(|e| dev_err("stream wait", e))?;
-                next += 1;
+        let recorded = self
+            .res
+            .segments
+            .get(&strategy)
+            .filter(|sg| sg.base == base && sg.starts == plan.starts);
+        let replayed = recorded.is_some();
+        let launched = if let Some(sg) = recorded {
+            // Prefix, then each group's segment after its copy event.
+            let mut r = Ok(());
+            for (k, g) in sg.graphs.iter().enumerate() {
+                if k > 0 {
+                    self.stream
+                        .wait(&groups[k - 1].1)
+                        .map_err(|e| dev_err("stream wait", e))?;
+                }
+                if let Some(g) = g {
+                    r = g.launch().map_err(|e| dev_err("graph launch", e));
+                    if r.is_err() {
+                        break;
+                    }
+                }
             }
-            Ok(())
+            for (_, ev) in &groups {
+                self.stream
+                    .wait(ev)
+                    .map_err(|e| dev_err("stream wait", e))?;
+            }
+            r
+        } else {
+            let mut next = 0;
+            let mut wait_until = |pos: usize| -> Result<(), ExecError> {
+                while next < groups.len() && groups[next].0 <= pos {
+                    self.stream
+                        .wait(&groups[next].1)
+                        .map_err(|e| dev_err("stream wait", e))?;
+                    next += 1;
+                }
+                Ok(())
+            };
+            let launched = self.launch_nodes_with(&mut wait_until);
+            wait_until(usize::MAX)?;
+            launched
         };
-        let launched = self.launch_nodes_with(&mut wait_until);
-        wait_until(usize::MAX)?;
         let r: Result<Vec<Tensor>, ExecError> =
             launched.and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
         self.sync()?;
         copy.synchronize().map_err(|e| dev_err("copy stream", e))?;
         self.res.resident = true;
         self.res.dirty = self.res.updates;
+        if !replayed && r.is_ok() && self.options.cuda_graph && !self.capture_failed {
+            // Record this cut's segments for the next switch at this base.
+            // Recording launches nothing: the switch's result is unchanged.
+            match self.record_segments(&plan) {
+                Ok(sg) => {
+                    self.res.segments.insert(strategy, sg);
+                }
+                Err(e) => tracing::debug!(error = %e, "segments not recorded"),
+            }
+        }
         let report = SwitchReport {
             strategy,
+            replayed,
             groups: plan.groups(),
             bytes: self.res.layout.bytes(),
             predicted: plan.predicted,
@@ -616,6 +745,10 @@ impl CudaProgram {
                 dirty: true,
                 profile: None,
                 link: None,
+                iterations: 0,
+                graph_secs: None,
+                segments: std::collections::HashMap::new(),
+                plans: std::collections::HashMap::new(),
             },
             arena: Some(arena),
             _blas_workspace: blas_ws,
@@ -662,6 +795,10 @@ impl CudaProgram {
     }
 
     fn upload(&self, o: Outlet, t: &Tensor) -> Result<(), ExecError> {
+        self.upload_on(o, t, &self.stream)
+    }
+
+    fn upload_on(&self, o: Outlet, t: &Tensor, stream: &CudaStream) -> Result<(), ExecError> {
         let dst = self.addr(o);
         // SAFETY: `dst` is the start of this outlet's range in the arena,
         // which holds exactly `t.ty().bytes()` bytes (types were checked), and
@@ -669,10 +806,10 @@ impl CudaProgram {
         let r = unsafe {
             match t.data() {
                 TensorData::F32(v) => {
-                    cudarc::driver::result::memcpy_htod_async(dst, v, self.stream.cu_stream())
+                    cudarc::driver::result::memcpy_htod_async(dst, v, stream.cu_stream())
                 }
                 TensorData::I64(v) => {
-                    cudarc::driver::result::memcpy_htod_async(dst, v, self.stream.cu_stream())
+                    cudarc::driver::result::memcpy_htod_async(dst, v, stream.cu_stream())
                 }
             }
         };
@@ -784,8 +921,13 @@ impl CudaProgram {
 
     /// Launches every node in order, or replays the recorded graph.
     fn iterate(&mut self) -> Result<(), ExecError> {
+        self.res.iterations += 1;
+        if self.res.iterations == 1 {
+            // Warm-up (module loads, first cuDNN calls): op by op.
+            return self.launch_nodes();
+        }
         if self.res.profile.is_none() {
-            // The first iteration runs op by op with events at the unit
+            // The second iteration runs op by op with events at the unit
             // boundaries: the compute profile pipelined switching plans with.
             return self.launch_profiled();
         }
@@ -808,9 +950,57 @@ impl CudaProgram {
             }
         }
         match &self.captured {
+            Some(g) if self.res.graph_secs.is_none() => {
+                let e0 = self.event(&self.stream, true)?;
+                g.launch().map_err(|e| dev_err("graph launch", e))?;
+                let e1 = self.event(&self.stream, true)?;
+                let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?;
+                self.res.graph_secs = Some(f64::from(ms) / 1e3);
+                self.res.plans.clear();
+                Ok(())
+            }
             Some(g) => g.launch().map_err(|e| dev_err("graph launch", e)),
             None => self.launch_nodes(),
         }
+    }
+
+    /// Node positions where each segment of `plan` starts: the prefix at 0,
+    /// then each group's first consumer.
+    fn segment_bounds(&self, plan: &GroupPlan) -> Vec<usize> {
+        let units = &self.res.layout.units;
+        let mut b = vec![0];
+        b.extend(plan.starts.iter().map(|&u| units[u].first_use));
+        b.push(self.graph.order().len());
+        b
+    }
+
+    /// Records one CUDA graph per segment of `plan` at the current base.
+    fn record_segments(&self, plan: &GroupPlan) -> Result<Segments, ExecError> {
+        let bounds = self.segment_bounds(plan);
+        let order = self.graph.order();
+        let mut graphs = Vec::with_capacity(bounds.len() - 1);
+        for w in bounds.windows(2) {
+            let (a, b) = (w[0].min(order.len()), w[1].min(order.len()));
+            if a >= b {
+                graphs.push(None);
+                continue;
+            }
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| dev_err("begin capture", e))?;
+            let launched = order[a..b].iter().try_for_each(|&id| self.exec(id));
+            let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            match (launched, ended) {
+                (Ok(()), Ok(g)) => graphs.push(g),
+                (Err(e), _) => return Err(e),
+                (_, Err(e)) => return Err(dev_err("end capture", e)),
+            }
+        }
+        Ok(Segments {
+            base: self.base,
+            starts: plan.starts.clone(),
+            graphs,
+        })
     }
 
     fn launch_nodes(&self) -> Result<(), ExecError> {
@@ -863,6 +1053,7 @@ impl CudaProgram {
             }
         }
         self.res.profile = Some(profile);
+        self.res.plans.clear();
         Ok(())
     }
 
