@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use lanes_adaptor::Optimizer;
 use serde_json::{json, Value};
 
@@ -117,7 +117,16 @@ struct TrainArgs {
     run: RunOpts,
 }
 
+/// Fails fast, before building a large graph, when `--device cuda` has no GPU.
+fn check_device(d: Device) -> anyhow::Result<()> {
+    if d == Device::Cuda {
+        lanes::exec::cuda::probe().context("--device cuda")?;
+    }
+    Ok(())
+}
+
 fn infer(a: InferArgs) -> anyhow::Result<()> {
+    check_device(a.run.device)?;
     let since = Instant::now();
     progress(
         &format!("building {} inference graph (batch {})", a.model, a.batch),
@@ -134,6 +143,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     if !(a.lr.is_finite() && a.lr > 0.0) || !(0.0..1.0).contains(&a.momentum) {
         bail!("--lr must be positive and --momentum in [0, 1)");
     }
+    check_device(a.run.device)?;
     let since = Instant::now();
     progress(
         &format!("building {} training graph (batch {})", a.model, a.batch),
