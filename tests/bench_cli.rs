@@ -30,7 +30,10 @@ fn bench(args: &[&str]) -> (Value, String) {
         .output()
         .expect("lanes runs");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "lanes bench {args:?} failed:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "lanes bench {args:?} failed:\n{stderr}"
+    );
     let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
     assert_eq!(stdout.trim().lines().count(), 1, "one JSON line:\n{stdout}");
     let v: Value = serde_json::from_str(stdout.trim()).expect("stdout is JSON");
@@ -100,7 +103,10 @@ fn train_on_both_paths_runs_the_same_steps() {
             "the loss changes from step to step: {v}"
         );
         for phase in ["building", "warm-up", "service: loading"] {
-            assert!(stderr.contains(phase), "progress `{phase}` on stderr:\n{stderr}");
+            assert!(
+                stderr.contains(phase),
+                "progress `{phase}` on stderr:\n{stderr}"
+            );
         }
     }
 }
@@ -120,7 +126,10 @@ fn infer_on_the_service_path_alone() {
         .as_str()
         .unwrap()
         .starts_with("tcp://127.0.0.1:"));
-    assert!(v["service"]["output_checksum"].as_f64().unwrap().is_finite());
+    assert!(v["service"]["output_checksum"]
+        .as_f64()
+        .unwrap()
+        .is_finite());
 }
 
 #[test]
@@ -157,11 +166,17 @@ fn bad_arguments_are_clear_errors() {
             .args(args)
             .output()
             .expect("lanes runs");
-        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     };
     let (ok, err) = run(&["train", "--model", "vgg", "--device", "cpu", "--iters", "1"]);
     assert!(!ok);
-    assert!(err.contains("unknown model `vgg`") && err.contains("resnet50"), "{err}");
+    assert!(
+        err.contains("unknown model `vgg`") && err.contains("resnet50"),
+        "{err}"
+    );
     let (ok, err) = run(&["infer", "--model", "mlp", "--device", "cpu", "--iters", "0"]);
     assert!(!ok);
     assert!(err.contains("--iters must be positive"), "{err}");
@@ -178,7 +193,10 @@ fn bad_arguments_are_clear_errors() {
             ]);
             assert!(!ok, "{path}");
             assert!(!err.contains("panicked"), "{path}: {err}");
-            assert!(err.to_lowercase().contains("gpu") || err.contains("libcuda"), "{path}: {err}");
+            assert!(
+                err.to_lowercase().contains("gpu") || err.contains("libcuda"),
+                "{path}: {err}"
+            );
         }
     }
 }

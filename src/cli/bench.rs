@@ -140,7 +140,7 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
 }
 
 fn train(a: TrainArgs) -> anyhow::Result<()> {
-    if !(a.lr.is_finite() && a.lr > 0.0) || !(0.0..1.0).contains(&a.momentum) {
+    if !(a.lr.is_finite() && a.lr > 0.0 && (0.0..1.0).contains(&a.momentum)) {
         bail!("--lr must be positive and --momentum in [0, 1)");
     }
     check_device(a.run.device)?;

@@ -261,7 +261,7 @@ pub fn service(
         endpoint: endpoint.into(),
         workers: 1,
         device: device.clone(),
-        limits: limits.clone(),
+        limits,
         ..ServerConfig::default()
     })
     .with_context(|| format!("starting the embedded service on {endpoint}"))?;
