@@ -89,6 +89,10 @@ struct RunOpts {
     /// graph (the service always uses the default, graph replay).
     #[arg(long)]
     no_graph: bool,
+    /// Executor path on CUDA: one more iteration op by op, GPU time per op
+    /// kind (stderr and `executor.op_profile` in the JSON).
+    #[arg(long)]
+    op_profile: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -195,6 +199,7 @@ fn bench(
         iters: o.iters,
         warmup: o.warmup,
         cuda_graph: !o.no_graph,
+        op_profile: o.op_profile,
     };
     let feeds = w.random_feeds(7)?;
     let want_exec = matches!(o.path, PathChoice::Executor | PathChoice::Both);

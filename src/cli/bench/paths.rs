@@ -50,6 +50,9 @@ pub struct Timing {
     /// Executor path only: replay a recorded CUDA graph (the service always
     /// uses `CudaOptions::default()`, which does).
     pub cuda_graph: bool,
+    /// Executor path on CUDA: after timing, one more iteration op by op
+    /// with GPU time per op kind (in the JSON and on stderr).
+    pub op_profile: bool,
 }
 
 /// Median and spread of the timed iterations, in milliseconds.
@@ -224,6 +227,25 @@ pub fn executor(
     };
     seen.json(w.kind, &mut m);
     progress(&format!("executor: median {:.3} ms", stats.median), since);
+    if let (true, Prog::Cuda(p)) = (t.op_profile, &mut prog) {
+        let prof = p.profile_ops(feeds, &fetch)?;
+        let total: f64 = prof.iter().map(|x| x.2).sum();
+        progress(
+            &format!("executor: op profile, {total:.3} ms of GPU time op by op"),
+            since,
+        );
+        for (op, n, ms) in prof.iter().take(15) {
+            eprintln!(
+                "  {op:<24} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
+                100.0 * ms / total
+            );
+        }
+        let rows: Vec<Value> = prof
+            .iter()
+            .map(|(op, n, ms)| json!({"op": op, "nodes": n, "ms": ms}))
+            .collect();
+        m.insert("op_profile".into(), Value::Array(rows));
+    }
     Ok((
         PathResult {
             stats,

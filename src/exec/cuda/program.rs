@@ -881,6 +881,51 @@ impl CudaProgram {
         r
     }
 
+    /// Runs one iteration op by op with a timing event after every node and
+    /// returns the GPU time per op kind as (op, nodes, milliseconds), the
+    /// largest first. A real iteration: in-place updates happen.
+    pub fn profile_ops(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+    ) -> Result<Vec<(&'static str, usize, f64)>, ExecError> {
+        if !self.res.resident {
+            self.run_switching(feeds, fetches, Strategy::Pipelined)?;
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        let (feed_list, _) = self.check_io(feeds, fetches)?;
+        for (o, t) in feed_list {
+            self.upload(o, t)?;
+        }
+        let order = self.graph.order().to_vec();
+        let mut marks = Vec::with_capacity(order.len() + 1);
+        marks.push(self.event(&self.stream, true)?);
+        for &id in &order {
+            self.exec(id)?;
+            marks.push(self.event(&self.stream, true)?);
+        }
+        self.sync()?;
+        if self.res.updates {
+            self.res.dirty = true;
+        }
+        let g = self.graph.graph();
+        let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
+        for (k, id) in order.iter().enumerate() {
+            let ms = marks[k]
+                .elapsed_ms(&marks[k + 1])
+                .map_err(|e| dev_err("event", e))?;
+            let e = by_op.entry(g.nodes[id.index()].op.name()).or_default();
+            e.0 += 1;
+            e.1 += f64::from(ms);
+        }
+        let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
+        out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(out)
+    }
+
     /// Feeds in placeholder order and fetch outlets, checked.
     #[allow(clippy::type_complexity)]
     fn check_io<'t>(
