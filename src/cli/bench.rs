@@ -17,11 +17,14 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use lanes_adaptor::Optimizer;
+use lanes_adaptor::{DType, Optimizer, Tensor, TensorType};
+use rand::rngs::StdRng;
+use rand::Rng;
 use serde_json::{json, Value};
 
 pub mod models;
 mod paths;
+pub mod switch;
 mod workload;
 
 use paths::{progress, Device, Timing};
@@ -39,12 +42,16 @@ enum What {
     Infer(InferArgs),
     /// Latency of one training step (forward, loss, backward, SGD update).
     Train(TrainArgs),
+    /// First-inference latency of a model that is not resident, per
+    /// switching strategy (pipelined, per layer, load-then-run).
+    Switch(switch::SwitchArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Infer(a) => infer(a),
         What::Train(a) => train(a),
+        What::Switch(a) => switch::switch(a),
     }
 }
 
@@ -236,4 +243,22 @@ fn bench(
         "service": service.map(|r| r.json),
         "service_over_executor": ratio,
     }))
+}
+
+/// A seeded random feed: f32 uniform in [-1, 1), i64 uniform in `0..vocab`
+/// (used by `bench switch`).
+fn random_input(ty: &TensorType, vocab: usize, rng: &mut StdRng) -> anyhow::Result<Tensor> {
+    let n = ty.shape.numel();
+    Ok(match ty.dtype {
+        DType::F32 => Tensor::from_f32(
+            ty.shape.clone(),
+            (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect(),
+        )?,
+        DType::I64 => Tensor::from_i64(
+            ty.shape.clone(),
+            (0..n)
+                .map(|_| rng.gen_range(0..vocab.max(1) as i64))
+                .collect(),
+        )?,
+    })
 }
