@@ -200,3 +200,24 @@ fn bad_arguments_are_clear_errors() {
         }
     }
 }
+
+/// `bench switch`: every strategy switched the model back and its output was
+/// bit-identical to the resident run; the plan's groups match the strategy.
+#[test]
+fn switch_reports_every_strategy_with_identical_outputs() {
+    let (v, stderr) = bench(&["switch", "--model", "lenet", "--batch", "2", "--iters", "2"]);
+    assert!(stderr.contains("switching with pipelined"), "{stderr}");
+    assert_eq!(v["outputs_identical_to_resident"], Value::Bool(true), "{v}");
+    let units = v["units"].as_u64().unwrap();
+    assert!(units > 1, "{v}");
+    for s in ["pipelined", "per_layer", "single"] {
+        assert!(
+            v["strategies"][s]["median_ms"].as_f64().unwrap() > 0.0,
+            "{v}"
+        );
+    }
+    assert_eq!(v["strategies"]["single"]["groups"].as_u64(), Some(1));
+    assert_eq!(v["strategies"]["per_layer"]["groups"].as_u64(), Some(units));
+    assert!(v["persistent_bytes"].as_u64().unwrap() > 0);
+    assert!(v["lower_bound_ms"].as_f64().unwrap() > 0.0);
+}

@@ -17,14 +17,13 @@ use lanes::exec::cpu::CpuProgram;
 use lanes::exec::cuda::CudaProgram;
 use lanes::residency::{GroupPlan, Strategy, SwitchReport};
 use lanes_adaptor::{validate, GraphLimits, Tensor};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
-use super::{models, random_input};
+use super::workload;
 
 #[derive(Debug, clap::Args)]
 pub struct SwitchArgs {
-    /// resnet50 | resnet152 | inception_v3 | bert_base
+    /// resnet50 | resnet152 | inception_v3 | bert_base, or a small zoo
+    /// model (resnet18_cifar, lenet, mlp, transformer)
     #[arg(long)]
     model: String,
     #[arg(long, default_value_t = 8)]
@@ -97,7 +96,9 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         bail!("--batch and --iters must be positive");
     }
     eprintln!("building {} at batch {} …", a.model, a.batch);
-    let built = models::build(&a.model, a.batch, a.seq)?;
+    let built = workload::inference(&a.model, a.batch, a.seq)?;
+    let feeds: BTreeMap<String, Tensor> = built.random_feeds(7)?;
+    let fetch = vec![built.fetch.clone()];
     let graph = validate(
         built.graph,
         &GraphLimits {
@@ -106,13 +107,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         },
     )
     .context("model graph does not validate")?;
-    let mut rng = StdRng::seed_from_u64(7);
-    let feeds: BTreeMap<String, Tensor> = built
-        .inputs
-        .iter()
-        .map(|(name, ty)| Ok((name.clone(), random_input(ty, built.vocab, &mut rng)?)))
-        .collect::<anyhow::Result<_>>()?;
-    let fetch = vec![built.output.clone()];
+
     let mut prog = match a.device.as_str() {
         "cuda" => Prog::Cuda(Box::new(CudaProgram::new(graph, built.vars)?)),
         "cpu" => Prog::Cpu(CpuProgram::new(graph, built.vars)?),

@@ -250,36 +250,48 @@ impl CpuProgram {
                 (first, names)
             })
             .collect();
-        let out = std::thread::scope(|s| {
-            let (tx, rx) = crossbeam_channel::unbounded::<Vec<(String, Tensor)>>();
-            let copier_groups = &groups;
-            s.spawn(move || {
-                for (_, names) in copier_groups {
-                    let batch = names
-                        .iter()
-                        .filter_map(|n| host.get(*n).map(|t| (n.to_string(), t.clone())))
-                        .collect();
-                    if tx.send(batch).is_err() {
-                        break;
+        let out = if groups.len() <= 1 {
+            // One group: copy, then run (no copier thread to start).
+            for (_, names) in &groups {
+                for n in names {
+                    if let Some(t) = host.get(*n) {
+                        vars.insert(n.to_string(), t.clone());
                     }
                 }
-            });
-            let mut next = 0;
-            let mut install = |pos: usize, vars: &mut VarValues| -> Result<(), ExecError> {
-                while next < groups.len() && groups[next].0 <= pos {
-                    let batch = rx.recv().map_err(|_| ExecError::MissingVariable {
-                        name: "(the copier stopped early)".into(),
-                    })?;
-                    vars.extend(batch);
-                    next += 1;
-                }
-                Ok(())
-            };
-            let out = program::run_iteration(graph, vars, feeds, fetches, &mut install);
-            // Whatever happened, the program ends resident.
-            let drained = install(usize::MAX, vars);
-            out.and_then(|o| drained.map(|()| o))
-        });
+            }
+            program::run_iteration(graph, vars, feeds, fetches, &mut |_, _| Ok(()))
+        } else {
+            std::thread::scope(|s| {
+                let (tx, rx) = crossbeam_channel::unbounded::<Vec<(String, Tensor)>>();
+                let copier_groups = &groups;
+                s.spawn(move || {
+                    for (_, names) in copier_groups {
+                        let batch = names
+                            .iter()
+                            .filter_map(|n| host.get(*n).map(|t| (n.to_string(), t.clone())))
+                            .collect();
+                        if tx.send(batch).is_err() {
+                            break;
+                        }
+                    }
+                });
+                let mut next = 0;
+                let mut install = |pos: usize, vars: &mut VarValues| -> Result<(), ExecError> {
+                    while next < groups.len() && groups[next].0 <= pos {
+                        let batch = rx.recv().map_err(|_| ExecError::MissingVariable {
+                            name: "(the copier stopped early)".into(),
+                        })?;
+                        vars.extend(batch);
+                        next += 1;
+                    }
+                    Ok(())
+                };
+                let out = program::run_iteration(graph, vars, feeds, fetches, &mut install);
+                // Whatever happened, the program ends resident.
+                let drained = install(usize::MAX, vars);
+                out.and_then(|o| drained.map(|()| o))
+            })
+        };
         res.resident = true;
         res.dirty = res.updates;
         let report = SwitchReport {
