@@ -17,9 +17,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use lanes_adaptor::{DType, Optimizer, Tensor, TensorType};
-use rand::rngs::StdRng;
-use rand::Rng;
+use lanes_adaptor::Optimizer;
 use serde_json::{json, Value};
 
 pub mod models;
@@ -243,22 +241,4 @@ fn bench(
         "service": service.map(|r| r.json),
         "service_over_executor": ratio,
     }))
-}
-
-/// A seeded random feed: f32 uniform in [-1, 1), i64 uniform in `0..vocab`
-/// (used by `bench switch`).
-fn random_input(ty: &TensorType, vocab: usize, rng: &mut StdRng) -> anyhow::Result<Tensor> {
-    let n = ty.shape.numel();
-    Ok(match ty.dtype {
-        DType::F32 => Tensor::from_f32(
-            ty.shape.clone(),
-            (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect(),
-        )?,
-        DType::I64 => Tensor::from_i64(
-            ty.shape.clone(),
-            (0..n)
-                .map(|_| rng.gen_range(0..vocab.max(1) as i64))
-                .collect(),
-        )?,
-    })
 }
