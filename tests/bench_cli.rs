@@ -75,6 +75,12 @@ fn train_on_both_paths_runs_the_same_steps() {
         assert_eq!(v["batch"], 2);
         assert_eq!(v["device"], device());
         assert_eq!(v["fetch"], "loss");
+        assert_eq!(v["precision"]["dtype"], "f32");
+        if device() == "cuda" {
+            // PyTorch's defaults, which benches/torch_ref.py sets.
+            assert_eq!(v["precision"]["conv_tf32"], Value::Bool(true), "{v}");
+            assert_eq!(v["precision"]["matmul_tf32"], Value::Bool(false), "{v}");
+        }
         assert_eq!(v["optimizer"]["momentum"].as_f64(), Some(0.9));
         assert!(v["params"].as_u64().unwrap() > 0);
         check_path(&v, "executor");

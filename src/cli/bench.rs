@@ -215,12 +215,21 @@ fn bench(
         (Some(e), Some(s)) if e.stats.median > 0.0 => Some(s.stats.median / e.stats.median),
         _ => None,
     };
+    // Both paths build their CUDA programs with these defaults (the executor
+    // path changes only `cuda_graph`).
+    let d = lanes::exec::cuda::CudaOptions::default();
     let precision = match o.device {
-        Device::Cuda => {
-            "fp32; convolutions may use TF32 (cuDNN default math), matrix products full FP32 \
-             (PyTorch defaults: cudnn.allow_tf32=True, matmul.allow_tf32=False)"
-        }
-        Device::Cpu => "fp32",
+        Device::Cuda => json!({
+            "dtype": "f32",
+            "conv_tf32": d.conv_tf32,
+            "matmul_tf32": d.matmul_tf32,
+            "pytorch_equivalent": format!(
+                "cudnn.allow_tf32={}, matmul.allow_tf32={}",
+                py_bool(d.conv_tf32),
+                py_bool(d.matmul_tf32)
+            ),
+        }),
+        Device::Cpu => json!({ "dtype": "f32" }),
     };
     Ok(json!({
         "bench": w.kind.name(),
@@ -241,4 +250,12 @@ fn bench(
         "service": service.map(|r| r.json),
         "service_over_executor": ratio,
     }))
+}
+
+fn py_bool(b: bool) -> &'static str {
+    if b {
+        "True"
+    } else {
+        "False"
+    }
 }
