@@ -68,7 +68,7 @@ fn close(a: f64, b: f64, rtol: f64) -> bool {
 fn train_on_both_paths_runs_the_same_steps() {
     for model in ["mlp", "resnet18_cifar"] {
         let (v, stderr) = bench(&[
-            "train", "--model", model, "--batch", "2", "--iters", "2", "--warmup", "1",
+            "train", "--model", model, "--batch", "2", "--iters", "2", "--warmup", "0",
         ]);
         assert_eq!(v["bench"], "train");
         assert_eq!(v["model"], model);
@@ -95,12 +95,17 @@ fn train_on_both_paths_runs_the_same_steps() {
             ),
             "{v}"
         );
-        // Same initial variables and feeds on both paths: the same losses,
-        // finite, and training moves them.
-        for key in ["loss_first", "loss_last"] {
+        // Same initial variables and feeds on both paths, no warm-up: the
+        // first timed step's loss is the loss at the initial weights, the
+        // last one after one update. The GPU's reductions with atomics are
+        // not bit-reproducible and training amplifies that from step to step
+        // (run to run, even on one path), so after an update the GPU
+        // tolerance is looser; seen on the H100: 2e-4 apart after one step,
+        // identical at the initial weights.
+        for (key, cuda_rtol) in [("loss_first", 1e-4), ("loss_last", 5e-3)] {
             let (e, s) = (ms(&v, "executor", key), ms(&v, "service", key));
             assert!(e.is_finite() && e >= 0.0, "{v}");
-            let rtol = if device() == "cuda" { 2e-2 } else { 1e-4 };
+            let rtol = if device() == "cuda" { cuda_rtol } else { 1e-4 };
             assert!(close(e, s, rtol), "{key}: executor {e} service {s}");
         }
         assert_ne!(
