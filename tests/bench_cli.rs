@@ -75,6 +75,7 @@ fn train_on_both_paths_runs_the_same_steps() {
         assert_eq!(v["batch"], 2);
         assert_eq!(v["device"], device());
         assert_eq!(v["fetch"], "loss");
+        assert_eq!(v["isolation"], "a process per path");
         assert_eq!(v["precision"]["dtype"], "f32");
         if device() == "cuda" {
             // PyTorch's defaults, which benches/torch_ref.py sets.
@@ -157,8 +158,10 @@ fn infer_on_both_paths_gives_the_same_output() {
         "2",
         "--warmup",
         "0",
+        "--same-process",
     ]);
     assert_eq!(v["seq"], 8);
+    assert_eq!(v["isolation"], "one process");
     check_path(&v, "executor");
     check_path(&v, "service");
     assert!(v["service_over_executor"].as_f64().unwrap() > 0.0);

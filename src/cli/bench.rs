@@ -20,6 +20,7 @@ use anyhow::{bail, Context};
 use lanes_adaptor::Optimizer;
 use serde_json::{json, Value};
 
+mod isolate;
 pub mod models;
 mod paths;
 pub mod switch;
@@ -84,6 +85,17 @@ struct RunOpts {
     /// graph (the service always uses the default, graph replay).
     #[arg(long)]
     no_graph: bool,
+    /// With `--path both`: time both paths in this process, one after the
+    /// other, instead of each in a fresh child process.
+    #[arg(long)]
+    same_process: bool,
+}
+
+impl RunOpts {
+    /// `--path both` in child processes: this process builds nothing.
+    fn isolated(&self) -> bool {
+        self.path == PathChoice::Both && !self.same_process
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -132,6 +144,10 @@ fn check_device(d: Device) -> anyhow::Result<()> {
 
 fn infer(a: InferArgs) -> anyhow::Result<()> {
     check_device(a.run.device)?;
+    if a.run.isolated() {
+        println!("{}", isolate::both()?);
+        return Ok(());
+    }
     let since = Instant::now();
     progress(
         &format!("building {} inference graph (batch {})", a.model, a.batch),
@@ -149,6 +165,10 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         bail!("--lr must be positive and --momentum in [0, 1)");
     }
     check_device(a.run.device)?;
+    if a.run.isolated() {
+        println!("{}", isolate::both()?);
+        return Ok(());
+    }
     let since = Instant::now();
     progress(
         &format!("building {} training graph (batch {})", a.model, a.batch),
@@ -196,7 +216,9 @@ fn bench(
     let want_service = matches!(o.path, PathChoice::Service | PathChoice::Both);
     let mut gpu = None;
     let mut service_device = None;
-    // One path at a time, so the two never hold device memory together.
+    // One path at a time, so the two never hold device memory together
+    // (`--same-process`; by default `--path both` runs each in its own
+    // process, see `isolate`).
     let exec = if want_exec {
         let (r, g) = paths::executor(w, w.vars.clone(), &feeds, &timing, since)?;
         gpu = g;
@@ -249,6 +271,7 @@ fn bench(
         "executor": exec.map(|r| r.json),
         "service": service.map(|r| r.json),
         "service_over_executor": ratio,
+        "isolation": if o.path == PathChoice::Both { "one process" } else { "one path" },
     }))
 }
 
