@@ -235,3 +235,29 @@ fn switch_reports_every_strategy_with_identical_outputs() {
     assert!(v["persistent_bytes"].as_u64().unwrap() > 0);
     assert!(v["lower_bound_ms"].as_f64().unwrap() > 0.0);
 }
+
+/// `bench pack`: three times more models than memory; every request is
+/// answered, some found their model evicted, and the counts add up.
+#[test]
+fn pack_oversubscribed_models_report_misses() {
+    let (v, _) = bench(&[
+        "pack",
+        "--model",
+        "mlp",
+        "--batch",
+        "2",
+        "--models",
+        "6",
+        "--fit",
+        "2",
+        "--requests",
+        "40",
+    ]);
+    let requests = v["requests"].as_u64().unwrap();
+    let hits = v["resident"]["count"].as_u64().unwrap();
+    let misses = v["evicted"]["count"].as_u64().unwrap();
+    assert_eq!(hits + misses, requests, "{v}");
+    assert!(misses > 0 && hits > 0, "{v}");
+    assert!(v["evictions"].as_u64().unwrap() >= misses, "{v}");
+    assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+}

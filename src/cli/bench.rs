@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 mod isolate;
 pub mod models;
+pub mod pack;
 mod paths;
 pub mod switch;
 mod workload;
@@ -44,6 +45,9 @@ enum What {
     /// First-inference latency of a model that is not resident, per
     /// switching strategy (pipelined, per layer, load-then-run).
     Switch(switch::SwitchArgs),
+    /// Inference packing: more models than fit, requests across them;
+    /// latency p50/p99 and how often a request hit an evicted model.
+    Pack(pack::PackArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -51,6 +55,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Infer(a) => infer(a),
         What::Train(a) => train(a),
         What::Switch(a) => switch::switch(a),
+        What::Pack(a) => pack::pack(a),
     }
 }
 

@@ -36,8 +36,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.queued
     );
     println!(
-        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9}",
-        "session", "name", "kind", "priority", "iterations", "state", "idle (s)"
+        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9}",
+        "session",
+        "name",
+        "kind",
+        "priority",
+        "iterations",
+        "state",
+        "idle (s)",
+        "weights",
+        "evictions"
     );
     for x in &s.sessions {
         let iters = match x.spec.expected_iterations {
@@ -45,14 +53,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None => x.iterations.to_string(),
         };
         println!(
-            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1}",
+            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9}",
             x.session.to_string(),
             x.spec.name,
             x.spec.kind.to_string(),
             x.spec.priority,
             iters,
             x.state.to_string(),
-            x.idle_ms as f64 / 1000.0
+            x.idle_ms as f64 / 1000.0,
+            if x.resident { "device" } else { "host" },
+            x.evictions
         );
     }
     if s.sessions.is_empty() {

@@ -129,6 +129,11 @@ pub struct ServerConfig {
     /// Memory given with `--memory`: one reservation, divided into lanes;
     /// jobs are admitted under the safety condition (none: no admission).
     pub memory_bytes: Option<u64>,
+    /// Under memory pressure, evict idle jobs to host memory (inference
+    /// jobs, least recently used first); their next Run brings them back.
+    pub evict_idle: bool,
+    /// Training jobs may be evicted too (their state is copied out).
+    pub evict_training: bool,
 }
 
 impl Default for ServerConfig {
@@ -141,6 +146,8 @@ impl Default for ServerConfig {
             max_sessions: 4096,
             device: "cpu".into(),
             memory_bytes: None,
+            evict_idle: true,
+            evict_training: false,
         }
     }
 }

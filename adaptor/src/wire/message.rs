@@ -183,6 +183,11 @@ pub struct SessionStatus {
     pub iterations: u64,
     /// Milliseconds since the session's last request or reply.
     pub idle_ms: u64,
+    /// Its persistent memory is on the device (false: evicted to host memory).
+    pub resident: bool,
+    /// Times it was evicted to host memory, and brought back.
+    pub evictions: u64,
+    pub returns: u64,
 }
 
 /// The service's answer to [`Request::Status`].
