@@ -148,11 +148,13 @@ fn check_device(d: Device) -> anyhow::Result<()> {
 }
 
 fn infer(a: InferArgs) -> anyhow::Result<()> {
-    check_device(a.run.device)?;
+    // The children check the device: a probe here would hold a CUDA
+    // context in this process while they run.
     if a.run.isolated() {
         println!("{}", isolate::both()?);
         return Ok(());
     }
+    check_device(a.run.device)?;
     let since = Instant::now();
     progress(
         &format!("building {} inference graph (batch {})", a.model, a.batch),
@@ -169,11 +171,13 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     if !(a.lr.is_finite() && a.lr > 0.0 && (0.0..1.0).contains(&a.momentum)) {
         bail!("--lr must be positive and --momentum in [0, 1)");
     }
-    check_device(a.run.device)?;
+    // The children check the device: a probe here would hold a CUDA
+    // context in this process while they run.
     if a.run.isolated() {
         println!("{}", isolate::both()?);
         return Ok(());
     }
+    check_device(a.run.device)?;
     let since = Instant::now();
     progress(
         &format!("building {} training graph (batch {})", a.model, a.batch),
