@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use lanes_adaptor::wire::{ErrorCode, NamedTensor, SessionId, SessionSpec};
+use lanes_adaptor::wire::{ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
 use lanes_adaptor::{
     validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
 };
@@ -145,6 +145,14 @@ impl Program {
         match self {
             Program::Cpu(p) => p.is_resident(),
             Program::Cuda(p) => p.is_resident(),
+        }
+    }
+    /// GPU inference programs get ready to be switched (warm, profiled,
+    /// recorded, host image taken) before their first request.
+    fn prepare_standby(&mut self) -> Result<(), ExecError> {
+        match self {
+            Program::Cpu(_) => Ok(()),
+            Program::Cuda(p) => p.prepare_standby(),
         }
     }
 }
@@ -389,7 +397,10 @@ impl Session {
         if let Some((_, Admission::Queued { reason, .. })) = &lease {
             tracing::info!(session = %self.id, %reason, "waiting for memory");
         }
-        let program = Program::new(self.backend, valid, values)?;
+        let mut program = Program::new(self.backend, valid, values)?;
+        if self.spec.kind == JobKind::Inference {
+            program.prepare_standby()?;
+        }
         self.lease = lease.map(|(l, _)| l);
         self.memory = Some((plan.persistent, plan.ephemeral));
         self.loaded = Some(Loaded {

@@ -15,6 +15,7 @@ mod conv;
 mod device;
 mod ops;
 mod program;
+mod vm;
 
 pub use program::{CudaOptions, CudaProgram};
 

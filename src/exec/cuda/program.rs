@@ -15,6 +15,7 @@ use lanes_adaptor::{
 
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
+use super::vm::VmArena;
 use crate::exec::ExecError;
 use crate::residency::{plan_groups, Costs, GroupPlan, Layout, Profile, Strategy, SwitchReport};
 
@@ -81,8 +82,9 @@ pub struct CudaProgram {
     /// order, so a group of units is one contiguous copy.
     res: Residency,
     // Kept for their lifetimes: every address above points into these
-    // (the arena is released while the program is evicted).
-    arena: Option<CudaSlice<u8>>,
+    // (the arena's memory is given up while the program is evicted; its
+    // address stays).
+    arena: VmArena,
     _blas_workspace: CudaSlice<u8>,
     _workspace: Option<CudaSlice<u8>>,
     _cudnn: Arc<Cudnn>,
@@ -235,6 +237,15 @@ impl CudaProgram {
         if !self.res.resident {
             return Ok(0);
         }
+        let copied = self.refresh_host_image()?;
+        self.arena.unmap()?;
+        self.res.resident = false;
+        Ok(copied)
+    }
+
+    /// Brings the pinned host image up to date (copying only when stale),
+    /// measures the link once and caches the plans. Returns bytes copied.
+    fn refresh_host_image(&mut self) -> Result<u64, ExecError> {
         self.gpu
             .ctx
             .bind_to_thread()
@@ -274,9 +285,49 @@ impl CudaProgram {
             self.res.plans.clear();
         }
         self.cache_plans();
-        self.arena = None;
-        self.res.resident = false;
         Ok(copied)
+    }
+
+    /// Standby for an inference program (no in-place updates): runs it with
+    /// zero feeds until it is warm, profiled and recorded, takes the pinned
+    /// host image, measures the link, plans the switch and records the
+    /// pipelined plan's segments — so that the first eviction copies nothing
+    /// and every switch replays recorded segments. A graph that updates
+    /// variables is left alone (running it would change its state).
+    pub fn prepare_standby(&mut self) -> Result<(), ExecError> {
+        if self.res.updates || !self.res.resident {
+            return Ok(());
+        }
+        let g = self.graph.graph();
+        let feeds: BTreeMap<String, Tensor> = g
+            .placeholders()
+            .map(|(_, name, ty)| {
+                let n = ty.shape.numel();
+                let data = match ty.dtype {
+                    DType::F32 => TensorData::F32(vec![0.0; n]),
+                    DType::I64 => TensorData::I64(vec![0; n]),
+                };
+                Tensor::new(ty.shape.clone(), data)
+                    .map(|t| (name.to_string(), t))
+                    .map_err(|e| dev_err("standby feeds", e))
+            })
+            .collect::<Result<_, _>>()?;
+        // Warm-up, profile, record and time the recorded iteration.
+        for _ in 0..3 {
+            if self.res.graph_secs.is_some() && self.res.profile.is_some() {
+                break;
+            }
+            self.run(&feeds, &[])?;
+        }
+        self.refresh_host_image()?;
+        if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
+            let plan = self.plan(Strategy::Pipelined);
+            let sg = self.record_segments(&plan)?;
+            self.res
+                .segments
+                .insert((Strategy::Pipelined, self.base), sg);
+        }
+        Ok(())
     }
 
     /// Times one copy of the whole persistent region from the pinned image
@@ -343,21 +394,14 @@ impl CudaProgram {
             .map_err(|e| dev_err("bind", e))?;
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
         let plan = self.plan(strategy);
-        // A fresh arena from the stream-ordered pool (often the same range).
-        // SAFETY: the persistent part is written by the group copies and the
-        // rest is zeroed below, before any kernel reads it.
-        let arena = unsafe { self.stream.alloc::<u8>(self.arena_bytes) }
-            .map_err(|e| dev_err(&format!("allocating {} bytes", self.arena_bytes), e))?;
-        let base = {
-            let (p, _sync) = arena.device_ptr(&self.stream);
-            p
-        };
-        self.base = base;
-        self.arena = Some(arena);
+        // Memory back under the arena's fixed address: the recorded graphs
+        // stay valid.
+        self.arena.map()?;
+        let base = self.arena.base();
         let p = self.res.bytes;
         // The copies may start as soon as the arena exists.
         let allocated = self.event(&self.stream, false)?;
-        // The ephemeral part is left as the pool gives it: every kernel
+        // The ephemeral part is left as mapped: every kernel
         // writes its outputs before anything reads them (checked by filling
         // it with NaN bytes under LANES_ARENA_FILL=poison and comparing with
         // resident runs, see docs/switching.md). The fill, when asked for,
@@ -661,13 +705,13 @@ impl CudaProgram {
             slots[id.index()] = outs;
         }
         let arena_bytes = total.max(ALIGN);
-        let arena = stream
-            .alloc_zeros::<u8>(arena_bytes)
-            .map_err(|e| dev_err(&format!("allocating {arena_bytes} bytes"), e))?;
-        let base = {
-            let (p, _sync) = arena.device_ptr(&stream);
-            p
-        };
+        let arena = VmArena::new(&gpu.ctx, arena_bytes)?;
+        let base = arena.base();
+        // SAFETY: the whole range is mapped; zeroed like a fresh allocation.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(base, 0, arena.size(), stream.cu_stream())
+        }
+        .map_err(|e| dev_err("memset", e))?;
 
         let mut convs = HashMap::new();
         let mut ws_bytes = 0usize;
@@ -760,7 +804,7 @@ impl CudaProgram {
                 segments: std::collections::HashMap::new(),
                 plans: std::collections::HashMap::new(),
             },
-            arena: Some(arena),
+            arena,
             _blas_workspace: blas_ws,
             _workspace: ws,
             _cudnn: cudnn,
