@@ -18,6 +18,7 @@
 
 pub mod dispatch;
 mod frontend;
+pub mod policy_queue;
 mod worker;
 
 use std::str::FromStr;
@@ -29,6 +30,7 @@ use std::time::Duration;
 use lanes_adaptor::Limits;
 
 pub use dispatch::{Dispatcher, FifoQueue, ReadyQueue, Work, WorkItem};
+pub use policy_queue::{PolicyChoice, PolicyQueue, UnknownPolicy};
 
 /// Where iterations run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -129,6 +131,8 @@ pub struct ServerConfig {
     /// Memory given with `--memory`: one reservation, divided into lanes;
     /// jobs are admitted under the safety condition (none: no admission).
     pub memory_bytes: Option<u64>,
+    /// The policy that orders Run requests (`--policy`).
+    pub policy: PolicyChoice,
 }
 
 impl Default for ServerConfig {
@@ -141,6 +145,7 @@ impl Default for ServerConfig {
             max_sessions: 4096,
             device: "cpu".into(),
             memory_bytes: None,
+            policy: PolicyChoice::Fifo,
         }
     }
 }
