@@ -310,3 +310,68 @@ fn closing_a_session_removes_its_job_and_its_queued_runs() {
     assert_eq!(s.queued, 0);
     assert!(s.sessions.iter().all(|x| x.session != a));
 }
+
+#[test]
+fn a_trace_replays_against_the_service_and_tracks_the_simulator() {
+    use lanes::sim::{calibrate, replay_remote, service_policy, simulate, RemoteConfig, SimConfig};
+    use lanes::sim::{Summary, TraceJob};
+    use lanes_policies::JobKind;
+    let service = start_with(|c| {
+        c.workers = 1;
+        c.policy = PolicyChoice::Srtf;
+    });
+    let job = |id, submit_ms, kind, iterations, iter_ms| TraceJob {
+        id,
+        submit: Duration::from_millis(submit_ms),
+        kind,
+        iterations,
+        iteration: Duration::from_millis(iter_ms),
+        persistent_bytes: 0,
+        ephemeral_bytes: 0,
+        priority: 0,
+    };
+    // Trace time; at scale 0.25 about 0.3 s of wall time.
+    let trace = vec![
+        job(1, 0, JobKind::Training, 30, 20),
+        job(2, 100, JobKind::Training, 6, 20),
+        job(3, 200, JobKind::Inference, 5, 4),
+    ];
+    let cfg = RemoteConfig {
+        time_scale: 0.25,
+        max_depth: 48,
+        ..RemoteConfig::new(service.endpoint())
+    };
+    let policy = service_policy(service.endpoint(), Duration::from_secs(5)).unwrap();
+    assert_eq!(policy, "srtf");
+    let cal = calibrate(&cfg).unwrap();
+    assert!(cal.training.points.windows(2).all(|w| w[0].0 < w[1].0));
+    let r = replay_remote(&trace, policy, &cfg, &cal).unwrap();
+    assert_eq!(r.run.outcomes.len(), 3);
+    assert_eq!(r.as_run.len(), 3);
+    for (o, a) in r.run.outcomes.iter().zip(&r.as_run) {
+        assert!(
+            a.iteration > Duration::ZERO,
+            "job {} has a measured time",
+            a.id
+        );
+        assert!(o.finish >= o.submit + o.service, "job {}: {o:?}", o.id);
+    }
+    let sim = simulate(
+        &r.as_run,
+        lanes_policies::by_name(policy).unwrap().as_mut(),
+        SimConfig {
+            memory: 1 << 40,
+            lanes: 1,
+        },
+    )
+    .unwrap();
+    let (live, sim) = (Summary::of(&r.run), Summary::of(&sim));
+    // Loose: the machine running tests is shared; docs/scheduling.md has
+    // the measured comparison.
+    assert!(
+        live.avg_jct_s >= 0.8 * sim.avg_jct_s && live.avg_jct_s <= 2.5 * sim.avg_jct_s + 0.2,
+        "live {} vs simulated {}",
+        live.avg_jct_s,
+        sim.avg_jct_s
+    );
+}

@@ -128,7 +128,7 @@ fn against_service(
         ..RemoteConfig::new(endpoint)
     };
     let calibration = calibrate(&cfg).context("calibrating the models on the service")?;
-    let r = replay_remote(trace, policy, &cfg, calibration)?;
+    let r = replay_remote(trace, policy, &cfg, &calibration)?;
     let simulated = sim_summary(trace, policy, memory, 1)?;
     let as_run = sim_summary(&r.as_run, policy, memory, 1)?;
     let live = Summary::of(&r.run);
@@ -240,13 +240,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         println!();
         if let (Some(cal), Some(d)) = (&c.calibration, &c.depths) {
+            let ms = |c: &lanes::sim::CostCurve| {
+                c.points
+                    .iter()
+                    .map(|(d, s)| format!("{d}:{:.2}", s * 1e3))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
             println!(
-                "models: training {:.3} ms + {:.4} ms/layer, inference {:.3} ms + {:.4} ms/layer; depths {:?}",
-                cal.training.fixed_s * 1e3,
-                cal.training.per_layer_s * 1e3,
-                cal.inference.fixed_s * 1e3,
-                cal.inference.per_layer_s * 1e3,
-                d
+                "iteration ms by depth: training {}; inference {}\nhidden layers per job: {d:?}",
+                ms(&cal.training),
+                ms(&cal.inference),
             );
         }
         println!();

@@ -19,7 +19,8 @@ pub use engine::{simulate, JobOutcome, Segment, SimConfig, SimError, SimRun};
 pub use gen::{generate, GenConfig};
 pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
 pub use remote::{
-    calibrate, replay_remote, service_policy, Calibration, RemoteConfig, RemoteError, RemoteRun,
+    calibrate, replay_remote, service_policy, Calibration, CostCurve, RemoteConfig, RemoteError,
+    RemoteRun,
 };
 pub use report::{plot_jct_cdf, table, Summary};
 pub use trace::{load_trace, parse_size, read_trace, write_trace, TraceError, TraceJob};

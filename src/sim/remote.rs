@@ -122,37 +122,50 @@ pub enum RemoteError {
     Panicked(u64),
 }
 
-/// One fitted cost line: an iteration of depth `d` takes `fixed + d × per_layer`.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct Fit {
-    /// Cost at depth 0, seconds (may be negative from noise).
-    pub fixed_s: f64,
-    /// Cost of one hidden layer, seconds.
-    pub per_layer_s: f64,
+/// Measured iteration cost of one kind of model at a few depths
+/// (`(depth, seconds)`, depth increasing); between them the cost is
+/// interpolated linearly, beyond them extrapolated from the nearest segment.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CostCurve {
+    /// (hidden layers, seconds per iteration).
+    pub points: Vec<(usize, f64)>,
 }
 
-impl Fit {
+impl CostCurve {
     /// The depth whose iteration takes closest to `target`, within `1..=max`.
     pub fn depth_for(&self, target: Duration, max: usize) -> usize {
-        if self.per_layer_s <= 0.0 {
+        let t = target.as_secs_f64();
+        let p = &self.points;
+        if p.len() < 2 {
             return 1;
         }
-        let d = ((target.as_secs_f64() - self.fixed_s) / self.per_layer_s).round();
+        // The segment that brackets `t`, else the first or last one.
+        let i = p
+            .windows(2)
+            .position(|w| t <= w[1].1)
+            .unwrap_or(p.len() - 2);
+        let ((d0, t0), (d1, t1)) = (p[i], p[i + 1]);
+        let slope = (t1 - t0) / (d1 as f64 - d0 as f64);
+        let d = if slope > 0.0 {
+            d0 as f64 + (t - t0) / slope
+        } else {
+            d0 as f64
+        };
         if d.is_finite() {
-            (d.max(1.0) as usize).min(max.max(1))
+            (d.round().max(1.0) as usize).min(max.max(1))
         } else {
             1
         }
     }
 }
 
-/// The cost lines of both kinds of job.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+/// The cost curves of both kinds of job.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Calibration {
     /// Training iterations (forward, backward, SGD update).
-    pub training: Fit,
+    pub training: CostCurve,
     /// Inference iterations (forward only).
-    pub inference: Fit,
+    pub inference: CostCurve,
 }
 
 /// What a replay against a service measured.
@@ -376,47 +389,62 @@ fn model(kind: JobKind, depth: usize, cfg: &RemoteConfig, seed: u64) -> Result<M
     })
 }
 
-/// Mean service time of `runs` iterations at `depth`, after one warm-up,
-/// as the service measured it.
-fn time_depth(
-    conn: &mut Conn,
-    kind: JobKind,
-    depth: usize,
-    cfg: &RemoteConfig,
-    runs: u64,
-) -> Result<f64, RemoteError> {
-    let m = model(kind, depth, cfg, 1)?;
-    let spec = match kind {
-        JobKind::Training => SessionSpec::training(format!("calibrate-{depth}")),
-        JobKind::Inference => SessionSpec::inference(format!("calibrate-{depth}")),
-    };
-    let s = conn.open(spec, &m)?;
-    conn.iterate(s, &m, 1, 1)?;
-    let (n1, m1) = conn.measured(s)?;
-    conn.iterate(s, &m, runs, 1)?;
-    let (n2, m2) = conn.measured(s)?;
-    conn.close(s)?;
-    let total = m2.as_secs_f64() * n2 as f64 - m1.as_secs_f64() * n1 as f64;
-    Ok(total / (n2.saturating_sub(n1).max(1)) as f64)
+/// Total service time the service measured for `session` so far, and its
+/// iteration count.
+fn service_total(conn: &mut Conn, session: SessionId) -> Result<(u64, f64), RemoteError> {
+    let (n, mean) = conn.measured(session)?;
+    Ok((n, mean.as_secs_f64() * n as f64))
 }
 
-/// Fits the iteration cost of both kinds on the service (it should be idle).
+/// Depths [`calibrate`] measures.
+pub const CALIBRATION_DEPTHS: [usize; 6] = [1, 4, 16, 48, 128, 400];
+/// Rounds of [`calibrate`]; each depth's cost is the median of the rounds.
+const ROUNDS: usize = 3;
+/// Iterations per depth and round.
+const RUNS_PER_ROUND: u64 = 4;
+
+/// Measures the iteration cost of both kinds on the service (which should
+/// be otherwise idle) at [`CALIBRATION_DEPTHS`] up to `cfg.max_depth`: one
+/// session per depth, one warm-up iteration each, then rounds that visit
+/// every depth in turn (so a change in machine load hits all depths alike);
+/// a depth's cost is the median over rounds of the service's measured mean.
 pub fn calibrate(cfg: &RemoteConfig) -> Result<Calibration, RemoteError> {
     let ctx = zmq::Context::new();
     let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, 0)?;
-    let (lo, hi) = (2usize, 32usize);
-    let mut fit = |kind| -> Result<Fit, RemoteError> {
-        let a = time_depth(&mut conn, kind, lo, cfg, 8)?;
-        let b = time_depth(&mut conn, kind, hi, cfg, 8)?;
-        let per_layer_s = (b - a) / (hi - lo) as f64;
-        Ok(Fit {
-            fixed_s: a - per_layer_s * lo as f64,
-            per_layer_s,
-        })
+    let mut curve = |kind| -> Result<CostCurve, RemoteError> {
+        let mut jobs = Vec::new();
+        for d in CALIBRATION_DEPTHS {
+            if d > cfg.max_depth.max(1) {
+                break;
+            }
+            let m = model(kind, d, cfg, 1)?;
+            let spec = match kind {
+                JobKind::Training => SessionSpec::training(format!("calibrate-{d}")),
+                JobKind::Inference => SessionSpec::inference(format!("calibrate-{d}")),
+            };
+            let s = conn.open(spec, &m)?;
+            conn.iterate(s, &m, 1, 1)?;
+            jobs.push((d, s, m, Vec::with_capacity(ROUNDS)));
+        }
+        for _ in 0..ROUNDS {
+            for (_, s, m, rounds) in &mut jobs {
+                let (n1, t1) = service_total(&mut conn, *s)?;
+                conn.iterate(*s, m, RUNS_PER_ROUND, 1)?;
+                let (n2, t2) = service_total(&mut conn, *s)?;
+                rounds.push((t2 - t1) / n2.saturating_sub(n1).max(1) as f64);
+            }
+        }
+        let mut points = Vec::with_capacity(jobs.len());
+        for (d, s, _, mut rounds) in jobs {
+            conn.close(s)?;
+            rounds.sort_by(f64::total_cmp);
+            points.push((d, rounds[rounds.len() / 2]));
+        }
+        Ok(CostCurve { points })
     };
     Ok(Calibration {
-        training: fit(JobKind::Training)?,
-        inference: fit(JobKind::Inference)?,
+        training: curve(JobKind::Training)?,
+        inference: curve(JobKind::Inference)?,
     })
 }
 
@@ -445,7 +473,7 @@ pub fn replay_remote(
     trace: &[TraceJob],
     policy: &'static str,
     cfg: &RemoteConfig,
-    calibration: Calibration,
+    calibration: &Calibration,
 ) -> Result<RemoteRun, RemoteError> {
     if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
         return Err(RemoteError::Config("time scale must be positive".into()));
@@ -457,8 +485,8 @@ pub fn replay_remote(
     let mut models = Vec::with_capacity(trace.len());
     for j in trace {
         let fit = match j.kind {
-            JobKind::Training => calibration.training,
-            JobKind::Inference => calibration.inference,
+            JobKind::Training => &calibration.training,
+            JobKind::Inference => &calibration.inference,
         };
         let depth = fit.depth_for(scale(j.iteration), cfg.max_depth);
         depths.push(depth);
@@ -538,7 +566,7 @@ pub fn replay_remote(
         },
         as_run,
         depths,
-        calibration,
+        calibration: calibration.clone(),
     })
 }
 
@@ -548,18 +576,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn depth_follows_the_fitted_line_and_stays_in_range() {
-        let f = Fit {
-            fixed_s: 0.001,
-            per_layer_s: 0.0005,
+    fn depth_follows_the_measured_curve_and_stays_in_range() {
+        let c = CostCurve {
+            points: vec![(1, 0.001), (11, 0.006), (21, 0.016)],
         };
-        assert_eq!(f.depth_for(Duration::from_millis(11), 400), 20);
-        assert_eq!(f.depth_for(Duration::from_micros(100), 400), 1);
-        assert_eq!(f.depth_for(Duration::from_secs(10), 400), 400);
-        let flat = Fit {
-            fixed_s: 0.001,
-            per_layer_s: 0.0,
+        assert_eq!(c.depth_for(Duration::from_micros(3500), 400), 6);
+        assert_eq!(c.depth_for(Duration::from_millis(11), 400), 16);
+        // Below the first point: extrapolated, at least 1.
+        assert_eq!(c.depth_for(Duration::from_micros(100), 400), 1);
+        // Beyond the last: extrapolated from the last segment, then capped.
+        assert_eq!(c.depth_for(Duration::from_millis(26), 400), 31);
+        assert_eq!(c.depth_for(Duration::from_secs(10), 400), 400);
+        let flat = CostCurve {
+            points: vec![(1, 0.001), (4, 0.001)],
         };
         assert_eq!(flat.depth_for(Duration::from_millis(5), 400), 1);
+        assert_eq!(
+            CostCurve { points: vec![] }.depth_for(Duration::from_millis(5), 9),
+            1
+        );
     }
 }
