@@ -84,6 +84,17 @@ struct Comparison {
     calibration: Option<Calibration>,
     #[serde(skip_serializing_if = "Option::is_none")]
     depths: Option<Vec<usize>>,
+    /// Against a service: per job, the trace's iteration time and the
+    /// service's measured mean (both ms of trace time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    iteration_ms: Option<Vec<JobIteration>>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct JobIteration {
+    job: u64,
+    trace_ms: f64,
+    measured_ms: f64,
 }
 
 fn ratio(live: &Summary, sim: &Summary) -> f64 {
@@ -139,6 +150,17 @@ fn against_service(
         simulated,
         simulated_as_run: Some(as_run),
         live,
+        iteration_ms: Some(
+            trace
+                .iter()
+                .zip(&r.as_run)
+                .map(|(t, a)| JobIteration {
+                    job: t.id,
+                    trace_ms: t.iteration.as_secs_f64() * 1e3,
+                    measured_ms: a.iteration.as_secs_f64() * 1e3,
+                })
+                .collect(),
+        ),
         calibration: Some(r.calibration),
         depths: Some(r.depths),
     })
@@ -172,6 +194,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     live_over_sim_as_run_avg_jct: None,
                     calibration: None,
                     depths: None,
+                    iteration_ms: None,
                 });
             }
         }

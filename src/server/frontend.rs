@@ -400,7 +400,9 @@ impl Frontend {
                 session: id,
                 spec: e.spec.clone(),
                 state,
-                iterations: e.iterations,
+                // The session's own count is read only while it is not
+                // running; the scheduler's is current.
+                iterations: e.iterations.max(stats.iterations),
                 idle_ms: e.last_seen.elapsed().as_millis() as u64,
                 queueing_mean_us: stats.queueing_mean().as_micros() as u64,
                 service_mean_us: stats.service_mean().as_micros() as u64,

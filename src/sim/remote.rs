@@ -401,12 +401,13 @@ pub const CALIBRATION_DEPTHS: [usize; 6] = [1, 4, 16, 48, 128, 400];
 /// Rounds of [`calibrate`]; each depth's cost is the median of the rounds.
 const ROUNDS: usize = 3;
 /// Iterations per depth and round.
-const RUNS_PER_ROUND: u64 = 4;
+const RUNS_PER_ROUND: u64 = 8;
 
 /// Measures the iteration cost of both kinds on the service (which should
 /// be otherwise idle) at [`CALIBRATION_DEPTHS`] up to `cfg.max_depth`: one
 /// session per depth, one warm-up iteration each, then rounds that visit
-/// every depth in turn (so a change in machine load hits all depths alike);
+/// every depth in turn (so a change in machine load hits all depths alike),
+/// keeping `cfg.pipeline` Runs outstanding as the replay does;
 /// a depth's cost is the median over rounds of the service's measured mean.
 pub fn calibrate(cfg: &RemoteConfig) -> Result<Calibration, RemoteError> {
     let ctx = zmq::Context::new();
@@ -429,7 +430,9 @@ pub fn calibrate(cfg: &RemoteConfig) -> Result<Calibration, RemoteError> {
         for _ in 0..ROUNDS {
             for (_, s, m, rounds) in &mut jobs {
                 let (n1, t1) = service_total(&mut conn, *s)?;
-                conn.iterate(*s, m, RUNS_PER_ROUND, 1)?;
+                // Back to back, as in the replay (an idle worker between
+                // iterations runs them cold and measures them slower).
+                conn.iterate(*s, m, RUNS_PER_ROUND, cfg.pipeline)?;
                 let (n2, t2) = service_total(&mut conn, *s)?;
                 rounds.push((t2 - t1) / n2.saturating_sub(n1).max(1) as f64);
             }
