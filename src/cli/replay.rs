@@ -54,8 +54,9 @@ pub struct Args {
     /// Number of equal lanes (embedded replay only; a service replay is one lane).
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
-    /// Runs each job keeps outstanding against a service.
-    #[arg(long, default_value_t = 2)]
+    /// Runs each job keeps outstanding against a service (enough that its
+    /// next Run is always queued when one finishes).
+    #[arg(long, default_value_t = 4)]
     pub pipeline: usize,
     /// Width of the replayed MLPs' layers.
     #[arg(long, default_value_t = 128)]
@@ -169,6 +170,10 @@ fn against_service(
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
     let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    anyhow::ensure!(
+        args.endpoint == "embedded" || args.lanes == 1,
+        "--lanes applies to the embedded replay only; a service replay runs one worker (one lane)"
+    );
     let mut out = Vec::new();
     match args.endpoint.as_str() {
         "embedded" => {

@@ -51,13 +51,13 @@ pub struct RemoteConfig {
 }
 
 impl RemoteConfig {
-    /// Defaults for `endpoint`: scale 0.1, two Runs outstanding, width 128,
+    /// Defaults for `endpoint`: scale 0.1, four Runs outstanding, width 128,
     /// batch 32, at most 400 layers, 120 s per reply.
     pub fn new(endpoint: impl Into<String>) -> Self {
         RemoteConfig {
             endpoint: endpoint.into(),
             time_scale: 0.1,
-            pipeline: 2,
+            pipeline: 4,
             width: 128,
             batch: 32,
             max_depth: 400,
