@@ -13,6 +13,18 @@ Two timings per model, median over --iters after --warmup:
   host:     input copied host -> GPU, forward, output copied GPU -> host
             (what `lanes bench infer` times through CudaProgram::run);
   resident: input already on the GPU, forward, synchronize.
+
+With --train, one training step instead (what `lanes bench train` times):
+forward in train mode (batch-norm batch statistics), loss, backward,
+torch.optim.SGD(lr 0.1, momentum 0.9) step, defaults --models resnet50
+--batch 32. The losses are those of Lanes' zoo training graphs:
+cross-entropy for the image models (Inception-v3 with its auxiliary head,
+aux_logits=True, weighted 0.4), MSE of BERT's pooled output against a
+random target. Timings:
+  host:     input and labels copied host -> GPU, step, loss copied back
+            (what `lanes bench train` times through the executor);
+  resident: input and labels already on the GPU, step, synchronize.
+
 Prints one JSON object per line.
 """
 import argparse
@@ -23,13 +35,18 @@ import time
 import torch
 
 
-def build(name, seq, bert_attn):
+def build(name, seq, bert_attn, train=False):
     if name in ("resnet50", "resnet152", "inception_v3"):
         import torchvision
 
         if name == "inception_v3":
             m = torchvision.models.inception_v3(
-                weights=None, aux_logits=False, init_weights=False, transform_input=False
+                weights=None,
+                aux_logits=train,
+                init_weights=False,
+                transform_input=False,
+                # Lanes has no dropout op; its zoo leaves dropout out.
+                dropout=0.0,
             )
             shape = (3, 299, 299)
         else:
@@ -40,6 +57,10 @@ def build(name, seq, bert_attn):
         from transformers import BertConfig, BertModel
 
         cfg = BertConfig()
+        if train:
+            # Lanes has no dropout op; its zoo leaves dropout out.
+            cfg.hidden_dropout_prob = 0.0
+            cfg.attention_probs_dropout_prob = 0.0
         cfg._attn_implementation = bert_attn
         m = BertModel(cfg, add_pooling_layer=True)
         return m, lambda b: torch.randint(0, cfg.vocab_size, (b, seq))
@@ -61,8 +82,13 @@ def time_it(fn, iters, warmup):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="resnet50,resnet152,inception_v3,bert_base")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated; default resnet50,resnet152,inception_v3,bert_base "
+        "(with --train: resnet50)",
+    )
+    ap.add_argument("--batch", type=int, default=None, help="default 8 (with --train: 32)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
@@ -70,9 +96,24 @@ def main():
     ap.add_argument(
         "--train",
         action="store_true",
-        help="time one training step instead (cross-entropy, SGD momentum 0.9)",
+        help="time one training step instead (the zoo's loss, SGD lr 0.1 momentum 0.9)",
     )
     a = ap.parse_args()
+    if a.models is None:
+        a.models = "resnet50" if a.train else "resnet50,resnet152,inception_v3,bert_base"
+    if a.batch is None:
+        a.batch = 32 if a.train else 8
+    if a.batch < 1 or a.iters < 1 or a.warmup < 0 or a.seq < 1:
+        ap.error("--batch, --iters and --seq must be positive, --warmup not negative")
+    known = ("resnet50", "resnet152", "inception_v3", "bert_base")
+    for name in a.models.split(","):
+        if name not in known:
+            ap.error(f"unknown model {name!r} (one of {', '.join(known)})")
+    # PyTorch's defaults, set explicitly so the comparison does not depend on
+    # the environment: TF32 for cuDNN convolutions, full FP32 matmul.
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
     dev = torch.device("cuda")
     settings = {
         "torch": torch.__version__,
@@ -128,23 +169,44 @@ def main():
 
 
 def train_step(name, a, settings, dev):
-    """One SGD step of an image model: forward in train mode (batch-norm batch
-    statistics), cross-entropy, backward, update; input and labels resident."""
-    model, make = build(name, a.seq, a.bert_attn)
+    """One SGD step: forward in train mode (batch-norm batch statistics), the
+    zoo's loss, backward, update."""
+    model, make = build(name, a.seq, a.bert_attn, train=True)
     model = model.train().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = make(a.batch).to(dev)
-    y = torch.randint(0, 1000, (a.batch,), device=dev)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    ce = torch.nn.CrossEntropyLoss()
+    x_host = make(a.batch)
+    if name == "bert_base":
+        y_host = torch.rand(a.batch, model.config.hidden_size) * 2 - 1
+    else:
+        y_host = torch.randint(0, 1000, (a.batch,))
+    x_dev, y_dev = x_host.to(dev), y_host.to(dev)
 
-    def step():
+    def loss_of(out, y):
+        if name == "bert_base":
+            return torch.nn.functional.mse_loss(out.pooler_output, y)
+        if name == "inception_v3":
+            return ce(out.logits, y) + 0.4 * ce(out.aux_logits, y)
+        return ce(out, y)
+
+    def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        loss = loss_of(model(x), y)
         loss.backward()
         opt.step()
+        return loss
+
+    def resident():
+        step(x_dev, y_dev)
         torch.cuda.synchronize()
 
-    ts = time_it(step, a.iters, a.warmup)
+    losses = []
+
+    def host():
+        losses.append(step(x_host.to(dev), y_host.to(dev)).item())
+
+    tr = time_it(resident, a.iters, a.warmup)
+    th = time_it(host, a.iters, a.warmup)
     print(
         json.dumps(
             {
@@ -152,14 +214,22 @@ def train_step(name, a, settings, dev):
                 "impl": "pytorch-eager",
                 "model": name,
                 "batch": a.batch,
+                "seq": a.seq if name == "bert_base" else None,
+                "optimizer": {"kind": "sgd", "lr": 0.1, "momentum": 0.9},
                 "iters": a.iters,
-                "median_ms": statistics.median(ts),
-                "min_ms": ts[0],
+                "warmup": a.warmup,
+                "host_median_ms": statistics.median(th),
+                "resident_median_ms": statistics.median(tr),
+                "host_min_ms": th[0],
+                "resident_min_ms": tr[0],
+                "loss_last": losses[-1],
                 **settings,
             }
         ),
         flush=True,
     )
+    del model, opt
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

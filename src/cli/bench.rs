@@ -1,23 +1,33 @@
-//! `lanes bench infer`: median latency of one inference iteration of a
-//! reference architecture (ResNet-50/152, Inception-v3, BERT-base) through
-//! the executor alone (no service, no sockets), printed as JSON.
+//! `lanes bench`: latency of reference models, printed as one JSON object on
+//! stdout (progress on stderr).
 //!
-//! The timed region is `Program::run`: feeds copied host → device, every op,
-//! the fetched logits copied device → host. The architectures are built here
-//! with the graph builder to match torchvision / transformers layer for layer
-//! (see `benches/torch_ref.py`, which times PyTorch on the same shapes).
+//! - `lanes bench infer`: one inference iteration (ResNet-50/152,
+//!   Inception-v3, BERT-base built layer for layer like torchvision /
+//!   transformers, or a small zoo model);
+//! - `lanes bench train`: one training step — forward, loss, backward and
+//!   the SGD-momentum update of every parameter in one Run, exactly the
+//!   training graph the adaptor's autodiff builds ([`lanes_adaptor::Arch::training`]).
+//!
+//! Each is timed on up to two paths (`--path executor|service|both`): the
+//! executor alone (`CudaProgram::run` / `CpuProgram::run`) and the full
+//! service path (client → ZeroMQ → dispatcher → worker → executor → reply)
+//! through an embedded service. `benches/torch_ref.py` times PyTorch on the
+//! same shapes.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use lanes::exec::cpu::CpuProgram;
-use lanes::exec::cuda::{CudaOptions, CudaProgram};
-use lanes_adaptor::{validate, GraphLimits, Tensor, TensorType};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use lanes_adaptor::Optimizer;
+use serde_json::{json, Value};
 
 pub mod models;
+pub mod pack;
+mod paths;
+pub mod switch;
+mod workload;
+
+use paths::{progress, Device, Timing};
+use workload::Workload;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -29,146 +39,216 @@ pub struct Args {
 enum What {
     /// Inference latency of one model.
     Infer(InferArgs),
-}
-
-#[derive(Debug, clap::Args)]
-struct InferArgs {
-    /// resnet50 | resnet152 | inception_v3 | bert_base
-    #[arg(long)]
-    model: String,
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
-    /// cuda | cpu
-    #[arg(long, default_value = "cuda")]
-    device: String,
-    /// Timed iterations (after warm-up).
-    #[arg(long, default_value_t = 30)]
-    iters: usize,
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Sequence length for BERT.
-    #[arg(long, default_value_t = 128)]
-    seq: usize,
-    /// Launch op by op instead of replaying a recorded CUDA graph.
-    #[arg(long)]
-    no_graph: bool,
+    /// Latency of one training step (forward, loss, backward, SGD update).
+    Train(TrainArgs),
+    /// First-inference latency of a model that is not resident, per
+    /// switching strategy (pipelined, per layer, load-then-run).
+    Switch(switch::SwitchArgs),
+    /// Inference packing: more models than fit, requests across them;
+    /// latency p50/p99 and how often a request hit an evicted model.
+    Pack(pack::PackArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.what {
         What::Infer(a) => infer(a),
+        What::Train(a) => train(a),
+        What::Switch(a) => switch::switch(a),
+        What::Pack(a) => pack::pack(a),
     }
 }
 
-enum Prog {
-    Cpu(CpuProgram),
-    Cuda(Box<CudaProgram>),
+/// Which paths to time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PathChoice {
+    /// The executor alone (no sockets).
+    Executor,
+    /// Client → ZeroMQ → embedded service → executor → reply.
+    Service,
+    Both,
 }
 
-impl Prog {
-    fn run(
-        &mut self,
-        feeds: &BTreeMap<String, Tensor>,
-        fetches: &[String],
-    ) -> anyhow::Result<Vec<Tensor>> {
-        Ok(match self {
-            Prog::Cpu(p) => p.run(feeds, fetches)?,
-            Prog::Cuda(p) => p.run(feeds, fetches)?,
-        })
-    }
+/// Options shared by every `bench` subcommand that times a graph.
+#[derive(Debug, clap::Args)]
+struct RunOpts {
+    #[arg(long, value_enum, default_value_t = Device::Cuda)]
+    device: Device,
+    /// Timed iterations (after warm-up), per path.
+    #[arg(long, default_value_t = 30)]
+    iters: usize,
+    /// Untimed iterations before timing, per path.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Which paths to time.
+    #[arg(long, value_enum, default_value_t = PathChoice::Both)]
+    path: PathChoice,
+    /// Endpoint the embedded service binds (service path).
+    #[arg(long, default_value = "tcp://127.0.0.1:*")]
+    endpoint: String,
+    /// Executor path: launch op by op instead of replaying a recorded CUDA
+    /// graph (the service always uses the default, graph replay).
+    #[arg(long)]
+    no_graph: bool,
+    /// Executor path on CUDA: one more iteration op by op, GPU time per op
+    /// kind (stderr and `executor.op_profile` in the JSON).
+    #[arg(long)]
+    op_profile: bool,
 }
 
-fn infer(a: InferArgs) -> anyhow::Result<()> {
-    if a.batch == 0 || a.iters == 0 {
-        bail!("--batch and --iters must be positive");
+#[derive(Debug, clap::Args)]
+struct InferArgs {
+    /// resnet50 | resnet152 | inception_v3 | bert_base | resnet18_cifar |
+    /// lenet | mlp | transformer
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Sequence length for BERT and the transformer.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+#[derive(Debug, clap::Args)]
+struct TrainArgs {
+    /// resnet50 | resnet152 | inception_v3 | bert_base | resnet18_cifar |
+    /// lenet | mlp | transformer
+    #[arg(long, default_value = "resnet50")]
+    model: String,
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Sequence length for BERT and the transformer.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f64,
+    /// SGD momentum (PyTorch's reference uses 0.9).
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    #[command(flatten)]
+    run: RunOpts,
+}
+
+/// Fails fast, before building a large graph, when `--device cuda` has no GPU.
+fn check_device(d: Device) -> anyhow::Result<()> {
+    if d == Device::Cuda {
+        lanes::exec::cuda::probe().context("--device cuda")?;
     }
-    let built = models::build(&a.model, a.batch, a.seq)?;
-    let params: usize = built.vars.values().map(|t| t.numel()).sum();
-    let nodes = built.graph.nodes.len();
-    let graph = validate(
-        built.graph,
-        &GraphLimits {
-            max_nodes: 1 << 20,
-            ..GraphLimits::default()
-        },
-    )
-    .context("model graph does not validate")?;
-    let mut rng = StdRng::seed_from_u64(7);
-    let feeds: BTreeMap<String, Tensor> = built
-        .inputs
-        .iter()
-        .map(|(name, ty)| Ok((name.clone(), random_input(ty, built.vocab, &mut rng)?)))
-        .collect::<anyhow::Result<_>>()?;
-    let t0 = Instant::now();
-    let (mut prog, gpu) = match a.device.as_str() {
-        "cuda" => {
-            let opts = CudaOptions {
-                cuda_graph: !a.no_graph,
-                ..CudaOptions::default()
-            };
-            let p = CudaProgram::with_options(graph, built.vars, opts)?;
-            let name = p.device_name().to_string();
-            (Prog::Cuda(Box::new(p)), Some(name))
-        }
-        "cpu" => (Prog::Cpu(CpuProgram::new(graph, built.vars)?), None),
-        d => bail!("unknown device `{d}` (cuda or cpu)"),
-    };
-    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let fetch = vec![built.output.clone()];
-    for _ in 0..a.warmup {
-        prog.run(&feeds, &fetch)?;
-    }
-    let mut times = Vec::with_capacity(a.iters);
-    let mut checksum = 0f64;
-    for _ in 0..a.iters {
-        let t = Instant::now();
-        let out = prog.run(&feeds, &fetch)?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
-        checksum = out[0].f32s()?.iter().map(|&v| v as f64).sum();
-    }
-    times.sort_by(f64::total_cmp);
-    let q = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize];
-    let json = serde_json::json!({
-        "bench": "infer",
-        "path": "executor",
-        "model": a.model,
-        "batch": a.batch,
-        "seq": if a.model == "bert_base" { Some(a.seq) } else { None },
-        "device": a.device,
-        "gpu": gpu,
-        "precision": "fp32; conv TF32 allowed, matmul full FP32 (PyTorch defaults)",
-        "cuda_graph": matches!(&prog, Prog::Cuda(p) if p.uses_cuda_graph()),
-        "device_bytes": match &prog {
-            Prog::Cuda(p) => Some(p.device_bytes()),
-            Prog::Cpu(_) => None,
-        },
-        "iters": a.iters,
-        "warmup": a.warmup,
-        "median_ms": q(0.5),
-        "p10_ms": q(0.1),
-        "p90_ms": q(0.9),
-        "min_ms": times[0],
-        "load_ms": load_ms,
-        "params": params,
-        "nodes": nodes,
-        "output_checksum": checksum,
-    });
-    println!("{json}");
     Ok(())
 }
 
-fn random_input(ty: &TensorType, vocab: usize, rng: &mut StdRng) -> anyhow::Result<Tensor> {
-    let n = ty.shape.numel();
-    Ok(match ty.dtype {
-        lanes_adaptor::DType::F32 => Tensor::from_f32(
-            ty.shape.clone(),
-            (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect(),
-        )?,
-        lanes_adaptor::DType::I64 => Tensor::from_i64(
-            ty.shape.clone(),
-            (0..n)
-                .map(|_| rng.gen_range(0..vocab.max(1) as i64))
-                .collect(),
-        )?,
-    })
+fn infer(a: InferArgs) -> anyhow::Result<()> {
+    check_device(a.run.device)?;
+    let since = Instant::now();
+    progress(
+        &format!("building {} inference graph (batch {})", a.model, a.batch),
+        since,
+    );
+    let w = workload::inference(&a.model, a.batch, a.seq)?;
+    let seq = uses_seq(&a.model).then_some(a.seq);
+    let out = bench(&w, a.batch, &a.run, seq, json!(null), since)?;
+    println!("{out}");
+    Ok(())
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<()> {
+    if !(a.lr.is_finite() && a.lr > 0.0 && (0.0..1.0).contains(&a.momentum)) {
+        bail!("--lr must be positive and --momentum in [0, 1)");
+    }
+    check_device(a.run.device)?;
+    let since = Instant::now();
+    progress(
+        &format!("building {} training graph (batch {})", a.model, a.batch),
+        since,
+    );
+    let opt = Optimizer::sgd_momentum(a.lr as f32, a.momentum as f32, 0.0);
+    let w = workload::training(&a.model, a.batch, a.seq, &opt)?;
+    let seq = uses_seq(&a.model).then_some(a.seq);
+    let optimizer = json!({
+        "kind": "sgd",
+        "lr": a.lr,
+        "momentum": a.momentum,
+        "weight_decay": 0.0,
+        "nesterov": false,
+    });
+    let out = bench(&w, a.batch, &a.run, seq, optimizer, since)?;
+    println!("{out}");
+    Ok(())
+}
+
+fn uses_seq(model: &str) -> bool {
+    matches!(model, "bert_base" | "transformer")
+}
+
+/// Times `w` on the chosen paths and assembles the JSON report.
+fn bench(
+    w: &Workload,
+    batch: usize,
+    o: &RunOpts,
+    seq: Option<usize>,
+    optimizer: Value,
+    since: Instant,
+) -> anyhow::Result<Value> {
+    if o.iters == 0 {
+        bail!("--iters must be positive");
+    }
+    let timing = Timing {
+        device: o.device,
+        iters: o.iters,
+        warmup: o.warmup,
+        cuda_graph: !o.no_graph,
+        op_profile: o.op_profile,
+    };
+    let feeds = w.random_feeds(7)?;
+    let want_exec = matches!(o.path, PathChoice::Executor | PathChoice::Both);
+    let want_service = matches!(o.path, PathChoice::Service | PathChoice::Both);
+    let mut gpu = None;
+    let mut service_device = None;
+    // One path at a time, so the two never hold device memory together.
+    let exec = if want_exec {
+        let (r, g) = paths::executor(w, w.vars.clone(), &feeds, &timing, since)?;
+        gpu = g;
+        Some(r)
+    } else {
+        None
+    };
+    let service = if want_service {
+        let (r, d) = paths::service(w, w.vars.clone(), &feeds, &timing, &o.endpoint, since)?;
+        service_device = Some(d);
+        Some(r)
+    } else {
+        None
+    };
+    let ratio = match (&exec, &service) {
+        (Some(e), Some(s)) if e.stats.median > 0.0 => Some(s.stats.median / e.stats.median),
+        _ => None,
+    };
+    let precision = match o.device {
+        Device::Cuda => {
+            "fp32; convolutions may use TF32 (cuDNN default math), matrix products full FP32 \
+             (PyTorch defaults: cudnn.allow_tf32=True, matmul.allow_tf32=False)"
+        }
+        Device::Cpu => "fp32",
+    };
+    Ok(json!({
+        "bench": w.kind.name(),
+        "model": w.model,
+        "batch": batch,
+        "seq": seq,
+        "device": o.device.name(),
+        "gpu": gpu,
+        "service_device": service_device,
+        "precision": precision,
+        "optimizer": optimizer,
+        "fetch": w.fetch,
+        "iters": o.iters,
+        "warmup": o.warmup,
+        "params": w.params,
+        "nodes": w.graph.nodes.len(),
+        "executor": exec.map(|r| r.json),
+        "service": service.map(|r| r.json),
+        "service_over_executor": ratio,
+    }))
 }

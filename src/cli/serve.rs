@@ -31,6 +31,14 @@ pub struct Args {
     /// Most open sessions.
     #[arg(long, default_value_t = 4096)]
     pub max_sessions: usize,
+    /// Never evict idle jobs to host memory under memory pressure (with
+    /// `--memory`; by default idle inference jobs are evicted, least
+    /// recently used first, and brought back pipelined by their next Run).
+    #[arg(long)]
+    pub no_evict: bool,
+    /// Training jobs may be evicted too (their state is copied out).
+    #[arg(long)]
+    pub evict_training: bool,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -100,6 +108,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         device,
         memory_bytes: args.memory.map(|m| m.0),
         policy: args.policy,
+        evict_idle: !args.no_evict,
+        evict_training: args.evict_training,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();

@@ -39,7 +39,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.queued
     );
     println!(
-        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:>11} {:>11}",
+        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11}",
         "session",
         "name",
         "kind",
@@ -47,6 +47,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "iterations",
         "state",
         "idle (s)",
+        "weights",
+        "evictions",
         "queue (ms)",
         "run (ms)"
     );
@@ -56,7 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None => x.iterations.to_string(),
         };
         println!(
-            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:>11.3} {:>11.3}",
+            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3}",
             x.session.to_string(),
             x.spec.name,
             x.spec.kind.to_string(),
@@ -64,6 +66,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             iters,
             x.state.to_string(),
             x.idle_ms as f64 / 1000.0,
+            if x.resident { "device" } else { "host" },
+            x.evictions,
             x.queueing_mean_us as f64 / 1000.0,
             x.service_mean_us as f64 / 1000.0
         );

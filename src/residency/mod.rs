@@ -1,1 +1,472 @@
-//! Placeholder: filled in by its issue.
+//! Residency and pipelined switching: a job's persistent memory (variables
+//! and constants) lives on the device or only in host memory, and a job that
+//! is not resident is brought back in groups of layers while the groups
+//! already copied compute (PipeSwitch's pipelined model transmission).
+//!
+//! This module is backend-neutral and sans-IO:
+//! - [`Layout`] cuts a graph's persistent tensors into *units*: the tensors
+//!   whose first consumer is the same node, in execution order. A unit is the
+//!   smallest thing a group can hold; its compute is the run of nodes from
+//!   its first consumer up to the next unit's.
+//! - [`Costs`] are measured per unit by the executors (copy time from bytes
+//!   and bandwidth, compute time from a profiled iteration).
+//! - [`plan_groups`] cuts the units into contiguous groups for a
+//!   [`Strategy`]; for [`Strategy::Pipelined`] it minimises the predicted
+//!   time of the first iteration with an exact dynamic program (see
+//!   `docs/switching.md`).
+//!
+//! The executors (`exec::cpu`, `exec::cuda`) carry out a plan: copy group k
+//! on a copy stream (a copier thread on the CPU backend) while the compute
+//! stream runs the nodes whose weights are already there, each group's first
+//! node waiting for that group's copy.
+
+use lanes_adaptor::{NodeId, Op, ValidGraph};
+
+/// One unit: persistent tensors first consumed by the same node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    /// Position in `graph.order()` of the first node that reads them (the
+    /// order's length for tensors nothing reads).
+    pub first_use: usize,
+    /// The variable and constant nodes, in layout order.
+    pub tensors: Vec<NodeId>,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// The persistent tensors of a graph in first-use order, cut into units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// Units by increasing `first_use`.
+    pub units: Vec<Unit>,
+    /// Nodes in the execution order.
+    pub nodes: usize,
+}
+
+impl Layout {
+    /// Units of `graph`: every `Variable` and `Constant` node, grouped by the
+    /// position of its first consumer in the execution order.
+    pub fn of(graph: &ValidGraph) -> Layout {
+        let g = graph.graph();
+        let order = graph.order();
+        let mut pos = vec![usize::MAX; g.nodes.len()];
+        for (p, id) in order.iter().enumerate() {
+            pos[id.index()] = p;
+        }
+        let mut first = vec![order.len(); g.nodes.len()];
+        for &id in order {
+            let p = pos[id.index()];
+            for o in &g.nodes[id.index()].inputs {
+                let f = &mut first[o.node.index()];
+                *f = (*f).min(p);
+            }
+        }
+        let mut persistent: Vec<(usize, usize, NodeId)> = order
+            .iter()
+            .filter(|id| matches!(g.nodes[id.index()].op, Op::Variable(_) | Op::Constant(_)))
+            .map(|&id| (first[id.index()], pos[id.index()], id))
+            .collect();
+        persistent.sort();
+        let mut units: Vec<Unit> = Vec::new();
+        for (first_use, _, id) in persistent {
+            let bytes = g.nodes[id.index()]
+                .outputs
+                .first()
+                .map_or(0, |t| t.bytes() as u64);
+            match units.last_mut() {
+                Some(u) if u.first_use == first_use => {
+                    u.tensors.push(id);
+                    u.bytes += bytes;
+                }
+                _ => units.push(Unit {
+                    first_use,
+                    tensors: vec![id],
+                    bytes,
+                }),
+            }
+        }
+        Layout {
+            units,
+            nodes: order.len(),
+        }
+    }
+
+    /// Persistent bytes in all.
+    pub fn bytes(&self) -> u64 {
+        self.units.iter().map(|u| u.bytes).sum()
+    }
+
+    /// For each position in the execution order, the unit whose compute it
+    /// belongs to (`None` before the first unit's first use).
+    pub fn unit_of_position(&self) -> Vec<Option<usize>> {
+        let mut out = vec![None; self.nodes];
+        let mut u = None;
+        let mut next = 0;
+        for (p, slot) in out.iter_mut().enumerate() {
+            while next < self.units.len() && self.units[next].first_use <= p {
+                u = Some(next);
+                next += 1;
+            }
+            *slot = u;
+        }
+        out
+    }
+}
+
+/// How a non-resident job is brought back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Groups chosen by [`plan_groups`] to minimise the first iteration.
+    Pipelined,
+    /// One group per unit (per layer).
+    PerLayer,
+    /// One group: copy everything, then compute (load-then-run).
+    Single,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 3] = [Strategy::Pipelined, Strategy::PerLayer, Strategy::Single];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Pipelined => "pipelined",
+            Strategy::PerLayer => "per_layer",
+            Strategy::Single => "single",
+        }
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Measured costs, in seconds.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Costs {
+    /// Copy time of each unit's bytes at the measured bandwidth.
+    pub copy: Vec<f64>,
+    /// Compute time of each unit's nodes.
+    pub compute: Vec<f64>,
+    /// Compute before the first unit (nodes that read no weights).
+    pub prefix: f64,
+    /// Fixed cost of one more group on the copy side (one more copy call
+    /// and event).
+    pub copy_overhead: f64,
+    /// Fixed cost of one more group on the compute side (one more wait).
+    pub compute_overhead: f64,
+}
+
+impl Costs {
+    /// Costs from unit bytes and a bandwidth (bytes per second).
+    pub fn from_bandwidth(
+        layout: &Layout,
+        bandwidth: f64,
+        compute: Vec<f64>,
+        prefix: f64,
+        copy_overhead: f64,
+        compute_overhead: f64,
+    ) -> Costs {
+        let bw = if bandwidth > 0.0 { bandwidth } else { f64::MAX };
+        Costs {
+            copy: layout.units.iter().map(|u| u.bytes as f64 / bw).collect(),
+            compute,
+            prefix,
+            copy_overhead,
+            compute_overhead,
+        }
+    }
+}
+
+/// A cut of the units into contiguous groups.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GroupPlan {
+    pub strategy: Strategy,
+    /// Index of the first unit of each group (the first is 0); empty when
+    /// there are no units.
+    pub starts: Vec<usize>,
+    /// Predicted time of the first iteration under [`Costs`], seconds.
+    pub predicted: f64,
+}
+
+impl GroupPlan {
+    /// Number of groups.
+    pub fn groups(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// Unit range of group `k`.
+    pub fn range(&self, k: usize, units: usize) -> std::ops::Range<usize> {
+        let end = self.starts.get(k + 1).copied().unwrap_or(units);
+        self.starts[k]..end
+    }
+}
+
+/// Predicted time of the first iteration when the units are copied in the
+/// groups starting at `starts` (copies back to back on one stream, each
+/// group's compute waiting for its copy and for the previous compute).
+pub fn predict(costs: &Costs, starts: &[usize]) -> f64 {
+    let n = costs.copy.len().min(costs.compute.len());
+    let mut copy_end = 0.0;
+    let mut compute_end = costs.prefix;
+    for (k, &s) in starts.iter().enumerate() {
+        let e = starts.get(k + 1).copied().unwrap_or(n).min(n);
+        if s >= e {
+            continue;
+        }
+        copy_end += costs.copy[s..e].iter().sum::<f64>() + costs.copy_overhead;
+        let work: f64 = costs.compute[s..e].iter().sum();
+        compute_end = f64::max(compute_end, copy_end) + work + costs.compute_overhead;
+    }
+    compute_end
+}
+
+/// Cuts the units into groups for `strategy`.
+///
+/// [`Strategy::Pipelined`] is exact under the cost model of [`predict`]: with
+/// `E(j, g)` the earliest end of compute when the first `j` units are copied
+/// in `g` groups, the copy of that last group ends at `C(j) + g·o` whatever
+/// the cut, so
+/// `E(j, g) = min_i max(E(i, g-1), C(j) + g·o) + X(i..j) + o'`,
+/// and a smaller `E` is never worse later on. O(n³) in the number of units
+/// (a few hundred for the zoo's largest models: milliseconds, once per
+/// profile).
+pub fn plan_groups(costs: &Costs, strategy: Strategy) -> GroupPlan {
+    let n = costs.copy.len().min(costs.compute.len());
+    let starts: Vec<usize> = match strategy {
+        _ if n == 0 => Vec::new(),
+        Strategy::Single => vec![0],
+        Strategy::PerLayer => (0..n).collect(),
+        Strategy::Pipelined => optimal(costs, n),
+    };
+    GroupPlan {
+        strategy,
+        predicted: predict(costs, &starts),
+        starts,
+    }
+}
+
+fn optimal(costs: &Costs, n: usize) -> Vec<usize> {
+    let mut c = vec![0.0; n + 1];
+    let mut x = vec![0.0; n + 1];
+    for j in 0..n {
+        c[j + 1] = c[j] + costs.copy[j];
+        x[j + 1] = x[j] + costs.compute[j];
+    }
+    const INF: f64 = f64::INFINITY;
+    // e[g][j]: best compute end covering units 0..j in g groups;
+    // from[g][j]: the start of the last group.
+    let mut e = vec![vec![INF; n + 1]; n + 1];
+    let mut from = vec![vec![0usize; n + 1]; n + 1];
+    e[0][0] = costs.prefix;
+    let mut best = (INF, 0usize);
+    for g in 1..=n {
+        let copy_over = g as f64 * costs.copy_overhead;
+        let (prev, cur) = e.split_at_mut(g);
+        let prev = &prev[g - 1];
+        let cur = &mut cur[0];
+        for j in g..=n {
+            let copy_end = c[j] + copy_over;
+            let mut m = INF;
+            let mut arg = 0;
+            for i in (g - 1)..j {
+                if prev[i] == INF {
+                    continue;
+                }
+                let v = f64::max(prev[i], copy_end) + (x[j] - x[i]) + costs.compute_overhead;
+                if v < m {
+                    m = v;
+                    arg = i;
+                }
+            }
+            cur[j] = m;
+            from[g][j] = arg;
+        }
+        if e[g][n] < best.0 {
+            best = (e[g][n], g);
+        }
+    }
+    let mut starts = Vec::with_capacity(best.1);
+    let (mut g, mut j) = (best.1, n);
+    while g > 0 {
+        let i = from[g][j];
+        starts.push(i);
+        j = i;
+        g -= 1;
+    }
+    starts.reverse();
+    starts
+}
+
+/// Per-unit compute times of one iteration, taken at unit boundaries.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Profile {
+    /// Seconds of compute per unit.
+    pub compute: Vec<f64>,
+    /// Seconds before the first unit.
+    pub prefix: f64,
+}
+
+/// Takes a host clock reading at each unit boundary of a running iteration
+/// (the CPU backend; the CUDA backend records events instead).
+#[derive(Debug)]
+pub struct UnitTimer {
+    unit_of: Vec<Option<usize>>,
+    current: Option<usize>,
+    last: std::time::Instant,
+    profile: Profile,
+}
+
+impl UnitTimer {
+    pub fn new(layout: &Layout) -> Self {
+        UnitTimer {
+            unit_of: layout.unit_of_position(),
+            current: None,
+            last: std::time::Instant::now(),
+            profile: Profile {
+                compute: vec![0.0; layout.units.len()],
+                prefix: 0.0,
+            },
+        }
+    }
+
+    /// Called before the node at `pos` (and with the order's length at the end).
+    pub fn at(&mut self, pos: usize) {
+        let unit = self.unit_of.get(pos).copied().unwrap_or(self.current);
+        if pos < self.unit_of.len() && unit == self.current {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let dt = now.duration_since(self.last).as_secs_f64();
+        match self.current {
+            None => self.profile.prefix += dt,
+            Some(u) => self.profile.compute[u] += dt,
+        }
+        self.last = now;
+        self.current = unit;
+    }
+
+    pub fn finish(self) -> Profile {
+        self.profile
+    }
+}
+
+/// What one switch did, for logs and `lanes bench switch`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SwitchReport {
+    pub strategy: Strategy,
+    /// The compute replayed recorded segments (CUDA graphs) rather than
+    /// launching op by op.
+    pub replayed: bool,
+    pub groups: usize,
+    /// Persistent bytes copied in.
+    pub bytes: u64,
+    /// The plan's prediction, seconds.
+    pub predicted: f64,
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use proptest::prelude::{prop_assert, proptest};
+
+    fn costs(copy: Vec<f64>, compute: Vec<f64>, o: f64) -> Costs {
+        Costs {
+            copy,
+            compute,
+            prefix: 0.0,
+            copy_overhead: o,
+            compute_overhead: o,
+        }
+    }
+
+    /// Every way to cut n units into contiguous groups.
+    fn all_cuts(n: usize) -> Vec<Vec<usize>> {
+        (0..1u32 << (n - 1))
+            .map(|mask| {
+                let mut s = vec![0];
+                s.extend((1..n).filter(|i| mask & (1 << (i - 1)) != 0));
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn hand_worked_pipeline() {
+        // Copies 2,2,2; computes 1,1,1; no overheads.
+        let c = costs(vec![2.0; 3], vec![1.0; 3], 0.0);
+        assert_eq!(predict(&c, &[0]), 6.0 + 3.0);
+        assert_eq!(predict(&c, &[0, 1, 2]), 7.0);
+        let p = plan_groups(&c, Strategy::Pipelined);
+        assert_eq!(p.predicted, 7.0);
+        // With a large per-group cost one group is best.
+        let c = costs(vec![2.0; 3], vec![1.0; 3], 10.0);
+        assert_eq!(plan_groups(&c, Strategy::Pipelined).starts, vec![0]);
+    }
+
+    proptest! {
+        #[test]
+        fn dynamic_program_matches_exhaustive_search(
+            units in proptest::collection::vec((0.0f64..5.0, 0.0f64..5.0), 1..9),
+            o in 0.0f64..2.0,
+            prefix in 0.0f64..3.0,
+        ) {
+            let mut c = costs(
+                units.iter().map(|u| u.0).collect(),
+                units.iter().map(|u| u.1).collect(),
+                o,
+            );
+            c.prefix = prefix;
+            let best = all_cuts(units.len())
+                .iter()
+                .map(|s| predict(&c, s))
+                .fold(f64::INFINITY, f64::min);
+            let p = plan_groups(&c, Strategy::Pipelined);
+            prop_assert!((p.predicted - best).abs() < 1e-9, "dp {} vs {}", p.predicted, best);
+            prop_assert!((predict(&c, &p.starts) - p.predicted).abs() < 1e-12);
+            prop_assert!(p.predicted <= plan_groups(&c, Strategy::Single).predicted + 1e-12);
+            prop_assert!(p.predicted <= plan_groups(&c, Strategy::PerLayer).predicted + 1e-12);
+            // Never below either resource's own total.
+            let copy: f64 = c.copy.iter().sum();
+            let work: f64 = c.compute.iter().sum();
+            prop_assert!(p.predicted + 1e-9 >= f64::max(copy, prefix + work));
+        }
+    }
+
+    #[test]
+    fn layout_orders_weights_by_first_use() {
+        use lanes_adaptor::{validate, GraphBuilder, GraphLimits, Tensor, TensorType};
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([2, 3]));
+        // Declared in reverse of use: w2 first.
+        let w2 = g.variable("w2", Tensor::from_f32([4, 2], vec![0.0; 8]).unwrap());
+        let w1 = g.variable("w1", Tensor::from_f32([3, 4], vec![0.0; 12]).unwrap());
+        let b1 = g.variable("b1", Tensor::from_f32([4], vec![0.0; 4]).unwrap());
+        let h = g.matmul(x, w1);
+        let h = g.add(h, b1);
+        let h = g.relu(h);
+        let y = g.matmul(h, w2);
+        g.set_name(y, "y");
+        let (graph, _) = g.finish().unwrap();
+        let valid = validate(graph, &GraphLimits::default()).unwrap();
+        let l = Layout::of(&valid);
+        let names = |u: &Unit| -> Vec<String> {
+            u.tensors
+                .iter()
+                .map(|id| valid.graph().nodes[id.index()].name.clone())
+                .collect()
+        };
+        assert_eq!(l.units.len(), 3);
+        assert_eq!(names(&l.units[0]), vec!["w1"]);
+        assert_eq!(names(&l.units[1]), vec!["b1"]);
+        assert_eq!(names(&l.units[2]), vec!["w2"]);
+        assert_eq!(l.bytes(), (12 + 4 + 8) * 4);
+        assert!(l.units.windows(2).all(|w| w[0].first_use < w[1].first_use));
+        let of = l.unit_of_position();
+        assert_eq!(of[l.units[1].first_use], Some(1));
+        assert_eq!(of.last().copied().flatten(), Some(2));
+    }
+}

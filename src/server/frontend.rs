@@ -1,14 +1,14 @@
 //! The socket thread: ROUTER socket, session table, idle reaping.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{
-    self, Envelope, ErrorCode, ErrorReply, Reply, Request, SessionId, SessionSpec, SessionState,
-    SessionStatus, StatusReport,
+    self, Envelope, ErrorCode, ErrorReply, JobKind, Reply, Request, SessionId, SessionSpec,
+    SessionState, SessionStatus, StatusReport,
 };
 
 use super::dispatch::{Dispatcher, Work, WorkItem};
@@ -36,6 +36,9 @@ struct Entry {
     /// Last values read from the session while it was not running.
     loaded: bool,
     iterations: u64,
+    resident: bool,
+    /// (evictions, returns), as last read.
+    switches: (u64, u64),
 }
 
 struct Frontend {
@@ -166,6 +169,7 @@ impl Frontend {
                     break Err(e.into());
                 }
             }
+            self.relieve_pressure();
             if last_reap.elapsed() >= reap_every {
                 self.reap();
                 last_reap = Instant::now();
@@ -340,6 +344,8 @@ impl Frontend {
                 last_seen: Instant::now(),
                 loaded: false,
                 iterations: 0,
+                resident: true,
+                switches: (0, 0),
             },
         );
         Reply::SessionOpened { session }
@@ -356,6 +362,13 @@ impl Frontend {
             Ok(e) => e,
             Err(e) => return self.reply(&peer, request_id, &Reply::Error(e)),
         };
+        // A Run of an evicted job asks for its memory now, so that idle jobs
+        // can be evicted for it before a worker picks the Run up.
+        let returning = matches!(work, Work::Run { .. })
+            && match entry.state.try_lock() {
+                Ok(mut s) => s.prepare_return().unwrap_or(false),
+                Err(_) => false,
+            };
         let item = WorkItem {
             session,
             kind: entry.spec.kind,
@@ -368,7 +381,64 @@ impl Frontend {
             state: Arc::clone(&entry.state),
         };
         self.dispatcher.submit(item);
+        if returning {
+            self.relieve_pressure();
+        }
         Ok(())
+    }
+
+    /// Under memory pressure (a job waits in the admission queue) evicts idle
+    /// resident jobs to host memory, least recently used first: inference
+    /// jobs, then training jobs when `evict_training` allows. Evicting gives
+    /// the job's lane memory back, which admits waiting jobs.
+    fn relieve_pressure(&mut self) {
+        let Some(lanes) = self.lanes.clone() else {
+            return;
+        };
+        if !self.config.evict_idle {
+            return;
+        }
+        let waiting: HashSet<SessionId> = lanes
+            .waiting_jobs()
+            .into_iter()
+            .map(|j| SessionId(j.0))
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        let mut candidates: Vec<(bool, Instant, SessionId)> = self
+            .sessions
+            .iter()
+            .filter(|(id, e)| {
+                !waiting.contains(id)
+                    && (e.spec.kind == JobKind::Inference || self.config.evict_training)
+                    && self.dispatcher.is_idle(**id)
+            })
+            .map(|(id, e)| (e.spec.kind != JobKind::Inference, e.last_seen, *id))
+            .collect();
+        candidates.sort();
+        let mut evicted = 0;
+        for (_, _, id) in candidates {
+            if lanes.waiting_jobs().is_empty() {
+                break;
+            }
+            let Some(e) = self.sessions.get(&id) else {
+                continue;
+            };
+            let Ok(mut s) = e.state.try_lock() else {
+                continue;
+            };
+            if !s.is_loaded() || !s.is_resident() || !s.is_admitted() {
+                continue;
+            }
+            match s.evict() {
+                Ok(_) => evicted += 1,
+                Err(err) => tracing::warn!(session = %id, error = %err, "eviction failed"),
+            }
+        }
+        if evicted > 0 {
+            self.dispatcher.wake();
+        }
     }
 
     fn status(&mut self) -> StatusReport {
@@ -384,6 +454,8 @@ impl Frontend {
                 if let Ok(s) = e.state.try_lock() {
                     e.loaded = s.is_loaded();
                     e.iterations = s.iterations();
+                    e.resident = s.is_resident();
+                    e.switches = s.switches();
                 }
             }
             let state = if running {
@@ -406,6 +478,9 @@ impl Frontend {
                 idle_ms: e.last_seen.elapsed().as_millis() as u64,
                 queueing_mean_us: stats.queueing_mean().as_micros() as u64,
                 service_mean_us: stats.service_mean().as_micros() as u64,
+                resident: e.resident,
+                evictions: e.switches.0,
+                returns: e.switches.1,
             });
         }
         StatusReport {

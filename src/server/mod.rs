@@ -133,6 +133,11 @@ pub struct ServerConfig {
     pub memory_bytes: Option<u64>,
     /// The policy that orders Run requests (`--policy`).
     pub policy: PolicyChoice,
+    /// Under memory pressure, evict idle jobs to host memory (inference
+    /// jobs, least recently used first); their next Run brings them back.
+    pub evict_idle: bool,
+    /// Training jobs may be evicted too (their state is copied out).
+    pub evict_training: bool,
 }
 
 impl Default for ServerConfig {
@@ -146,6 +151,8 @@ impl Default for ServerConfig {
             device: "cpu".into(),
             memory_bytes: None,
             policy: PolicyChoice::Fifo,
+            evict_idle: true,
+            evict_training: false,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! variables (its memory is reclaimed).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use lanes_adaptor::wire::{ErrorCode, NamedTensor, SessionId, SessionSpec};
 use lanes_adaptor::{
@@ -41,6 +42,11 @@ pub enum SessionError {
     Plan(#[from] PlanError),
     #[error("memory: {0}")]
     Memory(#[from] AdmitError),
+    /// An evicted job waited this long for memory to come back into.
+    #[error(
+        "session {session} waited {waited_ms} ms for memory to be brought back into; try again"
+    )]
+    NoRoom { session: SessionId, waited_ms: u64 },
 }
 
 impl SessionError {
@@ -58,6 +64,7 @@ impl SessionError {
             | SessionError::Memory(AdmitError::TooLarge { .. }) => ErrorCode::MemoryTooLarge,
             SessionError::Plan(PlanError::UnknownFetch { .. }) => ErrorCode::UnknownFetch,
             SessionError::Plan(_) | SessionError::Memory(_) => ErrorCode::Internal,
+            SessionError::NoRoom { .. } => ErrorCode::Overloaded,
         }
     }
 }
@@ -128,7 +135,23 @@ impl Program {
             Program::Cuda(p) => p.write_variables(values),
         }
     }
+    fn evict(&mut self) -> Result<u64, ExecError> {
+        match self {
+            Program::Cpu(p) => p.evict(),
+            Program::Cuda(p) => p.evict(),
+        }
+    }
+    fn is_resident(&self) -> bool {
+        match self {
+            Program::Cpu(p) => p.is_resident(),
+            Program::Cuda(p) => p.is_resident(),
+        }
+    }
 }
+
+/// How long an evicted job's Run waits for memory before it is answered
+/// `Overloaded`.
+pub const READMIT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A loaded graph: the program and what requests are checked against.
 #[derive(Debug)]
@@ -154,6 +177,8 @@ pub struct Session {
     memory: Option<(u64, u64)>,
     /// The executor LoadGraph builds.
     backend: Backend,
+    /// Evictions and returns so far.
+    switches: (u64, u64),
 }
 
 fn ty_mismatch(expected: &TensorType, got: &TensorType) -> String {
@@ -171,6 +196,7 @@ impl Session {
             lease: None,
             memory: None,
             backend: Backend::Cpu,
+            switches: (0, 0),
         }
     }
 
@@ -220,6 +246,77 @@ impl Session {
     pub fn is_loaded(&self) -> bool {
         self.loaded.is_some()
     }
+    /// Whether the job's persistent memory is on the device (true before a
+    /// graph is loaded: there is nothing to bring back).
+    pub fn is_resident(&self) -> bool {
+        self.loaded.as_ref().is_none_or(|l| l.program.is_resident())
+    }
+
+    /// (evictions, returns) so far.
+    pub fn switches(&self) -> (u64, u64) {
+        self.switches
+    }
+
+    /// Moves the job's persistent memory to host memory and gives its lane
+    /// memory back (admitting waiting jobs); the next Run brings it back,
+    /// pipelined. Returns the bytes copied out (0 for an inference job whose
+    /// host copy is current).
+    pub fn evict(&mut self) -> Result<u64, SessionError> {
+        let session = self.id;
+        let loaded = self
+            .loaded
+            .as_mut()
+            .ok_or(SessionError::NoGraph { session })?;
+        if !loaded.program.is_resident() {
+            return Ok(0);
+        }
+        let copied = loaded.program.evict()?;
+        self.lease = None; // releases the lane memory
+        self.switches.0 += 1;
+        tracing::info!(session = %session, copied, "evicted to host memory");
+        Ok(copied)
+    }
+
+    /// For an evicted job about to run: asks the lanes for its memory again
+    /// without waiting (admitted now, or queued: the dispatcher holds its
+    /// Runs back until admitted). True when it now waits for memory.
+    pub fn prepare_return(&mut self) -> Result<bool, SessionError> {
+        if self.is_resident() || self.lease.is_some() {
+            return Ok(false);
+        }
+        let (Some(lanes), Some((p, t))) = (&self.lanes, self.memory) else {
+            return Ok(false);
+        };
+        let (lease, admission) = lanes.admit(JobId(self.id.0), p, t)?;
+        let queued = matches!(admission, Admission::Queued { .. });
+        if let Admission::Queued { reason, .. } = &admission {
+            tracing::info!(session = %self.id, %reason, "evicted job waits for memory");
+        }
+        self.lease = Some(lease);
+        Ok(queued)
+    }
+
+    /// Takes lane memory again for an evicted job, waiting in the admission
+    /// queue up to [`READMIT_TIMEOUT`].
+    fn readmit(&mut self) -> Result<(), SessionError> {
+        self.prepare_return()?;
+        let Some(lease) = &self.lease else {
+            return Ok(());
+        };
+        if lease.placement().is_none() {
+            let t0 = std::time::Instant::now();
+            if lease.wait(READMIT_TIMEOUT).is_none() {
+                // Leave the queue: the next Run asks again.
+                self.lease = None;
+                return Err(SessionError::NoRoom {
+                    session: self.id,
+                    waited_ms: t0.elapsed().as_millis() as u64,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Iterations run so far.
     pub fn iterations(&self) -> u64 {
         self.iterations
@@ -343,6 +440,11 @@ impl Session {
         if let Some(bad) = fetches.iter().find(|k| graph.resolve(k).is_none()) {
             return Err(SessionError::Fetch { key: bad.clone() });
         }
+        if !loaded.program.is_resident() {
+            self.readmit()?;
+            self.switches.1 += 1;
+        }
+        let loaded = self.loaded()?;
         let out = loaded.program.run(&fed, fetches)?;
         self.iterations += 1;
         Ok(out)

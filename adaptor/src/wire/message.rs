@@ -187,6 +187,11 @@ pub struct SessionStatus {
     pub queueing_mean_us: u64,
     /// Mean measured duration of its Runs (µs).
     pub service_mean_us: u64,
+    /// Its persistent memory is on the device (false: evicted to host memory).
+    pub resident: bool,
+    /// Times it was evicted to host memory, and brought back.
+    pub evictions: u64,
+    pub returns: u64,
 }
 
 /// The service's answer to [`Request::Status`].

@@ -61,12 +61,18 @@ fn into_tensor(ty: &TensorType, d: TensorData) -> Result<Tensor, ExecError> {
     })
 }
 
+/// Called before the node at each position of the execution order (and once
+/// more with the order's length at the end); it may add variables to `vars`
+/// (pipelined restore) or take the time (profiling).
+pub(super) type BeforeNode<'h> = dyn FnMut(usize, &mut VarValues) -> Result<(), ExecError> + 'h;
+
 /// Runs one iteration of `graph` with variables `vars` (updated in place).
 pub(super) fn run_iteration(
     graph: &ValidGraph,
     vars: &mut VarValues,
     feeds: &BTreeMap<String, Tensor>,
     fetches: &[String],
+    before: &mut BeforeNode<'_>,
 ) -> Result<Vec<Tensor>, ExecError> {
     let g = graph.graph();
     let n = g.nodes.len();
@@ -124,7 +130,8 @@ pub(super) fn run_iteration(
         uses[o.node.index()] += 1;
     }
     let mut values: Vec<Option<Vec<Tensor>>> = vec![None; n];
-    for &id in graph.order() {
+    for (pos, &id) in graph.order().iter().enumerate() {
+        before(pos, vars)?;
         let i = id.index();
         if !needed[i] {
             continue;
@@ -204,6 +211,7 @@ pub(super) fn run_iteration(
             }
         }
     }
+    before(graph.order().len(), vars)?;
     outlets
         .iter()
         .zip(fetches)

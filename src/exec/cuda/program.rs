@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::cudnn::Cudnn;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use lanes_adaptor::{
     DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
 };
@@ -16,6 +16,7 @@ use lanes_adaptor::{
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
 use crate::exec::ExecError;
+use crate::residency::{plan_groups, Costs, GroupPlan, Layout, Profile, Strategy, SwitchReport};
 
 /// Precision switches. The defaults equal PyTorch's: matrix products in plain
 /// FP32 (`torch.backends.cuda.matmul.allow_tf32 = False`), convolutions may
@@ -74,12 +75,423 @@ pub struct CudaProgram {
     captured: Option<CudaGraph>,
     /// Capture failed once: launch op by op from then on.
     capture_failed: bool,
-    // Kept for their lifetimes: every address above points into these.
-    _arena: CudaSlice<u8>,
+    /// Residency: persistent tensors sit at the arena's start in first-use
+    /// order, so a group of units is one contiguous copy.
+    res: Residency,
+    // Kept for their lifetimes: every address above points into these
+    // (the arena is released while the program is evicted).
+    arena: Option<CudaSlice<u8>>,
     _blas_workspace: CudaSlice<u8>,
     _workspace: Option<CudaSlice<u8>>,
     _cudnn: Arc<Cudnn>,
     arena_bytes: usize,
+}
+
+/// Where the persistent region lives and what switching it costs.
+struct Residency {
+    layout: Layout,
+    /// Byte range of each unit in the persistent region.
+    ranges: Vec<(usize, usize)>,
+    /// Bytes of the persistent region (the arena's first bytes).
+    bytes: usize,
+    /// The copy stream (standby: created with the program).
+    copy: Arc<CudaStream>,
+    /// Pinned host image of the persistent region; current unless `dirty`.
+    host: Option<PinnedHostSlice<u8>>,
+    resident: bool,
+    dirty: bool,
+    /// Iterations change variables (in-place ops).
+    updates: bool,
+    profile: Option<Profile>,
+    /// Measured host → device bandwidth (bytes/s) and per-copy overhead (s).
+    link: Option<(f64, f64)>,
+    /// Iterations launched so far (the first warms up, the second is profiled).
+    iterations: u64,
+    /// GPU time of one replay of the recorded iteration, seconds: the
+    /// op-by-op profile is scaled to it.
+    graph_secs: Option<f64>,
+    /// Per-strategy recorded segments (one CUDA graph per group's nodes,
+    /// after the prefix), valid at the arena base and cut they were
+    /// recorded for.
+    segments: std::collections::HashMap<Strategy, Segments>,
+    /// Cached group plans (cleared when a cost changes).
+    plans: std::collections::HashMap<Strategy, GroupPlan>,
+}
+
+/// A switch's recorded compute: the prefix, then one graph per group.
+struct Segments {
+    base: u64,
+    starts: Vec<usize>,
+    graphs: Vec<Option<CudaGraph>>,
+}
+
+/// `LANES_ARENA_FILL`: `zero` or `poison` (0xFF bytes: NaN) fills the
+/// ephemeral part of an arena allocated by a switch; unset leaves it as is.
+fn arena_fill() -> Option<u8> {
+    static FILL: std::sync::OnceLock<Option<u8>> = std::sync::OnceLock::new();
+    *FILL.get_or_init(|| match std::env::var("LANES_ARENA_FILL").as_deref() {
+        Ok("zero") => Some(0),
+        Ok("poison") => Some(0xFF),
+        _ => None,
+    })
+}
+
+/// Per-group cost on the compute side (one stream wait), seconds.
+const WAIT_OVERHEAD: f64 = 2e-6;
+
+impl CudaProgram {
+    /// Whether the persistent region is on the device.
+    pub fn is_resident(&self) -> bool {
+        self.res.resident
+    }
+
+    /// Persistent bytes (variables and constants).
+    pub fn persistent_bytes(&self) -> u64 {
+        self.res.layout.bytes()
+    }
+
+    /// The unit layout (persistent tensors by first use).
+    pub fn layout(&self) -> &Layout {
+        &self.res.layout
+    }
+
+    /// Per-unit compute profile of the first resident iteration.
+    pub fn profile(&self) -> Option<&Profile> {
+        self.res.profile.as_ref()
+    }
+
+    /// Measured pinned host → device bandwidth in bytes/s (after an eviction).
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.res.link.map(|(bw, _)| bw)
+    }
+
+    /// The group plan `strategy` would use now.
+    pub fn plan(&self, strategy: Strategy) -> GroupPlan {
+        match self.res.plans.get(&strategy) {
+            Some(p) => p.clone(),
+            None => self.compute_plan(strategy),
+        }
+    }
+
+    /// Plans for every strategy, kept until the costs change (the dynamic
+    /// program is O(n³) in units: milliseconds for the largest models,
+    /// which must not land on a switch).
+    fn cache_plans(&mut self) {
+        if self.res.plans.is_empty() {
+            self.res.plans = Strategy::ALL
+                .iter()
+                .map(|&s| (s, self.compute_plan(s)))
+                .collect();
+        }
+    }
+
+    fn compute_plan(&self, strategy: Strategy) -> GroupPlan {
+        let res = &self.res;
+        let n = res.layout.units.len();
+        let mut profile = res.profile.clone().unwrap_or(Profile {
+            compute: vec![0.0; n],
+            prefix: 0.0,
+        });
+        // Switches replay recorded segments: scale the op-by-op profile to
+        // the recorded iteration's time.
+        let total = profile.prefix + profile.compute.iter().sum::<f64>();
+        if let (Some(g), true) = (res.graph_secs, total > 0.0) {
+            let f = g / total;
+            profile.prefix *= f;
+            profile.compute.iter_mut().for_each(|c| *c *= f);
+        }
+        let (bw, over) = res.link.unwrap_or((0.0, 0.0));
+        let costs = Costs::from_bandwidth(
+            &res.layout,
+            bw,
+            profile.compute,
+            profile.prefix,
+            over,
+            WAIT_OVERHEAD,
+        );
+        plan_groups(&costs, strategy)
+    }
+
+    fn event(&self, stream: &CudaStream, timing: bool) -> Result<CudaEvent, ExecError> {
+        let flags =
+            (!timing).then_some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let flags = flags.unwrap_or(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        stream
+            .record_event(Some(flags))
+            .map_err(|e| dev_err("record event", e))
+    }
+
+    /// Copies the persistent region to pinned host memory when the host
+    /// image is stale (always for training state; once for an inference
+    /// graph) and releases the device arena. Returns the bytes copied.
+    pub fn evict(&mut self) -> Result<u64, ExecError> {
+        if !self.res.resident {
+            return Ok(0);
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        self.sync()?;
+        let bytes = self.res.bytes;
+        let mut copied = 0u64;
+        if self.res.dirty || self.res.host.is_none() {
+            if self.res.host.is_none() && bytes > 0 {
+                // SAFETY: the buffer is written by the copy below before any read.
+                let pinned = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }
+                    .map_err(|e| dev_err(&format!("allocating {bytes} pinned bytes"), e))?;
+                self.res.host = Some(pinned);
+            }
+            if let Some(host) = self.res.host.as_mut() {
+                let dst = host
+                    .as_mut_slice()
+                    .map_err(|e| dev_err("pinned memory", e))?;
+                // SAFETY: the arena's first `bytes` bytes are the persistent
+                // region; `dst` holds exactly `bytes` bytes and stays borrowed
+                // until the synchronize below.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        self.base,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| dev_err("device to host copy", e))?;
+                self.sync()?;
+                copied = bytes as u64;
+            }
+            self.res.dirty = false;
+        }
+        if self.res.link.is_none() {
+            self.res.link = Some(self.measure_link()?);
+            self.res.plans.clear();
+        }
+        self.cache_plans();
+        self.arena = None;
+        self.res.resident = false;
+        Ok(copied)
+    }
+
+    /// Times one copy of the whole persistent region from the pinned image
+    /// and one copy per unit (writing the same bytes back: harmless):
+    /// bandwidth and the fixed cost of one more copy.
+    fn measure_link(&self) -> Result<(f64, f64), ExecError> {
+        let Some(host) = self.res.host.as_ref() else {
+            return Ok((0.0, 0.0));
+        };
+        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let copy = &self.res.copy;
+        let e0 = self.event(copy, true)?;
+        // SAFETY: the persistent region holds `src.len()` bytes at `base`; the
+        // pinned source lives in `self` and the stream is synchronised below.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.base, src, copy.cu_stream()) }
+            .map_err(|e| dev_err("host to device copy", e))?;
+        let e1 = self.event(copy, true)?;
+        for &(lo, hi) in &self.res.ranges {
+            // SAFETY: as above, for the unit's sub-range.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.base + lo as u64,
+                    &src[lo..hi],
+                    copy.cu_stream(),
+                )
+            }
+            .map_err(|e| dev_err("host to device copy", e))?;
+        }
+        let e2 = self.event(copy, true)?;
+        copy.synchronize().map_err(|e| dev_err("copy stream", e))?;
+        let whole = f64::from(e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?) / 1e3;
+        let units = f64::from(e1.elapsed_ms(&e2).map_err(|e| dev_err("event", e))?) / 1e3;
+        let bw = if whole > 0.0 {
+            src.len() as f64 / whole
+        } else {
+            0.0
+        };
+        let n = self.res.ranges.len();
+        let over = if n > 1 {
+            ((units - whole) / (n - 1) as f64).max(0.0)
+        } else {
+            0.0
+        };
+        Ok((bw, over))
+    }
+
+    /// Runs one iteration; when the program is not resident, its persistent
+    /// region comes back in the groups of `strategy` on the copy stream while
+    /// the compute stream runs the nodes whose weights are there (each
+    /// group's first node waits for that group's copy event).
+    pub fn run_switching(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+        strategy: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        if self.res.resident {
+            let out = self.run(feeds, fetches)?;
+            return Ok((out, None));
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        let plan = self.plan(strategy);
+        // A fresh arena from the stream-ordered pool (often the same range).
+        // SAFETY: the persistent part is written by the group copies and the
+        // rest is zeroed below, before any kernel reads it.
+        let arena = unsafe { self.stream.alloc::<u8>(self.arena_bytes) }
+            .map_err(|e| dev_err(&format!("allocating {} bytes", self.arena_bytes), e))?;
+        let base = {
+            let (p, _sync) = arena.device_ptr(&self.stream);
+            p
+        };
+        if base != self.base {
+            // The recorded graph points at the old addresses.
+            self.captured = None;
+        }
+        self.base = base;
+        self.arena = Some(arena);
+        let p = self.res.bytes;
+        // The copies may start as soon as the arena exists.
+        let allocated = self.event(&self.stream, false)?;
+        // The ephemeral part is left as the pool gives it: every kernel
+        // writes its outputs before anything reads them (checked by filling
+        // it with NaN bytes under LANES_ARENA_FILL=poison and comparing with
+        // resident runs, see docs/switching.md). The fill, when asked for,
+        // runs on the compute stream around the feeds, which the copy stream
+        // brings in first: a copy from pageable memory returns only once
+        // done, so behind the weights it would hold up every launch.
+        let fill = arena_fill();
+        let mut fed: Vec<(usize, usize)> = feed_list
+            .iter()
+            .map(|(o, t)| {
+                let off = self.slot(*o).off;
+                (off, off + t.ty().bytes())
+            })
+            .collect();
+        fed.sort_unstable();
+        let mut at = p;
+        for (lo, hi) in fed
+            .iter()
+            .copied()
+            .chain([(self.arena_bytes, self.arena_bytes)])
+        {
+            if let (Some(byte), true) = (fill, lo > at) {
+                // SAFETY: [base + at, base + lo) is inside the new arena.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        base + at as u64,
+                        byte,
+                        lo - at,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| dev_err("memset", e))?;
+            }
+            at = at.max(hi);
+        }
+        let copy = &self.res.copy;
+        copy.wait(&allocated)
+            .map_err(|e| dev_err("stream wait", e))?;
+        for (o, t) in &feed_list {
+            self.upload_on(*o, t, copy)?;
+        }
+        let feeds_in = self.event(copy, false)?;
+        self.stream
+            .wait(&feeds_in)
+            .map_err(|e| dev_err("stream wait", e))?;
+        let host = self
+            .res
+            .host
+            .as_ref()
+            .ok_or_else(|| dev_err("restore", "the evicted program has no host image"))?;
+        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let units = &self.res.layout.units;
+        let mut groups: Vec<(usize, CudaEvent)> = Vec::with_capacity(plan.groups());
+        for k in 0..plan.groups() {
+            let r = plan.range(k, units.len());
+            let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
+            // SAFETY: [lo, hi) lies in the persistent region of the new arena
+            // and of the pinned image, which outlives the copy (synchronised
+            // before returning).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + lo as u64,
+                    &src[lo..hi],
+                    copy.cu_stream(),
+                )
+            }
+            .map_err(|e| dev_err("host to device copy", e))?;
+            groups.push((units[r.start].first_use, self.event(copy, false)?));
+        }
+        let recorded = self
+            .res
+            .segments
+            .get(&strategy)
+            .filter(|sg| sg.base == base && sg.starts == plan.starts);
+        let replayed = recorded.is_some();
+        let launched = if let Some(sg) = recorded {
+            // Prefix, then each group's segment after its copy event.
+            let mut r = Ok(());
+            for (k, g) in sg.graphs.iter().enumerate() {
+                if k > 0 {
+                    self.stream
+                        .wait(&groups[k - 1].1)
+                        .map_err(|e| dev_err("stream wait", e))?;
+                }
+                if let Some(g) = g {
+                    r = g.launch().map_err(|e| dev_err("graph launch", e));
+                    if r.is_err() {
+                        break;
+                    }
+                }
+            }
+            for (_, ev) in &groups {
+                self.stream
+                    .wait(ev)
+                    .map_err(|e| dev_err("stream wait", e))?;
+            }
+            r
+        } else {
+            let mut next = 0;
+            let mut wait_until = |pos: usize| -> Result<(), ExecError> {
+                while next < groups.len() && groups[next].0 <= pos {
+                    self.stream
+                        .wait(&groups[next].1)
+                        .map_err(|e| dev_err("stream wait", e))?;
+                    next += 1;
+                }
+                Ok(())
+            };
+            let launched = self.launch_nodes_with(&mut wait_until);
+            wait_until(usize::MAX)?;
+            launched
+        };
+        let r: Result<Vec<Tensor>, ExecError> =
+            launched.and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
+        self.sync()?;
+        copy.synchronize().map_err(|e| dev_err("copy stream", e))?;
+        self.res.resident = true;
+        self.res.dirty = self.res.updates;
+        if !replayed && r.is_ok() && self.options.cuda_graph && !self.capture_failed {
+            // Record this cut's segments for the next switch at this base.
+            // Recording launches nothing: the switch's result is unchanged.
+            match self.record_segments(&plan) {
+                Ok(sg) => {
+                    self.res.segments.insert(strategy, sg);
+                }
+                Err(e) => tracing::debug!(error = %e, "segments not recorded"),
+            }
+        }
+        let report = SwitchReport {
+            strategy,
+            replayed,
+            groups: plan.groups(),
+            bytes: self.res.layout.bytes(),
+            predicted: plan.predicted,
+        };
+        r.map(|o| (o, Some(report)))
+    }
 }
 
 impl std::fmt::Debug for CudaProgram {
@@ -165,13 +577,47 @@ impl CudaProgram {
             .map_err(|e| dev_err("cuBLAS workspace", e))?;
         }
         let cudnn = Cudnn::new(stream.clone()).map_err(|e| dev_err("cuDNN", e))?;
+        let copy_stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
 
-        // Layout: every output of every node gets its own aligned range;
-        // a reshape of anything but a variable aliases its input.
+        // Layout: the persistent tensors first, in first-use order (so a
+        // group of units is one contiguous copy), then every output of every
+        // other node in its own aligned range; a reshape of anything but a
+        // variable aliases its input.
+        let layout = Layout::of(&graph);
         let mut slots: Vec<Vec<Slot>> = vec![Vec::new(); g.nodes.len()];
         let mut total = 0usize;
+        let mut ranges = Vec::with_capacity(layout.units.len());
+        for unit in &layout.units {
+            let lo = total;
+            for id in &unit.tensors {
+                let node = &g.nodes[id.index()];
+                let ty = node
+                    .outputs
+                    .first()
+                    .ok_or_else(|| op_err(*id, node, "no output".into()))?;
+                if ty.shape.checked_numel().unwrap_or(usize::MAX) > MAX_ELEMS {
+                    return Err(op_err(
+                        *id,
+                        node,
+                        format!("{ty} is too large for this backend"),
+                    ));
+                }
+                slots[id.index()] = vec![Slot {
+                    off: total,
+                    ty: ty.clone(),
+                }];
+                total = total
+                    .checked_add(ty.bytes().max(1).div_ceil(ALIGN) * ALIGN)
+                    .ok_or_else(|| op_err(*id, node, "arena size overflows".into()))?;
+            }
+            ranges.push((lo, total));
+        }
+        let persistent_bytes = total;
         for &id in graph.order() {
             let node = &g.nodes[id.index()];
+            if matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
+                continue;
+            }
             let mut outs = Vec::with_capacity(node.outputs.len());
             for ty in &node.outputs {
                 let n = ty.shape.checked_numel().unwrap_or(usize::MAX);
@@ -274,6 +720,7 @@ impl CudaProgram {
             })
             .unwrap_or(0);
 
+        let updates = g.nodes.iter().any(|n| !n.op.mutated_inputs().is_empty());
         let prog = CudaProgram {
             graph,
             gpu,
@@ -287,7 +734,23 @@ impl CudaProgram {
             options,
             captured: None,
             capture_failed: false,
-            _arena: arena,
+            res: Residency {
+                updates,
+                layout,
+                ranges,
+                bytes: persistent_bytes,
+                copy: copy_stream,
+                host: None,
+                resident: true,
+                dirty: true,
+                profile: None,
+                link: None,
+                iterations: 0,
+                graph_secs: None,
+                segments: std::collections::HashMap::new(),
+                plans: std::collections::HashMap::new(),
+            },
+            arena: Some(arena),
             _blas_workspace: blas_ws,
             _workspace: ws,
             _cudnn: cudnn,
@@ -332,6 +795,10 @@ impl CudaProgram {
     }
 
     fn upload(&self, o: Outlet, t: &Tensor) -> Result<(), ExecError> {
+        self.upload_on(o, t, &self.stream)
+    }
+
+    fn upload_on(&self, o: Outlet, t: &Tensor, stream: &CudaStream) -> Result<(), ExecError> {
         let dst = self.addr(o);
         // SAFETY: `dst` is the start of this outlet's range in the arena,
         // which holds exactly `t.ty().bytes()` bytes (types were checked), and
@@ -339,10 +806,10 @@ impl CudaProgram {
         let r = unsafe {
             match t.data() {
                 TensorData::F32(v) => {
-                    cudarc::driver::result::memcpy_htod_async(dst, v, self.stream.cu_stream())
+                    cudarc::driver::result::memcpy_htod_async(dst, v, stream.cu_stream())
                 }
                 TensorData::I64(v) => {
-                    cudarc::driver::result::memcpy_htod_async(dst, v, self.stream.cu_stream())
+                    cudarc::driver::result::memcpy_htod_async(dst, v, stream.cu_stream())
                 }
             }
         };
@@ -392,10 +859,80 @@ impl CudaProgram {
         feeds: &BTreeMap<String, Tensor>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
+        if !self.res.resident {
+            return self
+                .run_switching(feeds, fetches, Strategy::Pipelined)
+                .map(|(o, _)| o);
+        }
         self.gpu
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
+        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        for (o, t) in feed_list {
+            self.upload(o, t)?;
+        }
+        self.iterate()?;
+        if self.res.updates {
+            self.res.dirty = true;
+        }
+        let r = outs.iter().map(|&o| self.download(o)).collect();
+        self.sync()?;
+        r
+    }
+
+    /// Runs one iteration op by op with a timing event after every node and
+    /// returns the GPU time per op kind as (op, nodes, milliseconds), the
+    /// largest first. A real iteration: in-place updates happen.
+    pub fn profile_ops(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+    ) -> Result<Vec<(&'static str, usize, f64)>, ExecError> {
+        if !self.res.resident {
+            self.run_switching(feeds, fetches, Strategy::Pipelined)?;
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        let (feed_list, _) = self.check_io(feeds, fetches)?;
+        for (o, t) in feed_list {
+            self.upload(o, t)?;
+        }
+        let order = self.graph.order().to_vec();
+        let mut marks = Vec::with_capacity(order.len() + 1);
+        marks.push(self.event(&self.stream, true)?);
+        for &id in &order {
+            self.exec(id)?;
+            marks.push(self.event(&self.stream, true)?);
+        }
+        self.sync()?;
+        if self.res.updates {
+            self.res.dirty = true;
+        }
+        let g = self.graph.graph();
+        let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
+        for (k, id) in order.iter().enumerate() {
+            let ms = marks[k]
+                .elapsed_ms(&marks[k + 1])
+                .map_err(|e| dev_err("event", e))?;
+            let e = by_op.entry(g.nodes[id.index()].op.name()).or_default();
+            e.0 += 1;
+            e.1 += f64::from(ms);
+        }
+        let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
+        out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(out)
+    }
+
+    /// Feeds in placeholder order and fetch outlets, checked.
+    #[allow(clippy::type_complexity)]
+    fn check_io<'t>(
+        &self,
+        feeds: &'t BTreeMap<String, Tensor>,
+        fetches: &[String],
+    ) -> Result<(Vec<(Outlet, &'t Tensor)>, Vec<Outlet>), ExecError> {
         let g = self.graph.graph();
         for name in feeds.keys() {
             match g.find(name).map(|id| &g.nodes[id.index()].op) {
@@ -424,17 +961,21 @@ impl CudaProgram {
                     .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        for (o, t) in feed_list {
-            self.upload(o, t)?;
-        }
-        self.iterate()?;
-        let r = outs.iter().map(|&o| self.download(o)).collect();
-        self.sync()?;
-        r
+        Ok((feed_list, outs))
     }
 
     /// Launches every node in order, or replays the recorded graph.
     fn iterate(&mut self) -> Result<(), ExecError> {
+        self.res.iterations += 1;
+        if self.res.iterations == 1 {
+            // Warm-up (module loads, first cuDNN calls): op by op.
+            return self.launch_nodes();
+        }
+        if self.res.profile.is_none() {
+            // The second iteration runs op by op with events at the unit
+            // boundaries: the compute profile pipelined switching plans with.
+            return self.launch_profiled();
+        }
         if !self.options.cuda_graph || self.capture_failed {
             return self.launch_nodes();
         }
@@ -454,15 +995,110 @@ impl CudaProgram {
             }
         }
         match &self.captured {
+            Some(g) if self.res.graph_secs.is_none() => {
+                let e0 = self.event(&self.stream, true)?;
+                g.launch().map_err(|e| dev_err("graph launch", e))?;
+                let e1 = self.event(&self.stream, true)?;
+                let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?;
+                self.res.graph_secs = Some(f64::from(ms) / 1e3);
+                self.res.plans.clear();
+                Ok(())
+            }
             Some(g) => g.launch().map_err(|e| dev_err("graph launch", e)),
             None => self.launch_nodes(),
         }
     }
 
+    /// Node positions where each segment of `plan` starts: the prefix at 0,
+    /// then each group's first consumer.
+    fn segment_bounds(&self, plan: &GroupPlan) -> Vec<usize> {
+        let units = &self.res.layout.units;
+        let mut b = vec![0];
+        b.extend(plan.starts.iter().map(|&u| units[u].first_use));
+        b.push(self.graph.order().len());
+        b
+    }
+
+    /// Records one CUDA graph per segment of `plan` at the current base.
+    fn record_segments(&self, plan: &GroupPlan) -> Result<Segments, ExecError> {
+        let bounds = self.segment_bounds(plan);
+        let order = self.graph.order();
+        let mut graphs = Vec::with_capacity(bounds.len() - 1);
+        for w in bounds.windows(2) {
+            let (a, b) = (w[0].min(order.len()), w[1].min(order.len()));
+            if a >= b {
+                graphs.push(None);
+                continue;
+            }
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| dev_err("begin capture", e))?;
+            let launched = order[a..b].iter().try_for_each(|&id| self.exec(id));
+            let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            match (launched, ended) {
+                (Ok(()), Ok(g)) => graphs.push(g),
+                (Err(e), _) => return Err(e),
+                (_, Err(e)) => return Err(dev_err("end capture", e)),
+            }
+        }
+        Ok(Segments {
+            base: self.base,
+            starts: plan.starts.clone(),
+            graphs,
+        })
+    }
+
     fn launch_nodes(&self) -> Result<(), ExecError> {
-        for &id in self.graph.order() {
+        self.launch_nodes_with(&mut |_| Ok(()))
+    }
+
+    /// Launches every node in order, calling `before` with each position.
+    fn launch_nodes_with(
+        &self,
+        before: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+    ) -> Result<(), ExecError> {
+        for (pos, &id) in self.graph.order().iter().enumerate() {
+            before(pos)?;
             self.exec(id)?;
         }
+        Ok(())
+    }
+
+    /// Launches op by op with a timing event at each unit boundary and keeps
+    /// the per-unit times.
+    fn launch_profiled(&mut self) -> Result<(), ExecError> {
+        let unit_of = self.res.layout.unit_of_position();
+        let mut marks: Vec<(Option<usize>, CudaEvent)> =
+            vec![(None, self.event(&self.stream, true)?)];
+        let mut current = None;
+        let launched = self.launch_nodes_with(&mut |pos| {
+            let u = unit_of.get(pos).copied().flatten();
+            if u != current {
+                marks.push((current, self.event(&self.stream, true)?));
+                current = u;
+            }
+            Ok(())
+        });
+        launched?;
+        marks.push((current, self.event(&self.stream, true)?));
+        self.sync()?;
+        let mut profile = Profile {
+            compute: vec![0.0; self.res.layout.units.len()],
+            prefix: 0.0,
+        };
+        for w in marks.windows(2) {
+            let dt = f64::from(
+                w[0].1
+                    .elapsed_ms(&w[1].1)
+                    .map_err(|e| dev_err("event", e))?,
+            ) / 1e3;
+            match w[1].0 {
+                None => profile.prefix += dt,
+                Some(u) => profile.compute[u] += dt,
+            }
+        }
+        self.res.profile = Some(profile);
+        self.res.plans.clear();
         Ok(())
     }
 
@@ -492,9 +1128,32 @@ impl CudaProgram {
                 .find(|(_, vn, _)| vn == n)
                 .map(|(id, _, _)| id)
                 .ok_or_else(|| ExecError::MissingVariable { name: n.clone() })?;
-            out.insert(n.clone(), self.download(Outlet::new(id, 0))?);
+            let o = Outlet::new(id, 0);
+            let t = if self.res.resident {
+                self.download(o)?
+            } else {
+                self.read_host(o)?
+            };
+            out.insert(n.clone(), t);
         }
         Ok(out)
+    }
+
+    /// A persistent tensor's value from the pinned image (while evicted).
+    fn read_host(&self, o: Outlet) -> Result<Tensor, ExecError> {
+        let s = self.slot(o);
+        let host = self
+            .res
+            .host
+            .as_ref()
+            .ok_or_else(|| dev_err("read", "the evicted program has no host image"))?;
+        let bytes = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let raw = &bytes[s.off..s.off + s.ty.bytes()];
+        let data = match s.ty.dtype {
+            DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec(raw)),
+            DType::I64 => TensorData::I64(bytemuck::pod_collect_to_vec(raw)),
+        };
+        Tensor::new(s.ty.shape.clone(), data).map_err(|e| dev_err("result", e))
     }
 
     /// Overwrites variables; each must exist and keep its type.
@@ -520,9 +1179,30 @@ impl CudaProgram {
             }
             todo.push((Outlet::new(id, 0), t));
         }
+        if !self.res.resident {
+            // Into the pinned image, which the next run brings back.
+            let offs: Vec<usize> = todo.iter().map(|(o, _)| self.slot(*o).off).collect();
+            let host = self
+                .res
+                .host
+                .as_mut()
+                .ok_or_else(|| dev_err("write", "the evicted program has no host image"))?;
+            let bytes = host
+                .as_mut_slice()
+                .map_err(|e| dev_err("pinned memory", e))?;
+            for ((_, t), off) in todo.iter().zip(offs) {
+                let src: &[u8] = match t.data() {
+                    TensorData::F32(v) => bytemuck::cast_slice(v),
+                    TensorData::I64(v) => bytemuck::cast_slice(v),
+                };
+                bytes[off..off + src.len()].copy_from_slice(src);
+            }
+            return Ok(());
+        }
         for (o, t) in todo {
             self.upload(o, t)?;
         }
+        self.res.dirty = true;
         self.sync()
     }
 }

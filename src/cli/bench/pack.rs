@@ -1,0 +1,183 @@
+//! `lanes bench pack`: inference packing with more models than fit. An
+//! embedded service gets `--memory` for `--fit` copies of the model (sum P +
+//! max T of that many, from the memory plan) and `--models` sessions of it
+//! (each with its own weights); requests go to models chosen at random, one
+//! at a time, through real sockets. Reports latency p50/p99 over all
+//! requests, over requests whose model was resident and over those whose
+//! model had been evicted, and how often a request hit an evicted model.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use lanes::compile;
+use lanes::server::{self, DeviceChoice, ServerConfig};
+use lanes_adaptor::wire::{Reply, Request};
+use lanes_adaptor::{validate, Client, ClientOptions, GraphLimits, Limits, SessionSpec, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::paths::{progress, Device};
+use super::workload;
+
+#[derive(Debug, clap::Args)]
+pub struct PackArgs {
+    /// Model of every session (see `bench infer --help` for the names).
+    #[arg(long, default_value = "resnet50")]
+    model: String,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Sequence length for BERT and the small transformer.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    #[arg(long, value_enum, default_value_t = Device::Cuda)]
+    device: Device,
+    /// Sessions (models) registered.
+    #[arg(long, default_value_t = 6)]
+    models: usize,
+    /// How many of them the memory holds at once.
+    #[arg(long, default_value_t = 2)]
+    fit: usize,
+    /// Timed requests (after one warm-up request per model).
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Seed of the model choice.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn quantile(v: &[f64], q: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    Some(s[((s.len() - 1) as f64 * q).round() as usize])
+}
+
+pub fn pack(a: PackArgs) -> anyhow::Result<()> {
+    if a.models == 0 || a.fit == 0 || a.fit > a.models || a.requests == 0 {
+        bail!("need --models ≥ --fit ≥ 1 and --requests ≥ 1");
+    }
+    let since = Instant::now();
+    progress(&format!("building {} ×{}", a.model, a.models), since);
+    let w = workload::inference(&a.model, a.batch, a.seq)?;
+    let valid = validate(
+        w.graph.clone(),
+        &GraphLimits {
+            max_nodes: 1 << 20,
+            ..GraphLimits::default()
+        },
+    )
+    .context("model graph does not validate")?;
+    let plan = compile::plan(&valid)?;
+    let (p, t) = (plan.persistent, plan.ephemeral);
+    // Room for `fit` models in one lane, not for one more.
+    let memory = a.fit as u64 * p + t + p / 2;
+    let device = match a.device {
+        Device::Cuda => server::resolve_device(DeviceChoice::Cuda)?,
+        Device::Cpu => server::resolve_device(DeviceChoice::Cpu)?,
+    };
+    let limits = Limits {
+        max_nodes: 1 << 20,
+        ..Limits::default()
+    };
+    let handle = server::start(ServerConfig {
+        endpoint: "tcp://127.0.0.1:*".into(),
+        workers: 1,
+        device: device.clone(),
+        limits,
+        memory_bytes: Some(memory),
+        ..ServerConfig::default()
+    })
+    .context("starting the embedded service")?;
+    let mut client = Client::connect_with(
+        handle.endpoint(),
+        ClientOptions {
+            timeout: Duration::from_secs(900),
+            limits,
+            name: "lanes-bench-pack".into(),
+        },
+    )?;
+    let feeds = w.random_feeds(7)?;
+    let feeds_of =
+        || -> Vec<(String, Tensor)> { feeds.iter().map(|(n, t)| (n.clone(), t.clone())).collect() };
+    let fetch = [w.fetch.as_str()];
+    let mut ids = Vec::with_capacity(a.models);
+    for m in 0..a.models {
+        let id = match client.request(&Request::OpenSession(SessionSpec::inference(format!(
+            "pack-{m}"
+        ))))? {
+            Reply::SessionOpened { session } => session,
+            other => bail!("unexpected reply {other:?}"),
+        };
+        // Each model its own weights: perturb the shared initial values.
+        let vars = w
+            .vars
+            .iter()
+            .map(|(n, t)| {
+                let t = match t.f32s() {
+                    Ok(v) => Tensor::from_f32(
+                        t.shape().clone(),
+                        v.iter().map(|x| x * (1.0 + m as f32 * 1e-3)).collect(),
+                    )?,
+                    Err(_) => t.clone(),
+                };
+                Ok((n.clone(), t))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        progress(&format!("loading model {m}"), since);
+        client.load_in(id, &w.graph, vars)?;
+        // One untimed request: first iterations profile and record.
+        client.run_in(id, feeds_of(), &fetch)?;
+        ids.push(id);
+    }
+    progress(
+        &format!("{} requests across {} models", a.requests, a.models),
+        since,
+    );
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let (mut all, mut hits, mut misses) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..a.requests {
+        let m = rng.gen_range(0..a.models);
+        let st = client.status()?;
+        let resident = st
+            .sessions
+            .iter()
+            .find(|s| s.session == ids[m])
+            .is_some_and(|s| s.resident);
+        let t0 = Instant::now();
+        client.run_in(ids[m], feeds_of(), &fetch)?;
+        let dt = t0.elapsed().as_secs_f64() * 1e3;
+        all.push(dt);
+        if resident {
+            hits.push(dt);
+        } else {
+            misses.push(dt);
+        }
+    }
+    let st = client.status()?;
+    let evictions: u64 = st.sessions.iter().map(|s| s.evictions).sum();
+    let json = serde_json::json!({
+        "bench": "pack",
+        "model": a.model,
+        "batch": a.batch,
+        "device": device,
+        "models": a.models,
+        "fit": a.fit,
+        "oversubscription": a.models as f64 / a.fit as f64,
+        "memory_bytes": memory,
+        "persistent_bytes": p,
+        "ephemeral_bytes": t,
+        "requests": a.requests,
+        "p50_ms": quantile(&all, 0.5),
+        "p99_ms": quantile(&all, 0.99),
+        "resident": {"count": hits.len(), "p50_ms": quantile(&hits, 0.5), "p99_ms": quantile(&hits, 0.99)},
+        "evicted": {"count": misses.len(), "p50_ms": quantile(&misses, 0.5), "p99_ms": quantile(&misses, 0.99)},
+        "miss_rate": misses.len() as f64 / a.requests as f64,
+        "evictions": evictions,
+    });
+    println!("{json}");
+    drop(client);
+    handle.shutdown().context("stopping the embedded service")?;
+    Ok(())
+}

@@ -1,0 +1,380 @@
+//! The two timed paths of `lanes bench`:
+//!
+//! - **executor**: `CudaProgram::run` / `CpuProgram::run` called directly
+//!   (feeds copied host → device, every op, the fetch copied back);
+//! - **service**: an embedded service (`lanes::server::start`, one worker)
+//!   on a loopback endpoint, a `Client`, one session with the graph and its
+//!   variables loaded, and `Session::run(feeds, fetches)` round trips
+//!   (client → ZeroMQ → frontend → dispatcher → worker → executor → reply).
+//!
+//! Both report the same statistics over the timed iterations, plus what the
+//! fetched tensor looked like (the loss of the first and last timed step, or
+//! a checksum of the output) so that a wrong or diverging run shows.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use lanes::exec::cpu::CpuProgram;
+use lanes::exec::cuda::{CudaOptions, CudaProgram};
+use lanes::server::{self, DeviceChoice, ServerConfig};
+use lanes_adaptor::{
+    validate, Client, ClientOptions, GraphLimits, Limits, SessionSpec, Tensor, VarValues,
+};
+use serde_json::{json, Value};
+
+use super::workload::{Kind, Workload};
+
+/// Where the executor runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cuda,
+    Cpu,
+}
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cuda => "cuda",
+            Device::Cpu => "cpu",
+        }
+    }
+}
+
+/// Iteration counts and executor options shared by both paths.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    pub device: Device,
+    pub iters: usize,
+    pub warmup: usize,
+    /// Executor path only: replay a recorded CUDA graph (the service always
+    /// uses `CudaOptions::default()`, which does).
+    pub cuda_graph: bool,
+    /// Executor path on CUDA: after timing, one more iteration op by op
+    /// with GPU time per op kind (in the JSON and on stderr).
+    pub op_profile: bool,
+}
+
+/// Median and spread of the timed iterations, in milliseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stats {
+    pub median: f64,
+    pub p10: f64,
+    pub p90: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Stats {
+    /// Nearest-rank quantiles of `times` (not empty).
+    pub fn of(mut times: Vec<f64>) -> anyhow::Result<Stats> {
+        if times.is_empty() {
+            bail!("no timed iterations");
+        }
+        times.sort_by(f64::total_cmp);
+        let q = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize];
+        Ok(Stats {
+            median: q(0.5),
+            p10: q(0.1),
+            p90: q(0.9),
+            min: times[0],
+            max: times[times.len() - 1],
+        })
+    }
+
+    fn json(&self) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("median_ms".into(), json!(self.median));
+        m.insert("p10_ms".into(), json!(self.p10));
+        m.insert("p90_ms".into(), json!(self.p90));
+        m.insert("min_ms".into(), json!(self.min));
+        m.insert("max_ms".into(), json!(self.max));
+        m
+    }
+}
+
+/// Progress on stderr (stdout carries only the JSON).
+pub fn progress(what: &str, since: Instant) {
+    eprintln!(
+        "lanes bench [{:7.1} s] {what}",
+        since.elapsed().as_secs_f64()
+    );
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// What the fetched tensors said over the timed iterations.
+#[derive(Debug, Default)]
+struct Observed {
+    first: Option<f64>,
+    last: Option<f64>,
+}
+
+impl Observed {
+    /// Training: the loss. Inference: the sum of the output.
+    fn see(&mut self, out: &[Tensor]) -> anyhow::Result<()> {
+        let t = out.first().context("the run returned no output")?;
+        let v: f64 = t.f32s()?.iter().map(|&x| f64::from(x)).sum();
+        if self.first.is_none() {
+            self.first = Some(v);
+        }
+        self.last = Some(v);
+        Ok(())
+    }
+
+    fn json(&self, kind: Kind, m: &mut serde_json::Map<String, Value>) {
+        match kind {
+            Kind::Train => {
+                m.insert("loss_first".into(), json!(self.first));
+                m.insert("loss_last".into(), json!(self.last));
+            }
+            Kind::Infer => {
+                m.insert("output_checksum".into(), json!(self.last));
+            }
+        }
+    }
+}
+
+enum Prog {
+    Cpu(CpuProgram),
+    Cuda(Box<CudaProgram>),
+}
+
+impl Prog {
+    fn run(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+    ) -> anyhow::Result<Vec<Tensor>> {
+        Ok(match self {
+            Prog::Cpu(p) => p.run(feeds, fetches)?,
+            Prog::Cuda(p) => p.run(feeds, fetches)?,
+        })
+    }
+}
+
+/// Result of one path: its JSON object and its statistics.
+#[derive(Debug)]
+pub struct PathResult {
+    pub stats: Stats,
+    pub json: Value,
+}
+
+/// Times the executor alone. Returns the device name when on a GPU too.
+pub fn executor(
+    w: &Workload,
+    vars: VarValues,
+    feeds: &BTreeMap<String, Tensor>,
+    t: &Timing,
+    since: Instant,
+) -> anyhow::Result<(PathResult, Option<String>)> {
+    let graph = validate(
+        w.graph.clone(),
+        &GraphLimits {
+            max_nodes: 1 << 20,
+            ..GraphLimits::default()
+        },
+    )
+    .context("the benchmark graph does not validate")?;
+    progress(
+        &format!("executor: loading onto {}", t.device.name()),
+        since,
+    );
+    let t0 = Instant::now();
+    let mut prog = match t.device {
+        Device::Cuda => {
+            let opts = CudaOptions {
+                cuda_graph: t.cuda_graph,
+                ..CudaOptions::default()
+            };
+            Prog::Cuda(Box::new(CudaProgram::with_options(graph, vars, opts)?))
+        }
+        Device::Cpu => Prog::Cpu(CpuProgram::new(graph, vars)?),
+    };
+    let load_ms = ms(t0.elapsed());
+    let fetch = vec![w.fetch.clone()];
+    progress(
+        &format!(
+            "executor: loaded in {load_ms:.0} ms; {} warm-up iterations",
+            t.warmup
+        ),
+        since,
+    );
+    for _ in 0..t.warmup {
+        prog.run(feeds, &fetch)?;
+    }
+    progress(&format!("executor: timing {} iterations", t.iters), since);
+    let mut times = Vec::with_capacity(t.iters);
+    let mut seen = Observed::default();
+    for _ in 0..t.iters {
+        let t0 = Instant::now();
+        let out = prog.run(feeds, &fetch)?;
+        times.push(ms(t0.elapsed()));
+        seen.see(&out)?;
+    }
+    let stats = Stats::of(times)?;
+    let mut m = stats.json();
+    m.insert("load_ms".into(), json!(load_ms));
+    let gpu = match &prog {
+        Prog::Cuda(p) => {
+            m.insert("cuda_graph".into(), json!(p.uses_cuda_graph()));
+            m.insert("device_bytes".into(), json!(p.device_bytes()));
+            Some(p.device_name().to_string())
+        }
+        Prog::Cpu(_) => None,
+    };
+    seen.json(w.kind, &mut m);
+    progress(&format!("executor: median {:.3} ms", stats.median), since);
+    if let (true, Prog::Cuda(p)) = (t.op_profile, &mut prog) {
+        let prof = p.profile_ops(feeds, &fetch)?;
+        let total: f64 = prof.iter().map(|x| x.2).sum();
+        progress(
+            &format!("executor: op profile, {total:.3} ms of GPU time op by op"),
+            since,
+        );
+        for (op, n, ms) in prof.iter().take(15) {
+            eprintln!(
+                "  {op:<24} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
+                100.0 * ms / total
+            );
+        }
+        let rows: Vec<Value> = prof
+            .iter()
+            .map(|(op, n, ms)| json!({"op": op, "nodes": n, "ms": ms}))
+            .collect();
+        m.insert("op_profile".into(), Value::Array(rows));
+    }
+    Ok((
+        PathResult {
+            stats,
+            json: Value::Object(m),
+        },
+        gpu,
+    ))
+}
+
+/// Times `Session::run` round trips through an embedded service on
+/// `endpoint` (e.g. `tcp://127.0.0.1:*`). Returns the device name the
+/// service reports.
+pub fn service(
+    w: &Workload,
+    vars: VarValues,
+    feeds: &BTreeMap<String, Tensor>,
+    t: &Timing,
+    endpoint: &str,
+    since: Instant,
+) -> anyhow::Result<(PathResult, String)> {
+    let device = match t.device {
+        Device::Cuda => server::resolve_device(DeviceChoice::Cuda)?,
+        Device::Cpu => server::resolve_device(DeviceChoice::Cpu)?,
+    };
+    progress(
+        &format!("service: starting on {endpoint} ({device})"),
+        since,
+    );
+    // The graph crosses the wire in one header frame: allow the large ones.
+    let limits = Limits {
+        max_nodes: 1 << 20,
+        ..Limits::default()
+    };
+    let handle = server::start(ServerConfig {
+        endpoint: endpoint.into(),
+        workers: 1,
+        device: device.clone(),
+        limits,
+        ..ServerConfig::default()
+    })
+    .with_context(|| format!("starting the embedded service on {endpoint}"))?;
+    let bound = handle.endpoint().to_string();
+    let result = (|| -> anyhow::Result<PathResult> {
+        let mut client = Client::connect_with(
+            &bound,
+            ClientOptions {
+                // Loading a large model onto the GPU (kernel compilation,
+                // cuDNN plans) can take a while.
+                timeout: Duration::from_secs(900),
+                limits,
+                name: "lanes-bench".into(),
+            },
+        )
+        .with_context(|| format!("connecting to the embedded service at {bound}"))?;
+        let spec = match w.kind {
+            Kind::Infer => SessionSpec::inference(format!("bench-{}", w.model)),
+            Kind::Train => SessionSpec::training(format!("bench-{}", w.model)),
+        };
+        let mut session = client.open_session(spec)?;
+        progress("service: loading the graph and its variables", since);
+        let t0 = Instant::now();
+        session.load(&w.graph, vars)?;
+        let load_ms = ms(t0.elapsed());
+        let fetch = [w.fetch.as_str()];
+        // Each Run consumes its feeds: clone them outside the timed region.
+        let feeds_of = || -> Vec<(String, Tensor)> {
+            feeds.iter().map(|(n, t)| (n.clone(), t.clone())).collect()
+        };
+        progress(
+            &format!(
+                "service: loaded in {load_ms:.0} ms; {} warm-up iterations",
+                t.warmup
+            ),
+            since,
+        );
+        for _ in 0..t.warmup {
+            session.run(feeds_of(), &fetch)?;
+        }
+        progress(&format!("service: timing {} iterations", t.iters), since);
+        let mut times = Vec::with_capacity(t.iters);
+        let mut seen = Observed::default();
+        for _ in 0..t.iters {
+            let f = feeds_of();
+            let t0 = Instant::now();
+            let out = session.run(f, &fetch)?;
+            times.push(ms(t0.elapsed()));
+            seen.see(&out)?;
+        }
+        session.close()?;
+        let stats = Stats::of(times)?;
+        let mut m = stats.json();
+        m.insert("load_ms".into(), json!(load_ms));
+        m.insert("endpoint".into(), json!(bound));
+        m.insert("workers".into(), json!(1));
+        m.insert(
+            "executor_options".into(),
+            json!(match t.device {
+                Device::Cuda => "CudaOptions::default() (CUDA graph replay)",
+                Device::Cpu => "CpuProgram",
+            }),
+        );
+        seen.json(w.kind, &mut m);
+        progress(&format!("service: median {:.3} ms", stats.median), since);
+        Ok(PathResult {
+            stats,
+            json: Value::Object(m),
+        })
+    })();
+    let stopped = handle.shutdown();
+    let r = result?;
+    stopped.context("stopping the embedded service")?;
+    Ok((r, device))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_are_nearest_rank_quantiles() {
+        let s = Stats::of((1..=11).rev().map(f64::from).collect()).unwrap();
+        assert_eq!(s.median, 6.0);
+        assert_eq!(s.p10, 2.0);
+        assert_eq!(s.p90, 10.0);
+        assert_eq!(s.min, 1.0);
+        assert_eq!(s.max, 11.0);
+        let one = Stats::of(vec![3.5]).unwrap();
+        assert_eq!((one.median, one.p10, one.p90), (3.5, 3.5, 3.5));
+        assert!(Stats::of(Vec::new()).is_err());
+    }
+}

@@ -1,0 +1,202 @@
+//! `lanes bench switch`: latency of the first inference of a model whose
+//! weights are not on the device, for each way of bringing them back
+//! (pipelined groups, per layer, load-then-run), beside the resident latency
+//! and the measured pinned host → device bandwidth. Prints one JSON object.
+//!
+//! Each timed switch: the program is evicted (its device arena released; an
+//! inference model's pinned host image stays current, so eviction copies
+//! nothing after the first), then one `run_switching` is timed from the call
+//! to the fetched output on the host. Outputs of every switch are checked
+//! bit-identical to the resident run.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use lanes::exec::cpu::CpuProgram;
+use lanes::exec::cuda::CudaProgram;
+use lanes::residency::{GroupPlan, Strategy, SwitchReport};
+use lanes_adaptor::{validate, GraphLimits, Tensor};
+
+use super::workload;
+
+#[derive(Debug, clap::Args)]
+pub struct SwitchArgs {
+    /// resnet50 | resnet152 | inception_v3 | bert_base, or a small zoo
+    /// model (resnet18_cifar, lenet, mlp, transformer)
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// cuda | cpu
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Timed switches per strategy (and timed resident runs).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Sequence length for BERT.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+}
+
+enum Prog {
+    Cpu(CpuProgram),
+    Cuda(Box<CudaProgram>),
+}
+
+impl Prog {
+    fn run(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetch: &[String],
+        s: Strategy,
+    ) -> anyhow::Result<(Vec<Tensor>, Option<SwitchReport>)> {
+        Ok(match self {
+            Prog::Cpu(p) => p.run_switching(feeds, fetch, s)?,
+            Prog::Cuda(p) => p.run_switching(feeds, fetch, s)?,
+        })
+    }
+    fn evict(&mut self) -> anyhow::Result<u64> {
+        Ok(match self {
+            Prog::Cpu(p) => p.evict()?,
+            Prog::Cuda(p) => p.evict()?,
+        })
+    }
+    fn plan(&self, s: Strategy) -> GroupPlan {
+        match self {
+            Prog::Cpu(p) => p.plan(s),
+            Prog::Cuda(p) => p.plan(s),
+        }
+    }
+    fn bytes(&self) -> u64 {
+        match self {
+            Prog::Cpu(p) => p.persistent_bytes(),
+            Prog::Cuda(p) => p.persistent_bytes(),
+        }
+    }
+    fn units(&self) -> usize {
+        match self {
+            Prog::Cpu(p) => p.layout().units.len(),
+            Prog::Cuda(p) => p.layout().units.len(),
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bits(t: &[Tensor]) -> anyhow::Result<Vec<u32>> {
+    Ok(t[0].f32s()?.iter().map(|x| x.to_bits()).collect())
+}
+
+pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
+    if a.batch == 0 || a.iters == 0 {
+        bail!("--batch and --iters must be positive");
+    }
+    eprintln!("building {} at batch {} …", a.model, a.batch);
+    let built = workload::inference(&a.model, a.batch, a.seq)?;
+    let feeds: BTreeMap<String, Tensor> = built.random_feeds(7)?;
+    let fetch = vec![built.fetch.clone()];
+    let graph = validate(
+        built.graph,
+        &GraphLimits {
+            max_nodes: 1 << 20,
+            ..GraphLimits::default()
+        },
+    )
+    .context("model graph does not validate")?;
+
+    let mut prog = match a.device.as_str() {
+        "cuda" => Prog::Cuda(Box::new(CudaProgram::new(graph, built.vars)?)),
+        "cpu" => Prog::Cpu(CpuProgram::new(graph, built.vars)?),
+        d => bail!("unknown device `{d}` (cuda or cpu)"),
+    };
+    // Resident: the first run profiles per-unit compute, later ones replay.
+    eprintln!("resident runs …");
+    let (first, _) = prog.run(&feeds, &fetch, Strategy::Pipelined)?;
+    let want = bits(&first)?;
+    for _ in 0..3 {
+        prog.run(&feeds, &fetch, Strategy::Pipelined)?;
+    }
+    let mut resident = Vec::with_capacity(a.iters);
+    for _ in 0..a.iters {
+        let t = Instant::now();
+        prog.run(&feeds, &fetch, Strategy::Pipelined)?;
+        resident.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let resident_ms = median(resident);
+    // The first eviction copies the weights out and measures the link.
+    let t = Instant::now();
+    let copied = prog.evict()?;
+    let first_evict_ms = t.elapsed().as_secs_f64() * 1e3;
+    let bandwidth = match &prog {
+        Prog::Cuda(p) => p.bandwidth(),
+        Prog::Cpu(p) => p.bandwidth(),
+    };
+    let bytes = prog.bytes();
+    let mut rows = serde_json::Map::new();
+    let mut medians = BTreeMap::new();
+    let mut identical = true;
+    for s in Strategy::ALL {
+        eprintln!("switching with {s} …");
+        // One untimed switch records this cut's segments (CUDA).
+        prog.evict()?;
+        prog.run(&feeds, &fetch, s)?;
+        let mut times = Vec::with_capacity(a.iters);
+        let mut groups = 0;
+        let mut replayed = true;
+        for _ in 0..a.iters {
+            prog.evict()?;
+            let t = Instant::now();
+            let (out, rep) = prog.run(&feeds, &fetch, s)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            groups = rep.as_ref().map_or(0, |r| r.groups);
+            replayed &= rep.is_some_and(|r| r.replayed);
+            identical &= bits(&out)? == want;
+        }
+        let m = median(times.clone());
+        medians.insert(s.name(), m);
+        let plan = prog.plan(s);
+        rows.insert(
+            s.name().into(),
+            serde_json::json!({
+                "median_ms": m,
+                "min_ms": times.iter().copied().fold(f64::INFINITY, f64::min),
+                "groups": groups,
+                "replayed_segments": replayed,
+                "predicted_ms": plan.predicted * 1e3,
+            }),
+        );
+    }
+    let copy_ms = bandwidth.map(|bw| bytes as f64 / bw * 1e3);
+    let bound_ms = copy_ms.map_or(resident_ms, |c| c.max(resident_ms));
+    let pipelined = medians["pipelined"];
+    let json = serde_json::json!({
+        "bench": "switch",
+        "model": a.model,
+        "batch": a.batch,
+        "seq": if a.model == "bert_base" { Some(a.seq) } else { None },
+        "device": a.device,
+        "persistent_bytes": bytes,
+        "units": prog.units(),
+        "first_evict_ms": first_evict_ms,
+        "first_evict_copied_bytes": copied,
+        "bandwidth_gb_s": bandwidth.map(|b| b / 1e9),
+        "copy_all_ms": copy_ms,
+        "resident_ms": resident_ms,
+        "lower_bound_ms": bound_ms,
+        "strategies": rows,
+        "pipelined_over_bound": pipelined / bound_ms,
+        "load_then_run_over_pipelined": medians["single"] / pipelined,
+        "per_layer_over_pipelined": medians["per_layer"] / pipelined,
+        "outputs_identical_to_resident": identical,
+        "iters": a.iters,
+    });
+    println!("{json}");
+    if !identical {
+        bail!("a switched run's output differs from the resident run");
+    }
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! What `lanes bench` runs: a graph, its initial variables, the placeholders
+//! to feed (with the range of every integer input) and the one tensor to
+//! fetch.
+//!
+//! - Inference of the reference architectures (ResNet-50/152, Inception-v3,
+//!   BERT-base) uses [`super::models`], built layer for layer like
+//!   torchvision / transformers in eval mode; the small zoo models (MLP,
+//!   LeNet, ResNet-18 for 32×32, a 2-layer transformer) use
+//!   [`lanes_adaptor::zoo`]'s inference form.
+//! - Training uses the zoo's training form: batch-norm with batch
+//!   statistics, the model's loss (cross-entropy against `labels`; BERT's
+//!   pooled output against a `target` with MSE; Inception-v3 adds its
+//!   auxiliary head with weight 0.4), the gradients the adaptor's autodiff
+//!   builds and one in-place SGD update per parameter — exactly
+//!   [`Arch::training`]. One Run is one training step; the loss is fetched.
+
+use std::collections::BTreeMap;
+
+use anyhow::{bail, Context};
+use lanes_adaptor::{Arch, DType, Graph, Optimizer, Tensor, TensorType, VarValues};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::models;
+
+/// Models `bench infer` and `bench train` know.
+pub const MODELS: &str = "resnet50, resnet152, inception_v3, bert_base, \
+                          resnet18_cifar, lenet, mlp, transformer";
+
+/// Inference or one training step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Infer,
+    Train,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Infer => "infer",
+            Kind::Train => "train",
+        }
+    }
+}
+
+/// A graph ready to be timed.
+#[derive(Debug)]
+pub struct Workload {
+    pub kind: Kind,
+    pub model: String,
+    pub graph: Graph,
+    pub vars: VarValues,
+    /// Placeholders to feed, in order.
+    pub inputs: Vec<(String, TensorType)>,
+    /// Exclusive upper bound of each integer placeholder (token ids, labels).
+    pub int_ranges: BTreeMap<String, usize>,
+    /// The fetch key: the logits / pooled output, or the loss.
+    pub fetch: String,
+    /// Trained scalars (training) or all variable scalars (inference).
+    pub params: usize,
+}
+
+impl Workload {
+    /// Seeded random feeds: f32 inputs uniform in [-1, 1), integer inputs
+    /// uniform over their range.
+    pub fn random_feeds(&self, seed: u64) -> anyhow::Result<BTreeMap<String, Tensor>> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        self.inputs
+            .iter()
+            .map(|(name, ty)| {
+                let n = ty.shape.numel();
+                let t = match ty.dtype {
+                    DType::F32 => Tensor::from_f32(
+                        ty.shape.clone(),
+                        (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect(),
+                    )?,
+                    DType::I64 => {
+                        let hi = *self
+                            .int_ranges
+                            .get(name)
+                            .with_context(|| format!("no value range known for input `{name}`"))?;
+                        if hi == 0 {
+                            bail!("input `{name}` has an empty value range");
+                        }
+                        Tensor::from_i64(
+                            ty.shape.clone(),
+                            (0..n).map(|_| rng.gen_range(0..hi as i64)).collect(),
+                        )?
+                    }
+                };
+                Ok((name.clone(), t))
+            })
+            .collect()
+    }
+}
+
+/// A zoo architecture by name, with the ranges of its integer inputs
+/// (`labels` included).
+fn zoo_arch(model: &str, seq: usize) -> Option<(Arch, BTreeMap<String, usize>)> {
+    let ranges = |v: &[(&str, usize)]| v.iter().map(|(n, r)| (n.to_string(), *r)).collect();
+    Some(match model {
+        "resnet50" => (Arch::ResNet50, ranges(&[("labels", 1000)])),
+        "resnet152" => (Arch::ResNet152, ranges(&[("labels", 1000)])),
+        "inception_v3" => (Arch::InceptionV3, ranges(&[("labels", 1000)])),
+        "bert_base" => (
+            Arch::BertBase { seq },
+            ranges(&[("input_ids", 30522), ("token_type_ids", 2)]),
+        ),
+        "resnet18_cifar" => (
+            Arch::ResNet18Cifar { classes: 10 },
+            ranges(&[("labels", 10)]),
+        ),
+        "lenet" => (
+            Arch::LeNet {
+                channels: 1,
+                image: 28,
+                classes: 10,
+            },
+            ranges(&[("labels", 10)]),
+        ),
+        "mlp" => (
+            Arch::Mlp {
+                inputs: 784,
+                hidden: vec![256, 128],
+                classes: 10,
+            },
+            ranges(&[("labels", 10)]),
+        ),
+        "transformer" => (
+            Arch::Transformer {
+                vocab: 1000,
+                seq,
+                dim: 128,
+                heads: 4,
+                ff: 512,
+                classes: 10,
+            },
+            ranges(&[("input_ids", 1000), ("labels", 10)]),
+        ),
+        _ => return None,
+    })
+}
+
+/// The inference graph of `model` at `batch` (BERT and the transformer at
+/// sequence length `seq`).
+pub fn inference(model: &str, batch: usize, seq: usize) -> anyhow::Result<Workload> {
+    if batch == 0 {
+        bail!("--batch must be positive");
+    }
+    match model {
+        "resnet50" | "resnet152" | "inception_v3" | "bert_base" => {
+            let b = models::build(model, batch, seq)?;
+            let params = b.vars.values().map(Tensor::numel).sum();
+            let int_ranges = b
+                .inputs
+                .iter()
+                .filter(|(_, ty)| ty.dtype == DType::I64)
+                .map(|(n, _)| (n.clone(), b.vocab))
+                .collect();
+            Ok(Workload {
+                kind: Kind::Infer,
+                model: model.into(),
+                graph: b.graph,
+                vars: b.vars,
+                inputs: b.inputs,
+                int_ranges,
+                fetch: b.output,
+                params,
+            })
+        }
+        _ => {
+            let (arch, int_ranges) = zoo_arch(model, seq)
+                .with_context(|| format!("unknown model `{model}` ({MODELS})"))?;
+            let m = arch.inference(batch, 7)?;
+            let params = m.vars.values().map(Tensor::numel).sum();
+            Ok(Workload {
+                kind: Kind::Infer,
+                model: model.into(),
+                graph: m.graph,
+                vars: m.vars,
+                inputs: m.inputs,
+                int_ranges,
+                fetch: m.output,
+                params,
+            })
+        }
+    }
+}
+
+/// The training graph of `model` at `batch` with optimizer `opt`: one Run
+/// is forward, loss, backward and the update of every parameter.
+pub fn training(
+    model: &str,
+    batch: usize,
+    seq: usize,
+    opt: &Optimizer,
+) -> anyhow::Result<Workload> {
+    if batch == 0 {
+        bail!("--batch must be positive");
+    }
+    let (arch, int_ranges) =
+        zoo_arch(model, seq).with_context(|| format!("unknown model `{model}` ({MODELS})"))?;
+    let (t, inputs) = arch.training(batch, 7, opt)?;
+    let params = t.param_count();
+    Ok(Workload {
+        kind: Kind::Train,
+        model: model.into(),
+        graph: t.graph,
+        vars: t.vars,
+        inputs,
+        int_ranges,
+        fetch: t.loss,
+        params,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_models_have_feeds_in_range() {
+        for model in ["mlp", "lenet", "resnet18_cifar", "transformer"] {
+            for w in [
+                inference(model, 2, 8).unwrap(),
+                training(model, 2, 8, &Optimizer::sgd_momentum(0.1, 0.9, 0.0)).unwrap(),
+            ] {
+                let feeds = w.random_feeds(1).unwrap();
+                assert_eq!(feeds.len(), w.inputs.len(), "{model}");
+                for (name, ty) in &w.inputs {
+                    let t = &feeds[name];
+                    assert_eq!(t.shape(), &ty.shape, "{model} {name}");
+                    if let Ok(v) = t.i64s() {
+                        let hi = w.int_ranges[name] as i64;
+                        assert!(v.iter().all(|&x| (0..hi).contains(&x)), "{model} {name}");
+                    }
+                }
+                assert!(w.params > 0);
+            }
+        }
+    }
+
+    #[test]
+    fn training_fetches_the_loss_and_labels_cover_the_classes() {
+        let w = training("lenet", 3, 8, &Optimizer::sgd(0.1)).unwrap();
+        assert_eq!(w.kind, Kind::Train);
+        assert_eq!(w.fetch, "loss");
+        assert_eq!(w.int_ranges["labels"], 10);
+        assert!(w.inputs.iter().any(|(n, _)| n == "labels"));
+    }
+
+    #[test]
+    fn unknown_model_and_empty_batch_are_errors() {
+        let e = inference("vgg", 1, 8).unwrap_err().to_string();
+        assert!(e.contains("unknown model `vgg`"), "{e}");
+        assert!(training("vgg", 1, 8, &Optimizer::sgd(0.1)).is_err());
+        assert!(training("mlp", 0, 8, &Optimizer::sgd(0.1)).is_err());
+    }
+}

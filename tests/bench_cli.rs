@@ -1,0 +1,249 @@
+//! `lanes bench` end to end on small settings: the `lanes` binary is run as
+//! a user would, its stdout must be one JSON report, and both timed paths
+//! (the executor alone and the embedded service) must have run the same
+//! computation. CPU here; `LANES_TEST_DEVICE=cuda` runs the same cases on
+//! the GPU machine (with `LANES_BIN` pointing at the staged binary).
+//! Whole file: a few seconds on the 2-core development VM.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod util;
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn device() -> &'static str {
+    match std::env::var("LANES_TEST_DEVICE").as_deref() {
+        Ok("cuda") => "cuda",
+        _ => "cpu",
+    }
+}
+
+/// Runs `lanes bench <args> --device <device>`; returns the parsed report
+/// and stderr.
+fn bench(args: &[&str]) -> (Value, String) {
+    let out = Command::new(util::lanes_bin())
+        .arg("bench")
+        .args(args)
+        .args(["--device", device()])
+        .output()
+        .expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "lanes bench {args:?} failed:\n{stderr}"
+    );
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
+    assert_eq!(stdout.trim().lines().count(), 1, "one JSON line:\n{stdout}");
+    let v: Value = serde_json::from_str(stdout.trim()).expect("stdout is JSON");
+    (v, stderr)
+}
+
+fn ms(v: &Value, path: &str, key: &str) -> f64 {
+    v[path][key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{path}.{key} is a number in {v}"))
+}
+
+/// Every statistic of a path is positive and ordered.
+fn check_path(v: &Value, path: &str) {
+    let (min, p10, med, p90, max) = (
+        ms(v, path, "min_ms"),
+        ms(v, path, "p10_ms"),
+        ms(v, path, "median_ms"),
+        ms(v, path, "p90_ms"),
+        ms(v, path, "max_ms"),
+    );
+    assert!(min > 0.0, "{v}");
+    assert!(min <= p10 && p10 <= med && med <= p90 && p90 <= max, "{v}");
+    assert!(ms(v, path, "load_ms") >= 0.0);
+}
+
+fn close(a: f64, b: f64, rtol: f64) -> bool {
+    (a - b).abs() <= rtol * a.abs().max(b.abs()).max(1e-6)
+}
+
+#[test]
+fn train_on_both_paths_runs_the_same_steps() {
+    for model in ["mlp", "resnet18_cifar"] {
+        let (v, stderr) = bench(&[
+            "train", "--model", model, "--batch", "2", "--iters", "2", "--warmup", "1",
+        ]);
+        assert_eq!(v["bench"], "train");
+        assert_eq!(v["model"], model);
+        assert_eq!(v["batch"], 2);
+        assert_eq!(v["device"], device());
+        assert_eq!(v["fetch"], "loss");
+        assert_eq!(v["optimizer"]["momentum"].as_f64(), Some(0.9));
+        assert!(v["params"].as_u64().unwrap() > 0);
+        check_path(&v, "executor");
+        check_path(&v, "service");
+        let ratio = v["service_over_executor"].as_f64().expect("a ratio");
+        assert!(ratio > 0.0 && ratio.is_finite(), "{v}");
+        assert!(
+            close(
+                ratio,
+                ms(&v, "service", "median_ms") / ms(&v, "executor", "median_ms"),
+                1e-9
+            ),
+            "{v}"
+        );
+        // Same initial variables and feeds on both paths: the same losses,
+        // finite, and training moves them.
+        for key in ["loss_first", "loss_last"] {
+            let (e, s) = (ms(&v, "executor", key), ms(&v, "service", key));
+            assert!(e.is_finite() && e >= 0.0, "{v}");
+            let rtol = if device() == "cuda" { 2e-2 } else { 1e-4 };
+            assert!(close(e, s, rtol), "{key}: executor {e} service {s}");
+        }
+        assert_ne!(
+            ms(&v, "executor", "loss_first"),
+            ms(&v, "executor", "loss_last"),
+            "the loss changes from step to step: {v}"
+        );
+        for phase in ["building", "warm-up", "service: loading"] {
+            assert!(
+                stderr.contains(phase),
+                "progress `{phase}` on stderr:\n{stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn infer_on_the_service_path_alone() {
+    let (v, _) = bench(&[
+        "infer", "--model", "lenet", "--batch", "2", "--iters", "3", "--warmup", "1", "--path",
+        "service",
+    ]);
+    assert_eq!(v["bench"], "infer");
+    assert_eq!(v["model"], "lenet");
+    assert!(v["executor"].is_null(), "{v}");
+    assert!(v["service_over_executor"].is_null(), "{v}");
+    check_path(&v, "service");
+    assert!(v["service"]["endpoint"]
+        .as_str()
+        .unwrap()
+        .starts_with("tcp://127.0.0.1:"));
+    assert!(v["service"]["output_checksum"]
+        .as_f64()
+        .unwrap()
+        .is_finite());
+}
+
+#[test]
+fn infer_on_both_paths_gives_the_same_output() {
+    let (v, _) = bench(&[
+        "infer",
+        "--model",
+        "transformer",
+        "--seq",
+        "8",
+        "--batch",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+    ]);
+    assert_eq!(v["seq"], 8);
+    check_path(&v, "executor");
+    check_path(&v, "service");
+    assert!(v["service_over_executor"].as_f64().unwrap() > 0.0);
+    let (e, s) = (
+        ms(&v, "executor", "output_checksum"),
+        ms(&v, "service", "output_checksum"),
+    );
+    assert!(close(e, s, 1e-3), "executor {e} service {s}");
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let run = |args: &[&str]| {
+        let out = Command::new(util::lanes_bin())
+            .arg("bench")
+            .args(args)
+            .output()
+            .expect("lanes runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = run(&["train", "--model", "vgg", "--device", "cpu", "--iters", "1"]);
+    assert!(!ok);
+    assert!(
+        err.contains("unknown model `vgg`") && err.contains("resnet50"),
+        "{err}"
+    );
+    let (ok, err) = run(&["infer", "--model", "mlp", "--device", "cpu", "--iters", "0"]);
+    assert!(!ok);
+    assert!(err.contains("--iters must be positive"), "{err}");
+    let (ok, err) = run(&["infer", "--model", "mlp", "--path", "nowhere"]);
+    assert!(!ok);
+    assert!(err.contains("nowhere"), "{err}");
+    // Without a GPU, `--device cuda` fails with the reason on both paths,
+    // never a panic.
+    if lanes::exec::cuda::probe().is_err() {
+        for path in ["executor", "service"] {
+            let (ok, err) = run(&[
+                "train", "--model", "mlp", "--batch", "2", "--iters", "1", "--device", "cuda",
+                "--path", path,
+            ]);
+            assert!(!ok, "{path}");
+            assert!(!err.contains("panicked"), "{path}: {err}");
+            assert!(
+                err.to_lowercase().contains("gpu") || err.contains("libcuda"),
+                "{path}: {err}"
+            );
+        }
+    }
+}
+
+/// `bench switch`: every strategy switched the model back and its output was
+/// bit-identical to the resident run; the plan's groups match the strategy.
+#[test]
+fn switch_reports_every_strategy_with_identical_outputs() {
+    let (v, stderr) = bench(&["switch", "--model", "lenet", "--batch", "2", "--iters", "2"]);
+    assert!(stderr.contains("switching with pipelined"), "{stderr}");
+    assert_eq!(v["outputs_identical_to_resident"], Value::Bool(true), "{v}");
+    let units = v["units"].as_u64().unwrap();
+    assert!(units > 1, "{v}");
+    for s in ["pipelined", "per_layer", "single"] {
+        assert!(
+            v["strategies"][s]["median_ms"].as_f64().unwrap() > 0.0,
+            "{v}"
+        );
+    }
+    assert_eq!(v["strategies"]["single"]["groups"].as_u64(), Some(1));
+    assert_eq!(v["strategies"]["per_layer"]["groups"].as_u64(), Some(units));
+    assert!(v["persistent_bytes"].as_u64().unwrap() > 0);
+    assert!(v["lower_bound_ms"].as_f64().unwrap() > 0.0);
+}
+
+/// `bench pack`: three times more models than memory; every request is
+/// answered, some found their model evicted, and the counts add up.
+#[test]
+fn pack_oversubscribed_models_report_misses() {
+    let (v, _) = bench(&[
+        "pack",
+        "--model",
+        "mlp",
+        "--batch",
+        "2",
+        "--models",
+        "6",
+        "--fit",
+        "2",
+        "--requests",
+        "40",
+    ]);
+    let requests = v["requests"].as_u64().unwrap();
+    let hits = v["resident"]["count"].as_u64().unwrap();
+    let misses = v["evicted"]["count"].as_u64().unwrap();
+    assert_eq!(hits + misses, requests, "{v}");
+    assert!(misses > 0 && hits > 0, "{v}");
+    assert!(v["evictions"].as_u64().unwrap() >= misses, "{v}");
+    assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
+}

@@ -1,0 +1,121 @@
+//! Residency through the service: more inference models than the memory
+//! reservation holds, requests round-robin across them over real sockets.
+//! Idle models are evicted to host memory (least recently used first), a
+//! request for an evicted model brings it back pipelined, and every answer
+//! equals the model's own reference output.
+//!
+//! CPU backend in CI; `LANES_TEST_DEVICE=cuda` runs it on the GPU machine.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod util;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use lanes::compile;
+use lanes::exec::cpu::CpuProgram;
+use lanes_adaptor::wire::{Reply, Request};
+use lanes_adaptor::zoo::Arch;
+use lanes_adaptor::{validate, Client, ClientOptions, GraphLimits, SessionSpec, Tensor};
+
+const MODELS: usize = 3;
+
+fn arch() -> Arch {
+    Arch::Mlp {
+        inputs: 64,
+        hidden: vec![256, 128],
+        classes: 10,
+    }
+}
+
+fn client(endpoint: &str) -> Client {
+    Client::connect_with(
+        endpoint,
+        ClientOptions {
+            timeout: Duration::from_secs(60),
+            name: "residency_e2e".into(),
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn input(seed: u64) -> Tensor {
+    Tensor::from_f32([2, 64], util::values(seed, 128)).unwrap()
+}
+
+#[test]
+fn more_models_than_memory_answer_correctly_through_evictions() {
+    // Three models of one size; memory for two (sum P + max T of two, plus
+    // half a model of slack).
+    let models: Vec<_> = (0..MODELS as u64)
+        .map(|seed| arch().inference(2, seed).unwrap())
+        .collect();
+    let valid = validate(models[0].graph.clone(), &GraphLimits::default()).unwrap();
+    let plan = compile::plan(&valid).unwrap();
+    let (p, t) = (plan.persistent, plan.ephemeral);
+    let memory = 2 * p + t + p / 2 + 4096;
+    assert!(3 * p + t > memory, "three models must not fit at once");
+    let service = util::start_with(|c| c.memory_bytes = Some(memory));
+    let ep = service.endpoint().to_string();
+
+    // The reference output of each model for each input.
+    let reference = |m: usize, seed: u64| -> Vec<f32> {
+        let v = validate(models[m].graph.clone(), &GraphLimits::default()).unwrap();
+        let mut prog = CpuProgram::new(v, models[m].vars.clone()).unwrap();
+        let feeds = BTreeMap::from([(models[m].inputs[0].0.clone(), input(seed))]);
+        prog.run(&feeds, std::slice::from_ref(&models[m].output))
+            .unwrap()[0]
+            .f32s()
+            .unwrap()
+            .to_vec()
+    };
+
+    let mut clients: Vec<Client> = (0..MODELS).map(|_| client(&ep)).collect();
+    let mut ids = Vec::new();
+    for (m, c) in clients.iter_mut().enumerate() {
+        let id = match c
+            .request(&Request::OpenSession(SessionSpec::inference(format!(
+                "model-{m}"
+            ))))
+            .unwrap()
+        {
+            Reply::SessionOpened { session } => session,
+            other => panic!("unexpected reply {other:?}"),
+        };
+        c.load_in(id, &models[m].graph, models[m].vars.clone())
+            .unwrap();
+        ids.push(id);
+    }
+    // Round robin: after the first round every request finds its model
+    // evicted for the one before it.
+    for round in 0..4u64 {
+        for (m, c) in clients.iter_mut().enumerate() {
+            let seed = round * 10 + m as u64;
+            let out = c
+                .run_in(
+                    ids[m],
+                    vec![(models[m].inputs[0].0.as_str(), input(seed))],
+                    &[&models[m].output],
+                )
+                .unwrap();
+            assert_eq!(
+                out[0].f32s().unwrap(),
+                &reference(m, seed)[..],
+                "model {m}, round {round}"
+            );
+        }
+    }
+    let st = client(&ep).status().unwrap();
+    let evictions: u64 = st.sessions.iter().map(|s| s.evictions).sum();
+    let returns: u64 = st.sessions.iter().map(|s| s.returns).sum();
+    assert!(evictions >= 4, "evictions {evictions}: {:?}", st.sessions);
+    assert!(returns >= 4, "returns {returns}");
+    assert!(
+        st.sessions.iter().filter(|s| s.resident).count() <= 2,
+        "at most two models fit: {:?}",
+        st.sessions
+    );
+    let lanes = st.lanes.expect("lanes in status");
+    assert!(lanes.contains("queue: empty"), "{lanes}");
+}

@@ -1,0 +1,262 @@
+//! Residency and pipelined switching: after any sequence of evictions and
+//! pipelined loads (every strategy), outputs are bit-identical to a run that
+//! stayed resident, for inference and for training (optimizer state included).
+//!
+//! Runs on the CPU backend in CI; `LANES_TEST_DEVICE=cuda` runs the same
+//! tests on the CUDA backend (on the GPU machine).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+
+use lanes::exec::cpu::CpuProgram;
+use lanes::exec::cuda::CudaProgram;
+use lanes::exec::ExecError;
+use lanes::residency::{Strategy, SwitchReport};
+use lanes_adaptor::zoo::Arch;
+use lanes_adaptor::{validate, DType, GraphLimits, Optimizer, Tensor, TensorType, VarValues};
+
+/// The backend under test, with one interface.
+enum Prog {
+    Cpu(CpuProgram),
+    Cuda(Box<CudaProgram>),
+}
+
+fn cuda() -> bool {
+    std::env::var("LANES_TEST_DEVICE").as_deref() == Ok("cuda")
+}
+
+impl Prog {
+    fn new(graph: lanes_adaptor::Graph, vars: VarValues) -> Prog {
+        let v = validate(graph, &GraphLimits::default()).unwrap();
+        if cuda() {
+            Prog::Cuda(Box::new(CudaProgram::new(v, vars).unwrap()))
+        } else {
+            Prog::Cpu(CpuProgram::new(v, vars).unwrap())
+        }
+    }
+    fn run(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+        s: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        match self {
+            Prog::Cpu(p) => p.run_switching(feeds, fetches, s),
+            Prog::Cuda(p) => p.run_switching(feeds, fetches, s),
+        }
+    }
+    fn evict(&mut self) -> u64 {
+        match self {
+            Prog::Cpu(p) => p.evict().unwrap(),
+            Prog::Cuda(p) => p.evict().unwrap(),
+        }
+    }
+    fn resident(&self) -> bool {
+        match self {
+            Prog::Cpu(p) => p.is_resident(),
+            Prog::Cuda(p) => p.is_resident(),
+        }
+    }
+    fn vars(&self) -> VarValues {
+        match self {
+            Prog::Cpu(p) => p.read_variables(&[]).unwrap(),
+            Prog::Cuda(p) => p.read_variables(&[]).unwrap(),
+        }
+    }
+    fn write(&mut self, v: VarValues) {
+        match self {
+            Prog::Cpu(p) => p.write_variables(v).unwrap(),
+            Prog::Cuda(p) => p.write_variables(v).unwrap(),
+        }
+    }
+}
+
+fn feeds_for(inputs: &[(String, TensorType)], seed: u64, classes: i64) -> BTreeMap<String, Tensor> {
+    let mut s = seed;
+    let mut next = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    inputs
+        .iter()
+        .map(|(name, ty)| {
+            let n = ty.shape.numel();
+            let t = match ty.dtype {
+                DType::F32 => Tensor::from_f32(
+                    ty.shape.clone(),
+                    (0..n)
+                        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
+                        .collect(),
+                ),
+                DType::I64 => Tensor::from_i64(
+                    ty.shape.clone(),
+                    (0..n).map(|_| (next() as i64) % classes).collect(),
+                ),
+            };
+            (name.clone(), t.unwrap())
+        })
+        .collect()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.f32s().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+fn models() -> Vec<Arch> {
+    vec![
+        Arch::Mlp {
+            inputs: 64,
+            hidden: vec![64, 32],
+            classes: 10,
+        },
+        Arch::LeNet {
+            channels: 1,
+            image: 28,
+            classes: 10,
+        },
+        Arch::Transformer {
+            vocab: 50,
+            seq: 8,
+            dim: 16,
+            heads: 2,
+            ff: 32,
+            classes: 4,
+        },
+    ]
+}
+
+#[test]
+fn inference_after_evictions_is_bit_identical_for_every_strategy() {
+    for arch in models() {
+        let m = arch.inference(2, 7).unwrap();
+        let feeds = feeds_for(&m.inputs, 3, 4);
+        let fetch = [m.output.clone()];
+        let mut p = Prog::new(m.graph, m.vars);
+        let (want, rep) = p.run(&feeds, &fetch, Strategy::Pipelined).unwrap();
+        assert!(rep.is_none(), "resident runs switch nothing");
+        let want = bits(&want[0]);
+        for round in 0..2 {
+            for s in Strategy::ALL {
+                let copied = p.evict();
+                assert!(!p.resident());
+                // The first eviction copies; an inference model's host copy
+                // stays current, so later ones copy nothing.
+                assert_eq!(
+                    copied > 0,
+                    round == 0 && s == Strategy::Pipelined,
+                    "{}",
+                    arch.name()
+                );
+                assert_eq!(p.evict(), 0, "evicting twice is a no-op");
+                let (got, rep) = p.run(&feeds, &fetch, s).unwrap();
+                let rep = rep.expect("a non-resident run switches");
+                assert_eq!(rep.strategy, s);
+                assert!(rep.groups >= 1 && rep.bytes > 0);
+                match s {
+                    Strategy::Single => assert_eq!(rep.groups, 1),
+                    Strategy::PerLayer => assert!(rep.groups > 1),
+                    Strategy::Pipelined => {}
+                }
+                assert!(p.resident());
+                assert_eq!(bits(&got[0]), want, "{} {s} round {round}", arch.name());
+                // And resident again afterwards.
+                let (again, rep) = p.run(&feeds, &fetch, s).unwrap();
+                assert!(rep.is_none());
+                assert_eq!(bits(&again[0]), want);
+            }
+        }
+    }
+}
+
+#[test]
+fn training_with_evictions_matches_training_without() {
+    let arch = Arch::LeNet {
+        channels: 1,
+        image: 28,
+        classes: 10,
+    };
+    let opt = Optimizer::adam(1e-3);
+    let build = || {
+        let (t, inputs) = arch.training(2, 5, &opt).unwrap();
+        (Prog::new(t.graph, t.vars), inputs, t.loss)
+    };
+    let (mut steady, inputs, loss) = build();
+    let (mut switched, _, _) = build();
+    let fetch = [loss];
+    for step in 0..6u64 {
+        let feeds = feeds_for(&inputs, 100 + step, 10);
+        let (a, _) = steady.run(&feeds, &fetch, Strategy::Pipelined).unwrap();
+        // Evict before every other step, cycling through the strategies.
+        if step % 2 == 1 {
+            assert!(switched.evict() > 0, "training state is copied out");
+        }
+        let s = Strategy::ALL[(step as usize / 2) % 3];
+        let (b, rep) = switched.run(&feeds, &fetch, s).unwrap();
+        assert_eq!(rep.is_some(), step % 2 == 1);
+        assert_eq!(bits(&a[0]), bits(&b[0]), "loss at step {step}");
+    }
+    let (va, vb) = (steady.vars(), switched.vars());
+    assert_eq!(va.len(), vb.len());
+    for (name, t) in &va {
+        assert_eq!(bits(t), bits(&vb[name]), "variable {name}");
+    }
+}
+
+#[test]
+fn variables_are_readable_and_writable_while_evicted() {
+    let arch = Arch::Mlp {
+        inputs: 8,
+        hidden: vec![4],
+        classes: 3,
+    };
+    let m = arch.inference(1, 1).unwrap();
+    let feeds = feeds_for(&m.inputs, 9, 3);
+    let fetch = [m.output.clone()];
+    let mut p = Prog::new(m.graph.clone(), m.vars.clone());
+    let before = p.vars();
+    p.evict();
+    assert_eq!(p.vars(), before, "read from the host copy");
+    // A write while evicted lands in the host copy and is used on return.
+    let zeroed: VarValues = before
+        .iter()
+        .map(|(n, t)| {
+            let z = vec![0.0; t.shape().numel()];
+            (n.clone(), Tensor::from_f32(t.shape().clone(), z).unwrap())
+        })
+        .collect();
+    p.write(zeroed.clone());
+    assert!(!p.resident());
+    let (out, _) = p.run(&feeds, &fetch, Strategy::Pipelined).unwrap();
+    assert!(out[0].f32s().unwrap().iter().all(|&x| x == 0.0));
+    assert_eq!(p.vars(), zeroed);
+}
+
+#[test]
+fn plans_cover_every_unit_in_order() {
+    let m = Arch::LeNet {
+        channels: 1,
+        image: 28,
+        classes: 10,
+    }
+    .inference(2, 1)
+    .unwrap();
+    let v = validate(m.graph, &GraphLimits::default()).unwrap();
+    let mut p = CpuProgram::new(v, m.vars).unwrap();
+    let feeds = feeds_for(&m.inputs, 1, 10);
+    p.run(&feeds, std::slice::from_ref(&m.output)).unwrap();
+    assert!(p.profile().is_some(), "the first resident run is profiled");
+    p.evict().unwrap();
+    let units = p.layout().units.len();
+    assert!(units >= 8, "LeNet has weights and biases in several layers");
+    for s in Strategy::ALL {
+        let plan = p.plan(s);
+        assert_eq!(plan.starts[0], 0);
+        assert!(plan.starts.windows(2).all(|w| w[0] < w[1]));
+        assert!(plan.starts.iter().all(|&u| u < units));
+        assert!(plan.predicted.is_finite() && plan.predicted > 0.0);
+    }
+    assert!(p.plan(Strategy::Pipelined).predicted <= p.plan(Strategy::Single).predicted);
+    assert!(p.plan(Strategy::Pipelined).predicted <= p.plan(Strategy::PerLayer).predicted);
+}
