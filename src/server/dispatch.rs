@@ -343,6 +343,39 @@ mod tests {
     }
 
     #[test]
+    fn workers_report_durations_to_the_policy_queue() {
+        use crate::server::policy_queue::{PolicyChoice, PolicyQueue};
+        let d = Dispatcher::new(Box::new(PolicyQueue::of(PolicyChoice::Srtf)));
+        assert_eq!(d.policy(), "srtf");
+        let run = |s, id| {
+            let mut i = item(s, id);
+            i.work = Work::Run {
+                feeds: vec![],
+                fetches: vec![],
+            };
+            i.expected_iterations = Some(10);
+            i
+        };
+        d.submit(run(1, 1));
+        let a = d.next().unwrap();
+        d.done(a.session, Duration::from_millis(7));
+        let st = d.stats(SessionId(1)).unwrap();
+        assert_eq!(
+            (st.iterations, st.service_total),
+            (1, Duration::from_millis(7))
+        );
+        assert!(d.is_idle(SessionId(1)));
+        // Cancelling a session takes its job out of the policy.
+        d.submit(run(1, 2));
+        assert_eq!(d.cancel(SessionId(1)), 1);
+        assert!(d.stats(SessionId(1)).is_none());
+        assert_eq!(
+            Dispatcher::new(Box::new(FifoQueue::default())).policy(),
+            "fifo-requests"
+        );
+    }
+
+    #[test]
     fn cancel_and_shutdown() {
         let d = Dispatcher::new(Box::new(FifoQueue::default()));
         d.submit(item(1, 1));
