@@ -366,10 +366,15 @@ fn a_trace_replays_against_the_service_and_tracks_the_simulator() {
     )
     .unwrap();
     let (live, sim) = (Summary::of(&r.run), Summary::of(&sim));
-    // Loose: the machine running tests is shared; docs/scheduling.md has
-    // the measured comparison.
+    eprintln!(
+        "live {} s, simulated as run {} s",
+        live.avg_jct_s, sim.avg_jct_s
+    );
+    // Loose (0.8 s of trace time is 0.2 s of wall time for a thread that
+    // was not scheduled): the machine running tests is shared;
+    // docs/scheduling.md has the measured comparison.
     assert!(
-        live.avg_jct_s >= 0.8 * sim.avg_jct_s && live.avg_jct_s <= 2.5 * sim.avg_jct_s + 0.2,
+        live.avg_jct_s >= 0.8 * sim.avg_jct_s && live.avg_jct_s <= 2.0 * sim.avg_jct_s + 0.8,
         "live {} vs simulated {}",
         live.avg_jct_s,
         sim.avg_jct_s
