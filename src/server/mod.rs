@@ -2,12 +2,14 @@
 //! the workers that run sessions' requests.
 //!
 //! Threads:
-//! - the **socket thread** ([`frontend`]) owns the ROUTER socket and the
+//! - the **socket thread** (`frontend.rs`) owns the ROUTER socket and the
 //!   session table. It decodes every message (bounded by [`Limits`]),
 //!   answers control requests itself (Hello, OpenSession, CloseSession,
 //!   Status), queues compute requests on the [`dispatch::Dispatcher`], and
 //!   reclaims sessions that have been silent past the idle timeout;
-//! - **workers** ([`worker`]) take items from the dispatcher, run them on
+//! - the dispatcher's queue ([`policy_queue::PolicyQueue`]) decides whose
+//!   Run goes next under the `--policy` ([`PolicyChoice`]);
+//! - **workers** (`worker.rs`) take items from the dispatcher, run them on
 //!   the session's program, encode the reply and hand it back to the socket
 //!   thread over an `inproc://` PUSH/PULL pair (ZeroMQ moves the frames
 //!   without copying).
