@@ -68,13 +68,20 @@ fn close(a: f64, b: f64, rtol: f64) -> bool {
 fn train_on_both_paths_runs_the_same_steps() {
     for model in ["mlp", "resnet18_cifar"] {
         let (v, stderr) = bench(&[
-            "train", "--model", model, "--batch", "2", "--iters", "2", "--warmup", "1",
+            "train", "--model", model, "--batch", "2", "--iters", "2", "--warmup", "0",
         ]);
         assert_eq!(v["bench"], "train");
         assert_eq!(v["model"], model);
         assert_eq!(v["batch"], 2);
         assert_eq!(v["device"], device());
         assert_eq!(v["fetch"], "loss");
+        assert_eq!(v["isolation"], "a process per path");
+        assert_eq!(v["precision"]["dtype"], "f32");
+        if device() == "cuda" {
+            // PyTorch's defaults, which benches/torch_ref.py sets.
+            assert_eq!(v["precision"]["conv_tf32"], Value::Bool(true), "{v}");
+            assert_eq!(v["precision"]["matmul_tf32"], Value::Bool(false), "{v}");
+        }
         assert_eq!(v["optimizer"]["momentum"].as_f64(), Some(0.9));
         assert!(v["params"].as_u64().unwrap() > 0);
         check_path(&v, "executor");
@@ -89,12 +96,17 @@ fn train_on_both_paths_runs_the_same_steps() {
             ),
             "{v}"
         );
-        // Same initial variables and feeds on both paths: the same losses,
-        // finite, and training moves them.
-        for key in ["loss_first", "loss_last"] {
+        // Same initial variables and feeds on both paths, no warm-up: the
+        // first timed step's loss is the loss at the initial weights, the
+        // last one after one update. The GPU's reductions with atomics are
+        // not bit-reproducible and training amplifies that from step to step
+        // (run to run, even on one path), so after an update the GPU
+        // tolerance is looser; seen on the H100: 2e-4 apart after one step,
+        // identical at the initial weights.
+        for (key, cuda_rtol) in [("loss_first", 1e-4), ("loss_last", 5e-3)] {
             let (e, s) = (ms(&v, "executor", key), ms(&v, "service", key));
             assert!(e.is_finite() && e >= 0.0, "{v}");
-            let rtol = if device() == "cuda" { 2e-2 } else { 1e-4 };
+            let rtol = if device() == "cuda" { cuda_rtol } else { 1e-4 };
             assert!(close(e, s, rtol), "{key}: executor {e} service {s}");
         }
         assert_ne!(
@@ -146,8 +158,10 @@ fn infer_on_both_paths_gives_the_same_output() {
         "2",
         "--warmup",
         "0",
+        "--same-process",
     ]);
     assert_eq!(v["seq"], 8);
+    assert_eq!(v["isolation"], "one process");
     check_path(&v, "executor");
     check_path(&v, "service");
     assert!(v["service_over_executor"].as_f64().unwrap() > 0.0);

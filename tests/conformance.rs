@@ -828,10 +828,14 @@ fn graph_replay_matches_op_by_op() {
                 ..CudaOptions::default()
             };
             let mut p = CudaProgram::with_options(vg.clone(), built.vars.clone(), opts).unwrap();
+            // The first iteration warms up, the second is profiled op by
+            // op (for switching), the third is recorded and replayed.
             let first = p.run(&feeds, &fetch).unwrap();
             let second = p.run(&feeds, &fetch).unwrap();
+            let third = p.run(&feeds, &fetch).unwrap();
             assert_eq!(p.uses_cuda_graph(), cuda_graph);
             assert_eq!(first, second, "repeated runs differ (graph {cuda_graph})");
+            assert_eq!(first, third, "repeated runs differ (graph {cuda_graph})");
             outs.push(first);
         }
         let w = compare(

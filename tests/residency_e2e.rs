@@ -87,11 +87,15 @@ fn more_models_than_memory_answer_correctly_through_evictions() {
             .unwrap();
         ids.push(id);
     }
-    // Round robin: after the first round every request finds its model
-    // evicted for the one before it.
+    // Round robin with the same input per model: after the first round every
+    // request finds its model evicted for the one before it. The first answer
+    // matches the CPU reference (exactly on the CPU backend, within float
+    // tolerance on the GPU); later ones are bit-identical to the first.
+    let gpu = std::env::var("LANES_TEST_DEVICE").as_deref() == Ok("cuda");
+    let mut first: Vec<Vec<u32>> = Vec::new();
     for round in 0..4u64 {
         for (m, c) in clients.iter_mut().enumerate() {
-            let seed = round * 10 + m as u64;
+            let seed = m as u64;
             let out = c
                 .run_in(
                     ids[m],
@@ -99,11 +103,24 @@ fn more_models_than_memory_answer_correctly_through_evictions() {
                     &[&models[m].output],
                 )
                 .unwrap();
-            assert_eq!(
-                out[0].f32s().unwrap(),
-                &reference(m, seed)[..],
-                "model {m}, round {round}"
-            );
+            let got = out[0].f32s().unwrap();
+            let bits: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+            if round == 0 {
+                let want = reference(m, seed);
+                if gpu {
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "model {m}: {g} vs {w}"
+                        );
+                    }
+                } else {
+                    assert_eq!(got, &want[..], "model {m}");
+                }
+                first.push(bits);
+            } else {
+                assert_eq!(bits, first[m], "model {m}, round {round}");
+            }
         }
     }
     let st = client(&ep).status().unwrap();

@@ -20,6 +20,7 @@ use anyhow::{bail, Context};
 use lanes_adaptor::Optimizer;
 use serde_json::{json, Value};
 
+mod isolate;
 pub mod models;
 pub mod pack;
 mod paths;
@@ -93,6 +94,17 @@ struct RunOpts {
     /// kind (stderr and `executor.op_profile` in the JSON).
     #[arg(long)]
     op_profile: bool,
+    /// With `--path both`: time both paths in this process, one after the
+    /// other, instead of each in a fresh child process.
+    #[arg(long)]
+    same_process: bool,
+}
+
+impl RunOpts {
+    /// `--path both` in child processes: this process builds nothing.
+    fn isolated(&self) -> bool {
+        self.path == PathChoice::Both && !self.same_process
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -140,6 +152,12 @@ fn check_device(d: Device) -> anyhow::Result<()> {
 }
 
 fn infer(a: InferArgs) -> anyhow::Result<()> {
+    // The children check the device: a probe here would hold a CUDA
+    // context in this process while they run.
+    if a.run.isolated() {
+        println!("{}", isolate::both()?);
+        return Ok(());
+    }
     check_device(a.run.device)?;
     let since = Instant::now();
     progress(
@@ -156,6 +174,12 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
 fn train(a: TrainArgs) -> anyhow::Result<()> {
     if !(a.lr.is_finite() && a.lr > 0.0 && (0.0..1.0).contains(&a.momentum)) {
         bail!("--lr must be positive and --momentum in [0, 1)");
+    }
+    // The children check the device: a probe here would hold a CUDA
+    // context in this process while they run.
+    if a.run.isolated() {
+        println!("{}", isolate::both()?);
+        return Ok(());
     }
     check_device(a.run.device)?;
     let since = Instant::now();
@@ -206,7 +230,9 @@ fn bench(
     let want_service = matches!(o.path, PathChoice::Service | PathChoice::Both);
     let mut gpu = None;
     let mut service_device = None;
-    // One path at a time, so the two never hold device memory together.
+    // One path at a time, so the two never hold device memory together
+    // (`--same-process`; by default `--path both` runs each in its own
+    // process, see `isolate`).
     let exec = if want_exec {
         let (r, g) = paths::executor(w, w.vars.clone(), &feeds, &timing, since)?;
         gpu = g;
@@ -225,12 +251,21 @@ fn bench(
         (Some(e), Some(s)) if e.stats.median > 0.0 => Some(s.stats.median / e.stats.median),
         _ => None,
     };
+    // Both paths build their CUDA programs with these defaults (the executor
+    // path changes only `cuda_graph`).
+    let d = lanes::exec::cuda::CudaOptions::default();
     let precision = match o.device {
-        Device::Cuda => {
-            "fp32; convolutions may use TF32 (cuDNN default math), matrix products full FP32 \
-             (PyTorch defaults: cudnn.allow_tf32=True, matmul.allow_tf32=False)"
-        }
-        Device::Cpu => "fp32",
+        Device::Cuda => json!({
+            "dtype": "f32",
+            "conv_tf32": d.conv_tf32,
+            "matmul_tf32": d.matmul_tf32,
+            "pytorch_equivalent": format!(
+                "cudnn.allow_tf32={}, matmul.allow_tf32={}",
+                py_bool(d.conv_tf32),
+                py_bool(d.matmul_tf32)
+            ),
+        }),
+        Device::Cpu => json!({ "dtype": "f32" }),
     };
     Ok(json!({
         "bench": w.kind.name(),
@@ -250,5 +285,14 @@ fn bench(
         "executor": exec.map(|r| r.json),
         "service": service.map(|r| r.json),
         "service_over_executor": ratio,
+        "isolation": if o.path == PathChoice::Both { "one process" } else { "one path" },
     }))
+}
+
+fn py_bool(b: bool) -> &'static str {
+    if b {
+        "True"
+    } else {
+        "False"
+    }
 }

@@ -71,10 +71,12 @@ pub struct CudaProgram {
     pub(super) workspace: u64,
     pub(super) workspace_bytes: usize,
     pub(super) options: CudaOptions,
-    /// The recorded iteration, once captured.
-    captured: Option<CudaGraph>,
-    /// Capture failed once: launch op by op from then on.
-    capture_failed: bool,
+    /// The recorded iteration per arena base it was recorded at (a switch
+    /// may bring the arena back elsewhere; the pool hands out few distinct
+    /// addresses, so a handful stay valid), most recent last.
+    captured: Vec<(u64, CudaGraph)>,
+    /// Captures that failed; after [`CAPTURE_TRIES`] launch op by op.
+    capture_failures: u32,
     /// Residency: persistent tensors sit at the arena's start in first-use
     /// order, so a group of units is one contiguous copy.
     res: Residency,
@@ -113,14 +115,19 @@ struct Residency {
     /// Per-strategy recorded segments (one CUDA graph per group's nodes,
     /// after the prefix), valid at the arena base and cut they were
     /// recorded for.
-    segments: std::collections::HashMap<Strategy, Segments>,
+    segments: std::collections::HashMap<(Strategy, u64), Segments>,
     /// Cached group plans (cleared when a cost changes).
     plans: std::collections::HashMap<Strategy, GroupPlan>,
 }
 
+/// Failed recordings of the iteration before a program stops trying.
+const CAPTURE_TRIES: u32 = 3;
+
+/// How many arena bases keep their recorded graphs.
+const GRAPHS_KEPT: usize = 4;
+
 /// A switch's recorded compute: the prefix, then one graph per group.
 struct Segments {
-    base: u64,
     starts: Vec<usize>,
     graphs: Vec<Option<CudaGraph>>,
 }
@@ -345,10 +352,6 @@ impl CudaProgram {
             let (p, _sync) = arena.device_ptr(&self.stream);
             p
         };
-        if base != self.base {
-            // The recorded graph points at the old addresses.
-            self.captured = None;
-        }
         self.base = base;
         self.arena = Some(arena);
         let p = self.res.bytes;
@@ -427,8 +430,8 @@ impl CudaProgram {
         let recorded = self
             .res
             .segments
-            .get(&strategy)
-            .filter(|sg| sg.base == base && sg.starts == plan.starts);
+            .get(&(strategy, base))
+            .filter(|sg| sg.starts == plan.starts);
         let replayed = recorded.is_some();
         let launched = if let Some(sg) = recorded {
             // Prefix, then each group's segment after its copy event.
@@ -473,12 +476,19 @@ impl CudaProgram {
         copy.synchronize().map_err(|e| dev_err("copy stream", e))?;
         self.res.resident = true;
         self.res.dirty = self.res.updates;
-        if !replayed && r.is_ok() && self.options.cuda_graph && !self.capture_failed {
+        if !replayed
+            && r.is_ok()
+            && self.options.cuda_graph
+            && self.capture_failures < CAPTURE_TRIES
+        {
             // Record this cut's segments for the next switch at this base.
             // Recording launches nothing: the switch's result is unchanged.
             match self.record_segments(&plan) {
                 Ok(sg) => {
-                    self.res.segments.insert(strategy, sg);
+                    if self.res.segments.len() >= 3 * GRAPHS_KEPT {
+                        self.res.segments.clear();
+                    }
+                    self.res.segments.insert((strategy, base), sg);
                 }
                 Err(e) => tracing::debug!(error = %e, "segments not recorded"),
             }
@@ -732,8 +742,8 @@ impl CudaProgram {
             workspace,
             workspace_bytes: ws_bytes,
             options,
-            captured: None,
-            capture_failed: false,
+            captured: Vec::new(),
+            capture_failures: 0,
             res: Residency {
                 updates,
                 layout,
@@ -976,25 +986,42 @@ impl CudaProgram {
             // boundaries: the compute profile pipelined switching plans with.
             return self.launch_profiled();
         }
-        if !self.options.cuda_graph || self.capture_failed {
+        if !self.options.cuda_graph || self.capture_failures >= CAPTURE_TRIES {
             return self.launch_nodes();
         }
-        if self.captured.is_none() {
+        let base = self.base;
+        if !self.captured.iter().any(|(b, _)| *b == base) {
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(|e| dev_err("begin capture", e))?;
             let launched = self.launch_nodes();
             let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
             match (launched, ended) {
-                (Ok(()), Ok(Some(g))) => self.captured = Some(g),
-                _ => {
-                    // Nothing ran while capturing: run op by op instead.
-                    self.capture_failed = true;
+                (Ok(()), Ok(Some(g))) => {
+                    if self.captured.len() >= GRAPHS_KEPT {
+                        self.captured.remove(0);
+                    }
+                    self.captured.push((base, g));
+                }
+                (launched, ended) => {
+                    // Nothing ran while capturing: run op by op this time.
+                    self.capture_failures += 1;
+                    tracing::warn!(
+                        failures = self.capture_failures,
+                        launched = ?launched.err(),
+                        ended = ?ended.err(),
+                        "recording the iteration as a CUDA graph failed"
+                    );
                     return self.launch_nodes();
                 }
             }
         }
-        match &self.captured {
+        let graph = self
+            .captured
+            .iter()
+            .find(|(b, _)| *b == base)
+            .map(|(_, g)| g);
+        match graph {
             Some(g) if self.res.graph_secs.is_none() => {
                 let e0 = self.event(&self.stream, true)?;
                 g.launch().map_err(|e| dev_err("graph launch", e))?;
@@ -1042,7 +1069,6 @@ impl CudaProgram {
             }
         }
         Ok(Segments {
-            base: self.base,
             starts: plan.starts.clone(),
             graphs,
         })
@@ -1104,7 +1130,7 @@ impl CudaProgram {
 
     /// Whether iterations replay a recorded CUDA graph.
     pub fn uses_cuda_graph(&self) -> bool {
-        self.captured.is_some()
+        self.captured.iter().any(|(b, _)| *b == self.base)
     }
 
     /// Current values of the named variables (all variables when `names` is empty).
