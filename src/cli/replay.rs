@@ -1,18 +1,34 @@
 //! `lanes replay`: run a trace live and compare with the simulator's
 //! prediction for the same trace and policy.
 //!
-//! `--endpoint embedded` starts the in-process live replay of
-//! `lanes::sim::live`: a scheduler thread with the service's
-//! `sched::Scheduler`, one worker thread per lane and one client thread per
-//! job, on the real clock, with time scaled by `--time-scale`. Each iteration
-//! sleeps for its scaled duration (a host thread waiting on its device).
+//! `--endpoint` picks what runs it:
+//! - `embedded` (default): the in-process live replay of `lanes::sim::live`,
+//!   a scheduler thread with the service's `sched::Scheduler`, one worker
+//!   thread per lane and one client thread per job, on the real clock, with
+//!   time scaled by `--time-scale`; each iteration sleeps for its scaled
+//!   duration (a host thread waiting on its device);
+//! - `serve`: starts a real `lanes serve` in this process (loopback TCP, one
+//!   worker, `--policy`; `all` starts one per policy) and replays against it
+//!   as below;
+//! - a ZeroMQ address (`tcp://…`, `ipc://…`): a running `lanes serve`;
+//!   `lanes::sim::remote` opens one session per trace job with a zoo MLP
+//!   sized so an iteration takes the scaled trace time, and the policy is
+//!   the service's own (`--policy`, if given, must match it).
+//!
+//! Against a service the simulator is run twice: on the trace as given, and
+//! on the trace "as run" (each job's iteration time replaced by the mean the
+//! service measured), which separates model-sizing error from scheduling
+//! error.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
+use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
-    load_trace, parse_size, replay_live, simulate, table, LiveConfig, SimConfig, SleepWork, Summary,
+    calibrate, load_trace, parse_size, replay_live, replay_remote, service_policy, simulate, table,
+    Calibration, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
 };
 use lanes_policies::{by_name, POLICY_NAMES};
 
@@ -21,21 +37,33 @@ pub struct Args {
     /// Trace file (CSV, see docs/scheduling.md).
     #[arg(long)]
     pub trace: PathBuf,
-    /// Where to run it; `embedded` runs an in-process service.
+    /// `embedded` (in-process threads that sleep), `serve` (a real service
+    /// started in this process), or the address of a running `lanes serve`.
     #[arg(long, default_value = "embedded")]
     pub endpoint: String,
-    /// fifo, srtf, fair, pack, priority, or all.
-    #[arg(long, default_value = "srtf")]
-    pub policy: String,
+    /// fifo, srtf, fair, pack, priority, or all (default: srtf; against a
+    /// running service, the service's policy).
+    #[arg(long)]
+    pub policy: Option<String>,
     /// Wall-clock seconds per trace second.
     #[arg(long, default_value_t = 0.1)]
     pub time_scale: f64,
-    /// Device memory shared by the lanes.
+    /// Device memory shared by the lanes (embedded replay and simulator).
     #[arg(long, default_value = "16G")]
     pub memory: String,
-    /// Number of equal lanes.
+    /// Number of equal lanes (embedded replay only; a service replay is one lane).
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
+    /// Runs each job keeps outstanding against a service (enough that its
+    /// next Run is always queued when one finishes).
+    #[arg(long, default_value_t = 4)]
+    pub pipeline: usize,
+    /// Width of the replayed MLPs' layers.
+    #[arg(long, default_value_t = 128)]
+    pub width: usize,
+    /// Batch of the replayed MLPs.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -48,69 +76,212 @@ struct Comparison {
     live: Summary,
     /// live average JCT / simulated average JCT.
     live_over_sim_avg_jct: f64,
+    /// Against a service: the simulator on the trace as it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    simulated_as_run: Option<Summary>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    live_over_sim_as_run_avg_jct: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calibration: Option<Calibration>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    depths: Option<Vec<usize>>,
+    /// Against a service: per job, the trace's iteration time and the
+    /// service's measured mean (both ms of trace time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    iteration_ms: Option<Vec<JobIteration>>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct JobIteration {
+    job: u64,
+    trace_ms: f64,
+    measured_ms: f64,
+}
+
+fn ratio(live: &Summary, sim: &Summary) -> f64 {
+    if sim.avg_jct_s > 0.0 {
+        live.avg_jct_s / sim.avg_jct_s
+    } else {
+        0.0
+    }
+}
+
+fn policy_names(arg: Option<&str>, default: &'static str) -> Vec<String> {
+    match arg {
+        Some("all") => POLICY_NAMES.iter().map(|s| s.to_string()).collect(),
+        Some(p) => vec![p.to_string()],
+        None => vec![default.to_string()],
+    }
+}
+
+fn sim_summary(
+    trace: &[TraceJob],
+    name: &str,
+    memory: u64,
+    lanes: usize,
+) -> anyhow::Result<Summary> {
+    let run = simulate(trace, by_name(name)?.as_mut(), SimConfig { memory, lanes })?;
+    Ok(Summary::of(&run))
+}
+
+/// Replays against the service at `endpoint`, which runs `policy`.
+fn against_service(
+    args: &Args,
+    trace: &[TraceJob],
+    endpoint: &str,
+    policy: &'static str,
+    memory: u64,
+) -> anyhow::Result<Comparison> {
+    let cfg = RemoteConfig {
+        time_scale: args.time_scale,
+        pipeline: args.pipeline,
+        width: args.width,
+        batch: args.batch,
+        ..RemoteConfig::new(endpoint)
+    };
+    let calibration = calibrate(&cfg).context("calibrating the models on the service")?;
+    let r = replay_remote(trace, policy, &cfg, &calibration)?;
+    let simulated = sim_summary(trace, policy, memory, 1)?;
+    let as_run = sim_summary(&r.as_run, policy, memory, 1)?;
+    let live = Summary::of(&r.run);
+    Ok(Comparison {
+        policy: policy.to_string(),
+        live_over_sim_avg_jct: ratio(&live, &simulated),
+        live_over_sim_as_run_avg_jct: Some(ratio(&live, &as_run)),
+        simulated,
+        simulated_as_run: Some(as_run),
+        live,
+        iteration_ms: Some(
+            trace
+                .iter()
+                .zip(&r.as_run)
+                .map(|(t, a)| JobIteration {
+                    job: t.id,
+                    trace_ms: t.iteration.as_secs_f64() * 1e3,
+                    measured_ms: a.iteration.as_secs_f64() * 1e3,
+                })
+                .collect(),
+        ),
+        calibration: Some(r.calibration),
+        depths: Some(r.depths),
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.endpoint == "embedded",
-        "only --endpoint embedded is supported: `lanes serve` has no policy-driven scheduler to replay against yet"
-    );
     let trace = load_trace(&args.trace)?;
     let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
-    let names: Vec<&str> = if args.policy == "all" {
-        POLICY_NAMES.to_vec()
-    } else {
-        vec![args.policy.as_str()]
-    };
+    anyhow::ensure!(
+        args.endpoint == "embedded" || args.lanes == 1,
+        "--lanes applies to the embedded replay only; a service replay runs one worker (one lane)"
+    );
     let mut out = Vec::new();
-    for name in names {
-        let sim = simulate(
-            &trace,
-            by_name(name)?.as_mut(),
-            SimConfig {
-                memory,
-                lanes: args.lanes,
-            },
-        )?;
-        let cfg = LiveConfig {
-            memory,
-            lanes: args.lanes,
-            time_scale: args.time_scale,
-        };
-        let live = replay_live(&trace, by_name(name)?, cfg, Arc::new(SleepWork))?;
-        let (simulated, live) = (Summary::of(&sim), Summary::of(&live));
-        let ratio = if simulated.avg_jct_s > 0.0 {
-            live.avg_jct_s / simulated.avg_jct_s
-        } else {
-            0.0
-        };
-        out.push(Comparison {
-            policy: name.to_string(),
-            simulated,
-            live,
-            live_over_sim_avg_jct: ratio,
-        });
+    match args.endpoint.as_str() {
+        "embedded" => {
+            for name in policy_names(args.policy.as_deref(), "srtf") {
+                let simulated = sim_summary(&trace, &name, memory, args.lanes)?;
+                let cfg = LiveConfig {
+                    memory,
+                    lanes: args.lanes,
+                    time_scale: args.time_scale,
+                };
+                let live = Summary::of(&replay_live(
+                    &trace,
+                    by_name(&name)?,
+                    cfg,
+                    Arc::new(SleepWork),
+                )?);
+                out.push(Comparison {
+                    policy: name,
+                    live_over_sim_avg_jct: ratio(&live, &simulated),
+                    simulated,
+                    live,
+                    simulated_as_run: None,
+                    live_over_sim_as_run_avg_jct: None,
+                    calibration: None,
+                    depths: None,
+                    iteration_ms: None,
+                });
+            }
+        }
+        "serve" => {
+            for name in policy_names(args.policy.as_deref(), "srtf") {
+                let choice: PolicyChoice = name.parse()?;
+                let service = server::start(ServerConfig {
+                    endpoint: "tcp://127.0.0.1:*".into(),
+                    workers: 1,
+                    policy: choice,
+                    ..ServerConfig::default()
+                })?;
+                let endpoint = service.endpoint().to_string();
+                out.push(against_service(
+                    &args,
+                    &trace,
+                    &endpoint,
+                    choice.name(),
+                    memory,
+                )?);
+                service.shutdown()?;
+            }
+        }
+        endpoint => {
+            let policy = service_policy(endpoint, Duration::from_secs(10))
+                .with_context(|| format!("asking {endpoint} for its policy"))?;
+            if let Some(p) = &args.policy {
+                anyhow::ensure!(
+                    p == policy,
+                    "the service at {endpoint} runs policy {policy}, not {p}; restart it with `lanes serve --policy {p}`"
+                );
+            }
+            out.push(against_service(&args, &trace, endpoint, policy, memory)?);
+        }
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!(
-        "{} jobs, {} lane(s), time scale {} (times below in trace seconds)",
+        "{} jobs, time scale {} (times below in trace seconds), endpoint {}",
         trace.len(),
-        args.lanes,
-        args.time_scale
+        args.time_scale,
+        args.endpoint
     );
     for c in &out {
+        let mut rows = Vec::new();
         let mut sim = c.simulated.clone();
         sim.policy = format!("{} sim", c.policy);
+        rows.push(sim);
+        if let Some(a) = &c.simulated_as_run {
+            let mut a = a.clone();
+            a.policy = format!("{} sim as-run", c.policy);
+            rows.push(a);
+        }
         let mut live = c.live.clone();
         live.policy = format!("{} live", c.policy);
-        print!("{}", table(&[sim, live]));
-        println!(
-            "live / simulated average JCT: {:.3}\n",
+        rows.push(live);
+        print!("{}", table(&rows));
+        print!(
+            "live / simulated average JCT: {:.3}",
             c.live_over_sim_avg_jct
         );
+        if let Some(r) = c.live_over_sim_as_run_avg_jct {
+            print!(" (vs the as-run trace: {r:.3})");
+        }
+        println!();
+        if let (Some(cal), Some(d)) = (&c.calibration, &c.depths) {
+            let ms = |c: &lanes::sim::CostCurve| {
+                c.points
+                    .iter()
+                    .map(|(d, s)| format!("{d}:{:.2}", s * 1e3))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            println!(
+                "iteration ms by depth: training {}; inference {}\nhidden layers per job: {d:?}",
+                ms(&cal.training),
+                ms(&cal.inference),
+            );
+        }
+        println!();
     }
     Ok(())
 }

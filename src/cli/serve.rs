@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use lanes::server::{self, ByteSize, DeviceChoice, ServerConfig};
+use lanes::server::{self, ByteSize, DeviceChoice, PolicyChoice, ServerConfig};
 use lanes_adaptor::Limits;
 
 #[derive(Debug, clap::Args)]
@@ -23,6 +23,9 @@ pub struct Args {
     /// Worker threads running iterations (default: one per core).
     #[arg(long)]
     pub workers: Option<usize>,
+    /// The scheduling policy that picks whose Run request goes next (see docs/scheduling.md).
+    #[arg(long, value_enum, default_value_t = PolicyChoice::Fifo)]
+    pub policy: PolicyChoice,
     #[command(flatten)]
     pub limits: LimitArgs,
     /// Most open sessions.
@@ -104,6 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_sessions: args.max_sessions,
         device,
         memory_bytes: args.memory.map(|m| m.0),
+        policy: args.policy,
         evict_idle: !args.no_evict,
         evict_training: args.evict_training,
     };
@@ -114,7 +118,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
     })
     .context("installing the Ctrl-C handler")?;
-    println!("lanes serving on {}", handle.endpoint());
+    println!(
+        "lanes serving on {} (policy {})",
+        handle.endpoint(),
+        args.policy
+    );
     handle.wait()?;
     Ok(())
 }

@@ -14,6 +14,8 @@ pub struct Args {
     pub timeout: f64,
 }
 
+// `queue (ms)` and `run (ms)` are the session's mean Run queueing delay
+// (arrival to dispatch) and mean measured Run duration.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let options = ClientOptions {
         timeout: Duration::try_from_secs_f64(args.timeout)?,
@@ -23,10 +25,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut client = Client::connect_with(&args.endpoint, options)?;
     let s = client.status()?;
     println!(
-        "{} on {} · device {} · memory {} · {} workers · up {:.1}s · {} queued",
+        "{} on {} · device {} · policy {} · memory {} · {} workers · up {:.1}s · {} queued",
         s.server,
         args.endpoint,
         s.device,
+        s.policy,
         s.memory_bytes.map_or_else(
             || "unset".to_string(),
             |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
@@ -36,7 +39,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.queued
     );
     println!(
-        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9}",
+        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11}",
         "session",
         "name",
         "kind",
@@ -45,7 +48,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "state",
         "idle (s)",
         "weights",
-        "evictions"
+        "evictions",
+        "queue (ms)",
+        "run (ms)"
     );
     for x in &s.sessions {
         let iters = match x.spec.expected_iterations {
@@ -53,7 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None => x.iterations.to_string(),
         };
         println!(
-            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9}",
+            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3}",
             x.session.to_string(),
             x.spec.name,
             x.spec.kind.to_string(),
@@ -62,7 +67,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             x.state.to_string(),
             x.idle_ms as f64 / 1000.0,
             if x.resident { "device" } else { "host" },
-            x.evictions
+            x.evictions,
+            x.queueing_mean_us as f64 / 1000.0,
+            x.service_mean_us as f64 / 1000.0
         );
     }
     if s.sessions.is_empty() {

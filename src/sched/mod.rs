@@ -229,15 +229,48 @@ impl<R> Scheduler<R> {
     /// policy bug), the lane's earliest-arrived waiting job runs instead, so
     /// that a lane never stalls.
     pub fn pick(&mut self, lane: LaneId, now: Duration) -> Option<Dispatch<R>> {
+        self.pick_where(lane, now, |_| false)
+    }
+
+    /// Like [`Scheduler::pick`], but jobs for which `held` is true are not
+    /// offered to the policy even if they are waiting (the service holds
+    /// back jobs that wait for memory). When no waiting job is held the
+    /// policy sees the table itself; otherwise it sees a copy in which the
+    /// held jobs are not waiting.
+    pub fn pick_where(
+        &mut self,
+        lane: LaneId,
+        now: Duration,
+        held: impl Fn(JobId) -> bool,
+    ) -> Option<Dispatch<R>> {
+        let any_held = self
+            .table
+            .jobs()
+            .iter()
+            .any(|v| v.lane == lane && v.waiting && held(v.id));
+        let filtered: Vec<JobView>;
+        let jobs: &[JobView] = if any_held {
+            filtered = self
+                .table
+                .jobs()
+                .iter()
+                .map(|v| {
+                    let mut v = v.clone();
+                    v.waiting = v.waiting && !held(v.id);
+                    v
+                })
+                .collect();
+            &filtered
+        } else {
+            self.table.jobs()
+        };
         let valid = |v: &JobView| v.lane == lane && v.waiting;
         let choice = self
             .policy
-            .pick(lane, self.table.jobs(), now)
-            .filter(|id| self.table.get(*id).is_some_and(valid))
+            .pick(lane, jobs, now)
+            .filter(|id| jobs.iter().any(|v| v.id == *id && valid(v)))
             .or_else(|| {
-                self.table
-                    .jobs()
-                    .iter()
+                jobs.iter()
                     .filter(|v| valid(v))
                     .min_by_key(|v| v.seq)
                     .map(|v| v.id)
@@ -314,6 +347,16 @@ impl<R> Scheduler<R> {
             .filter_map(|v| self.queues.get(&v.id))
             .map(|q| q.pending.len())
             .sum()
+    }
+
+    /// Requests of `job` waiting (not counting a running one).
+    pub fn pending(&self, job: JobId) -> usize {
+        self.queues.get(&job).map_or(0, |q| q.pending.len())
+    }
+
+    /// Is `job` scheduled (added and not removed)?
+    pub fn contains(&self, job: JobId) -> bool {
+        self.queues.contains_key(&job)
     }
 
     /// Is one of `job`'s iterations running?
@@ -418,6 +461,22 @@ mod tests {
         s.submit(3, "other lane", ms(0)).unwrap();
         assert_eq!(s.pick(0, ms(1)).unwrap().job, 2);
         assert_eq!(s.pick(1, ms(1)).unwrap().job, 3);
+    }
+
+    #[test]
+    fn held_jobs_are_hidden_from_the_policy() {
+        let mut s = sched("priority");
+        s.add_job(JobSpec::new(1, JobKind::Training, 10), 0, ms(0))
+            .unwrap();
+        s.add_job(JobSpec::new(2, JobKind::Inference, 10), 0, ms(0))
+            .unwrap();
+        s.submit(1, "t", ms(0)).unwrap();
+        s.submit(2, "i", ms(0)).unwrap();
+        let d = s.pick_where(0, ms(1), |job| job == 2).unwrap();
+        assert_eq!(d.request, "t");
+        assert!(s.pick_where(0, ms(1), |job| job == 2).is_none());
+        assert_eq!(s.pending(2), 1);
+        assert_eq!(s.pick(0, ms(1)).unwrap().request, "i");
     }
 
     #[test]

@@ -6,23 +6,29 @@
 //! the [`ReadyQueue`] for the next item whose session is not already being
 //! served, so one session's requests run one at a time and in order.
 //!
-//! This is where later stages plug in:
-//! - an iteration scheduler (`src/sched` with a `lanes-policies` policy)
-//!   replaces [`FifoQueue`] with a [`ReadyQueue`] that picks by policy; each
-//!   item carries what a policy needs (kind, priority, expected iterations,
-//!   enqueue time);
-//! - lane admission (`src/lanes`, memory plan from `src/compile`) decides
-//!   which sessions may have items popped at all: a queue implementation may
-//!   skip sessions whose lane is full exactly as it skips busy sessions.
+//! Two queues implement the seam:
+//! - [`PolicyQueue`](super::policy_queue::PolicyQueue), what `lanes serve`
+//!   runs: Run requests ordered by a `lanes-policies` policy through
+//!   `sched::Scheduler` (`--policy fifo|srtf|fair|pack|priority`); each item
+//!   carries what a policy needs (kind, priority, expected iterations,
+//!   enqueue time), and workers report each item's measured duration through
+//!   [`Dispatcher::done`] so SRTF and fair see real iteration times;
+//! - [`FifoQueue`]: first come, first served per request (tests, and a
+//!   baseline).
+//!
+//! Lane admission (`src/lanes`) decides which sessions may have items popped
+//! at all: sessions whose job waits for memory are skipped exactly as busy
+//! sessions are.
 
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{JobKind, NamedTensor, SessionId};
 use lanes_adaptor::Graph;
 
+use crate::sched::JobStats;
 use crate::session::Session;
 
 /// What a worker is asked to do for a session.
@@ -95,6 +101,16 @@ pub trait ReadyQueue: Send + fmt::Debug {
     }
     /// Items queued for one session.
     fn queued_for(&self, session: SessionId) -> usize;
+    /// A session's item (the one [`ReadyQueue::pop`] returned last for it)
+    /// finished after `took`. Called for every popped item, unless the
+    /// session was removed meanwhile (then it may be called or not).
+    fn finished(&mut self, _session: SessionId, _took: Duration) {}
+    /// The ordering's name, shown by `lanes status`.
+    fn name(&self) -> &'static str;
+    /// A session's queueing delay and service time so far, if measured.
+    fn stats(&self, _session: SessionId) -> Option<JobStats> {
+        None
+    }
 }
 
 /// First come, first served across sessions.
@@ -123,6 +139,9 @@ impl ReadyQueue for FifoQueue {
     }
     fn queued_for(&self, session: SessionId) -> usize {
         self.items.iter().filter(|i| i.session == session).count()
+    }
+    fn name(&self) -> &'static str {
+        "fifo-requests"
     }
 }
 
@@ -208,10 +227,24 @@ impl Dispatcher {
         self.ready.notify_all();
     }
 
-    /// Marks a session's item finished, so its next item may run.
-    pub fn done(&self, session: SessionId) {
-        self.lock().busy.remove(&session);
+    /// Marks a session's item finished after `took` (measured by the
+    /// worker), so its next item may run.
+    pub fn done(&self, session: SessionId, took: Duration) {
+        let mut st = self.lock();
+        st.queue.finished(session, took);
+        st.busy.remove(&session);
+        drop(st);
         self.ready.notify_all();
+    }
+
+    /// The queue's ordering (policy name).
+    pub fn policy(&self) -> &'static str {
+        self.lock().queue.name()
+    }
+
+    /// A session's queueing delay and service time, if the queue measures them.
+    pub fn stats(&self, session: SessionId) -> Option<JobStats> {
+        self.lock().queue.stats(session)
     }
 
     /// Drops a session's queued items (a running one finishes).
@@ -275,10 +308,10 @@ mod tests {
         let b = d.next().unwrap();
         assert_eq!(b.request_id, 3);
         assert!(!d.is_idle(SessionId(1)));
-        d.done(SessionId(1));
+        d.done(SessionId(1), Duration::ZERO);
         assert_eq!(d.next().unwrap().request_id, 2);
-        d.done(SessionId(1));
-        d.done(SessionId(2));
+        d.done(SessionId(1), Duration::ZERO);
+        d.done(SessionId(2), Duration::ZERO);
         assert!(d.is_idle(SessionId(1)));
         assert_eq!(d.queued(), 0);
     }
@@ -300,13 +333,46 @@ mod tests {
         d.submit(item(1, 2));
         // Session 2 waits for memory: session 1's later item goes first.
         assert_eq!(d.next().unwrap().request_id, 2);
-        d.done(SessionId(1));
+        d.done(SessionId(1), Duration::ZERO);
         let d2 = Arc::clone(&d);
         let t = std::thread::spawn(move || d2.next().map(|i| i.request_id));
         std::thread::sleep(std::time::Duration::from_millis(20));
         drop(first); // releases job 1: job 2 is admitted
         d.wake();
         assert_eq!(t.join().unwrap(), Some(1));
+    }
+
+    #[test]
+    fn workers_report_durations_to_the_policy_queue() {
+        use crate::server::policy_queue::{PolicyChoice, PolicyQueue};
+        let d = Dispatcher::new(Box::new(PolicyQueue::of(PolicyChoice::Srtf)));
+        assert_eq!(d.policy(), "srtf");
+        let run = |s, id| {
+            let mut i = item(s, id);
+            i.work = Work::Run {
+                feeds: vec![],
+                fetches: vec![],
+            };
+            i.expected_iterations = Some(10);
+            i
+        };
+        d.submit(run(1, 1));
+        let a = d.next().unwrap();
+        d.done(a.session, Duration::from_millis(7));
+        let st = d.stats(SessionId(1)).unwrap();
+        assert_eq!(
+            (st.iterations, st.service_total),
+            (1, Duration::from_millis(7))
+        );
+        assert!(d.is_idle(SessionId(1)));
+        // Cancelling a session takes its job out of the policy.
+        d.submit(run(1, 2));
+        assert_eq!(d.cancel(SessionId(1)), 1);
+        assert!(d.stats(SessionId(1)).is_none());
+        assert_eq!(
+            Dispatcher::new(Box::new(FifoQueue::default())).policy(),
+            "fifo-requests"
+        );
     }
 
     #[test]

@@ -11,7 +11,8 @@ use lanes_adaptor::wire::{
     SessionState, SessionStatus, StatusReport,
 };
 
-use super::dispatch::{Dispatcher, FifoQueue, Work, WorkItem};
+use super::dispatch::{Dispatcher, Work, WorkItem};
+use super::policy_queue::PolicyQueue;
 use super::worker::{self, REPLIES};
 use super::{ServerConfig, ServerError};
 use crate::session::Session;
@@ -78,7 +79,7 @@ pub(super) fn spawn(
     let pull = ctx.socket(zmq::PULL)?;
     pull.bind(REPLIES)?;
 
-    let dispatcher = Dispatcher::new(Box::new(FifoQueue::default()));
+    let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
     let lanes = match config.memory_bytes {
         Some(bytes) => {
             let l = crate::lanes::SharedLanes::new(crate::lanes::LanesConfig::new(bytes))?;
@@ -135,6 +136,7 @@ impl Frontend {
             endpoint = %self.router.get_last_endpoint().ok().and_then(|r| r.ok()).unwrap_or_default(),
             workers = self.workers.len(),
             device = %self.config.device,
+            policy = %self.config.policy,
             memory_bytes = ?self.config.memory_bytes,
             idle_timeout_s = self.config.idle_timeout.as_secs_f64(),
             "lanes service ready"
@@ -465,12 +467,17 @@ impl Frontend {
             } else {
                 SessionState::Open
             };
+            let stats = self.dispatcher.stats(id).unwrap_or_default();
             sessions.push(SessionStatus {
                 session: id,
                 spec: e.spec.clone(),
                 state,
-                iterations: e.iterations,
+                // The session's own count is read only while it is not
+                // running; the scheduler's is current.
+                iterations: e.iterations.max(stats.iterations),
                 idle_ms: e.last_seen.elapsed().as_millis() as u64,
+                queueing_mean_us: stats.queueing_mean().as_micros() as u64,
+                service_mean_us: stats.service_mean().as_micros() as u64,
                 resident: e.resident,
                 evictions: e.switches.0,
                 returns: e.switches.1,
@@ -480,6 +487,7 @@ impl Frontend {
             server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
             version: wire::PROTOCOL_VERSION,
             device: self.config.device.clone(),
+            policy: self.dispatcher.policy().to_string(),
             memory_bytes: self.config.memory_bytes,
             lanes: self
                 .lanes
@@ -504,6 +512,7 @@ impl Frontend {
             .collect();
         for id in stale {
             if let Some(e) = self.sessions.remove(&id) {
+                self.dispatcher.cancel(id); // its job leaves the policy
                 tracing::info!(session = %id, name = %e.spec.name, idle_s = e.last_seen.elapsed().as_secs_f64(), "idle session reclaimed");
                 self.dispatcher.wake();
             }

@@ -2,12 +2,14 @@
 //! the workers that run sessions' requests.
 //!
 //! Threads:
-//! - the **socket thread** ([`frontend`]) owns the ROUTER socket and the
+//! - the **socket thread** (`frontend.rs`) owns the ROUTER socket and the
 //!   session table. It decodes every message (bounded by [`Limits`]),
 //!   answers control requests itself (Hello, OpenSession, CloseSession,
 //!   Status), queues compute requests on the [`dispatch::Dispatcher`], and
 //!   reclaims sessions that have been silent past the idle timeout;
-//! - **workers** ([`worker`]) take items from the dispatcher, run them on
+//! - the dispatcher's queue ([`policy_queue::PolicyQueue`]) decides whose
+//!   Run goes next under the `--policy` ([`PolicyChoice`]);
+//! - **workers** (`worker.rs`) take items from the dispatcher, run them on
 //!   the session's program, encode the reply and hand it back to the socket
 //!   thread over an `inproc://` PUSH/PULL pair (ZeroMQ moves the frames
 //!   without copying).
@@ -18,6 +20,7 @@
 
 pub mod dispatch;
 mod frontend;
+pub mod policy_queue;
 mod worker;
 
 use std::str::FromStr;
@@ -29,6 +32,7 @@ use std::time::Duration;
 use lanes_adaptor::Limits;
 
 pub use dispatch::{Dispatcher, FifoQueue, ReadyQueue, Work, WorkItem};
+pub use policy_queue::{PolicyChoice, PolicyQueue, UnknownPolicy};
 
 /// Where iterations run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -129,6 +133,8 @@ pub struct ServerConfig {
     /// Memory given with `--memory`: one reservation, divided into lanes;
     /// jobs are admitted under the safety condition (none: no admission).
     pub memory_bytes: Option<u64>,
+    /// The policy that orders Run requests (`--policy`).
+    pub policy: PolicyChoice,
     /// Under memory pressure, evict idle jobs to host memory (inference
     /// jobs, least recently used first); their next Run brings them back.
     pub evict_idle: bool,
@@ -146,6 +152,7 @@ impl Default for ServerConfig {
             max_sessions: 4096,
             device: "cpu".into(),
             memory_bytes: None,
+            policy: PolicyChoice::Fifo,
             evict_idle: true,
             evict_training: false,
         }

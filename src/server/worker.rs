@@ -99,8 +99,9 @@ pub(crate) fn run(
         let started = std::time::Instant::now();
         let what = item.work.name();
         let frames = handle(item, &limits);
-        dispatcher.done(session);
-        tracing::trace!(%session, request = what, micros = started.elapsed().as_micros() as u64, "done");
+        let took = started.elapsed();
+        dispatcher.done(session, took);
+        tracing::trace!(%session, request = what, micros = took.as_micros() as u64, "done");
         let mut out: Vec<Vec<u8>> = Vec::with_capacity(frames.len() + 2);
         out.push(session.0.to_le_bytes().to_vec());
         out.push(peer);

@@ -4,16 +4,23 @@
 //! - [`trace`]: the CSV trace format (read, write, validate) and sizes;
 //! - [`gen`]: synthetic traces with documented distributions;
 //! - [`engine`]: the simulation itself ([`simulate`]);
-//! - [`report`]: average / p99 JCT, makespan, queueing, utilisation, plots.
+//! - [`report`]: average / p99 JCT, makespan, queueing, utilisation, plots;
+//! - [`live`]: an in-process live replay (threads, sleeps, `sched::Scheduler`);
+//! - [`remote`]: a replay against a running `lanes serve` with zoo models.
 
 pub mod engine;
 pub mod gen;
 pub mod live;
+pub mod remote;
 pub mod report;
 pub mod trace;
 
 pub use engine::{simulate, JobOutcome, Segment, SimConfig, SimError, SimRun};
 pub use gen::{generate, GenConfig};
 pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
+pub use remote::{
+    calibrate, replay_remote, service_policy, Calibration, CostCurve, RemoteConfig, RemoteError,
+    RemoteRun,
+};
 pub use report::{plot_jct_cdf, table, Summary};
 pub use trace::{load_trace, parse_size, read_trace, write_trace, TraceError, TraceJob};

@@ -183,6 +183,10 @@ pub struct SessionStatus {
     pub iterations: u64,
     /// Milliseconds since the session's last request or reply.
     pub idle_ms: u64,
+    /// Mean time its Runs waited between arrival and dispatch (µs).
+    pub queueing_mean_us: u64,
+    /// Mean measured duration of its Runs (µs).
+    pub service_mean_us: u64,
     /// Its persistent memory is on the device (false: evicted to host memory).
     pub resident: bool,
     /// Times it was evicted to host memory, and brought back.
@@ -197,6 +201,8 @@ pub struct StatusReport {
     pub version: u32,
     /// The device iterations run on (`cpu`, or the GPU's name).
     pub device: String,
+    /// The scheduling policy ordering Run requests (`--policy`).
+    pub policy: String,
     /// Memory given with `--memory`, if any.
     pub memory_bytes: Option<u64>,
     /// The lanes, their jobs (P/T) and the admission queue, rendered

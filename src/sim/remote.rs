@@ -1,0 +1,602 @@
+//! Replays a trace against a running `lanes serve` with real adaptor jobs,
+//! so the simulator's prediction can be checked against the service.
+//!
+//! Every trace job becomes a session of the model zoo's MLP (`width` wide,
+//! `depth` hidden layers; training jobs send the training graph with SGD,
+//! inference jobs the inference graph) opened at its scaled submission time
+//! with the trace's kind, priority and iteration count, then sends its Runs
+//! keeping `pipeline` of them outstanding, so its next iteration is queued
+//! when one finishes (the simulator assumes a job is always ready).
+//!
+//! The depth is chosen so that one iteration takes the trace's iteration
+//! time × time scale: before the replay, [`calibrate`] measures (through the
+//! service's own per-session service times) one iteration at two depths per
+//! kind and fits `fixed + depth × per_layer`. Iterations shorter than one
+//! layer's cost cannot be made; they run at depth 1 and take longer.
+//! [`RemoteRun::as_run`] is therefore the trace with each job's iteration
+//! time replaced by what the service measured (unscaled), the input to
+//! simulate for an apples-to-apples prediction.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use lanes_adaptor::wire::{
+    self, Envelope, ErrorCode, NamedTensor, Reply, Request, SessionId, SessionSpec,
+};
+use lanes_adaptor::{Arch, Graph, Limits, Optimizer, Tensor, ZooError};
+use lanes_policies::JobKind;
+
+use super::engine::{JobOutcome, SimRun};
+use super::trace::TraceJob;
+
+/// Settings of a replay against a service.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteConfig {
+    /// The service's ZeroMQ endpoint.
+    pub endpoint: String,
+    /// Wall-clock seconds per trace second.
+    pub time_scale: f64,
+    /// Runs each job keeps outstanding (at least 1).
+    pub pipeline: usize,
+    /// Width of the MLP's layers.
+    pub width: usize,
+    /// Batch of every iteration.
+    pub batch: usize,
+    /// Most hidden layers a job's model gets.
+    pub max_depth: usize,
+    /// How long to wait for any one reply.
+    pub timeout: Duration,
+}
+
+impl RemoteConfig {
+    /// Defaults for `endpoint`: scale 0.1, four Runs outstanding, width 128,
+    /// batch 32, at most 400 layers, 120 s per reply.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        RemoteConfig {
+            endpoint: endpoint.into(),
+            time_scale: 0.1,
+            pipeline: 4,
+            width: 128,
+            batch: 32,
+            max_depth: 400,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Why a replay against a service failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// Bad settings.
+    #[error("replay: {0}")]
+    Config(String),
+    /// The socket failed.
+    #[error("replay: zeromq: {0}")]
+    Zmq(#[from] zmq::Error),
+    /// A request could not be encoded.
+    #[error("replay: {0}")]
+    Encode(#[from] lanes_adaptor::WireError),
+    /// A reply could not be decoded.
+    #[error("replay: bad reply: {0}")]
+    Decode(String),
+    /// The service answered with an error.
+    #[error("replay: job {job}: the service refused {request}: {code}: {message}")]
+    Service {
+        /// Trace job id (0 for calibration and status).
+        job: u64,
+        /// The request.
+        request: &'static str,
+        /// Its code.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// No reply in time.
+    #[error("replay: job {job}: no reply within {timeout:?}")]
+    Timeout {
+        /// Trace job id.
+        job: u64,
+        /// The limit.
+        timeout: Duration,
+    },
+    /// A reply of the wrong kind.
+    #[error("replay: job {job}: expected {expected}, got {got}")]
+    Unexpected {
+        /// Trace job id.
+        job: u64,
+        /// What was expected.
+        expected: &'static str,
+        /// What came.
+        got: &'static str,
+    },
+    /// The service's policy is not one the simulator knows.
+    #[error("replay: the service runs policy {0:?}, which the simulator does not know")]
+    UnknownPolicy(String),
+    /// A model could not be built.
+    #[error("replay: {0}")]
+    Zoo(#[from] ZooError),
+    /// A job's thread panicked.
+    #[error("replay: job {0}'s thread panicked")]
+    Panicked(u64),
+}
+
+/// Measured iteration cost of one kind of model at a few depths
+/// (`(depth, seconds)`, depth increasing); between them the cost is
+/// interpolated linearly, beyond them extrapolated from the nearest segment.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CostCurve {
+    /// (hidden layers, seconds per iteration).
+    pub points: Vec<(usize, f64)>,
+}
+
+impl CostCurve {
+    /// The depth whose iteration takes closest to `target`, within `1..=max`.
+    pub fn depth_for(&self, target: Duration, max: usize) -> usize {
+        let t = target.as_secs_f64();
+        let p = &self.points;
+        if p.len() < 2 {
+            return 1;
+        }
+        // The segment that brackets `t`, else the first or last one.
+        let i = p
+            .windows(2)
+            .position(|w| t <= w[1].1)
+            .unwrap_or(p.len() - 2);
+        let ((d0, t0), (d1, t1)) = (p[i], p[i + 1]);
+        let slope = (t1 - t0) / (d1 as f64 - d0 as f64);
+        let d = if slope > 0.0 {
+            d0 as f64 + (t - t0) / slope
+        } else {
+            d0 as f64
+        };
+        if d.is_finite() {
+            (d.round().max(1.0) as usize).min(max.max(1))
+        } else {
+            1
+        }
+    }
+}
+
+/// The cost curves of both kinds of job.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Calibration {
+    /// Training iterations (forward, backward, SGD update).
+    pub training: CostCurve,
+    /// Inference iterations (forward only).
+    pub inference: CostCurve,
+}
+
+/// What a replay against a service measured.
+#[derive(Debug, Clone)]
+pub struct RemoteRun {
+    /// Outcomes in trace time (wall time divided by the scale).
+    pub run: SimRun,
+    /// The trace with each job's iteration time as the service measured it
+    /// (mean service time, unscaled).
+    pub as_run: Vec<TraceJob>,
+    /// Hidden layers given to each job, in trace order.
+    pub depths: Vec<usize>,
+    /// The cost lines used.
+    pub calibration: Calibration,
+}
+
+/// A raw DEALER that may have several requests outstanding.
+struct Conn {
+    socket: zmq::Socket,
+    next: u64,
+    timeout: Duration,
+    job: u64,
+    limits: Limits,
+}
+
+impl Conn {
+    fn connect(
+        ctx: &zmq::Context,
+        endpoint: &str,
+        timeout: Duration,
+        job: u64,
+    ) -> Result<Conn, RemoteError> {
+        let socket = ctx.socket(zmq::DEALER)?;
+        socket.set_linger(200)?;
+        socket.connect(endpoint)?;
+        Ok(Conn {
+            socket,
+            next: 1,
+            timeout,
+            job,
+            limits: Limits::default(),
+        })
+    }
+
+    fn send(&mut self, req: &Request) -> Result<u64, RemoteError> {
+        let id = self.next;
+        self.next += 1;
+        self.socket
+            .send_multipart(wire::encode_request(id, req)?, 0)?;
+        Ok(id)
+    }
+
+    /// The next reply; error replies become [`RemoteError::Service`].
+    fn recv(&mut self, request: &'static str) -> Result<Envelope<Reply>, RemoteError> {
+        let ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
+        if self.socket.poll(zmq::POLLIN, ms)? == 0 {
+            return Err(RemoteError::Timeout {
+                job: self.job,
+                timeout: self.timeout,
+            });
+        }
+        let frames = self.socket.recv_multipart(0)?;
+        let env = wire::decode_reply(&frames, &self.limits)
+            .map_err(|e| RemoteError::Decode(e.to_string()))?;
+        if let Reply::Error(e) = &env.message {
+            return Err(RemoteError::Service {
+                job: self.job,
+                request,
+                code: e.code,
+                message: e.message.clone(),
+            });
+        }
+        Ok(env)
+    }
+
+    fn call(&mut self, req: &Request) -> Result<Reply, RemoteError> {
+        let id = self.send(req)?;
+        loop {
+            let env = self.recv(req.name())?;
+            if env.request_id == id {
+                return Ok(env.message);
+            }
+        }
+    }
+
+    fn unexpected(&self, expected: &'static str, got: &Reply) -> RemoteError {
+        RemoteError::Unexpected {
+            job: self.job,
+            expected,
+            got: got.name(),
+        }
+    }
+
+    fn status(&mut self) -> Result<wire::StatusReport, RemoteError> {
+        match self.call(&Request::Status)? {
+            Reply::Status(s) => Ok(s),
+            other => Err(self.unexpected("status", &other)),
+        }
+    }
+
+    /// Opens a session and loads `model` into it.
+    fn open(&mut self, spec: SessionSpec, model: &Model) -> Result<SessionId, RemoteError> {
+        let session = match self.call(&Request::OpenSession(spec))? {
+            Reply::SessionOpened { session } => session,
+            other => return Err(self.unexpected("session_opened", &other)),
+        };
+        match self.call(&Request::LoadGraph {
+            session,
+            graph: model.graph.clone(),
+            variables: model.vars.clone(),
+        })? {
+            Reply::GraphLoaded { .. } => Ok(session),
+            other => Err(self.unexpected("graph_loaded", &other)),
+        }
+    }
+
+    fn run_request(session: SessionId, model: &Model) -> Request {
+        Request::Run {
+            session,
+            feeds: model.feeds.clone(),
+            fetches: vec![model.fetch.clone()],
+        }
+    }
+
+    /// Runs `n` iterations, keeping `pipeline` outstanding.
+    fn iterate(
+        &mut self,
+        session: SessionId,
+        model: &Model,
+        n: u64,
+        pipeline: usize,
+    ) -> Result<(), RemoteError> {
+        let req = Self::run_request(session, model);
+        let mut outstanding = VecDeque::new();
+        let (mut sent, mut done) = (0u64, 0u64);
+        while done < n {
+            while sent < n && outstanding.len() < pipeline.max(1) {
+                outstanding.push_back(self.send(&req)?);
+                sent += 1;
+            }
+            let env = self.recv("run")?;
+            match env.message {
+                Reply::RunDone { .. } if outstanding.front() == Some(&env.request_id) => {
+                    outstanding.pop_front();
+                    done += 1;
+                }
+                other => return Err(self.unexpected("run_done", &other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// (iterations, mean service time) the service measured for `session`.
+    fn measured(&mut self, session: SessionId) -> Result<(u64, Duration), RemoteError> {
+        let s = self.status()?;
+        Ok(s.sessions
+            .iter()
+            .find(|x| x.session == session)
+            .map(|x| (x.iterations, Duration::from_micros(x.service_mean_us)))
+            .unwrap_or_default())
+    }
+
+    fn close(&mut self, session: SessionId) -> Result<(), RemoteError> {
+        match self.call(&Request::CloseSession { session })? {
+            Reply::SessionClosed { .. } => Ok(()),
+            other => Err(self.unexpected("session_closed", &other)),
+        }
+    }
+}
+
+/// A job's graph, initial variables and per-iteration feeds.
+#[derive(Debug, Clone)]
+struct Model {
+    graph: Graph,
+    vars: Vec<NamedTensor>,
+    feeds: Vec<NamedTensor>,
+    fetch: String,
+}
+
+fn model(kind: JobKind, depth: usize, cfg: &RemoteConfig, seed: u64) -> Result<Model, RemoteError> {
+    const CLASSES: usize = 10;
+    let arch = Arch::Mlp {
+        inputs: cfg.width,
+        hidden: vec![cfg.width; depth.max(1)],
+        classes: CLASSES,
+    };
+    let b = cfg.batch.max(1);
+    let n = b * cfg.width;
+    let input: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919 % 1000) as f32) / 1000.0 - 0.5)
+        .collect();
+    let input =
+        Tensor::from_f32([b, cfg.width], input).map_err(|e| RemoteError::Config(e.to_string()))?;
+    let (graph, vars, fetch, mut feeds) = match kind {
+        JobKind::Training => {
+            let (t, _) = arch.training(b, seed, &Optimizer::sgd(0.01))?;
+            let labels: Vec<i64> = (0..b).map(|i| (i % CLASSES) as i64).collect();
+            let labels =
+                Tensor::from_i64([b], labels).map_err(|e| RemoteError::Config(e.to_string()))?;
+            (
+                t.graph,
+                t.vars,
+                t.loss,
+                vec![NamedTensor::new("labels", labels)],
+            )
+        }
+        JobKind::Inference => {
+            let m = arch.inference(b, seed)?;
+            (m.graph, m.vars, m.output, Vec::new())
+        }
+    };
+    feeds.insert(0, NamedTensor::new("input", input));
+    Ok(Model {
+        graph,
+        vars: vars
+            .into_iter()
+            .map(|(k, v)| NamedTensor::new(k, v))
+            .collect(),
+        feeds,
+        fetch,
+    })
+}
+
+/// Total service time the service measured for `session` so far, and its
+/// iteration count.
+fn service_total(conn: &mut Conn, session: SessionId) -> Result<(u64, f64), RemoteError> {
+    let (n, mean) = conn.measured(session)?;
+    Ok((n, mean.as_secs_f64() * n as f64))
+}
+
+/// Depths [`calibrate`] measures.
+pub const CALIBRATION_DEPTHS: [usize; 6] = [1, 4, 16, 48, 128, 400];
+/// Rounds of [`calibrate`]; each depth's cost is the median of the rounds.
+const ROUNDS: usize = 3;
+/// Iterations per depth and round.
+const RUNS_PER_ROUND: u64 = 8;
+
+/// Measures the iteration cost of both kinds on the service (which should
+/// be otherwise idle) at [`CALIBRATION_DEPTHS`] up to `cfg.max_depth`: one
+/// session per depth, one warm-up iteration each, then rounds that visit
+/// every depth in turn (so a change in machine load hits all depths alike),
+/// keeping `cfg.pipeline` Runs outstanding as the replay does;
+/// a depth's cost is the median over rounds of the service's measured mean.
+pub fn calibrate(cfg: &RemoteConfig) -> Result<Calibration, RemoteError> {
+    let ctx = zmq::Context::new();
+    let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, 0)?;
+    let mut curve = |kind| -> Result<CostCurve, RemoteError> {
+        let mut jobs = Vec::new();
+        for d in CALIBRATION_DEPTHS {
+            if d > cfg.max_depth.max(1) {
+                break;
+            }
+            let m = model(kind, d, cfg, 1)?;
+            let spec = match kind {
+                JobKind::Training => SessionSpec::training(format!("calibrate-{d}")),
+                JobKind::Inference => SessionSpec::inference(format!("calibrate-{d}")),
+            };
+            let s = conn.open(spec, &m)?;
+            conn.iterate(s, &m, 1, 1)?;
+            jobs.push((d, s, m, Vec::with_capacity(ROUNDS)));
+        }
+        for _ in 0..ROUNDS {
+            for (_, s, m, rounds) in &mut jobs {
+                let (n1, t1) = service_total(&mut conn, *s)?;
+                // Back to back, as in the replay (an idle worker between
+                // iterations runs them cold and measures them slower).
+                conn.iterate(*s, m, RUNS_PER_ROUND, cfg.pipeline)?;
+                let (n2, t2) = service_total(&mut conn, *s)?;
+                rounds.push((t2 - t1) / n2.saturating_sub(n1).max(1) as f64);
+            }
+        }
+        let mut points = Vec::with_capacity(jobs.len());
+        for (d, s, _, mut rounds) in jobs {
+            conn.close(s)?;
+            rounds.sort_by(f64::total_cmp);
+            points.push((d, rounds[rounds.len() / 2]));
+        }
+        Ok(CostCurve { points })
+    };
+    Ok(Calibration {
+        training: curve(JobKind::Training)?,
+        inference: curve(JobKind::Inference)?,
+    })
+}
+
+/// The service's policy, as the simulator names it.
+pub fn service_policy(endpoint: &str, timeout: Duration) -> Result<&'static str, RemoteError> {
+    let ctx = zmq::Context::new();
+    let mut conn = Conn::connect(&ctx, endpoint, timeout, 0)?;
+    let name = conn.status()?.policy;
+    lanes_policies::POLICY_NAMES
+        .iter()
+        .find(|p| **p == name)
+        .copied()
+        .ok_or(RemoteError::UnknownPolicy(name))
+}
+
+struct Done {
+    admitted: Duration,
+    end: Duration,
+    iterations: u64,
+    service_mean: Duration,
+}
+
+/// Replays `trace` against the service at `cfg.endpoint`, whose policy is
+/// `policy` (see [`service_policy`]), using `calibration` to size the models.
+pub fn replay_remote(
+    trace: &[TraceJob],
+    policy: &'static str,
+    cfg: &RemoteConfig,
+    calibration: &Calibration,
+) -> Result<RemoteRun, RemoteError> {
+    if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
+        return Err(RemoteError::Config("time scale must be positive".into()));
+    }
+    let scale = |d: Duration| Duration::from_secs_f64(d.as_secs_f64() * cfg.time_scale);
+    let unscale = |d: Duration| Duration::from_secs_f64(d.as_secs_f64() / cfg.time_scale);
+    // Models are built before the clock starts.
+    let mut depths = Vec::with_capacity(trace.len());
+    let mut models = Vec::with_capacity(trace.len());
+    for j in trace {
+        let fit = match j.kind {
+            JobKind::Training => &calibration.training,
+            JobKind::Inference => &calibration.inference,
+        };
+        let depth = fit.depth_for(scale(j.iteration), cfg.max_depth);
+        depths.push(depth);
+        models.push(Arc::new(model(j.kind, depth, cfg, j.id)?));
+    }
+    let ctx = zmq::Context::new();
+    let start = Instant::now();
+    let mut handles = Vec::with_capacity(trace.len());
+    for (j, m) in trace.iter().zip(models) {
+        let (j, ctx, cfg) = (j.clone(), ctx.clone(), cfg.clone());
+        let submit = scale(j.submit);
+        handles.push((
+            j.id,
+            thread::spawn(move || -> Result<Done, RemoteError> {
+                if let Some(wait) = submit.checked_sub(start.elapsed()) {
+                    thread::sleep(wait);
+                }
+                let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, j.id)?;
+                let spec = match j.kind {
+                    JobKind::Training => SessionSpec::training(format!("replay-{}", j.id)),
+                    JobKind::Inference => SessionSpec::inference(format!("replay-{}", j.id)),
+                }
+                .with_priority(j.priority)
+                .with_expected_iterations(j.iterations);
+                let session = conn.open(spec, &m)?;
+                let admitted = start.elapsed();
+                conn.iterate(session, &m, j.iterations, cfg.pipeline)?;
+                let end = start.elapsed();
+                let (iterations, service_mean) = conn.measured(session)?;
+                conn.close(session)?;
+                Ok(Done {
+                    admitted,
+                    end,
+                    iterations,
+                    service_mean,
+                })
+            }),
+        ));
+    }
+    let mut outcomes = Vec::with_capacity(trace.len());
+    let mut as_run = Vec::with_capacity(trace.len());
+    let mut busy = Duration::ZERO;
+    let mut first_err = None;
+    for ((id, h), j) in handles.into_iter().zip(trace) {
+        match h.join() {
+            Ok(Ok(d)) => {
+                let measured = unscale(d.service_mean);
+                busy += measured.saturating_mul(u32::try_from(d.iterations).unwrap_or(u32::MAX));
+                outcomes.push(JobOutcome {
+                    id: j.id,
+                    kind: j.kind,
+                    submit: j.submit,
+                    admitted: unscale(d.admitted).max(j.submit),
+                    lane: 0,
+                    finish: unscale(d.end).max(j.submit),
+                    service: measured
+                        .saturating_mul(u32::try_from(j.iterations).unwrap_or(u32::MAX)),
+                });
+                let mut r = j.clone();
+                r.iteration = measured;
+                as_run.push(r);
+            }
+            Ok(Err(e)) => first_err = first_err.or(Some(e)),
+            Err(_) => first_err = first_err.or(Some(RemoteError::Panicked(id))),
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    Ok(RemoteRun {
+        run: SimRun {
+            policy,
+            lanes: 1,
+            outcomes,
+            schedule: Vec::new(),
+            busy,
+        },
+        as_run,
+        depths,
+        calibration: calibration.clone(),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_follows_the_measured_curve_and_stays_in_range() {
+        let c = CostCurve {
+            points: vec![(1, 0.001), (11, 0.006), (21, 0.016)],
+        };
+        assert_eq!(c.depth_for(Duration::from_micros(3500), 400), 6);
+        assert_eq!(c.depth_for(Duration::from_millis(11), 400), 16);
+        // Below the first point: extrapolated, at least 1.
+        assert_eq!(c.depth_for(Duration::from_micros(100), 400), 1);
+        // Beyond the last: extrapolated from the last segment, then capped.
+        assert_eq!(c.depth_for(Duration::from_millis(26), 400), 31);
+        assert_eq!(c.depth_for(Duration::from_secs(10), 400), 400);
+        let flat = CostCurve {
+            points: vec![(1, 0.001), (4, 0.001)],
+        };
+        assert_eq!(flat.depth_for(Duration::from_millis(5), 400), 1);
+        assert_eq!(
+            CostCurve { points: vec![] }.depth_for(Duration::from_millis(5), 9),
+            1
+        );
+    }
+}
