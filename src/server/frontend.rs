@@ -82,7 +82,13 @@ pub(super) fn spawn(
     let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
     let lanes = match config.memory_bytes {
         Some(bytes) => {
-            let l = crate::lanes::SharedLanes::new(crate::lanes::LanesConfig::new(bytes))?;
+            // The books only: executors keep tensors in their own memory
+            // (placing them inside one reservation is not done yet), so a
+            // host buffer of `--memory` bytes, and copying regions inside it
+            // on every re-partition, would buy nothing.
+            let l =
+                crate::lanes::SharedLanes::accounting_only(crate::lanes::LanesConfig::new(bytes))
+                    .map_err(crate::lanes::SharedError::from)?;
             dispatcher.gate_on(l.clone());
             Some(l)
         }
@@ -431,8 +437,12 @@ impl Frontend {
             if !s.is_loaded() || !s.is_resident() || !s.is_admitted() {
                 continue;
             }
+            let t0 = Instant::now();
             match s.evict() {
-                Ok(_) => evicted += 1,
+                Ok(_) => {
+                    evicted += 1;
+                    tracing::debug!(session = %id, ms = t0.elapsed().as_secs_f64() * 1e3, "evicted under pressure");
+                }
                 Err(err) => tracing::warn!(session = %id, error = %err, "eviction failed"),
             }
         }

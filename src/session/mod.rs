@@ -20,6 +20,7 @@ use crate::exec::cpu::CpuProgram;
 use crate::exec::cuda::CudaProgram;
 use crate::exec::ExecError;
 use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
+use crate::residency::{Strategy, SwitchReport};
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -113,14 +114,15 @@ impl Program {
             Program::Cuda(p) => p.graph(),
         }
     }
-    fn run(
+    fn run_switching(
         &mut self,
         feeds: &BTreeMap<String, Tensor>,
         fetches: &[String],
-    ) -> Result<Vec<Tensor>, ExecError> {
+        strategy: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
         match self {
-            Program::Cpu(p) => p.run(feeds, fetches),
-            Program::Cuda(p) => p.run(feeds, fetches),
+            Program::Cpu(p) => p.run_switching(feeds, fetches, strategy),
+            Program::Cuda(p) => p.run_switching(feeds, fetches, strategy),
         }
     }
     fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
@@ -451,12 +453,27 @@ impl Session {
         if let Some(bad) = fetches.iter().find(|k| graph.resolve(k).is_none()) {
             return Err(SessionError::Fetch { key: bad.clone() });
         }
-        if !loaded.program.is_resident() {
+        let returning = !loaded.program.is_resident();
+        if returning {
             self.readmit()?;
             self.switches.1 += 1;
         }
+        let session = self.id;
         let loaded = self.loaded()?;
-        let out = loaded.program.run(&fed, fetches)?;
+        let t0 = std::time::Instant::now();
+        let (out, report) = loaded
+            .program
+            .run_switching(&fed, fetches, Strategy::Pipelined)?;
+        if let Some(r) = report {
+            tracing::debug!(
+                %session,
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                groups = r.groups,
+                replayed = r.replayed,
+                predicted_ms = r.predicted * 1e3,
+                "brought back"
+            );
+        }
         self.iterations += 1;
         Ok(out)
     }

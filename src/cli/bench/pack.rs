@@ -58,6 +58,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     if a.models == 0 || a.fit == 0 || a.fit > a.models || a.requests == 0 {
         bail!("need --models ≥ --fit ≥ 1 and --requests ≥ 1");
     }
+    crate::cli::serve::init_tracing("warn");
     let since = Instant::now();
     progress(&format!("building {} ×{}", a.model, a.models), since);
     let w = workload::inference(&a.model, a.batch, a.seq)?;

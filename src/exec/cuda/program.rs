@@ -237,9 +237,17 @@ impl CudaProgram {
         if !self.res.resident {
             return Ok(0);
         }
+        let t0 = std::time::Instant::now();
         let copied = self.refresh_host_image()?;
+        let t1 = std::time::Instant::now();
         self.arena.unmap()?;
         self.res.resident = false;
+        tracing::debug!(
+            copied,
+            host_ms = (t1 - t0).as_secs_f64() * 1e3,
+            unmap_ms = t1.elapsed().as_secs_f64() * 1e3,
+            "evicted"
+        );
         Ok(copied)
     }
 

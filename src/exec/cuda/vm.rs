@@ -161,10 +161,15 @@ impl VmArena {
             return Ok(());
         };
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        let t0 = std::time::Instant::now();
         // SAFETY: the range is mapped to `h` and no work uses it any more.
-        unsafe { sys::cuMemUnmap(self.va, self.size) }
-            .result()
-            .map_err(|e| dev_err("unmapping the arena", e))?;
+        let r = unsafe { sys::cuMemUnmap(self.va, self.size) };
+        tracing::trace!(
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            bytes = self.size,
+            "cuMemUnmap"
+        );
+        r.result().map_err(|e| dev_err("unmapping the arena", e))?;
         let mut free = FREE.lock().unwrap_or_else(PoisonError::into_inner);
         let lists = free.get_or_insert_with(HashMap::new);
         let kept: usize = lists.iter().map(|((_, size), v)| size * v.len()).sum();
