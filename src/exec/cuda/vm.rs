@@ -110,6 +110,7 @@ impl VmArena {
         if self.handle.is_some() {
             return Ok(());
         }
+        let t0 = std::time::Instant::now();
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let key = (self.device, self.size);
         let reused = FREE
@@ -151,6 +152,12 @@ impl VmArena {
             return Err(dev_err("arena access", e));
         }
         self.handle = Some(h);
+        tracing::trace!(
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            bytes = self.size,
+            reused = reused.is_some(),
+            "mapped"
+        );
         Ok(())
     }
 
