@@ -72,9 +72,9 @@ pub struct CudaProgram {
     pub(super) workspace: u64,
     pub(super) workspace_bytes: usize,
     pub(super) options: CudaOptions,
-    /// The recorded iteration per arena base it was recorded at (a switch
-    /// may bring the arena back elsewhere; the pool hands out few distinct
-    /// addresses, so a handful stay valid), most recent last.
+    /// The recorded iteration, keyed by the arena base it was recorded at
+    /// (the base is fixed for the program's lifetime, see `vm.rs`; the key
+    /// keeps a recording from ever being replayed at another address).
     captured: Vec<(u64, CudaGraph)>,
     /// Captures that failed; after [`CAPTURE_TRIES`] launch op by op.
     capture_failures: u32,
