@@ -483,13 +483,32 @@ impl CudaProgram {
             Op::BatchNormTrain { eps, momentum } => {
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
-                self.k(
-                    "bn_stats",
-                    blocks(d[1], 256),
-                    &[
-                        &out[1], &out[2], &inp[3], &inp[4], &inp[0], &nb, &c, &inner, eps, momentum,
-                    ],
-                )?;
+                if plane_parallel(d) && prod(&d[2..]) >= 2 {
+                    // Plane sums and M2s (2·N·C values) go into y's range,
+                    // which bn_apply then writes.
+                    self.k(
+                        "bn_plane_stats",
+                        plane_grid(d),
+                        &[&out[0], &inp[0], &nb, &c, &inner],
+                    )?;
+                    self.k(
+                        "bn_stats_finish",
+                        grid(d[1]),
+                        &[
+                            &out[1], &out[2], &inp[3], &inp[4], &out[0], &nb, &c, &inner, eps,
+                            momentum,
+                        ],
+                    )?;
+                } else {
+                    self.k(
+                        "bn_stats",
+                        blocks(d[1], 256),
+                        &[
+                            &out[1], &out[2], &inp[3], &inp[4], &inp[0], &nb, &c, &inner, eps,
+                            momentum,
+                        ],
+                    )?;
+                }
                 self.k(
                     "bn_apply",
                     grid(n_out),
@@ -502,13 +521,28 @@ impl CudaProgram {
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
                 let m = i(d[0] * prod(&d[2..]));
-                self.k(
-                    "bn_grad_reduce",
-                    blocks(d[1], 256),
-                    &[
-                        &out[1], &out[2], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner,
-                    ],
-                )?;
+                if plane_parallel(d) && prod(&d[2..]) >= 2 {
+                    // Plane sums (2·N·C values) go into dx's range, which
+                    // bn_grad_dx then writes.
+                    self.k(
+                        "bn_grad_plane",
+                        plane_grid(d),
+                        &[&out[0], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner],
+                    )?;
+                    self.k(
+                        "bn_grad_finish",
+                        grid(d[1]),
+                        &[&out[1], &out[2], &out[0], &nb, &c],
+                    )?;
+                } else {
+                    self.k(
+                        "bn_grad_reduce",
+                        blocks(d[1], 256),
+                        &[
+                            &out[1], &out[2], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner,
+                        ],
+                    )?;
+                }
                 self.k(
                     "bn_grad_dx",
                     grid(n_out),
@@ -800,5 +834,21 @@ impl CudaProgram {
             )
         }
         .map_err(|e| format!("cuBLAS: {e:?}"))
+    }
+}
+
+/// Whether training batch norm over `dims` ([N, C, …]) spreads its sums over
+/// one block per (n, c) plane: when the C per-channel blocks alone would
+/// leave most of the GPU idle and the grid fits (y ≤ 65535 channels).
+fn plane_parallel(dims: &[usize]) -> bool {
+    dims.len() >= 2 && dims[0] > 1 && dims[1] <= 65_535 && dims[0] <= i32::MAX as usize
+}
+
+/// One block of 256 threads per (n, c) plane.
+fn plane_grid(dims: &[usize]) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
+        grid_dim: (dims[0] as u32, dims[1] as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }

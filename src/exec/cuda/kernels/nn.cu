@@ -176,6 +176,52 @@ extern "C" __global__ void bn_stats(float* mean, float* invstd, float* rmean, fl
     }
 }
 
+// One pass over x from DRAM: each (n, c) plane block sums its plane, then
+// sums the squared deviations from the plane's own mean (a second read of
+// the same plane, from cache). partial[c * N + n] = plane sum,
+// partial[C * N + c * N + n] = plane M2. bn_stats_finish merges the planes
+// in order with Chan's formula.
+extern "C" __global__ void bn_plane_stats(float* partial, const float* x, int N, int C, int inner) {
+    int n = blockIdx.x, c = blockIdx.y;
+    const float* p = x + ((long long)n * C + c) * inner;
+    float s = 0.0f;
+    for (int k = threadIdx.x; k < inner; k += blockDim.x) s += p[k];
+    s = block_sum(s);
+    float mu = s / inner;
+    float m2 = 0.0f;
+    for (int k = threadIdx.x; k < inner; k += blockDim.x) {
+        float d = p[k] - mu;
+        m2 += d * d;
+    }
+    m2 = block_sum(m2);
+    if (threadIdx.x == 0) {
+        partial[c * N + n] = s;
+        partial[C * N + c * N + n] = m2;
+    }
+}
+
+extern "C" __global__ void bn_stats_finish(float* mean, float* invstd, float* rmean, float* rvar,
+                                           const float* partial, int N, int C, int inner, float eps,
+                                           float momentum) {
+    GRID_LOOP(c, C) {
+        int M = N * inner;
+        float s = 0.0f;
+        for (int n = 0; n < N; ++n) s += partial[c * N + n];
+        float mu = s / M;
+        float m2 = 0.0f;
+        for (int n = 0; n < N; ++n) {
+            float d = partial[c * N + n] / inner - mu;
+            m2 += partial[C * N + c * N + n] + inner * d * d;
+        }
+        float var = m2 / M;
+        mean[c] = mu;
+        invstd[c] = rsqrtf(var + eps);
+        float unbiased = M > 1 ? var * M / (M - 1) : var;
+        rmean[c] = (1.0f - momentum) * rmean[c] + momentum * mu;
+        rvar[c] = (1.0f - momentum) * rvar[c] + momentum * unbiased;
+    }
+}
+
 extern "C" __global__ void bn_apply(float* y, const float* x, const float* mean, const float* invstd,
                                     const float* g, const float* b, int n, int C, int inner) {
     GRID_LOOP(i, n) {
@@ -199,6 +245,40 @@ extern "C" __global__ void bn_grad_reduce(float* dg, float* db, const float* x, 
     s1 = block_sum(s1);
     s2 = block_sum(s2);
     if (threadIdx.x == 0) { db[c] = s1; dg[c] = s2; }
+}
+
+// bn_grad_reduce over N x C plane blocks: partial[c * N + n] = sum dy and
+// partial[C * N + c * N + n] = sum dy * xhat over the plane, then one thread
+// per channel adds its planes in order.
+extern "C" __global__ void bn_grad_plane(float* partial, const float* x, const float* mean, const float* invstd,
+                                         const float* dy, int N, int C, int inner) {
+    int n = blockIdx.x, c = blockIdx.y;
+    long long at = ((long long)n * C + c) * inner;
+    float mu = mean[c], is = invstd[c];
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int k = threadIdx.x; k < inner; k += blockDim.x) {
+        float g = dy[at + k];
+        s1 += g;
+        s2 += g * (x[at + k] - mu) * is;
+    }
+    s1 = block_sum(s1);
+    s2 = block_sum(s2);
+    if (threadIdx.x == 0) {
+        partial[c * N + n] = s1;
+        partial[C * N + c * N + n] = s2;
+    }
+}
+
+extern "C" __global__ void bn_grad_finish(float* dg, float* db, const float* partial, int N, int C) {
+    GRID_LOOP(c, C) {
+        float s1 = 0.0f, s2 = 0.0f;
+        for (int n = 0; n < N; ++n) {
+            s1 += partial[c * N + n];
+            s2 += partial[C * N + c * N + n];
+        }
+        db[c] = s1;
+        dg[c] = s2;
+    }
 }
 
 extern "C" __global__ void bn_grad_dx(float* dx, const float* x, const float* g, const float* mean, const float* invstd,
