@@ -9,66 +9,20 @@
 use std::collections::BTreeMap;
 
 use lanes::exec::cpu::CpuProgram;
-use lanes::exec::cuda::CudaProgram;
-use lanes::exec::ExecError;
-use lanes::residency::{Strategy, SwitchReport};
+use lanes::exec::{Backend, Program};
+use lanes::residency::Strategy;
 use lanes_adaptor::zoo::Arch;
 use lanes_adaptor::{validate, DType, GraphLimits, Optimizer, Tensor, TensorType, VarValues};
-
-/// The backend under test, with one interface.
-enum Prog {
-    Cpu(CpuProgram),
-    Cuda(Box<CudaProgram>),
-}
 
 fn cuda() -> bool {
     std::env::var("LANES_TEST_DEVICE").as_deref() == Ok("cuda")
 }
 
-impl Prog {
-    fn new(graph: lanes_adaptor::Graph, vars: VarValues) -> Prog {
-        let v = validate(graph, &GraphLimits::default()).unwrap();
-        if cuda() {
-            Prog::Cuda(Box::new(CudaProgram::new(v, vars).unwrap()))
-        } else {
-            Prog::Cpu(CpuProgram::new(v, vars).unwrap())
-        }
-    }
-    fn run(
-        &mut self,
-        feeds: &BTreeMap<String, Tensor>,
-        fetches: &[String],
-        s: Strategy,
-    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
-        match self {
-            Prog::Cpu(p) => p.run_switching(feeds, fetches, s),
-            Prog::Cuda(p) => p.run_switching(feeds, fetches, s),
-        }
-    }
-    fn evict(&mut self) -> u64 {
-        match self {
-            Prog::Cpu(p) => p.evict().unwrap(),
-            Prog::Cuda(p) => p.evict().unwrap(),
-        }
-    }
-    fn resident(&self) -> bool {
-        match self {
-            Prog::Cpu(p) => p.is_resident(),
-            Prog::Cuda(p) => p.is_resident(),
-        }
-    }
-    fn vars(&self) -> VarValues {
-        match self {
-            Prog::Cpu(p) => p.read_variables(&[]).unwrap(),
-            Prog::Cuda(p) => p.read_variables(&[]).unwrap(),
-        }
-    }
-    fn write(&mut self, v: VarValues) {
-        match self {
-            Prog::Cpu(p) => p.write_variables(v).unwrap(),
-            Prog::Cuda(p) => p.write_variables(v).unwrap(),
-        }
-    }
+/// The backend under test.
+fn program(graph: lanes_adaptor::Graph, vars: VarValues) -> Program {
+    let v = validate(graph, &GraphLimits::default()).unwrap();
+    let backend = if cuda() { Backend::Cuda } else { Backend::Cpu };
+    Program::new(backend, v, vars).unwrap()
 }
 
 fn feeds_for(inputs: &[(String, TensorType)], seed: u64, classes: i64) -> BTreeMap<String, Tensor> {
@@ -133,14 +87,16 @@ fn inference_after_evictions_is_bit_identical_for_every_strategy() {
         let m = arch.inference(2, 7).unwrap();
         let feeds = feeds_for(&m.inputs, 3, 4);
         let fetch = [m.output.clone()];
-        let mut p = Prog::new(m.graph, m.vars);
-        let (want, rep) = p.run(&feeds, &fetch, Strategy::Pipelined).unwrap();
+        let mut p = program(m.graph, m.vars);
+        let (want, rep) = p
+            .run_switching(&feeds, &fetch, Strategy::Pipelined)
+            .unwrap();
         assert!(rep.is_none(), "resident runs switch nothing");
         let want = bits(&want[0]);
         for round in 0..2 {
             for s in Strategy::ALL {
-                let copied = p.evict();
-                assert!(!p.resident());
+                let copied = p.evict().unwrap();
+                assert!(!p.is_resident());
                 // The first eviction copies; an inference model's host copy
                 // stays current, so later ones copy nothing.
                 assert_eq!(
@@ -149,8 +105,8 @@ fn inference_after_evictions_is_bit_identical_for_every_strategy() {
                     "{}",
                     arch.name()
                 );
-                assert_eq!(p.evict(), 0, "evicting twice is a no-op");
-                let (got, rep) = p.run(&feeds, &fetch, s).unwrap();
+                assert_eq!(p.evict().unwrap(), 0, "evicting twice is a no-op");
+                let (got, rep) = p.run_switching(&feeds, &fetch, s).unwrap();
                 let rep = rep.expect("a non-resident run switches");
                 assert_eq!(rep.strategy, s);
                 assert!(rep.groups >= 1 && rep.bytes > 0);
@@ -159,10 +115,10 @@ fn inference_after_evictions_is_bit_identical_for_every_strategy() {
                     Strategy::PerLayer => assert!(rep.groups > 1),
                     Strategy::Pipelined => {}
                 }
-                assert!(p.resident());
+                assert!(p.is_resident());
                 assert_eq!(bits(&got[0]), want, "{} {s} round {round}", arch.name());
                 // And resident again afterwards.
-                let (again, rep) = p.run(&feeds, &fetch, s).unwrap();
+                let (again, rep) = p.run_switching(&feeds, &fetch, s).unwrap();
                 assert!(rep.is_none());
                 assert_eq!(bits(&again[0]), want);
             }
@@ -180,24 +136,32 @@ fn training_with_evictions_matches_training_without() {
     let opt = Optimizer::adam(1e-3);
     let build = || {
         let (t, inputs) = arch.training(2, 5, &opt).unwrap();
-        (Prog::new(t.graph, t.vars), inputs, t.loss)
+        (program(t.graph, t.vars), inputs, t.loss)
     };
     let (mut steady, inputs, loss) = build();
     let (mut switched, _, _) = build();
     let fetch = [loss];
     for step in 0..6u64 {
         let feeds = feeds_for(&inputs, 100 + step, 10);
-        let (a, _) = steady.run(&feeds, &fetch, Strategy::Pipelined).unwrap();
+        let (a, _) = steady
+            .run_switching(&feeds, &fetch, Strategy::Pipelined)
+            .unwrap();
         // Evict before every other step, cycling through the strategies.
         if step % 2 == 1 {
-            assert!(switched.evict() > 0, "training state is copied out");
+            assert!(
+                switched.evict().unwrap() > 0,
+                "training state is copied out"
+            );
         }
         let s = Strategy::ALL[(step as usize / 2) % 3];
-        let (b, rep) = switched.run(&feeds, &fetch, s).unwrap();
+        let (b, rep) = switched.run_switching(&feeds, &fetch, s).unwrap();
         assert_eq!(rep.is_some(), step % 2 == 1);
         assert_eq!(bits(&a[0]), bits(&b[0]), "loss at step {step}");
     }
-    let (va, vb) = (steady.vars(), switched.vars());
+    let (va, vb) = (
+        steady.read_variables(&[]).unwrap(),
+        switched.read_variables(&[]).unwrap(),
+    );
     assert_eq!(va.len(), vb.len());
     for (name, t) in &va {
         assert_eq!(bits(t), bits(&vb[name]), "variable {name}");
@@ -214,10 +178,14 @@ fn variables_are_readable_and_writable_while_evicted() {
     let m = arch.inference(1, 1).unwrap();
     let feeds = feeds_for(&m.inputs, 9, 3);
     let fetch = [m.output.clone()];
-    let mut p = Prog::new(m.graph.clone(), m.vars.clone());
-    let before = p.vars();
-    p.evict();
-    assert_eq!(p.vars(), before, "read from the host copy");
+    let mut p = program(m.graph.clone(), m.vars.clone());
+    let before = p.read_variables(&[]).unwrap();
+    p.evict().unwrap();
+    assert_eq!(
+        p.read_variables(&[]).unwrap(),
+        before,
+        "read from the host copy"
+    );
     // A write while evicted lands in the host copy and is used on return.
     let zeroed: VarValues = before
         .iter()
@@ -226,11 +194,13 @@ fn variables_are_readable_and_writable_while_evicted() {
             (n.clone(), Tensor::from_f32(t.shape().clone(), z).unwrap())
         })
         .collect();
-    p.write(zeroed.clone());
-    assert!(!p.resident());
-    let (out, _) = p.run(&feeds, &fetch, Strategy::Pipelined).unwrap();
+    p.write_variables(zeroed.clone()).unwrap();
+    assert!(!p.is_resident());
+    let (out, _) = p
+        .run_switching(&feeds, &fetch, Strategy::Pipelined)
+        .unwrap();
     assert!(out[0].f32s().unwrap().iter().all(|&x| x == 0.0));
-    assert_eq!(p.vars(), zeroed);
+    assert_eq!(p.read_variables(&[]).unwrap(), zeroed);
 }
 
 #[test]

@@ -6,6 +6,9 @@
 
 pub mod cpu;
 pub mod cuda;
+mod program;
+
+pub use program::{Backend, Program};
 
 use lanes_adaptor::{DType, TensorType};
 

@@ -11,16 +11,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use lanes_adaptor::wire::{ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
-use lanes_adaptor::{
-    validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
-};
+use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType, VarValues};
 
 use crate::compile::{self, PlanError};
-use crate::exec::cpu::CpuProgram;
-use crate::exec::cuda::CudaProgram;
+pub use crate::exec::Backend;
 use crate::exec::ExecError;
+use crate::exec::Program;
 use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
-use crate::residency::{Strategy, SwitchReport};
+use crate::residency::Strategy;
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -82,80 +80,6 @@ pub fn exec_code(e: &ExecError) -> ErrorCode {
         }
         ExecError::Op { .. } | ExecError::DType { .. } => ErrorCode::Exec,
         ExecError::NoDevice { .. } => ErrorCode::NoDevice,
-    }
-}
-
-/// Which executor a session's graph runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
-    #[default]
-    Cpu,
-    Cuda,
-}
-
-/// A session's executor: the CPU reference backend or the CUDA backend,
-/// which share one contract (new, run, read and write variables).
-#[derive(Debug)]
-enum Program {
-    Cpu(CpuProgram),
-    Cuda(Box<CudaProgram>),
-}
-
-impl Program {
-    fn new(backend: Backend, graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
-        Ok(match backend {
-            Backend::Cpu => Program::Cpu(CpuProgram::new(graph, vars)?),
-            Backend::Cuda => Program::Cuda(Box::new(CudaProgram::new(graph, vars)?)),
-        })
-    }
-    fn graph(&self) -> &ValidGraph {
-        match self {
-            Program::Cpu(p) => p.graph(),
-            Program::Cuda(p) => p.graph(),
-        }
-    }
-    fn run_switching(
-        &mut self,
-        feeds: &BTreeMap<String, Tensor>,
-        fetches: &[String],
-        strategy: Strategy,
-    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
-        match self {
-            Program::Cpu(p) => p.run_switching(feeds, fetches, strategy),
-            Program::Cuda(p) => p.run_switching(feeds, fetches, strategy),
-        }
-    }
-    fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
-        match self {
-            Program::Cpu(p) => p.read_variables(names),
-            Program::Cuda(p) => p.read_variables(names),
-        }
-    }
-    fn write_variables(&mut self, values: VarValues) -> Result<(), ExecError> {
-        match self {
-            Program::Cpu(p) => p.write_variables(values),
-            Program::Cuda(p) => p.write_variables(values),
-        }
-    }
-    fn evict(&mut self) -> Result<u64, ExecError> {
-        match self {
-            Program::Cpu(p) => p.evict(),
-            Program::Cuda(p) => p.evict(),
-        }
-    }
-    fn is_resident(&self) -> bool {
-        match self {
-            Program::Cpu(p) => p.is_resident(),
-            Program::Cuda(p) => p.is_resident(),
-        }
-    }
-    /// GPU inference programs get ready to be switched (warm, profiled,
-    /// recorded, host image taken) before their first request.
-    fn prepare_standby(&mut self) -> Result<(), ExecError> {
-        match self {
-            Program::Cpu(_) => Ok(()),
-            Program::Cuda(p) => p.prepare_standby(),
-        }
     }
 }
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use lanes::exec::cpu::CpuProgram;
 use lanes::exec::cuda::{CudaOptions, CudaProgram};
+use lanes::exec::Program;
 use lanes::server::{self, DeviceChoice, ServerConfig};
 use lanes_adaptor::{
     validate, Client, ClientOptions, GraphLimits, Limits, SessionSpec, Tensor, VarValues,
@@ -137,24 +138,6 @@ impl Observed {
     }
 }
 
-enum Prog {
-    Cpu(CpuProgram),
-    Cuda(Box<CudaProgram>),
-}
-
-impl Prog {
-    fn run(
-        &mut self,
-        feeds: &BTreeMap<String, Tensor>,
-        fetches: &[String],
-    ) -> anyhow::Result<Vec<Tensor>> {
-        Ok(match self {
-            Prog::Cpu(p) => p.run(feeds, fetches)?,
-            Prog::Cuda(p) => p.run(feeds, fetches)?,
-        })
-    }
-}
-
 /// Result of one path: its JSON object and its statistics.
 #[derive(Debug)]
 pub struct PathResult {
@@ -189,9 +172,9 @@ pub fn executor(
                 cuda_graph: t.cuda_graph,
                 ..CudaOptions::default()
             };
-            Prog::Cuda(Box::new(CudaProgram::with_options(graph, vars, opts)?))
+            Program::Cuda(Box::new(CudaProgram::with_options(graph, vars, opts)?))
         }
-        Device::Cpu => Prog::Cpu(CpuProgram::new(graph, vars)?),
+        Device::Cpu => Program::Cpu(CpuProgram::new(graph, vars)?),
     };
     let load_ms = ms(t0.elapsed());
     let fetch = vec![w.fetch.clone()];
@@ -218,16 +201,16 @@ pub fn executor(
     let mut m = stats.json();
     m.insert("load_ms".into(), json!(load_ms));
     let gpu = match &prog {
-        Prog::Cuda(p) => {
+        Program::Cuda(p) => {
             m.insert("cuda_graph".into(), json!(p.uses_cuda_graph()));
             m.insert("device_bytes".into(), json!(p.device_bytes()));
             Some(p.device_name().to_string())
         }
-        Prog::Cpu(_) => None,
+        Program::Cpu(_) => None,
     };
     seen.json(w.kind, &mut m);
     progress(&format!("executor: median {:.3} ms", stats.median), since);
-    if let (true, Prog::Cuda(p)) = (t.op_profile, &mut prog) {
+    if let (true, Program::Cuda(p)) = (t.op_profile, &mut prog) {
         let prof = p.profile_ops(feeds, &fetch)?;
         let total: f64 = prof.iter().map(|x| x.2).sum();
         progress(

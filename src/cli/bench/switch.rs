@@ -13,9 +13,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use lanes::exec::cpu::CpuProgram;
-use lanes::exec::cuda::CudaProgram;
-use lanes::residency::{GroupPlan, Strategy, SwitchReport};
+use lanes::exec::{Backend, Program};
+use lanes::residency::Strategy;
 use lanes_adaptor::{validate, GraphLimits, Tensor};
 
 use super::workload;
@@ -37,49 +36,6 @@ pub struct SwitchArgs {
     /// Sequence length for BERT.
     #[arg(long, default_value_t = 128)]
     seq: usize,
-}
-
-enum Prog {
-    Cpu(CpuProgram),
-    Cuda(Box<CudaProgram>),
-}
-
-impl Prog {
-    fn run(
-        &mut self,
-        feeds: &BTreeMap<String, Tensor>,
-        fetch: &[String],
-        s: Strategy,
-    ) -> anyhow::Result<(Vec<Tensor>, Option<SwitchReport>)> {
-        Ok(match self {
-            Prog::Cpu(p) => p.run_switching(feeds, fetch, s)?,
-            Prog::Cuda(p) => p.run_switching(feeds, fetch, s)?,
-        })
-    }
-    fn evict(&mut self) -> anyhow::Result<u64> {
-        Ok(match self {
-            Prog::Cpu(p) => p.evict()?,
-            Prog::Cuda(p) => p.evict()?,
-        })
-    }
-    fn plan(&self, s: Strategy) -> GroupPlan {
-        match self {
-            Prog::Cpu(p) => p.plan(s),
-            Prog::Cuda(p) => p.plan(s),
-        }
-    }
-    fn bytes(&self) -> u64 {
-        match self {
-            Prog::Cpu(p) => p.persistent_bytes(),
-            Prog::Cuda(p) => p.persistent_bytes(),
-        }
-    }
-    fn units(&self) -> usize {
-        match self {
-            Prog::Cpu(p) => p.layout().units.len(),
-            Prog::Cuda(p) => p.layout().units.len(),
-        }
-    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -109,22 +65,23 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     )
     .context("model graph does not validate")?;
 
-    let mut prog = match a.device.as_str() {
-        "cuda" => Prog::Cuda(Box::new(CudaProgram::new(graph, built.vars)?)),
-        "cpu" => Prog::Cpu(CpuProgram::new(graph, built.vars)?),
+    let backend = match a.device.as_str() {
+        "cuda" => Backend::Cuda,
+        "cpu" => Backend::Cpu,
         d => bail!("unknown device `{d}` (cuda or cpu)"),
     };
+    let mut prog = Program::new(backend, graph, built.vars)?;
     // Resident: the first run profiles per-unit compute, later ones replay.
     eprintln!("resident runs …");
-    let (first, _) = prog.run(&feeds, &fetch, Strategy::Pipelined)?;
+    let (first, _) = prog.run_switching(&feeds, &fetch, Strategy::Pipelined)?;
     let want = bits(&first)?;
     for _ in 0..3 {
-        prog.run(&feeds, &fetch, Strategy::Pipelined)?;
+        prog.run_switching(&feeds, &fetch, Strategy::Pipelined)?;
     }
     let mut resident = Vec::with_capacity(a.iters);
     for _ in 0..a.iters {
         let t = Instant::now();
-        prog.run(&feeds, &fetch, Strategy::Pipelined)?;
+        prog.run_switching(&feeds, &fetch, Strategy::Pipelined)?;
         resident.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let resident_ms = median(resident);
@@ -132,11 +89,8 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     let t = Instant::now();
     let copied = prog.evict()?;
     let first_evict_ms = t.elapsed().as_secs_f64() * 1e3;
-    let bandwidth = match &prog {
-        Prog::Cuda(p) => p.bandwidth(),
-        Prog::Cpu(p) => p.bandwidth(),
-    };
-    let bytes = prog.bytes();
+    let bandwidth = prog.bandwidth();
+    let bytes = prog.persistent_bytes();
     let mut rows = serde_json::Map::new();
     let mut medians = BTreeMap::new();
     let mut identical = true;
@@ -144,14 +98,14 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         eprintln!("switching with {s} …");
         // One untimed switch records this cut's segments (CUDA).
         prog.evict()?;
-        prog.run(&feeds, &fetch, s)?;
+        prog.run_switching(&feeds, &fetch, s)?;
         let mut times = Vec::with_capacity(a.iters);
         let mut groups = 0;
         let mut replayed = true;
         for _ in 0..a.iters {
             prog.evict()?;
             let t = Instant::now();
-            let (out, rep) = prog.run(&feeds, &fetch, s)?;
+            let (out, rep) = prog.run_switching(&feeds, &fetch, s)?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
             groups = rep.as_ref().map_or(0, |r| r.groups);
             replayed &= rep.is_some_and(|r| r.replayed);
@@ -181,7 +135,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "seq": if a.model == "bert_base" { Some(a.seq) } else { None },
         "device": a.device,
         "persistent_bytes": bytes,
-        "units": prog.units(),
+        "units": prog.layout().units.len(),
         "first_evict_ms": first_evict_ms,
         "first_evict_copied_bytes": copied,
         "bandwidth_gb_s": bandwidth.map(|b| b / 1e9),

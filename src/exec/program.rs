@@ -1,0 +1,138 @@
+//! [`Program`]: one interface over both executors, for the service's
+//! sessions, the benchmarks and the tests that run on either backend.
+
+use std::collections::BTreeMap;
+
+use lanes_adaptor::{Tensor, ValidGraph, VarValues};
+
+use super::cpu::CpuProgram;
+use super::cuda::CudaProgram;
+use super::ExecError;
+use crate::residency::{GroupPlan, Layout, Strategy, SwitchReport};
+
+/// Which executor a graph runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// A graph ready to run on the CPU reference backend or the CUDA backend,
+/// which share one contract (run, variables, residency).
+#[derive(Debug)]
+pub enum Program {
+    Cpu(CpuProgram),
+    Cuda(Box<CudaProgram>),
+}
+
+impl Program {
+    /// Builds the program for `backend` (see `CpuProgram::new`, `CudaProgram::new`).
+    pub fn new(backend: Backend, graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
+        Ok(match backend {
+            Backend::Cpu => Program::Cpu(CpuProgram::new(graph, vars)?),
+            Backend::Cuda => Program::Cuda(Box::new(CudaProgram::new(graph, vars)?)),
+        })
+    }
+
+    pub fn graph(&self) -> &ValidGraph {
+        match self {
+            Program::Cpu(p) => p.graph(),
+            Program::Cuda(p) => p.graph(),
+        }
+    }
+
+    /// One iteration (bringing the persistent memory back first if evicted).
+    pub fn run(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+    ) -> Result<Vec<Tensor>, ExecError> {
+        match self {
+            Program::Cpu(p) => p.run(feeds, fetches),
+            Program::Cuda(p) => p.run(feeds, fetches),
+        }
+    }
+
+    /// One iteration; when evicted, the persistent memory comes back in the
+    /// groups of `strategy` while it computes.
+    pub fn run_switching(
+        &mut self,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+        strategy: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        match self {
+            Program::Cpu(p) => p.run_switching(feeds, fetches, strategy),
+            Program::Cuda(p) => p.run_switching(feeds, fetches, strategy),
+        }
+    }
+
+    pub fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
+        match self {
+            Program::Cpu(p) => p.read_variables(names),
+            Program::Cuda(p) => p.read_variables(names),
+        }
+    }
+
+    pub fn write_variables(&mut self, values: VarValues) -> Result<(), ExecError> {
+        match self {
+            Program::Cpu(p) => p.write_variables(values),
+            Program::Cuda(p) => p.write_variables(values),
+        }
+    }
+
+    /// Moves the persistent memory to host memory; bytes copied.
+    pub fn evict(&mut self) -> Result<u64, ExecError> {
+        match self {
+            Program::Cpu(p) => p.evict(),
+            Program::Cuda(p) => p.evict(),
+        }
+    }
+
+    pub fn is_resident(&self) -> bool {
+        match self {
+            Program::Cpu(p) => p.is_resident(),
+            Program::Cuda(p) => p.is_resident(),
+        }
+    }
+
+    /// GPU inference programs get ready to be switched before their first
+    /// request (see `CudaProgram::prepare_standby`); nothing on the CPU.
+    pub fn prepare_standby(&mut self) -> Result<(), ExecError> {
+        match self {
+            Program::Cpu(_) => Ok(()),
+            Program::Cuda(p) => p.prepare_standby(),
+        }
+    }
+
+    /// The group plan `strategy` would use now.
+    pub fn plan(&self, strategy: Strategy) -> GroupPlan {
+        match self {
+            Program::Cpu(p) => p.plan(strategy),
+            Program::Cuda(p) => p.plan(strategy),
+        }
+    }
+
+    pub fn persistent_bytes(&self) -> u64 {
+        match self {
+            Program::Cpu(p) => p.persistent_bytes(),
+            Program::Cuda(p) => p.persistent_bytes(),
+        }
+    }
+
+    pub fn layout(&self) -> &Layout {
+        match self {
+            Program::Cpu(p) => p.layout(),
+            Program::Cuda(p) => p.layout(),
+        }
+    }
+
+    /// Measured host → device (or host copy) bandwidth, bytes/s.
+    pub fn bandwidth(&self) -> Option<f64> {
+        match self {
+            Program::Cpu(p) => p.bandwidth(),
+            Program::Cuda(p) => p.bandwidth(),
+        }
+    }
+}
