@@ -72,10 +72,9 @@ pub struct CudaProgram {
     pub(super) workspace: u64,
     pub(super) workspace_bytes: usize,
     pub(super) options: CudaOptions,
-    /// The recorded iteration, keyed by the arena base it was recorded at
-    /// (the base is fixed for the program's lifetime, see `vm.rs`; the key
-    /// keeps a recording from ever being replayed at another address).
-    captured: Vec<(u64, CudaGraph)>,
+    /// The recorded iteration (valid for the program's lifetime: the arena
+    /// keeps its address across evictions, see `vm.rs`).
+    captured: Option<CudaGraph>,
     /// Captures that failed; after [`CAPTURE_TRIES`] launch op by op.
     capture_failures: u32,
     /// Residency: persistent tensors sit at the arena's start in first-use
@@ -115,18 +114,14 @@ struct Residency {
     /// op-by-op profile is scaled to it.
     graph_secs: Option<f64>,
     /// Per-strategy recorded segments (one CUDA graph per group's nodes,
-    /// after the prefix), valid at the arena base and cut they were
-    /// recorded for.
-    segments: std::collections::HashMap<(Strategy, u64), Segments>,
+    /// after the prefix), valid for the cut they were recorded for.
+    segments: std::collections::HashMap<Strategy, Segments>,
     /// Cached group plans (cleared when a cost changes).
     plans: std::collections::HashMap<Strategy, GroupPlan>,
 }
 
 /// Failed recordings of the iteration before a program stops trying.
 const CAPTURE_TRIES: u32 = 3;
-
-/// How many arena bases keep their recorded graphs.
-const GRAPHS_KEPT: usize = 4;
 
 /// A switch's recorded compute: the prefix, then one graph per group.
 struct Segments {
@@ -331,9 +326,7 @@ impl CudaProgram {
         if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
             let plan = self.plan(Strategy::Pipelined);
             let sg = self.record_segments(&plan)?;
-            self.res
-                .segments
-                .insert((Strategy::Pipelined, self.base), sg);
+            self.res.segments.insert(Strategy::Pipelined, sg);
         }
         Ok(())
     }
@@ -405,10 +398,8 @@ impl CudaProgram {
         // Memory back under the arena's fixed address: the recorded graphs
         // stay valid.
         self.arena.map()?;
-        let base = self.arena.base();
+        let base = self.base;
         let p = self.res.bytes;
-        // The copies may start as soon as the arena exists.
-        let allocated = self.event(&self.stream, false)?;
         // The ephemeral part is left as mapped: every kernel
         // writes its outputs before anything reads them (checked by filling
         // it with NaN bytes under LANES_ARENA_FILL=poison and comparing with
@@ -446,8 +437,6 @@ impl CudaProgram {
             at = at.max(hi);
         }
         let copy = &self.res.copy;
-        copy.wait(&allocated)
-            .map_err(|e| dev_err("stream wait", e))?;
         for (o, t) in &feed_list {
             self.upload_on(*o, t, copy)?;
         }
@@ -482,7 +471,7 @@ impl CudaProgram {
         let recorded = self
             .res
             .segments
-            .get(&(strategy, base))
+            .get(&strategy)
             .filter(|sg| sg.starts == plan.starts);
         let replayed = recorded.is_some();
         let launched = if let Some(sg) = recorded {
@@ -533,14 +522,11 @@ impl CudaProgram {
             && self.options.cuda_graph
             && self.capture_failures < CAPTURE_TRIES
         {
-            // Record this cut's segments for the next switch at this base.
+            // Record this cut's segments for the next switch.
             // Recording launches nothing: the switch's result is unchanged.
             match self.record_segments(&plan) {
                 Ok(sg) => {
-                    if self.res.segments.len() >= 3 * GRAPHS_KEPT {
-                        self.res.segments.clear();
-                    }
-                    self.res.segments.insert((strategy, base), sg);
+                    self.res.segments.insert(strategy, sg);
                 }
                 Err(e) => tracing::debug!(error = %e, "segments not recorded"),
             }
@@ -794,7 +780,7 @@ impl CudaProgram {
             workspace,
             workspace_bytes: ws_bytes,
             options,
-            captured: Vec::new(),
+            captured: None,
             capture_failures: 0,
             res: Residency {
                 updates,
@@ -1041,20 +1027,14 @@ impl CudaProgram {
         if !self.options.cuda_graph || self.capture_failures >= CAPTURE_TRIES {
             return self.launch_nodes();
         }
-        let base = self.base;
-        if !self.captured.iter().any(|(b, _)| *b == base) {
+        if self.captured.is_none() {
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(|e| dev_err("begin capture", e))?;
             let launched = self.launch_nodes();
             let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
             match (launched, ended) {
-                (Ok(()), Ok(Some(g))) => {
-                    if self.captured.len() >= GRAPHS_KEPT {
-                        self.captured.remove(0);
-                    }
-                    self.captured.push((base, g));
-                }
+                (Ok(()), Ok(Some(g))) => self.captured = Some(g),
                 (launched, ended) => {
                     // Nothing ran while capturing: run op by op this time.
                     self.capture_failures += 1;
@@ -1068,12 +1048,7 @@ impl CudaProgram {
                 }
             }
         }
-        let graph = self
-            .captured
-            .iter()
-            .find(|(b, _)| *b == base)
-            .map(|(_, g)| g);
-        match graph {
+        match &self.captured {
             Some(g) if self.res.graph_secs.is_none() => {
                 let e0 = self.event(&self.stream, true)?;
                 g.launch().map_err(|e| dev_err("graph launch", e))?;
@@ -1182,7 +1157,7 @@ impl CudaProgram {
 
     /// Whether iterations replay a recorded CUDA graph.
     pub fn uses_cuda_graph(&self) -> bool {
-        self.captured.iter().any(|(b, _)| *b == self.base)
+        self.captured.is_some()
     }
 
     /// Current values of the named variables (all variables when `names` is empty).
