@@ -300,6 +300,39 @@ fn optimal(costs: &Costs, n: usize) -> Vec<usize> {
     starts
 }
 
+/// The plans of every strategy for one set of costs, kept until a cost
+/// changes: the dynamic program is O(n³) in units (milliseconds for the
+/// largest models), which must not land on a switch.
+#[derive(Debug, Default)]
+pub struct PlanCache {
+    plans: std::collections::HashMap<Strategy, GroupPlan>,
+}
+
+impl PlanCache {
+    /// The kept plan for `strategy`, or one cut now from `costs` (not kept).
+    pub fn get(&self, strategy: Strategy, costs: impl FnOnce() -> Costs) -> GroupPlan {
+        match self.plans.get(&strategy) {
+            Some(p) => p.clone(),
+            None => plan_groups(&costs(), strategy),
+        }
+    }
+
+    /// Cuts and keeps every strategy's plan, unless kept already.
+    pub fn fill(&mut self, costs: &Costs) {
+        if self.plans.is_empty() {
+            self.plans = Strategy::ALL
+                .iter()
+                .map(|&s| (s, plan_groups(costs, s)))
+                .collect();
+        }
+    }
+
+    /// A cost changed: the kept plans are stale.
+    pub fn invalidate(&mut self) {
+        self.plans.clear();
+    }
+}
+
 /// Per-unit compute times of one iteration, taken at unit boundaries.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Profile {
@@ -319,16 +352,23 @@ pub struct UnitTimer {
     profile: Profile,
 }
 
+impl Profile {
+    /// No compute measured yet, for `units` units.
+    pub fn zeros(units: usize) -> Self {
+        Profile {
+            compute: vec![0.0; units],
+            prefix: 0.0,
+        }
+    }
+}
+
 impl UnitTimer {
     pub fn new(layout: &Layout) -> Self {
         UnitTimer {
             unit_of: layout.unit_of_position(),
             current: None,
             last: std::time::Instant::now(),
-            profile: Profile {
-                compute: vec![0.0; layout.units.len()],
-                prefix: 0.0,
-            },
+            profile: Profile::zeros(layout.units.len()),
         }
     }
 

@@ -20,7 +20,7 @@ use lanes_adaptor::{Op, Tensor, ValidGraph, VarValues};
 
 use super::{ExecError, TensorMut, TensorRef};
 use crate::residency::{
-    plan_groups, Costs, GroupPlan, Layout, Profile, Strategy, SwitchReport, UnitTimer,
+    Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport, UnitTimer,
 };
 
 /// A validated graph and its variables, ready to run iterations on the CPU.
@@ -50,8 +50,7 @@ struct Residency {
     /// Per-unit copy seconds, measured when the host copy was taken.
     copy: Option<Vec<f64>>,
     profile: Option<Profile>,
-    /// Cached group plans (cleared when a cost changes).
-    plans: std::collections::HashMap<Strategy, GroupPlan>,
+    plans: PlanCache,
 }
 
 /// Per-group cost of the copier (a channel send and wake-up), seconds.
@@ -78,7 +77,7 @@ impl CpuProgram {
                 updates,
                 copy: None,
                 profile: None,
-                plans: std::collections::HashMap::new(),
+                plans: PlanCache::default(),
             }),
         })
     }
@@ -149,45 +148,34 @@ impl CpuProgram {
             }
             res.host = Some(host);
             res.copy = Some(copy);
-            res.plans.clear();
+            res.plans.invalidate();
             res.dirty = false;
         }
         self.vars.clear();
         res.resident = false;
-        if res.plans.is_empty() {
-            let plans = Strategy::ALL
-                .iter()
-                .map(|&s| (s, self.compute_plan(s)))
-                .collect();
-            self.res.plans = plans;
-        }
+        let costs = self.costs();
+        self.res.plans.fill(&costs);
         Ok(copied)
     }
 
     /// The group plan `strategy` would use now (copy costs are known once
     /// the program was evicted; compute costs once it ran resident).
     pub fn plan(&self, strategy: Strategy) -> GroupPlan {
-        match self.res.plans.get(&strategy) {
-            Some(p) => p.clone(),
-            None => self.compute_plan(strategy),
-        }
+        self.res.plans.get(strategy, || self.costs())
     }
 
-    fn compute_plan(&self, strategy: Strategy) -> GroupPlan {
+    /// The measured costs (zeros where nothing was measured yet).
+    fn costs(&self) -> Costs {
         let res = &self.res;
         let n = res.layout.units.len();
-        let profile = res.profile.clone().unwrap_or(Profile {
-            compute: vec![0.0; n],
-            prefix: 0.0,
-        });
-        let costs = Costs {
+        let profile = res.profile.clone().unwrap_or_else(|| Profile::zeros(n));
+        Costs {
             copy: res.copy.clone().unwrap_or_else(|| vec![0.0; n]),
             compute: profile.compute,
             prefix: profile.prefix,
             copy_overhead: GROUP_OVERHEAD,
             compute_overhead: GROUP_OVERHEAD,
-        };
-        plan_groups(&costs, strategy)
+        }
     }
 
     /// Runs one iteration; when the program is not resident, its variables
@@ -214,7 +202,7 @@ impl CpuProgram {
                 );
                 if out.is_ok() {
                     self.res.profile = Some(timer.finish());
-                    self.res.plans.clear();
+                    self.res.plans.invalidate();
                 }
                 out
             } else {

@@ -17,7 +17,7 @@ use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
 use super::vm::VmArena;
 use crate::exec::ExecError;
-use crate::residency::{plan_groups, Costs, GroupPlan, Layout, Profile, Strategy, SwitchReport};
+use crate::residency::{Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport};
 
 /// Precision switches. The defaults equal PyTorch's: matrix products in plain
 /// FP32 (`torch.backends.cuda.matmul.allow_tf32 = False`), convolutions may
@@ -116,8 +116,7 @@ struct Residency {
     /// Per-strategy recorded segments (one CUDA graph per group's nodes,
     /// after the prefix), valid for the cut they were recorded for.
     segments: std::collections::HashMap<Strategy, Segments>,
-    /// Cached group plans (cleared when a cost changes).
-    plans: std::collections::HashMap<Strategy, GroupPlan>,
+    plans: PlanCache,
 }
 
 /// Failed recordings of the iteration before a program stops trying.
@@ -171,31 +170,14 @@ impl CudaProgram {
 
     /// The group plan `strategy` would use now.
     pub fn plan(&self, strategy: Strategy) -> GroupPlan {
-        match self.res.plans.get(&strategy) {
-            Some(p) => p.clone(),
-            None => self.compute_plan(strategy),
-        }
+        self.res.plans.get(strategy, || self.costs())
     }
 
-    /// Plans for every strategy, kept until the costs change (the dynamic
-    /// program is O(n³) in units: milliseconds for the largest models,
-    /// which must not land on a switch).
-    fn cache_plans(&mut self) {
-        if self.res.plans.is_empty() {
-            self.res.plans = Strategy::ALL
-                .iter()
-                .map(|&s| (s, self.compute_plan(s)))
-                .collect();
-        }
-    }
-
-    fn compute_plan(&self, strategy: Strategy) -> GroupPlan {
+    /// The measured costs (zeros where nothing was measured yet).
+    fn costs(&self) -> Costs {
         let res = &self.res;
         let n = res.layout.units.len();
-        let mut profile = res.profile.clone().unwrap_or(Profile {
-            compute: vec![0.0; n],
-            prefix: 0.0,
-        });
+        let mut profile = res.profile.clone().unwrap_or_else(|| Profile::zeros(n));
         // Switches replay recorded segments: scale the op-by-op profile to
         // the recorded iteration's time.
         let total = profile.prefix + profile.compute.iter().sum::<f64>();
@@ -205,15 +187,14 @@ impl CudaProgram {
             profile.compute.iter_mut().for_each(|c| *c *= f);
         }
         let (bw, over) = res.link.unwrap_or((0.0, 0.0));
-        let costs = Costs::from_bandwidth(
+        Costs::from_bandwidth(
             &res.layout,
             bw,
             profile.compute,
             profile.prefix,
             over,
             WAIT_OVERHEAD,
-        );
-        plan_groups(&costs, strategy)
+        )
     }
 
     fn event(&self, stream: &CudaStream, timing: bool) -> Result<CudaEvent, ExecError> {
@@ -285,9 +266,10 @@ impl CudaProgram {
         }
         if self.res.link.is_none() {
             self.res.link = Some(self.measure_link()?);
-            self.res.plans.clear();
+            self.res.plans.invalidate();
         }
-        self.cache_plans();
+        let costs = self.costs();
+        self.res.plans.fill(&costs);
         Ok(copied)
     }
 
@@ -796,7 +778,7 @@ impl CudaProgram {
                 iterations: 0,
                 graph_secs: None,
                 segments: std::collections::HashMap::new(),
-                plans: std::collections::HashMap::new(),
+                plans: PlanCache::default(),
             },
             arena,
             _blas_workspace: blas_ws,
@@ -1055,7 +1037,7 @@ impl CudaProgram {
                 let e1 = self.event(&self.stream, true)?;
                 let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?;
                 self.res.graph_secs = Some(f64::from(ms) / 1e3);
-                self.res.plans.clear();
+                self.res.plans.invalidate();
                 Ok(())
             }
             Some(g) => g.launch().map_err(|e| dev_err("graph launch", e)),
@@ -1135,10 +1117,7 @@ impl CudaProgram {
         launched?;
         marks.push((current, self.event(&self.stream, true)?));
         self.sync()?;
-        let mut profile = Profile {
-            compute: vec![0.0; self.res.layout.units.len()],
-            prefix: 0.0,
-        };
+        let mut profile = Profile::zeros(self.res.layout.units.len());
         for w in marks.windows(2) {
             let dt = f64::from(
                 w[0].1
@@ -1151,7 +1130,7 @@ impl CudaProgram {
             }
         }
         self.res.profile = Some(profile);
-        self.res.plans.clear();
+        self.res.plans.invalidate();
         Ok(())
     }
 
