@@ -6,13 +6,15 @@
 //! tests on the CUDA backend (on the GPU machine).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
+mod util;
+
+use util::feeds_for;
 
 use lanes::exec::cpu::CpuProgram;
 use lanes::exec::{Backend, Program};
 use lanes::residency::Strategy;
 use lanes_adaptor::zoo::Arch;
-use lanes_adaptor::{validate, DType, GraphLimits, Optimizer, Tensor, TensorType, VarValues};
+use lanes_adaptor::{validate, GraphLimits, Optimizer, Tensor, VarValues};
 
 fn cuda() -> bool {
     std::env::var("LANES_TEST_DEVICE").as_deref() == Ok("cuda")
@@ -23,35 +25,6 @@ fn program(graph: lanes_adaptor::Graph, vars: VarValues) -> Program {
     let v = validate(graph, &GraphLimits::default()).unwrap();
     let backend = if cuda() { Backend::Cuda } else { Backend::Cpu };
     Program::new(backend, v, vars).unwrap()
-}
-
-fn feeds_for(inputs: &[(String, TensorType)], seed: u64, classes: i64) -> BTreeMap<String, Tensor> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (s >> 33) as u32
-    };
-    inputs
-        .iter()
-        .map(|(name, ty)| {
-            let n = ty.shape.numel();
-            let t = match ty.dtype {
-                DType::F32 => Tensor::from_f32(
-                    ty.shape.clone(),
-                    (0..n)
-                        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
-                        .collect(),
-                ),
-                DType::I64 => Tensor::from_i64(
-                    ty.shape.clone(),
-                    (0..n).map(|_| (next() as i64) % classes).collect(),
-                ),
-            };
-            (name.clone(), t.unwrap())
-        })
-        .collect()
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {

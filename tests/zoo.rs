@@ -4,15 +4,14 @@
 //! program with identical outputs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeMap;
+mod util;
 
 use lanes::exec::cpu::CpuProgram;
 use lanes::server::{self, ServerConfig};
 use lanes_adaptor::checkpoint;
 use lanes_adaptor::zoo::Arch;
-use lanes_adaptor::{
-    validate, Client, DType, GraphLimits, Optimizer, SessionSpec, Tensor, TensorType,
-};
+use lanes_adaptor::{validate, Client, GraphLimits, Optimizer, SessionSpec, Tensor};
+use util::feeds_for;
 
 fn transformer() -> Arch {
     Arch::Transformer {
@@ -130,40 +129,11 @@ fn large_training_graphs_validate() {
     }
 }
 
-fn feeds_for(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor> {
-    let mut feeds = BTreeMap::new();
-    let mut s = seed;
-    let mut next = move || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (s >> 33) as u32
-    };
-    for (name, ty) in inputs {
-        let n = ty.shape.numel();
-        let t = match ty.dtype {
-            DType::F32 => Tensor::from_f32(
-                ty.shape.clone(),
-                (0..n)
-                    .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
-                    .collect(),
-            ),
-            // Token ids and labels: small values valid for every model here.
-            DType::I64 => Tensor::from_i64(
-                ty.shape.clone(),
-                (0..n).map(|_| (next() % 2) as i64).collect(),
-            ),
-        };
-        feeds.insert(name.clone(), t.unwrap());
-    }
-    feeds
-}
-
 fn infer_once(arch: &Arch) -> Tensor {
     let m = arch.inference(1, 3).unwrap();
     let v = validate(m.graph, &GraphLimits::default()).unwrap();
     let mut p = CpuProgram::new(v, m.vars).unwrap();
-    let feeds = feeds_for(&m.inputs, 11);
+    let feeds = feeds_for(&m.inputs, 11, 2);
     let out = p
         .run(&feeds, std::slice::from_ref(&m.output))
         .unwrap()
@@ -239,7 +209,7 @@ fn checkpoint_round_trip_gives_identical_outputs() {
         .unwrap();
     train.load(&t.graph, t.vars).unwrap();
     for i in 0..3 {
-        let feeds: Vec<(String, Tensor)> = feeds_for(&inputs, i).into_iter().collect();
+        let feeds: Vec<(String, Tensor)> = feeds_for(&inputs, i, 2).into_iter().collect();
         train.run(feeds, &[t.loss.as_str()]).unwrap();
     }
     let trained = train.read_variables(&[]).unwrap();
@@ -251,7 +221,7 @@ fn checkpoint_round_trip_gives_identical_outputs() {
 
     // A different seed: the values must come from the checkpoint.
     let m = arch.inference(2, 99).unwrap();
-    let x: Vec<(String, Tensor)> = feeds_for(&m.inputs, 77).into_iter().collect();
+    let x: Vec<(String, Tensor)> = feeds_for(&m.inputs, 77, 2).into_iter().collect();
     let out = [m.output.as_str()];
 
     let mut fresh = client
