@@ -199,6 +199,12 @@ impl fmt::Display for MemoryPlan {
     }
 }
 
+/// The default fetch set: every ephemeral output that no node reads (the
+/// graph's results: losses, predictions).
+pub fn sinks(g: &ValidGraph) -> HashSet<Outlet> {
+    lifetime::sinks(g)
+}
+
 /// Plans `g` with default options, fetching the graph's sinks.
 pub fn plan(g: &ValidGraph) -> Result<MemoryPlan, PlanError> {
     let fetched = lifetime::sinks(g);
@@ -231,7 +237,8 @@ fn align_up(bytes: u64, alignment: u64) -> Option<u64> {
         .map(|b| b & !(alignment - 1))
 }
 
-fn plan_outlets(
+/// Plans `g` for Runs that fetch the outlets in `fetched`.
+pub fn plan_outlets(
     g: &ValidGraph,
     fetched: HashSet<Outlet>,
     options: PlanOptions,

@@ -204,6 +204,17 @@ pub fn executor(
         Program::Cuda(p) => {
             m.insert("cuda_graph".into(), json!(p.uses_cuda_graph()));
             m.insert("device_bytes".into(), json!(p.device_bytes()));
+            let a = p.arena_parts();
+            m.insert(
+                "arena".into(),
+                json!({
+                    "persistent": a.persistent,
+                    "ephemeral": a.ephemeral,
+                    "workspaces": a.workspaces,
+                    "ephemeral_lower_bound": a.lower_bound,
+                    "ephemeral_no_reuse": a.no_reuse,
+                }),
+            );
             Some(p.device_name().to_string())
         }
         Program::Cpu(_) => None,

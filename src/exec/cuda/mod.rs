@@ -17,7 +17,7 @@ mod ops;
 mod program;
 mod vm;
 
-pub use program::{CudaOptions, CudaProgram};
+pub use program::{ArenaParts, CudaOptions, CudaProgram};
 
 use super::ExecError;
 

@@ -2,13 +2,13 @@
 //! iteration at a time on its own stream. Same contract as
 //! [`crate::exec::cpu::CpuProgram`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cudnn::Cudnn;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaStream, PinnedHostSlice};
 use lanes_adaptor::{
     DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
 };
@@ -16,8 +16,38 @@ use lanes_adaptor::{
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
 use super::vm::VmArena;
+use crate::compile::{self, MemoryPlan};
 use crate::exec::ExecError;
 use crate::residency::{Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport};
+
+/// A program's arena in bytes (see [`CudaProgram::arena_parts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaParts {
+    pub persistent: usize,
+    /// T of the memory plan the ephemeral tensors follow.
+    pub ephemeral: usize,
+    pub workspaces: usize,
+    /// The planner's lower bound for T and T with every tensor in its own bytes.
+    pub lower_bound: usize,
+    pub no_reuse: usize,
+}
+
+/// Hands cuBLAS its workspace (in the arena), so that it never allocates
+/// (also required for capturing its calls in a CUDA graph).
+fn bind_cublas_workspace(blas: &CudaBlas, at: u64) -> Result<(), ExecError> {
+    // SAFETY: the handle is live (owned by `blas`); `at` starts
+    // CUBLAS_WORKSPACE bytes of the program's arena, whose address stays
+    // reserved as long as the program (and so the handle) lives.
+    unsafe {
+        cudarc::cublas::sys::cublasSetWorkspace_v2(
+            *blas.handle(),
+            at as *mut std::ffi::c_void,
+            CUBLAS_WORKSPACE,
+        )
+    }
+    .result()
+    .map_err(|e| dev_err("cuBLAS workspace", e))
+}
 
 /// Precision switches. The defaults equal PyTorch's: matrix products in plain
 /// FP32 (`torch.backends.cuda.matmul.allow_tf32 = False`), convolutions may
@@ -84,10 +114,122 @@ pub struct CudaProgram {
     // (the arena's memory is given up while the program is evicted; its
     // address stays).
     arena: VmArena,
-    _blas_workspace: CudaSlice<u8>,
-    _workspace: Option<CudaSlice<u8>>,
     _cudnn: Arc<Cudnn>,
-    arena_bytes: usize,
+    /// Where the arena's parts are and which fetches the plan keeps.
+    mem: ArenaLayout,
+}
+
+/// The arena, from its base: the persistent region (residency order), the
+/// ephemeral region at the memory plan's offsets (T bytes: feeds,
+/// activations, gradients, results), the cuDNN workspace, the cuBLAS
+/// workspace. The ephemeral region and the workspaces are only used during
+/// an iteration.
+#[derive(Debug, Clone)]
+struct ArenaLayout {
+    /// Offset of the ephemeral region (the persistent bytes, aligned).
+    ephemeral_at: usize,
+    /// T of the plan the slots follow.
+    ephemeral: usize,
+    /// The planner's lower bound and no-reuse size for the same fetches.
+    lower_bound: usize,
+    no_reuse: usize,
+    /// Offset and size of the cuDNN workspace (largest any convolution asked).
+    cudnn_at: usize,
+    cudnn_bytes: usize,
+    /// Offset of the cuBLAS workspace ([`CUBLAS_WORKSPACE`] bytes).
+    cublas_at: usize,
+    /// Bytes the layout needs.
+    bytes: usize,
+    /// Outputs planned to live to the end of an iteration (a Run may fetch
+    /// them); fetching another re-plans (see `CudaProgram::cover_fetches`).
+    fetchable: HashSet<Outlet>,
+}
+
+impl ArenaLayout {
+    /// Plans the ephemeral region for `fetchable` after `persistent` bytes
+    /// and places the workspaces after it.
+    fn new(
+        graph: &ValidGraph,
+        persistent: usize,
+        cudnn_bytes: usize,
+        fetchable: HashSet<Outlet>,
+    ) -> Result<(Self, MemoryPlan), ExecError> {
+        let plan = compile::plan_outlets(graph, fetchable, compile::PlanOptions::default())
+            .map_err(|e| ExecError::Op {
+                node: String::new(),
+                op: "memory plan",
+                reason: e.to_string(),
+            })?;
+        let size = |b: u64| -> Result<usize, ExecError> {
+            usize::try_from(b)
+                .ok()
+                .and_then(|b| b.checked_next_multiple_of(ALIGN))
+                .ok_or_else(|| dev_err("arena size", "overflows"))
+        };
+        let ephemeral_at = size(persistent as u64)?;
+        let ephemeral = size(plan.ephemeral)?;
+        let cudnn_at = ephemeral_at
+            .checked_add(ephemeral)
+            .ok_or_else(|| dev_err("arena size", "overflows"))?;
+        let cudnn_bytes = size(cudnn_bytes as u64)?;
+        let cublas_at = cudnn_at
+            .checked_add(cudnn_bytes)
+            .ok_or_else(|| dev_err("arena size", "overflows"))?;
+        let bytes = cublas_at
+            .checked_add(CUBLAS_WORKSPACE)
+            .ok_or_else(|| dev_err("arena size", "overflows"))?;
+        let layout = ArenaLayout {
+            ephemeral_at,
+            ephemeral,
+            lower_bound: size(plan.lower_bound)?,
+            no_reuse: size(plan.no_reuse)?,
+            cudnn_at,
+            cudnn_bytes,
+            cublas_at,
+            bytes,
+            fetchable: plan.fetched.iter().copied().collect(),
+        };
+        Ok((layout, plan))
+    }
+
+    /// Gives every output of a non-persistent node its slot of `plan`.
+    fn place(
+        &self,
+        graph: &ValidGraph,
+        plan: &MemoryPlan,
+        slots: &mut [Vec<Slot>],
+    ) -> Result<(), ExecError> {
+        let g = graph.graph();
+        for (i, node) in g.nodes.iter().enumerate() {
+            if matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
+                continue;
+            }
+            let id = NodeId(i as u32);
+            let mut outs = Vec::with_capacity(node.outputs.len());
+            for (k, ty) in node.outputs.iter().enumerate() {
+                if ty.shape.checked_numel().unwrap_or(usize::MAX) > MAX_ELEMS {
+                    return Err(op_err(
+                        id,
+                        node,
+                        format!("{ty} is too large for this backend"),
+                    ));
+                }
+                let s = plan
+                    .slot(Outlet::new(id, k as u32))
+                    .ok_or_else(|| op_err(id, node, "no slot in the memory plan".into()))?;
+                let off = usize::try_from(s.offset)
+                    .ok()
+                    .and_then(|o| o.checked_add(self.ephemeral_at))
+                    .ok_or_else(|| op_err(id, node, "arena offset overflows".into()))?;
+                outs.push(Slot {
+                    off,
+                    ty: ty.clone(),
+                });
+            }
+            slots[i] = outs;
+        }
+        Ok(())
+    }
 }
 
 /// Where the persistent region lives and what switching it costs.
@@ -376,6 +518,7 @@ impl CudaProgram {
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        self.cover_fetches(&outs)?;
         let plan = self.plan(strategy);
         // Memory back under the arena's fixed address: the recorded graphs
         // stay valid.
@@ -402,7 +545,7 @@ impl CudaProgram {
         for (lo, hi) in fed
             .iter()
             .copied()
-            .chain([(self.arena_bytes, self.arena_bytes)])
+            .chain([(self.mem.bytes, self.mem.bytes)])
         {
             if let (Some(byte), true) = (fill, lo > at) {
                 // SAFETY: [base + at, base + lo) is inside the new arena.
@@ -529,7 +672,7 @@ impl std::fmt::Debug for CudaProgram {
         f.debug_struct("CudaProgram")
             .field("device", &self.gpu.info.name)
             .field("nodes", &self.graph.graph().nodes.len())
-            .field("arena_bytes", &self.arena_bytes)
+            .field("arena_bytes", &self.arena.size())
             .field("workspace_bytes", &self.workspace_bytes)
             .field("options", &self.options)
             .finish()
@@ -589,30 +732,13 @@ impl CudaProgram {
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), math) }
             .result()
             .map_err(|e| dev_err("cuBLAS math mode", e))?;
-        let blas_ws = stream
-            .alloc_zeros::<u8>(CUBLAS_WORKSPACE)
-            .map_err(|e| dev_err("allocating the cuBLAS workspace", e))?;
-        {
-            let (p, _sync) = blas_ws.device_ptr(&stream);
-            // SAFETY: `p` is a live allocation of CUBLAS_WORKSPACE bytes kept
-            // alive as long as the handle (both are fields of the program).
-            unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    p as *mut std::ffi::c_void,
-                    CUBLAS_WORKSPACE,
-                )
-            }
-            .result()
-            .map_err(|e| dev_err("cuBLAS workspace", e))?;
-        }
         let cudnn = Cudnn::new(stream.clone()).map_err(|e| dev_err("cuDNN", e))?;
         let copy_stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
 
         // Layout: the persistent tensors first, in first-use order (so a
-        // group of units is one contiguous copy), then every output of every
-        // other node in its own aligned range; a reshape of anything but a
-        // variable aliases its input.
+        // group of units is one contiguous copy); then the ephemeral region
+        // at the memory plan's offsets (the graph's sinks fetchable; a Run
+        // that fetches more re-plans); then the workspaces.
         let layout = Layout::of(&graph);
         let mut slots: Vec<Vec<Slot>> = vec![Vec::new(); g.nodes.len()];
         let mut total = 0usize;
@@ -643,51 +769,20 @@ impl CudaProgram {
             ranges.push((lo, total));
         }
         let persistent_bytes = total;
-        for &id in graph.order() {
-            let node = &g.nodes[id.index()];
-            if matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
-                continue;
+        // The other nodes' types now (their offsets come from the plan,
+        // below): convolution plans read them.
+        for (i, node) in g.nodes.iter().enumerate() {
+            if !matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
+                slots[i] = node
+                    .outputs
+                    .iter()
+                    .map(|ty| Slot {
+                        off: 0,
+                        ty: ty.clone(),
+                    })
+                    .collect();
             }
-            let mut outs = Vec::with_capacity(node.outputs.len());
-            for ty in &node.outputs {
-                let n = ty.shape.checked_numel().unwrap_or(usize::MAX);
-                if n > MAX_ELEMS {
-                    return Err(op_err(
-                        id,
-                        node,
-                        format!("{ty} is too large for this backend"),
-                    ));
-                }
-                if let (Op::Reshape { .. }, Some(src)) = (&node.op, node.inputs.first()) {
-                    let src_node = &g.nodes[src.node.index()];
-                    if !matches!(src_node.op, Op::Variable(_)) {
-                        let off = slots[src.node.index()][src.slot as usize].off;
-                        outs.push(Slot {
-                            off,
-                            ty: ty.clone(),
-                        });
-                        continue;
-                    }
-                }
-                let bytes = ty.bytes().max(1);
-                outs.push(Slot {
-                    off: total,
-                    ty: ty.clone(),
-                });
-                total = total
-                    .checked_add(bytes.div_ceil(ALIGN) * ALIGN)
-                    .ok_or_else(|| op_err(id, node, "arena size overflows".into()))?;
-            }
-            slots[id.index()] = outs;
         }
-        let arena_bytes = total.max(ALIGN);
-        let arena = VmArena::new(&gpu.ctx, arena_bytes)?;
-        let base = arena.base();
-        // SAFETY: the whole range is mapped; zeroed like a fresh allocation.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(base, 0, arena.size(), stream.cu_stream())
-        }
-        .map_err(|e| dev_err("memset", e))?;
 
         let mut convs = HashMap::new();
         let mut ws_bytes = 0usize;
@@ -733,22 +828,17 @@ impl CudaProgram {
                 convs.insert(id.index(), p);
             }
         }
-        let ws = if ws_bytes > 0 {
-            Some(
-                stream
-                    .alloc_zeros::<u8>(ws_bytes)
-                    .map_err(|e| dev_err("allocating the cuDNN workspace", e))?,
-            )
-        } else {
-            None
-        };
-        let workspace = ws
-            .as_ref()
-            .map(|w| {
-                let (p, _sync) = w.device_ptr(&stream);
-                p
-            })
-            .unwrap_or(0);
+        let (mem, plan) =
+            ArenaLayout::new(&graph, persistent_bytes, ws_bytes, compile::sinks(&graph))?;
+        mem.place(&graph, &plan, &mut slots)?;
+        let arena = VmArena::new(&gpu.ctx, mem.bytes)?;
+        let base = arena.base();
+        // SAFETY: the whole range is mapped; zeroed like a fresh allocation.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(base, 0, arena.size(), stream.cu_stream())
+        }
+        .map_err(|e| dev_err("memset", e))?;
+        bind_cublas_workspace(&blas, base + mem.cublas_at as u64)?;
 
         let updates = g.nodes.iter().any(|n| !n.op.mutated_inputs().is_empty());
         let prog = CudaProgram {
@@ -759,8 +849,8 @@ impl CudaProgram {
             slots,
             base,
             convs,
-            workspace,
-            workspace_bytes: ws_bytes,
+            workspace: base + mem.cudnn_at as u64,
+            workspace_bytes: mem.cudnn_bytes,
             options,
             captured: None,
             capture_failures: 0,
@@ -781,10 +871,8 @@ impl CudaProgram {
                 plans: PlanCache::default(),
             },
             arena,
-            _blas_workspace: blas_ws,
-            _workspace: ws,
             _cudnn: cudnn,
-            arena_bytes,
+            mem,
         };
         // Upload variables and constants.
         let g = prog.graph.graph();
@@ -806,9 +894,22 @@ impl CudaProgram {
         &self.graph
     }
 
-    /// Bytes of device memory this program holds (arena plus cuDNN workspace).
+    /// Bytes of device memory this program holds: its arena (persistent
+    /// region, planned ephemeral region, workspaces).
     pub fn device_bytes(&self) -> usize {
-        self.arena_bytes + self.workspace_bytes
+        self.arena.size()
+    }
+
+    /// The arena's parts in bytes: (persistent, ephemeral T, cuDNN and
+    /// cuBLAS workspaces, the planner's lower bound for T, T without reuse).
+    pub fn arena_parts(&self) -> ArenaParts {
+        ArenaParts {
+            persistent: self.res.bytes,
+            ephemeral: self.mem.ephemeral,
+            workspaces: self.mem.cudnn_bytes + CUBLAS_WORKSPACE,
+            lower_bound: self.mem.lower_bound,
+            no_reuse: self.mem.no_reuse,
+        }
     }
 
     /// Name of the GPU.
@@ -889,16 +990,17 @@ impl CudaProgram {
         feeds: &BTreeMap<String, Tensor>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
-        if !self.res.resident {
-            return self
-                .run_switching(feeds, fetches, Strategy::Pipelined)
-                .map(|(o, _)| o);
-        }
         self.gpu
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        self.cover_fetches(&outs)?;
+        if !self.res.resident {
+            return self
+                .run_switching(feeds, fetches, Strategy::Pipelined)
+                .map(|(o, _)| o);
+        }
         for (o, t) in feed_list {
             self.upload(o, t)?;
         }
@@ -926,7 +1028,8 @@ impl CudaProgram {
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
-        let (feed_list, _) = self.check_io(feeds, fetches)?;
+        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        self.cover_fetches(&outs)?;
         for (o, t) in feed_list {
             self.upload(o, t)?;
         }
@@ -954,6 +1057,58 @@ impl CudaProgram {
         let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
         out.sort_by(|a, b| b.2.total_cmp(&a.2));
         Ok(out)
+    }
+
+    /// Re-plans the ephemeral region when a Run fetches an output that the
+    /// current plan lets die before the end of the iteration: the new plan
+    /// keeps every output fetched so far. The recorded graphs hold the old
+    /// addresses and are dropped (recorded again by later iterations). When
+    /// the new layout needs more bytes than the arena has, the arena is
+    /// replaced: the persistent region goes to its host image and comes back
+    /// with the next iteration (a switch).
+    fn cover_fetches(&mut self, outs: &[Outlet]) -> Result<(), ExecError> {
+        let g = self.graph.graph();
+        let missing: Vec<Outlet> = outs
+            .iter()
+            .copied()
+            .filter(|o| {
+                !matches!(
+                    g.nodes[o.node.index()].op,
+                    Op::Variable(_) | Op::Constant(_)
+                ) && !self.mem.fetchable.contains(o)
+            })
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut fetchable = self.mem.fetchable.clone();
+        fetchable.extend(missing);
+        let (mem, plan) =
+            ArenaLayout::new(&self.graph, self.res.bytes, self.mem.cudnn_bytes, fetchable)?;
+        self.sync()?;
+        if mem.bytes > self.arena.size() {
+            self.evict()?;
+            let mut arena = VmArena::new(&self.gpu.ctx, mem.bytes)?;
+            arena.unmap()?;
+            self.arena = arena;
+            self.base = self.arena.base();
+        }
+        tracing::debug!(
+            before = self.mem.ephemeral,
+            after = mem.ephemeral,
+            fetchable = mem.fetchable.len(),
+            "re-planned the ephemeral region for new fetches"
+        );
+        mem.place(&self.graph, &plan, &mut self.slots)?;
+        bind_cublas_workspace(&self.blas, self.base + mem.cublas_at as u64)?;
+        self.workspace = self.base + mem.cudnn_at as u64;
+        self.mem = mem;
+        self.captured = None;
+        self.capture_failures = 0;
+        self.res.segments.clear();
+        self.res.graph_secs = None;
+        self.res.plans.invalidate();
+        Ok(())
     }
 
     /// Feeds in placeholder order and fetch outlets, checked.
