@@ -261,3 +261,36 @@ fn pack_oversubscribed_models_report_misses() {
     assert!(v["evictions"].as_u64().unwrap() >= misses, "{v}");
     assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
 }
+
+/// `bench lanes`: the three cases ran every iteration; two jobs are in one
+/// lane when at most one lane may open and in two lanes otherwise; on the
+/// GPU two jobs in one lane hold less device memory than in two lanes
+/// (they share the lane's ephemeral block).
+#[test]
+fn lanes_places_jobs_and_reports_throughput() {
+    let (v, _) = bench(&["lanes", "--model", "mlp", "--batch", "2", "--iters", "5"]);
+    assert_eq!(v["bench"], "lanes");
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 3, "{v}");
+    for c in cases {
+        assert!(c["iterations_per_s"].as_f64().unwrap() > 0.0, "{c}");
+        let jobs = c["jobs"].as_u64().unwrap() as usize;
+        assert_eq!(c["per_job_s"].as_array().unwrap().len(), jobs, "{c}");
+    }
+    let lanes_of = |k: usize| -> Vec<u64> {
+        cases[k]["lanes_of_jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_u64().expect("every job admitted"))
+            .collect()
+    };
+    let one = lanes_of(1);
+    assert_eq!(one[0], one[1], "{v}");
+    let two = lanes_of(2);
+    assert_ne!(two[0], two[1], "{v}");
+    if device() == "cuda" {
+        let total = |k: usize| cases[k]["device_bytes"]["total"].as_u64().unwrap();
+        assert!(total(1) < total(2), "{v}");
+    }
+}

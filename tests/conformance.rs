@@ -907,3 +907,60 @@ fn cuda_program_rejects_bad_requests() {
         Err(ExecError::VariableType { .. })
     ));
 }
+
+/// A Run that fetches an output the memory plan lets die early (not a
+/// sink) re-plans the arena: results still match the CPU, before and after
+/// the iteration was recorded as a CUDA graph, and across an eviction.
+#[test]
+#[ignore = "needs a GPU"]
+fn fetching_an_intermediate_replans() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", lanes_adaptor::TensorType::f32([64, 256]));
+    let w1 = g.variable("w1", rnd(&mut rng, &[256, 512], -0.1, 0.1));
+    let w2 = g.variable("w2", rnd(&mut rng, &[512, 2048], -0.1, 0.1));
+    let h = g.matmul(x, w1);
+    let h = g.relu(h);
+    g.set_name(h, "h");
+    // After h dies (sinks only), z0 and z1 (512 KiB each) are the peak;
+    // keeping h to the end adds its 128 KiB to it.
+    let z = g.matmul(h, w2);
+    let z = g.tanh(z);
+    let z = g.sum(z, &[1], false);
+    g.set_name(z, "z");
+    let (graph, vars) = g.finish().unwrap();
+    let vg = validate(graph, &GraphLimits::default()).unwrap();
+    let mut cpu = CpuProgram::new(vg.clone(), vars.clone()).unwrap();
+    let mut gpu = CudaProgram::new(vg, vars).unwrap();
+    let before = gpu.arena_parts();
+    let feeds: BTreeMap<String, Tensor> =
+        [("x".to_string(), rnd(&mut rng, &[64, 256], -1.0, 1.0))].into();
+    let sets: [&[&str]; 9] = [
+        &["z"],
+        &["z"],
+        &["z"],
+        &["z"],
+        &["h", "z"],
+        &["h", "z"],
+        &["h", "z"],
+        &["h"],
+        &["z", "h"],
+    ];
+    for (k, set) in sets.iter().enumerate() {
+        let fetches: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+        if k == 6 {
+            gpu.evict().unwrap();
+        }
+        let a = cpu.run(&feeds, &fetches).unwrap();
+        let b = gpu.run(&feeds, &fetches).unwrap();
+        for (j, (x, y)) in a.iter().zip(&b).enumerate() {
+            compare(&format!("run {k} fetch {}", fetches[j]), x, y, ACCUM).unwrap();
+        }
+    }
+    let after = gpu.arena_parts();
+    // Keeping h to the end costs its bytes: T grows by at least 64·512·4.
+    assert!(
+        after.ephemeral >= before.ephemeral + 64 * 512 * 4,
+        "{before:?} -> {after:?}"
+    );
+}

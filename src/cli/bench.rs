@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 mod isolate;
 pub mod models;
 pub mod pack;
+pub mod parallel;
 mod paths;
 pub mod switch;
 mod workload;
@@ -48,6 +49,10 @@ enum What {
     /// Inference packing: more models than fit, requests across them;
     /// latency p50/p99 and how often a request hit an evicted model.
     Pack(pack::PackArgs),
+    /// Lanes in parallel: one job alone, two jobs in one lane (shared
+    /// ephemeral memory, taking turns), two jobs in two lanes; throughput
+    /// and device memory.
+    Lanes(parallel::LanesArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -56,6 +61,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Train(a) => train(a),
         What::Switch(a) => switch::switch(a),
         What::Pack(a) => pack::pack(a),
+        What::Lanes(a) => parallel::lanes(a),
     }
 }
 

@@ -17,6 +17,11 @@ pub struct Args {
     /// Device memory the service may use (e.g. 512MiB, 8GiB); reported now, enforced by lane admission.
     #[arg(long)]
     pub memory: Option<ByteSize>,
+    /// Most lanes open at once (with `--memory`): each lane runs one
+    /// iteration at a time and its jobs share one ephemeral arena; lanes run
+    /// in parallel.
+    #[arg(long, default_value_t = ServerConfig::default().max_lanes)]
+    pub max_lanes: usize,
     /// Seconds of silence after which a session is reclaimed.
     #[arg(long, default_value_t = 300.0)]
     pub idle_timeout: f64,
@@ -107,6 +112,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_sessions: args.max_sessions,
         device,
         memory_bytes: args.memory.map(|m| m.0),
+        max_lanes: args.max_lanes,
         policy: args.policy,
         evict_idle: !args.no_evict,
         evict_training: args.evict_training,

@@ -97,6 +97,25 @@ impl Program {
         }
     }
 
+    /// Runs the next iterations in the shared ephemeral memory of `lane`
+    /// (a process-unique key; `None`: the program's own). The CPU backend
+    /// keeps its tensors in its own buffers (nothing to do).
+    pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
+        match self {
+            Program::Cpu(_) => Ok(()),
+            Program::Cuda(p) => p.bind_lane(lane),
+        }
+    }
+
+    /// Device bytes mapped to this program alone now (its lane's shared
+    /// memory not counted); `None` on the CPU.
+    pub fn own_device_bytes(&self) -> Option<u64> {
+        match self {
+            Program::Cpu(_) => None,
+            Program::Cuda(p) => Some(p.own_device_bytes() as u64),
+        }
+    }
+
     /// GPU inference programs get ready to be switched before their first
     /// request (see `CudaProgram::prepare_standby`); nothing on the CPU.
     pub fn prepare_standby(&mut self) -> Result<(), ExecError> {

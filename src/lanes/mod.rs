@@ -32,7 +32,7 @@ pub use manager::{
 };
 pub use parked::{ParkFull, Parked};
 pub use reservation::{Reservation, ReserveError};
-pub use shared::{Lease, SharedError, SharedLanes};
+pub use shared::{LaneTurn, Lease, SharedError, SharedLanes};
 pub use size::{format_size, parse_size, ByteSize, SizeError};
 pub use snapshot::{JobSnapshot, LaneSnapshot, LanesSnapshot, QueuedSnapshot};
 pub use workers::{LaneWorkers, WorkerError, LANE_QUEUE};

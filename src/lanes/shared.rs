@@ -12,10 +12,14 @@
 //! so moving its bytes at any time is safe; a device backend must instead
 //! apply them at the moved lanes' next iteration boundary.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::manager::{Admission, AdmitError, JobId, LaneManager, LanesConfig, Placement, Released};
+use super::manager::{
+    Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Placement, Released,
+};
 use super::reservation::{Reservation, ReserveError};
 use super::snapshot::LanesSnapshot;
 
@@ -30,7 +34,16 @@ struct Inner {
     state: Mutex<State>,
     /// Notified after every release that admitted someone.
     admitted: Condvar,
+    /// Lanes running an iteration now (see [`SharedLanes::turn`]).
+    busy: Mutex<HashSet<LaneId>>,
+    /// Notified when a lane's turn ends.
+    turn_over: Condvar,
+    /// Unique in the process: keys the lanes' device memory.
+    id: u64,
 }
+
+/// Ids of [`SharedLanes`] instances.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A cloneable handle to the lanes of one reservation.
 #[derive(Debug, Clone)]
@@ -66,6 +79,9 @@ impl SharedLanes {
             inner: Arc::new(Inner {
                 state: Mutex::new(State { manager, memory }),
                 admitted: Condvar::new(),
+                busy: Mutex::new(HashSet::new()),
+                turn_over: Condvar::new(),
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             }),
         }
     }
@@ -146,6 +162,33 @@ impl SharedLanes {
         }
     }
 
+    /// Waits until no other job of `job`'s lane runs an iteration, then
+    /// holds the lane until the returned turn is dropped: a lane runs one
+    /// iteration at a time (its jobs share one ephemeral arena), different
+    /// lanes run at the same time. `None` when the job is not admitted.
+    /// (Lock order: the lanes' turns, then the books.)
+    pub fn turn(&self, job: JobId) -> Option<LaneTurn> {
+        let mut busy = self
+            .inner
+            .busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let lane = self.placement(job)?.lane;
+            if busy.insert(lane) {
+                return Some(LaneTurn {
+                    lanes: self.clone(),
+                    lane,
+                });
+            }
+            busy = self
+                .inner
+                .turn_over
+                .wait(busy)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
     /// Jobs waiting in the admission queue.
     pub fn waiting_jobs(&self) -> Vec<JobId> {
         self.lock().manager.waiting_jobs()
@@ -178,6 +221,37 @@ impl SharedLanes {
     }
 }
 
+/// A job's turn on its lane (see [`SharedLanes::turn`]); ends on drop.
+#[derive(Debug)]
+pub struct LaneTurn {
+    lanes: SharedLanes,
+    lane: LaneId,
+}
+
+impl LaneTurn {
+    pub fn lane(&self) -> LaneId {
+        self.lane
+    }
+
+    /// The lane's key, unique in the process (for device memory shared by
+    /// the lane's jobs).
+    pub fn key(&self) -> u64 {
+        (self.lanes.inner.id << 32) | u64::from(self.lane.0)
+    }
+}
+
+impl Drop for LaneTurn {
+    fn drop(&mut self) {
+        let inner = &self.lanes.inner;
+        inner
+            .busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.lane);
+        inner.turn_over.notify_all();
+    }
+}
+
 /// One job's claim on the lanes; releases it when dropped.
 #[derive(Debug)]
 pub struct Lease {
@@ -194,6 +268,11 @@ impl Lease {
     /// Current placement, if admitted.
     pub fn placement(&self) -> Option<Placement> {
         self.lanes.placement(self.job)
+    }
+
+    /// The job's turn on its lane (see [`SharedLanes::turn`]).
+    pub fn turn(&self) -> Option<LaneTurn> {
+        self.lanes.turn(self.job)
     }
 
     /// Blocks until admitted or `timeout` passes.
@@ -229,6 +308,52 @@ mod tests {
             alignment: 256,
             max_lanes: 4,
         }
+    }
+
+    /// Jobs of one lane take turns; jobs of different lanes do not wait
+    /// for each other; a job that is not admitted gets no turn.
+    #[test]
+    fn a_lane_runs_one_iteration_at_a_time() {
+        use std::sync::mpsc;
+        // One lane: max_lanes 1 puts both jobs in it.
+        let one = SharedLanes::accounting_only(LanesConfig {
+            max_lanes: 1,
+            ..cfg(1 << 20)
+        })
+        .unwrap();
+        let (_a, _) = one.admit(JobId(1), 1024, 1024).unwrap();
+        let (b, _) = one.admit(JobId(2), 1024, 1024).unwrap();
+        assert_eq!(
+            one.placement(JobId(1)).unwrap().lane,
+            one.placement(JobId(2)).unwrap().lane
+        );
+        let first = one.turn(JobId(1)).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let waiter = thread::spawn(move || {
+            let t = b.turn().expect("admitted");
+            tx.send(t.lane()).unwrap();
+        });
+        // The second job waits while the first holds the lane.
+        assert!(rx.recv_timeout(Duration::from_millis(200)).is_err());
+        drop(first);
+        assert!(rx.recv_timeout(Duration::from_secs(20)).is_ok());
+        waiter.join().unwrap();
+
+        // Two lanes: each job gets its turn at once.
+        let two = SharedLanes::accounting_only(cfg(1 << 20)).unwrap();
+        let (_c, _) = two.admit(JobId(3), 1024, 1024).unwrap();
+        let (_d, _) = two.admit(JobId(4), 1024, 1024).unwrap();
+        let (l3, l4) = (
+            two.placement(JobId(3)).unwrap().lane,
+            two.placement(JobId(4)).unwrap().lane,
+        );
+        assert_ne!(l3, l4);
+        let t3 = two.turn(JobId(3)).unwrap();
+        let t4 = two.turn(JobId(4)).unwrap();
+        assert_ne!(t3.key(), t4.key());
+        // Keys differ between two sets of lanes too.
+        assert_ne!(one.turn(JobId(1)).unwrap().key(), t3.key());
+        assert!(two.turn(JobId(99)).is_none());
     }
 
     #[test]

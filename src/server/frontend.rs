@@ -82,13 +82,16 @@ pub(super) fn spawn(
     let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
     let lanes = match config.memory_bytes {
         Some(bytes) => {
-            // The books only: executors keep tensors in their own memory
-            // (placing them inside one reservation is not done yet), so a
-            // host buffer of `--memory` bytes, and copying regions inside it
-            // on every re-partition, would buy nothing.
-            let l =
-                crate::lanes::SharedLanes::accounting_only(crate::lanes::LanesConfig::new(bytes))
-                    .map_err(crate::lanes::SharedError::from)?;
+            // The books: admission under the safety condition, the queue,
+            // the lanes' turns. Device memory follows them (a lane's jobs
+            // share its ephemeral memory on the GPU, see exec/cuda/vm.rs);
+            // no host buffer of `--memory` bytes stands in for it.
+            let cfg = crate::lanes::LanesConfig {
+                max_lanes: config.max_lanes,
+                ..crate::lanes::LanesConfig::new(bytes)
+            };
+            let l = crate::lanes::SharedLanes::accounting_only(cfg)
+                .map_err(crate::lanes::SharedError::from)?;
             dispatcher.gate_on(l.clone());
             Some(l)
         }

@@ -133,6 +133,8 @@ pub struct ServerConfig {
     /// Memory given with `--memory`: one reservation, divided into lanes;
     /// jobs are admitted under the safety condition (none: no admission).
     pub memory_bytes: Option<u64>,
+    /// Most lanes open at once (`--max-lanes`): jobs beyond share lanes.
+    pub max_lanes: usize,
     /// The policy that orders Run requests (`--policy`).
     pub policy: PolicyChoice,
     /// Under memory pressure, evict idle jobs to host memory (inference
@@ -152,6 +154,7 @@ impl Default for ServerConfig {
             max_sessions: 4096,
             device: "cpu".into(),
             memory_bytes: None,
+            max_lanes: crate::lanes::LanesConfig::new(0).max_lanes,
             policy: PolicyChoice::Fifo,
             evict_idle: true,
             evict_training: false,

@@ -17,7 +17,7 @@ use crate::compile::{self, PlanError};
 pub use crate::exec::Backend;
 use crate::exec::ExecError;
 use crate::exec::Program;
-use crate::lanes::{Admission, AdmitError, JobId, Lease, SharedLanes};
+use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
 
 /// Why a session request failed.
@@ -186,6 +186,12 @@ impl Session {
         self.loaded.as_ref().is_none_or(|l| l.program.is_resident())
     }
 
+    /// Device bytes the job's program holds alone (its lane's shared
+    /// ephemeral memory not counted); `None` on the CPU or before LoadGraph.
+    pub fn own_device_bytes(&self) -> Option<u64> {
+        self.loaded.as_ref()?.program.own_device_bytes()
+    }
+
     /// (evictions, returns) so far.
     pub fn switches(&self) -> (u64, u64) {
         self.switches
@@ -325,6 +331,9 @@ impl Session {
         }
         let mut program = Program::new(self.backend, valid, values)?;
         if self.spec.kind == JobKind::Inference {
+            // Admitted: warm up in the lane's memory, in the lane's turn.
+            let turn = lease.as_ref().and_then(|(l, _)| l.turn());
+            program.bind_lane(turn.as_ref().map(LaneTurn::key))?;
             program.prepare_standby()?;
         }
         self.lease = lease.map(|(l, _)| l);
@@ -383,11 +392,16 @@ impl Session {
             self.switches.1 += 1;
         }
         let session = self.id;
+        // A lane runs one iteration at a time (its jobs share its ephemeral
+        // memory on the GPU): hold the lane's turn for this one.
+        let turn = self.lease.as_ref().and_then(Lease::turn);
         let loaded = self.loaded()?;
+        loaded.program.bind_lane(turn.as_ref().map(LaneTurn::key))?;
         let t0 = std::time::Instant::now();
         let (out, report) = loaded
             .program
             .run_switching(&fed, fetches, Strategy::Pipelined)?;
+        drop(turn);
         if let Some(r) = report {
             tracing::debug!(
                 %session,

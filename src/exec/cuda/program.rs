@@ -15,7 +15,7 @@ use lanes_adaptor::{
 
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
-use super::vm::VmArena;
+use super::vm::{granularity, VmArena};
 use crate::compile::{self, MemoryPlan};
 use crate::exec::ExecError;
 use crate::residency::{Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport};
@@ -153,6 +153,7 @@ impl ArenaLayout {
         persistent: usize,
         cudnn_bytes: usize,
         fetchable: HashSet<Outlet>,
+        granularity: usize,
     ) -> Result<(Self, MemoryPlan), ExecError> {
         let plan = compile::plan_outlets(graph, fetchable, compile::PlanOptions::default())
             .map_err(|e| ExecError::Op {
@@ -166,7 +167,11 @@ impl ArenaLayout {
                 .and_then(|b| b.checked_next_multiple_of(ALIGN))
                 .ok_or_else(|| dev_err("arena size", "overflows"))
         };
-        let ephemeral_at = size(persistent as u64)?;
+        // The ephemeral part is mapped on its own (perhaps to the lane's
+        // shared memory): it starts at a multiple of the granularity.
+        let ephemeral_at = persistent
+            .checked_next_multiple_of(granularity.max(ALIGN))
+            .ok_or_else(|| dev_err("arena size", "overflows"))?;
         let ephemeral = size(plan.ephemeral)?;
         let cudnn_at = ephemeral_at
             .checked_add(ephemeral)
@@ -828,10 +833,16 @@ impl CudaProgram {
                 convs.insert(id.index(), p);
             }
         }
-        let (mem, plan) =
-            ArenaLayout::new(&graph, persistent_bytes, ws_bytes, compile::sinks(&graph))?;
+        let gran = granularity(&gpu.ctx)?;
+        let (mem, plan) = ArenaLayout::new(
+            &graph,
+            persistent_bytes,
+            ws_bytes,
+            compile::sinks(&graph),
+            gran,
+        )?;
         mem.place(&graph, &plan, &mut slots)?;
-        let arena = VmArena::new(&gpu.ctx, mem.bytes)?;
+        let arena = VmArena::new(&gpu.ctx, mem.ephemeral_at, mem.bytes - mem.ephemeral_at)?;
         let base = arena.base();
         // SAFETY: the whole range is mapped; zeroed like a fresh allocation.
         unsafe {
@@ -898,6 +909,28 @@ impl CudaProgram {
     /// region, planned ephemeral region, workspaces).
     pub fn device_bytes(&self) -> usize {
         self.arena.size()
+    }
+
+    /// From the next iteration on, the ephemeral region (tensors and
+    /// workspaces) lives in the shared memory of `lane` (a process-unique
+    /// key, see `lanes::LaneTurn::key`), or in the program's own memory for
+    /// `None`. The caller runs one iteration at a time per lane.
+    pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
+        if self.arena.lane() == lane {
+            return Ok(());
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        self.sync()?;
+        self.arena.bind_lane(lane)
+    }
+
+    /// Bytes of device memory mapped to this program alone now (its lane's
+    /// shared memory is not counted; nothing while evicted).
+    pub fn own_device_bytes(&self) -> usize {
+        self.arena.own_bytes()
     }
 
     /// The arena's parts in bytes: (persistent, ephemeral T, cuDNN and
@@ -1083,13 +1116,24 @@ impl CudaProgram {
         }
         let mut fetchable = self.mem.fetchable.clone();
         fetchable.extend(missing);
-        let (mem, plan) =
-            ArenaLayout::new(&self.graph, self.res.bytes, self.mem.cudnn_bytes, fetchable)?;
+        let gran = granularity(&self.gpu.ctx)?;
+        let (mem, plan) = ArenaLayout::new(
+            &self.graph,
+            self.res.bytes,
+            self.mem.cudnn_bytes,
+            fetchable,
+            gran,
+        )?;
         self.sync()?;
         if mem.bytes > self.arena.size() {
             self.evict()?;
-            let mut arena = VmArena::new(&self.gpu.ctx, mem.bytes)?;
+            let mut arena = VmArena::new(
+                &self.gpu.ctx,
+                mem.ephemeral_at,
+                mem.bytes - mem.ephemeral_at,
+            )?;
             arena.unmap()?;
+            arena.bind_lane(self.arena.lane())?;
             self.arena = arena;
             self.base = self.arena.base();
         }

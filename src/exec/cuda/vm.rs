@@ -2,16 +2,25 @@
 //! given up on eviction and taken again on return (CUDA virtual memory
 //! management). The address never changes, so the CUDA graphs recorded for
 //! the program (the whole iteration, the switch segments) stay valid across
-//! any number of evictions.
+//! any number of evictions, and the memory behind its ephemeral part may
+//! change between iterations.
 //!
-//! Physical memory given up goes to a process-wide free list keyed by size
-//! (the role the stream-ordered pool played before): the next program of the
-//! same size that comes back maps it without asking the driver for new
-//! memory. The list keeps at most [`FREE_KEPT_BYTES`]; more is released to
-//! the driver, as is the memory of a program that is dropped.
+//! An arena has two parts, each mapped to its own physical block: the
+//! program's own memory (`[0, split)`: the persistent region) and the
+//! ephemeral part (`[split, size)`: the planned ephemeral tensors and the
+//! workspaces, used only during an iteration). The ephemeral part is either
+//! the program's own block or **its lane's**: the programs of one lane map
+//! one shared block (the lane's arena, as large as the largest of them
+//! needs) and run one iteration at a time, so a lane holds
+//! `sum P + max T` bytes, not `sum (P + T)` ([`VmArena::bind_lane`]).
+//!
+//! Physical blocks given up go to a process-wide free list keyed by size
+//! (the next block of the same size is mapped without asking the driver for
+//! new memory). The list keeps at most [`FREE_KEPT_BYTES`]; more is released
+//! to the driver. A block is given up when no arena maps it any more.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
@@ -26,6 +35,11 @@ const FREE_KEPT_BYTES: usize = 8 << 30;
 #[allow(clippy::type_complexity)]
 static FREE: Mutex<Option<HashMap<(i32, usize), Vec<sys::CUmemGenericAllocationHandle>>>> =
     Mutex::new(None);
+
+/// Each lane's shared ephemeral block by (device, lane), while some arena
+/// maps it.
+#[allow(clippy::type_complexity)]
+static LANES: Mutex<Option<HashMap<(i32, u64), Weak<Block>>>> = Mutex::new(None);
 
 fn location(device: sys::CUdevice) -> sys::CUmemLocation {
     sys::CUmemLocation {
@@ -43,40 +57,155 @@ fn prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     p
 }
 
-/// A reserved virtual range with physical memory mapped while resident.
+/// The mapping granularity of `ctx`'s device: arena parts are multiples of it.
+pub(super) fn granularity(ctx: &Arc<CudaContext>) -> Result<usize, ExecError> {
+    let p = prop(ctx.cu_device());
+    let mut gran = 0usize;
+    // SAFETY: valid out-pointer and property struct.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &p,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()
+    .map_err(|e| dev_err("allocation granularity", e))?;
+    Ok(gran.max(1))
+}
+
+fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
+    bytes
+        .checked_next_multiple_of(gran)
+        .ok_or_else(|| dev_err("arena size", "overflows"))
+}
+
+/// One physical allocation; back to the free list (or the driver) when the
+/// last arena that maps it lets go.
+struct Block {
+    ctx: Arc<CudaContext>,
+    device: sys::CUdevice,
+    handle: sys::CUmemGenericAllocationHandle,
+    size: usize,
+}
+
+// SAFETY: the handle is a plain driver identifier owned by this value;
+// every call on it binds the context first.
+unsafe impl Send for Block {}
+// SAFETY: as above; the block has no interior state.
+unsafe impl Sync for Block {}
+
+impl Block {
+    /// A block of `size` bytes (a multiple of the granularity): a kept one
+    /// if there is, else new memory.
+    fn take(ctx: &Arc<CudaContext>, size: usize) -> Result<Arc<Block>, ExecError> {
+        let device = ctx.cu_device();
+        let reused = FREE
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert_with(HashMap::new)
+            .get_mut(&(device, size))
+            .and_then(Vec::pop);
+        let handle = match reused {
+            Some(h) => h,
+            None => {
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                let p = prop(device);
+                // SAFETY: valid out-pointer and property struct.
+                unsafe { sys::cuMemCreate(&mut h, size, &p, 0) }
+                    .result()
+                    .map_err(|e| dev_err(&format!("allocating {size} bytes"), e))?;
+                h
+            }
+        };
+        Ok(Arc::new(Block {
+            ctx: ctx.clone(),
+            device,
+            handle,
+            size,
+        }))
+    }
+
+    /// The shared ephemeral block of `lane`, at least `size` bytes: the
+    /// lane's current one when it is large enough, else a new one as large
+    /// as both (arenas still mapping the old one keep it until they bind
+    /// again).
+    fn of_lane(ctx: &Arc<CudaContext>, lane: u64, size: usize) -> Result<Arc<Block>, ExecError> {
+        let key = (ctx.cu_device(), lane);
+        let mut lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
+        let lanes = lanes.get_or_insert_with(HashMap::new);
+        let current = lanes.get(&key).and_then(Weak::upgrade);
+        if let Some(b) = &current {
+            if b.size >= size {
+                return Ok(b.clone());
+            }
+        }
+        let size = size.max(current.map_or(0, |b| b.size));
+        let b = Block::take(ctx, size)?;
+        lanes.insert(key, Arc::downgrade(&b));
+        lanes.retain(|_, w| w.strong_count() > 0);
+        Ok(b)
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let mut free = FREE.lock().unwrap_or_else(PoisonError::into_inner);
+        let lists = free.get_or_insert_with(HashMap::new);
+        let kept: usize = lists.iter().map(|((_, size), v)| size * v.len()).sum();
+        if kept + self.size <= FREE_KEPT_BYTES {
+            lists
+                .entry((self.device, self.size))
+                .or_default()
+                .push(self.handle);
+        } else {
+            // SAFETY: no arena maps the handle any more (each mapping holds
+            // an `Arc` to this block).
+            let _ = unsafe { sys::cuMemRelease(self.handle) };
+        }
+    }
+}
+
+/// Bytes of the lanes' shared blocks alive now (on every device).
+pub fn lane_block_bytes() -> u64 {
+    let lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
+    lanes.as_ref().map_or(0, |m| {
+        m.values()
+            .filter_map(Weak::upgrade)
+            .map(|b| b.size as u64)
+            .sum()
+    })
+}
+
+/// A reserved virtual range: `[0, split)` mapped to the program's own
+/// block, `[split, size)` to its own or its lane's, while resident.
 pub(super) struct VmArena {
     ctx: Arc<CudaContext>,
     device: sys::CUdevice,
     va: u64,
     size: usize,
-    handle: Option<sys::CUmemGenericAllocationHandle>,
+    split: usize,
+    /// The lane whose block the ephemeral part maps (`None`: its own).
+    lane: Option<u64>,
+    /// The ephemeral part now maps a lane's block.
+    shared: bool,
+    parts: [Option<Arc<Block>>; 2],
 }
 
-// SAFETY: the range and the handle are plain driver identifiers owned by
-// this value; every call on them binds the context first.
+// SAFETY: the range is a plain driver identifier owned by this value; every
+// call on it binds the context first.
 unsafe impl Send for VmArena {}
 
 impl VmArena {
-    /// Reserves at least `bytes` of address space and maps memory into it.
-    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, ExecError> {
+    /// Reserves address space for `own` bytes then `ephemeral` bytes (each
+    /// rounded up to the granularity) and maps memory into it.
+    pub fn new(ctx: &Arc<CudaContext>, own: usize, ephemeral: usize) -> Result<Self, ExecError> {
         ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        let device = ctx.cu_device();
-        let p = prop(device);
-        let mut gran = 0usize;
-        // SAFETY: valid out-pointer and property struct.
-        unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut gran,
-                &p,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        }
-        .result()
-        .map_err(|e| dev_err("allocation granularity", e))?;
-        let gran = gran.max(1);
-        let size = bytes
-            .max(1)
-            .checked_next_multiple_of(gran)
+        let gran = granularity(ctx)?;
+        let split = round_up(own, gran)?;
+        let size = split
+            .checked_add(round_up(ephemeral.max(1), gran)?)
             .ok_or_else(|| dev_err("arena size", "overflows"))?;
         let mut va = 0u64;
         // SAFETY: valid out-pointer; the range is freed in `Drop`.
@@ -85,10 +214,13 @@ impl VmArena {
             .map_err(|e| dev_err(&format!("reserving {size} bytes of address space"), e))?;
         let mut a = VmArena {
             ctx: ctx.clone(),
-            device,
+            device: ctx.cu_device(),
             va,
             size,
-            handle: None,
+            split,
+            lane: None,
+            shared: false,
+            parts: [None, None],
         };
         a.map()?;
         Ok(a)
@@ -104,101 +236,146 @@ impl VmArena {
         self.size
     }
 
-    /// Maps physical memory into the range (a free handle of this size if
-    /// one is kept, else new memory). Its contents are undefined.
-    pub fn map(&mut self) -> Result<(), ExecError> {
-        if self.handle.is_some() {
+    /// The lane whose shared block the ephemeral part maps (when mapped).
+    pub fn lane(&self) -> Option<u64> {
+        self.lane
+    }
+
+    /// Bytes mapped to the program's own memory now (a lane's shared
+    /// block is not counted).
+    pub fn own_bytes(&self) -> usize {
+        let own = if self.parts[0].is_some() {
+            self.split
+        } else {
+            0
+        };
+        let eph = match (&self.parts[1], self.shared) {
+            (Some(_), false) => self.size - self.split,
+            _ => 0,
+        };
+        own + eph
+    }
+
+    /// The ephemeral part from now on maps the shared block of `lane` (a
+    /// key unique in the process; `None`: the program's own block). Takes
+    /// effect at once when mapped. The caller runs the iterations of one
+    /// lane one at a time and has synchronised every stream that used the
+    /// ephemeral part.
+    pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
+        self.lane = lane;
+        let Some(have) = self.parts[1].clone() else {
+            // Not mapped: `map` binds.
+            return Ok(());
+        };
+        let bytes = self.size - self.split;
+        let want = match lane {
+            Some(l) => Block::of_lane(&self.ctx, l, bytes)?,
+            None if !self.shared => return Ok(()),
+            None => Block::take(&self.ctx, bytes)?,
+        };
+        if Arc::ptr_eq(&have, &want) {
             return Ok(());
         }
-        let t0 = std::time::Instant::now();
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        let key = (self.device, self.size);
-        let reused = FREE
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get_or_insert_with(HashMap::new)
-            .get_mut(&key)
-            .and_then(Vec::pop);
-        let h = match reused {
-            Some(h) => h,
-            None => {
-                let mut h: sys::CUmemGenericAllocationHandle = 0;
-                let p = prop(self.device);
-                // SAFETY: valid out-pointer and property struct.
-                unsafe { sys::cuMemCreate(&mut h, self.size, &p, 0) }
-                    .result()
-                    .map_err(|e| dev_err(&format!("allocating {} bytes", self.size), e))?;
-                h
-            }
-        };
-        // SAFETY: the range was reserved with this size and is unmapped; the
-        // handle holds `size` bytes.
-        if let Err(e) = unsafe { sys::cuMemMap(self.va, self.size, 0, h, 0) }.result() {
-            // SAFETY: the handle is ours and not mapped anywhere.
-            let _ = unsafe { sys::cuMemRelease(h) };
-            return Err(dev_err("mapping the arena", e));
+        self.unmap_part(1)?;
+        self.map_part(1, want)?;
+        self.shared = lane.is_some();
+        Ok(())
+    }
+
+    fn range(&self, part: usize) -> (u64, usize) {
+        if part == 0 {
+            (self.va, self.split)
+        } else {
+            (self.va + self.split as u64, self.size - self.split)
         }
+    }
+
+    fn map_part(&mut self, part: usize, block: Arc<Block>) -> Result<(), ExecError> {
+        let (at, bytes) = self.range(part);
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range was reserved by `new` and this part is unmapped;
+        // the block holds at least `bytes` bytes.
+        unsafe { sys::cuMemMap(at, bytes, 0, block.handle, 0) }
+            .result()
+            .map_err(|e| dev_err("mapping the arena", e))?;
         let access = sys::CUmemAccessDesc {
             location: location(self.device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range is mapped (just above).
-        if let Err(e) = unsafe { sys::cuMemSetAccess(self.va, self.size, &access, 1) }.result() {
-            // SAFETY: undo the mapping made above; the handle is ours.
-            unsafe {
-                let _ = sys::cuMemUnmap(self.va, self.size);
-                let _ = sys::cuMemRelease(h);
-            }
+        if let Err(e) = unsafe { sys::cuMemSetAccess(at, bytes, &access, 1) }.result() {
+            // SAFETY: undo the mapping made above.
+            let _ = unsafe { sys::cuMemUnmap(at, bytes) };
             return Err(dev_err("arena access", e));
         }
-        self.handle = Some(h);
+        self.parts[part] = Some(block);
+        Ok(())
+    }
+
+    fn unmap_part(&mut self, part: usize) -> Result<(), ExecError> {
+        if self.parts[part].is_none() {
+            return Ok(());
+        }
+        let (at, bytes) = self.range(part);
+        // SAFETY: the part is mapped and no work uses it any more.
+        unsafe { sys::cuMemUnmap(at, bytes) }
+            .result()
+            .map_err(|e| dev_err("unmapping the arena", e))?;
+        self.parts[part] = None;
+        Ok(())
+    }
+
+    /// Maps memory into both parts (the own part: a kept block of its size
+    /// or new memory; the ephemeral part: the lane's block or an own one).
+    /// The contents are undefined.
+    pub fn map(&mut self) -> Result<(), ExecError> {
+        let t0 = std::time::Instant::now();
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        if self.parts[0].is_none() && self.split > 0 {
+            let b = Block::take(&self.ctx, self.split)?;
+            self.map_part(0, b)?;
+        }
+        if self.parts[1].is_none() {
+            let bytes = self.size - self.split;
+            let b = match self.lane {
+                Some(l) => Block::of_lane(&self.ctx, l, bytes)?,
+                None => Block::take(&self.ctx, bytes)?,
+            };
+            self.map_part(1, b)?;
+            self.shared = self.lane.is_some();
+        }
         tracing::trace!(
             ms = t0.elapsed().as_secs_f64() * 1e3,
             bytes = self.size,
-            reused = reused.is_some(),
+            lane = ?self.lane,
             "mapped"
         );
         Ok(())
     }
 
-    /// Gives the physical memory up (to the free list). The caller has
+    /// Gives the physical memory up (the own blocks to the free list; a
+    /// lane's block stays with the lane's other programs). The caller has
     /// synchronised every stream that used the range.
     pub fn unmap(&mut self) -> Result<(), ExecError> {
-        let Some(h) = self.handle.take() else {
-            return Ok(());
-        };
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        let t0 = std::time::Instant::now();
-        // SAFETY: the range is mapped to `h` and no work uses it any more.
-        let r = unsafe { sys::cuMemUnmap(self.va, self.size) };
-        tracing::trace!(
-            ms = t0.elapsed().as_secs_f64() * 1e3,
-            bytes = self.size,
-            "cuMemUnmap"
-        );
-        r.result().map_err(|e| dev_err("unmapping the arena", e))?;
-        let mut free = FREE.lock().unwrap_or_else(PoisonError::into_inner);
-        let lists = free.get_or_insert_with(HashMap::new);
-        let kept: usize = lists.iter().map(|((_, size), v)| size * v.len()).sum();
-        if kept + self.size <= FREE_KEPT_BYTES {
-            lists.entry((self.device, self.size)).or_default().push(h);
-        } else {
-            // SAFETY: the handle is ours and no longer mapped.
-            let _ = unsafe { sys::cuMemRelease(h) };
-        }
-        Ok(())
+        self.unmap_part(0)?;
+        self.unmap_part(1)
     }
 }
 
 impl Drop for VmArena {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        if let Some(h) = self.handle.take() {
-            // SAFETY: the program owning the range is gone; its memory goes
-            // back to the driver.
-            unsafe {
-                let _ = sys::cuMemUnmap(self.va, self.size);
-                let _ = sys::cuMemRelease(h);
+        for part in 0..2 {
+            if self.parts[part].is_some() {
+                let (at, bytes) = self.range(part);
+                // SAFETY: the program owning the range is gone; the block
+                // goes back when no other arena maps it.
+                let _ = unsafe { sys::cuMemUnmap(at, bytes) };
+                self.parts[part] = None;
             }
         }
         // SAFETY: the range was reserved by `new` and is unmapped now.
