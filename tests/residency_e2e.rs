@@ -12,7 +12,6 @@ mod util;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use lanes::compile;
 use lanes::exec::cpu::CpuProgram;
 use lanes_adaptor::wire::{Reply, Request};
 use lanes_adaptor::zoo::Arch;
@@ -52,8 +51,9 @@ fn more_models_than_memory_answer_correctly_through_evictions() {
         .map(|seed| arch().inference(2, seed).unwrap())
         .collect();
     let valid = validate(models[0].graph.clone(), &GraphLimits::default()).unwrap();
-    let plan = compile::plan(&valid).unwrap();
-    let (p, t) = (plan.persistent, plan.ephemeral);
+    // What the lanes count for one job on the test's device (on the GPU:
+    // workspaces in T, whole granules).
+    let (p, t) = lanes::server::admission_sizes(&util::device(), &valid).unwrap();
     let memory = 2 * p + t + p / 2 + 4096;
     assert!(3 * p + t > memory, "three models must not fit at once");
     let service = util::start_with(|c| c.memory_bytes = Some(memory));

@@ -82,16 +82,9 @@ pub(super) fn spawn(
     let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
     let lanes = match config.memory_bytes {
         Some(bytes) => {
-            // The books: admission under the safety condition, the queue,
-            // the lanes' turns. Device memory follows them (a lane's jobs
-            // share its ephemeral memory on the GPU, see exec/cuda/vm.rs);
-            // no host buffer of `--memory` bytes stands in for it.
-            let cfg = crate::lanes::LanesConfig {
-                max_lanes: config.max_lanes,
-                ..crate::lanes::LanesConfig::new(bytes)
-            };
-            let l = crate::lanes::SharedLanes::accounting_only(cfg)
-                .map_err(crate::lanes::SharedError::from)?;
+            // Admission under the safety condition, the queue, the lanes'
+            // turns (see `super::lanes_for`).
+            let l = super::lanes_for(bytes, config.max_lanes)?;
             dispatcher.gate_on(l.clone());
             Some(l)
         }

@@ -74,6 +74,36 @@ pub fn backend_of(device: &str) -> crate::session::Backend {
     }
 }
 
+/// The lanes over `bytes` of memory (`--memory`), at most `max_lanes`
+/// open: admission under the safety condition, the queue, the lanes'
+/// turns. They keep the books only: executors keep tensors in their own
+/// memory, and on the GPU a lane's programs share one ephemeral block
+/// (`exec/cuda/vm.rs`).
+pub fn lanes_for(bytes: u64, max_lanes: usize) -> Result<crate::lanes::SharedLanes, ServerError> {
+    use crate::lanes::{LanesConfig, SharedError, SharedLanes};
+    let cfg = LanesConfig {
+        max_lanes,
+        ..LanesConfig::new(bytes)
+    };
+    Ok(SharedLanes::accounting_only(cfg).map_err(SharedError::from)?)
+}
+
+/// The (P, T) a job of `graph` asks the lanes for on the service's
+/// resolved `device`, rounded as the lanes round them: on the GPU T also
+/// holds the cuDNN and cuBLAS workspaces that the lane's block holds. For
+/// sizing `--memory` in benchmarks and tests.
+pub fn admission_sizes(
+    device: &str,
+    graph: &lanes_adaptor::ValidGraph,
+) -> Result<(u64, u64), ServerError> {
+    let no = |reason: String| ServerError::Sizes { reason };
+    let plan = crate::compile::plan(graph).map_err(|e| no(e.to_string()))?;
+    let (p, t) = crate::session::admission_sizes(backend_of(device), graph, &plan)
+        .map_err(|e| no(e.to_string()))?;
+    let up = |b: u64| b.checked_next_multiple_of(crate::compile::DEFAULT_ALIGNMENT);
+    up(p).zip(up(t)).ok_or_else(|| no("sizes overflow".into()))
+}
+
 /// A byte size such as `512MiB`, `8GiB`, `1.5GB`, `4096`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub u64);
@@ -180,6 +210,8 @@ pub enum ServerError {
     Panicked,
     #[error("memory reservation: {0}")]
     Memory(#[from] crate::lanes::SharedError),
+    #[error("cannot size a job for the lanes: {reason}")]
+    Sizes { reason: String },
 }
 
 /// A running service. Dropping it shuts the service down and waits for it.

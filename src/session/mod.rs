@@ -11,7 +11,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use lanes_adaptor::wire::{ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
-use lanes_adaptor::{validate, Graph, GraphError, GraphLimits, Tensor, TensorType, VarValues};
+use lanes_adaptor::{
+    validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
+};
 
 use crate::compile::{self, PlanError};
 pub use crate::exec::Backend;
@@ -113,6 +115,23 @@ pub struct Session {
     backend: Backend,
     /// Evictions and returns so far.
     switches: (u64, u64),
+}
+
+/// The (P, T) a job of `valid` asks the lanes for on `backend`: the memory
+/// plan's, and on the GPU T also holds the cuDNN and cuBLAS workspaces
+/// (they live in the lane's shared ephemeral block).
+pub fn admission_sizes(
+    backend: Backend,
+    valid: &ValidGraph,
+    plan: &compile::MemoryPlan,
+) -> Result<(u64, u64), SessionError> {
+    match backend {
+        Backend::Cuda => Ok((
+            plan.persistent,
+            crate::exec::cuda::ephemeral_need(valid, plan.ephemeral)?,
+        )),
+        Backend::Cpu => Ok((plan.persistent, plan.ephemeral)),
+    }
 }
 
 fn ty_mismatch(expected: &TensorType, got: &TensorType) -> String {
@@ -322,8 +341,9 @@ impl Session {
         let nvars = declared.len() as u64;
         // Exact P and T, then admission (or the queue) before any memory is used.
         let plan = compile::plan(&valid)?;
+        let (p, t) = admission_sizes(self.backend, &valid, &plan)?;
         let lease = match &self.lanes {
-            Some(lanes) => Some(lanes.admit_plan(JobId(self.id.0), &plan)?),
+            Some(lanes) => Some(lanes.admit(JobId(self.id.0), p, t)?),
             None => None,
         };
         if let Some((_, Admission::Queued { reason, .. })) = &lease {
@@ -337,7 +357,7 @@ impl Session {
             program.prepare_standby()?;
         }
         self.lease = lease.map(|(l, _)| l);
-        self.memory = Some((plan.persistent, plan.ephemeral));
+        self.memory = Some((p, t));
         self.loaded = Some(Loaded {
             program,
             placeholders,

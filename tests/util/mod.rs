@@ -14,10 +14,7 @@ use lanes_adaptor::{DType, Graph, GraphBuilder, Limits, Tensor, TensorType, VarV
 /// `LANES_TEST_DEVICE=cuda` runs the same tests against a GPU-backed service
 /// (on the GPU machine; it fails fast where there is no GPU).
 pub fn start_with(f: impl FnOnce(&mut ServerConfig)) -> ServerHandle {
-    let device = match std::env::var("LANES_TEST_DEVICE").as_deref() {
-        Ok("cuda") => server::resolve_device(server::DeviceChoice::Cuda).expect("a usable GPU"),
-        _ => "cpu".into(),
-    };
+    let device = device();
     let mut config = ServerConfig {
         endpoint: "tcp://127.0.0.1:*".into(),
         workers: 2,
@@ -26,6 +23,15 @@ pub fn start_with(f: impl FnOnce(&mut ServerConfig)) -> ServerHandle {
     };
     f(&mut config);
     server::start(config).expect("service starts")
+}
+
+/// The resolved device the tests' services run on (`LANES_TEST_DEVICE`).
+#[allow(dead_code)]
+pub fn device() -> String {
+    match std::env::var("LANES_TEST_DEVICE").as_deref() {
+        Ok("cuda") => server::resolve_device(server::DeviceChoice::Cuda).expect("a usable GPU"),
+        _ => "cpu".into(),
+    }
 }
 
 /// The `lanes` binary: `LANES_BIN` when set (the GPU machine runs copied test

@@ -1,6 +1,6 @@
 //! `lanes bench pack`: inference packing with more models than fit. An
 //! embedded service gets `--memory` for `--fit` copies of the model (sum P +
-//! max T of that many, from the memory plan) and `--models` sessions of it
+//! max T of that many, as its lanes count them) and `--models` sessions of it
 //! (each with its own weights); requests go to models chosen at random, one
 //! at a time, through real sockets. Reports latency p50/p99 over all
 //! requests, over requests whose model was resident and over those whose
@@ -9,7 +9,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use lanes::compile;
 use lanes::server::{self, DeviceChoice, ServerConfig};
 use lanes_adaptor::wire::{Reply, Request};
 use lanes_adaptor::{validate, Client, ClientOptions, GraphLimits, Limits, SessionSpec, Tensor};
@@ -70,14 +69,15 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         },
     )
     .context("model graph does not validate")?;
-    let plan = compile::plan(&valid)?;
-    let (p, t) = (plan.persistent, plan.ephemeral);
-    // Room for `fit` models in one lane, not for one more.
-    let memory = a.fit as u64 * p + t + p / 2;
     let device = match a.device {
         Device::Cuda => server::resolve_device(DeviceChoice::Cuda)?,
         Device::Cpu => server::resolve_device(DeviceChoice::Cpu)?,
     };
+    // What the lanes count for one model on this device (on the GPU: the
+    // workspaces in T, whole granules); room for `fit` models in one lane,
+    // not for one more.
+    let (p, t) = server::admission_sizes(&device, &valid)?;
+    let memory = a.fit as u64 * p + t + p / 2;
     let limits = Limits {
         max_nodes: 1 << 20,
         ..Limits::default()

@@ -16,9 +16,9 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use lanes::compile;
 use lanes::exec::Backend;
-use lanes::lanes::{JobId, LanesConfig, SharedLanes};
+use lanes::lanes::JobId;
+use lanes::server;
 use lanes::session::Session;
 use lanes_adaptor::wire::{NamedTensor, SessionId};
 use lanes_adaptor::{validate, GraphLimits, SessionSpec, Tensor};
@@ -92,14 +92,12 @@ fn run_case(
     memory: u64,
     since: Instant,
 ) -> anyhow::Result<serde_json::Value> {
-    let lanes = SharedLanes::accounting_only(LanesConfig {
-        max_lanes: case.max_lanes,
-        ..LanesConfig::new(memory)
-    })?;
     let backend = match a.device {
         Device::Cuda => Backend::Cuda,
         Device::Cpu => Backend::Cpu,
     };
+    // As `lanes serve --memory --max-lanes N`.
+    let lanes = server::lanes_for(memory, case.max_lanes)?;
     let limits = GraphLimits {
         max_nodes: 1 << 20,
         ..GraphLimits::default()
@@ -135,6 +133,7 @@ fn run_case(
         .iter()
         .map(|s| lanes.placement(JobId(s.id().0)).map(|p| p.lane.0))
         .collect();
+    // Device memory: each program's own blocks and the lanes' shared ones.
     let own: Option<u64> = sessions.iter().map(Session::own_device_bytes).sum();
     let shared = match a.device {
         Device::Cuda => Some(lanes::exec::cuda::lane_block_bytes()),
@@ -206,8 +205,11 @@ pub fn lanes(a: LanesArgs) -> anyhow::Result<()> {
         },
     )
     .context("model graph does not validate")?;
-    let plan = compile::plan(&valid)?;
-    let (p, t) = (plan.persistent, plan.ephemeral);
+    let device = match a.device {
+        Device::Cuda => "cuda",
+        Device::Cpu => "cpu",
+    };
+    let (p, t) = server::admission_sizes(device, &valid)?;
     // Room for two jobs in two lanes (2 (P + T)), with slack.
     let memory = 2 * (p + t) + (p + t) / 2;
     let mut cases = Vec::with_capacity(CASES.len());

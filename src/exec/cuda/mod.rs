@@ -17,7 +17,7 @@ mod ops;
 mod program;
 mod vm;
 
-pub use program::{ArenaParts, CudaOptions, CudaProgram};
+pub use program::{ephemeral_need, ArenaParts, CudaOptions, CudaProgram};
 
 use super::ExecError;
 
@@ -37,6 +37,13 @@ pub fn probe() -> Result<CudaInfo, ExecError> {
 }
 
 pub use vm::lane_block_bytes;
+
+/// The GPU's mapping granularity: lane offsets and sizes in a device
+/// reservation are multiples of it.
+pub fn mapping_granularity() -> Result<u64, ExecError> {
+    let g = device::gpu()?;
+    vm::granularity(&g.ctx).map(|v| v as u64)
+}
 
 /// Bytes of the GPU's memory in use now (by every process), for benchmarks
 /// that compare memory layouts.

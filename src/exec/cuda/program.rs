@@ -789,50 +789,7 @@ impl CudaProgram {
             }
         }
 
-        let mut convs = HashMap::new();
-        let mut ws_bytes = 0usize;
-        for &id in graph.order() {
-            let node = &g.nodes[id.index()];
-            let in_ty = |k: usize| -> Result<TensorType, ExecError> {
-                let o = node
-                    .inputs
-                    .get(k)
-                    .ok_or_else(|| op_err(id, node, "missing input".into()))?;
-                Ok(slots[o.node.index()][o.slot as usize].ty.clone())
-            };
-            let plan = match &node.op {
-                Op::Conv2d(a) => Some(ConvPlan::forward(
-                    &cudnn,
-                    a,
-                    in_ty(0)?.shape.dims(),
-                    in_ty(1)?.shape.dims(),
-                    node.outputs[0].shape.dims(),
-                    options.conv_tf32,
-                )),
-                Op::Conv2dGradInput { attrs, .. } => Some(ConvPlan::backward_data(
-                    &cudnn,
-                    attrs,
-                    node.outputs[0].shape.dims(),
-                    in_ty(1)?.shape.dims(),
-                    in_ty(0)?.shape.dims(),
-                    options.conv_tf32,
-                )),
-                Op::Conv2dGradFilter { attrs, .. } => Some(ConvPlan::backward_filter(
-                    &cudnn,
-                    attrs,
-                    in_ty(0)?.shape.dims(),
-                    node.outputs[0].shape.dims(),
-                    in_ty(1)?.shape.dims(),
-                    options.conv_tf32,
-                )),
-                _ => None,
-            };
-            if let Some(p) = plan {
-                let p = p.map_err(|e| op_err(id, node, format!("cuDNN: {e:?}")))?;
-                ws_bytes = ws_bytes.max(p.workspace_bytes);
-                convs.insert(id.index(), p);
-            }
-        }
+        let (convs, ws_bytes) = plan_convs(&cudnn, &graph, options)?;
         let gran = granularity(&gpu.ctx)?;
         let (mem, plan) = ArenaLayout::new(
             &graph,
@@ -1436,6 +1393,86 @@ impl CudaProgram {
         self.res.dirty = true;
         self.sync()
     }
+}
+
+/// The cuDNN plan of every convolution node (forward, data and filter
+/// gradients) and the largest workspace they ask for.
+fn plan_convs(
+    cudnn: &Arc<Cudnn>,
+    graph: &ValidGraph,
+    options: CudaOptions,
+) -> Result<(HashMap<usize, ConvPlan>, usize), ExecError> {
+    let g = graph.graph();
+    let mut convs = HashMap::new();
+    let mut ws_bytes = 0usize;
+    for &id in graph.order() {
+        let node = &g.nodes[id.index()];
+        let in_ty = |k: usize| -> Result<&TensorType, ExecError> {
+            let o = node
+                .inputs
+                .get(k)
+                .ok_or_else(|| op_err(id, node, "missing input".into()))?;
+            g.nodes[o.node.index()]
+                .outputs
+                .get(o.slot as usize)
+                .ok_or_else(|| op_err(id, node, "missing input".into()))
+        };
+        let out = || -> Result<&TensorType, ExecError> {
+            node.outputs
+                .first()
+                .ok_or_else(|| op_err(id, node, "no output".into()))
+        };
+        let plan = match &node.op {
+            Op::Conv2d(a) => Some(ConvPlan::forward(
+                cudnn,
+                a,
+                in_ty(0)?.shape.dims(),
+                in_ty(1)?.shape.dims(),
+                out()?.shape.dims(),
+                options.conv_tf32,
+            )),
+            Op::Conv2dGradInput { attrs, .. } => Some(ConvPlan::backward_data(
+                cudnn,
+                attrs,
+                out()?.shape.dims(),
+                in_ty(1)?.shape.dims(),
+                in_ty(0)?.shape.dims(),
+                options.conv_tf32,
+            )),
+            Op::Conv2dGradFilter { attrs, .. } => Some(ConvPlan::backward_filter(
+                cudnn,
+                attrs,
+                in_ty(0)?.shape.dims(),
+                out()?.shape.dims(),
+                in_ty(1)?.shape.dims(),
+                options.conv_tf32,
+            )),
+            _ => None,
+        };
+        if let Some(p) = plan {
+            let p = p.map_err(|e| op_err(id, node, format!("cuDNN: {e:?}")))?;
+            ws_bytes = ws_bytes.max(p.workspace_bytes);
+            convs.insert(id.index(), p);
+        }
+    }
+    Ok((convs, ws_bytes))
+}
+
+/// Ephemeral bytes a CUDA program of `graph` needs in its lane's arena:
+/// the plan's `planned` T plus the cuDNN and cuBLAS workspaces (what
+/// admission must count for a GPU job). Plans the convolutions (no device
+/// memory taken).
+pub fn ephemeral_need(graph: &ValidGraph, planned: u64) -> Result<u64, ExecError> {
+    let gpu = gpu()?;
+    gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+    let stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
+    let cudnn = Cudnn::new(stream).map_err(|e| dev_err("cuDNN", e))?;
+    let (_, ws) = plan_convs(&cudnn, graph, CudaOptions::default())?;
+    let round = |b: u64| b.checked_next_multiple_of(ALIGN as u64);
+    round(planned)
+        .zip(round(ws as u64))
+        .and_then(|(t, w)| t.checked_add(w)?.checked_add(CUBLAS_WORKSPACE as u64))
+        .ok_or_else(|| dev_err("ephemeral size", "overflows"))
 }
 
 pub(super) fn op_err(id: NodeId, node: &lanes_adaptor::Node, reason: String) -> ExecError {
