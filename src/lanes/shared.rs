@@ -189,6 +189,31 @@ impl SharedLanes {
         }
     }
 
+    /// Every job in a lane with one of `jobs` (those included): what a
+    /// dispatcher holds back while `jobs` run, so that no worker waits for
+    /// a lane's turn.
+    pub fn lane_mates(&self, jobs: impl IntoIterator<Item = JobId>) -> Vec<JobId> {
+        let busy: HashSet<JobId> = jobs.into_iter().collect();
+        if busy.is_empty() {
+            return Vec::new();
+        }
+        let st = self.lock();
+        let lanes: HashSet<LaneId> = busy
+            .iter()
+            .filter_map(|&j| st.manager.placement(j).map(|p| p.lane))
+            .collect();
+        if lanes.is_empty() {
+            return Vec::new();
+        }
+        st.manager
+            .snapshot()
+            .lanes
+            .into_iter()
+            .filter(|l| lanes.contains(&l.id))
+            .flat_map(|l| l.jobs.into_iter().map(|j| j.job))
+            .collect()
+    }
+
     /// Jobs waiting in the admission queue.
     pub fn waiting_jobs(&self) -> Vec<JobId> {
         self.lock().manager.waiting_jobs()

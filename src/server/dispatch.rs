@@ -196,15 +196,23 @@ impl Dispatcher {
             let State {
                 queue, busy, gate, ..
             } = &mut *st;
-            let waiting = gate.as_ref().map(|g| g.waiting_jobs()).unwrap_or_default();
+            // Held back besides busy sessions: jobs waiting for memory, and
+            // jobs whose lane runs an item now (a lane runs one iteration
+            // at a time; a worker never waits for a lane's turn).
+            let (waiting, mates) = gate.as_ref().map_or_else(Default::default, |g| {
+                (
+                    g.waiting_jobs(),
+                    g.lane_mates(busy.iter().map(|s| crate::lanes::JobId(s.0))),
+                )
+            });
             let skip: HashSet<SessionId>;
-            let busy_or_waiting = if waiting.is_empty() {
+            let busy_or_waiting = if waiting.is_empty() && mates.is_empty() {
                 &*busy
             } else {
                 skip = busy
                     .iter()
                     .copied()
-                    .chain(waiting.into_iter().map(|j| SessionId(j.0)))
+                    .chain(waiting.into_iter().chain(mates).map(|j| SessionId(j.0)))
                     .collect();
                 &skip
             };
@@ -340,6 +348,39 @@ mod tests {
         drop(first); // releases job 1: job 2 is admitted
         d.wake();
         assert_eq!(t.join().unwrap(), Some(1));
+    }
+
+    /// A lane runs one item at a time: while a job of a lane runs, the
+    /// other jobs of that lane are held back (no worker blocks on the
+    /// lane's turn); jobs of another lane are not.
+    #[test]
+    fn jobs_of_a_busy_lane_are_held_back() {
+        use crate::lanes::{JobId, LanesConfig, SharedLanes};
+        for max_lanes in [1, 2] {
+            let lanes = SharedLanes::accounting_only(LanesConfig {
+                capacity: 1 << 20,
+                alignment: 1,
+                max_lanes,
+            })
+            .unwrap();
+            let (_a, _) = lanes.admit(JobId(1), 500, 500).unwrap();
+            let (_b, _) = lanes.admit(JobId(2), 500, 500).unwrap();
+            let same_lane =
+                lanes.placement(JobId(1)).unwrap().lane == lanes.placement(JobId(2)).unwrap().lane;
+            assert_eq!(same_lane, max_lanes == 1);
+            let d = Dispatcher::new(Box::new(FifoQueue::default()));
+            d.gate_on(lanes.clone());
+            d.submit(item(1, 1));
+            d.submit(item(2, 2));
+            assert_eq!(d.next().unwrap().request_id, 1);
+            let d2 = Arc::clone(&d);
+            let t = std::thread::spawn(move || d2.next().map(|i| i.request_id));
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            // One lane: job 2 waits for job 1's item; two lanes: it runs.
+            assert_eq!(t.is_finished(), !same_lane);
+            d.done(SessionId(1), Duration::ZERO);
+            assert_eq!(t.join().unwrap(), Some(2));
+        }
     }
 
     #[test]
