@@ -45,6 +45,18 @@ fn input(seed: u64) -> Tensor {
 
 #[test]
 fn more_models_than_memory_answer_correctly_through_evictions() {
+    more_models_than_memory(false);
+}
+
+/// The same with `--reserve`: on the GPU every model's memory is carved
+/// from one device reservation taken at start-up (on the CPU the flag
+/// changes nothing).
+#[test]
+fn the_same_inside_one_device_reservation() {
+    more_models_than_memory(true);
+}
+
+fn more_models_than_memory(reserve: bool) {
     // Three models of one size; memory for two (sum P + max T of two, plus
     // half a model of slack).
     let models: Vec<_> = (0..MODELS as u64)
@@ -56,7 +68,10 @@ fn more_models_than_memory_answer_correctly_through_evictions() {
     let (p, t) = lanes::server::admission_sizes(&util::device(), &valid).unwrap();
     let memory = 2 * p + t + p / 2 + 4096;
     assert!(3 * p + t > memory, "three models must not fit at once");
-    let service = util::start_with(|c| c.memory_bytes = Some(memory));
+    let service = util::start_with(|c| {
+        c.memory_bytes = Some(memory);
+        c.reserve = reserve;
+    });
     let ep = service.endpoint().to_string();
 
     // The reference output of each model for each input.

@@ -22,6 +22,12 @@ pub struct Args {
     /// in parallel.
     #[arg(long, default_value_t = ServerConfig::default().max_lanes)]
     pub max_lanes: usize,
+    /// On the GPU, take `--memory` at start-up as one device reservation
+    /// (equal chunks) that every job's memory is carved from: the memory is
+    /// the service's even if other processes allocate. Switching a job back
+    /// costs more (a map call per chunk; see docs/memory.md).
+    #[arg(long, requires = "memory")]
+    pub reserve: bool,
     /// Seconds of silence after which a session is reclaimed.
     #[arg(long, default_value_t = 300.0)]
     pub idle_timeout: f64,
@@ -113,6 +119,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         device,
         memory_bytes: args.memory.map(|m| m.0),
         max_lanes: args.max_lanes,
+        reserve: args.reserve,
         policy: args.policy,
         evict_idle: !args.no_evict,
         evict_training: args.evict_training,

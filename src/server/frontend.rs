@@ -52,6 +52,9 @@ struct Frontend {
     stop: Arc<AtomicBool>,
     /// Lanes of the `--memory` reservation, if one was given.
     lanes: Option<crate::lanes::SharedLanes>,
+    /// The device memory behind them (GPU); released when the service
+    /// stops.
+    _reservation: Option<crate::exec::cuda::DeviceReservation>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -80,15 +83,21 @@ pub(super) fn spawn(
     pull.bind(REPLIES)?;
 
     let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
-    let lanes = match config.memory_bytes {
+    let (lanes, reservation) = match config.memory_bytes {
         Some(bytes) => {
             // Admission under the safety condition, the queue, the lanes'
-            // turns (see `super::lanes_for`).
-            let l = super::lanes_for(bytes, config.max_lanes)?;
+            // turns; on the GPU the device reservation (see
+            // `super::lanes_for`).
+            let (l, r) = super::lanes_for(
+                bytes,
+                config.max_lanes,
+                super::backend_of(&config.device),
+                config.reserve,
+            )?;
             dispatcher.gate_on(l.clone());
-            Some(l)
+            (Some(l), r)
         }
-        None => None,
+        None => (None, None),
     };
     let graph_limits = config.limits.graph_limits();
     let mut workers = Vec::new();
@@ -112,6 +121,7 @@ pub(super) fn spawn(
         stop,
         workers,
         lanes,
+        _reservation: reservation,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())

@@ -76,16 +76,50 @@ pub fn backend_of(device: &str) -> crate::session::Backend {
 
 /// The lanes over `bytes` of memory (`--memory`), at most `max_lanes`
 /// open: admission under the safety condition, the queue, the lanes'
-/// turns. They keep the books only: executors keep tensors in their own
-/// memory, and on the GPU a lane's programs share one ephemeral block
-/// (`exec/cuda/vm.rs`).
-pub fn lanes_for(bytes: u64, max_lanes: usize) -> Result<crate::lanes::SharedLanes, ServerError> {
+/// turns. With `reserve` on the GPU (`--reserve`) the memory is taken now,
+/// as one device reservation in equal chunks that every admitted job's
+/// blocks are made of (lane sizes are whole chunks); keep it as long as
+/// the lanes. Otherwise the lanes keep the books only: programs take their
+/// blocks from the driver as admission allows (on the CPU executors keep
+/// tensors in their own buffers).
+pub fn lanes_for(
+    bytes: u64,
+    max_lanes: usize,
+    backend: crate::session::Backend,
+    reserve: bool,
+) -> Result<
+    (
+        crate::lanes::SharedLanes,
+        Option<crate::exec::cuda::DeviceReservation>,
+    ),
+    ServerError,
+> {
     use crate::lanes::{LanesConfig, SharedError, SharedLanes};
-    let cfg = LanesConfig {
+    let mut cfg = LanesConfig {
         max_lanes,
         ..LanesConfig::new(bytes)
     };
-    Ok(SharedLanes::accounting_only(cfg).map_err(SharedError::from)?)
+    let reservation = match backend {
+        crate::session::Backend::Cuda if reserve => {
+            let r = crate::exec::cuda::DeviceReservation::new(bytes).map_err(|e| {
+                ServerError::DeviceMemory {
+                    bytes,
+                    reason: e.to_string(),
+                }
+            })?;
+            cfg.capacity = r.size();
+            cfg.alignment = r.chunk();
+            tracing::info!(
+                bytes = r.size(),
+                chunk = r.chunk(),
+                "device memory reserved"
+            );
+            Some(r)
+        }
+        _ => None,
+    };
+    let lanes = SharedLanes::accounting_only(cfg).map_err(SharedError::from)?;
+    Ok((lanes, reservation))
 }
 
 /// The (P, T) a job of `graph` asks the lanes for on the service's
@@ -100,7 +134,15 @@ pub fn admission_sizes(
     let plan = crate::compile::plan(graph).map_err(|e| no(e.to_string()))?;
     let (p, t) = crate::session::admission_sizes(backend_of(device), graph, &plan)
         .map_err(|e| no(e.to_string()))?;
-    let up = |b: u64| b.checked_next_multiple_of(crate::compile::DEFAULT_ALIGNMENT);
+    // Whole mapping granules (2 MiB on the H100): also the chunk of a
+    // `--reserve` reservation below 1 GiB.
+    let align = match backend_of(device) {
+        crate::session::Backend::Cuda => {
+            crate::exec::cuda::mapping_granularity().map_err(|e| no(e.to_string()))?
+        }
+        crate::session::Backend::Cpu => crate::compile::DEFAULT_ALIGNMENT,
+    };
+    let up = |b: u64| b.checked_next_multiple_of(align.max(1));
     up(p).zip(up(t)).ok_or_else(|| no("sizes overflow".into()))
 }
 
@@ -165,6 +207,9 @@ pub struct ServerConfig {
     pub memory_bytes: Option<u64>,
     /// Most lanes open at once (`--max-lanes`): jobs beyond share lanes.
     pub max_lanes: usize,
+    /// On the GPU, take `memory_bytes` at start-up as one device
+    /// reservation that jobs' memory is carved from (`--reserve`).
+    pub reserve: bool,
     /// The policy that orders Run requests (`--policy`).
     pub policy: PolicyChoice,
     /// Under memory pressure, evict idle jobs to host memory (inference
@@ -185,6 +230,7 @@ impl Default for ServerConfig {
             device: "cpu".into(),
             memory_bytes: None,
             max_lanes: crate::lanes::LanesConfig::new(0).max_lanes,
+            reserve: false,
             policy: PolicyChoice::Fifo,
             evict_idle: true,
             evict_training: false,
@@ -212,6 +258,8 @@ pub enum ServerError {
     Memory(#[from] crate::lanes::SharedError),
     #[error("cannot size a job for the lanes: {reason}")]
     Sizes { reason: String },
+    #[error("cannot reserve {bytes} bytes of device memory (--memory): {reason}")]
+    DeviceMemory { bytes: u64, reason: String },
 }
 
 /// A running service. Dropping it shuts the service down and waits for it.

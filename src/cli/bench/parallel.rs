@@ -41,6 +41,10 @@ pub struct LanesArgs {
     /// Timed iterations per job (after three untimed ones).
     #[arg(long, default_value_t = 200)]
     iters: usize,
+    /// On the GPU, carve the jobs' memory from one device reservation taken
+    /// per case (as `lanes serve --reserve`).
+    #[arg(long)]
+    reserve: bool,
 }
 
 /// One case: how many jobs, how many lanes they may use.
@@ -96,8 +100,9 @@ fn run_case(
         Device::Cuda => Backend::Cuda,
         Device::Cpu => Backend::Cpu,
     };
-    // As `lanes serve --memory --max-lanes N`.
-    let lanes = server::lanes_for(memory, case.max_lanes)?;
+    // As `lanes serve --memory --max-lanes N` (on the GPU: the device
+    // reservation, held for the case).
+    let (lanes, reservation) = server::lanes_for(memory, case.max_lanes, backend, a.reserve)?;
     let limits = GraphLimits {
         max_nodes: 1 << 20,
         ..GraphLimits::default()
@@ -167,6 +172,10 @@ fn run_case(
             .collect::<anyhow::Result<Vec<f64>>>()
     })?;
     let wall = t0.elapsed().as_secs_f64();
+    let reserved = reservation.as_ref().map(|r| (r.size(), r.free_bytes()));
+    let lanes_text = lanes.snapshot().to_string();
+    drop(sessions);
+    drop(reservation);
     let iterations = (a.iters * case.jobs) as f64;
     Ok(serde_json::json!({
         "case": case.name,
@@ -177,12 +186,16 @@ fn run_case(
         "per_job_s": per_job,
         "iterations_per_s": iterations / wall,
         "wall_ms_per_iteration": wall * 1e3 / iterations,
+        "reservation": reserved.map(|(size, free)| serde_json::json!({
+            "bytes": size,
+            "in_use": size - free,
+        })),
         "device_bytes": {
             "programs_own": own,
             "lanes_shared": shared,
             "total": own.zip(shared).map(|(o, s)| o + s),
         },
-        "lanes": lanes.snapshot().to_string(),
+        "lanes": lanes_text,
     }))
 }
 

@@ -57,8 +57,20 @@ fn prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     p
 }
 
-/// The mapping granularity of `ctx`'s device: arena parts are multiples of it.
+/// Arena parts are multiples of this: the device reservation's chunk while
+/// one is held, else the device's mapping granularity.
 pub(super) fn granularity(ctx: &Arc<CudaContext>) -> Result<usize, ExecError> {
+    let device = ctx.cu_device();
+    if let Some(p) = POOL.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+        if p.device == device {
+            return Ok(p.chunk);
+        }
+    }
+    min_granularity(ctx)
+}
+
+/// The device's minimum mapping granularity.
+pub(super) fn min_granularity(ctx: &Arc<CudaContext>) -> Result<usize, ExecError> {
     let p = prop(ctx.cu_device());
     let mut gran = 0usize;
     // SAFETY: valid out-pointer and property struct.
@@ -74,19 +86,138 @@ pub(super) fn granularity(ctx: &Arc<CudaContext>) -> Result<usize, ExecError> {
     Ok(gran.max(1))
 }
 
+/// Unmaps `bytes` mapped from `at` in pieces of `piece` bytes (error path).
+fn unmap_pieces(at: u64, bytes: usize, piece: usize) {
+    let mut done = 0usize;
+    while done < bytes {
+        let n = piece.max(1).min(bytes - done);
+        // SAFETY: the pieces were mapped by the caller just before.
+        let _ = unsafe { sys::cuMemUnmap(at + done as u64, n) };
+        done += n;
+    }
+}
+
 fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
     bytes
         .checked_next_multiple_of(gran)
         .ok_or_else(|| dev_err("arena size", "overflows"))
 }
 
-/// One physical allocation; back to the free list (or the driver) when the
-/// last arena that maps it lets go.
+/// The chunks of the device reservation (see [`DeviceReservation`]).
+struct Pool {
+    device: sys::CUdevice,
+    chunk: usize,
+    free: Vec<sys::CUmemGenericAllocationHandle>,
+}
+
+/// The device reservation's chunks while one is held (one per process).
+static POOL: Mutex<Option<Pool>> = Mutex::new(None);
+
+/// The service's device memory (`--memory`), taken at start-up as equal
+/// chunks: while it is held every block a program maps (persistent region,
+/// lane block) is made of its chunks, mapped side by side under the
+/// program's fixed address. Dropping it releases the free chunks; chunks
+/// still mapped go back to the driver when their program lets go.
+#[derive(Debug)]
+pub struct DeviceReservation {
+    ctx: Arc<CudaContext>,
+    chunk: usize,
+    chunks: usize,
+}
+
+impl DeviceReservation {
+    /// Takes `bytes` of device memory now, in chunks of at least the
+    /// mapping granularity (at most 512 of them: every chunk costs a map
+    /// call when a program comes back), rounded down to whole chunks. One
+    /// reservation per process.
+    pub fn new(bytes: u64) -> Result<Self, ExecError> {
+        let gpu = super::device::gpu()?;
+        let ctx = gpu.ctx.clone();
+        ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        let gran = min_granularity(&ctx)?;
+        let bytes = usize::try_from(bytes).map_err(|_| dev_err("reservation", "too large"))?;
+        let chunk = round_up((bytes / 512).max(1), gran)?;
+        let n = bytes / chunk;
+        if n == 0 {
+            return Err(dev_err(
+                "reservation",
+                format!("{bytes} bytes is less than one mapping granule ({gran} bytes)"),
+            ));
+        }
+        let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+        if pool.is_some() {
+            return Err(dev_err("reservation", "this process already holds one"));
+        }
+        let device = ctx.cu_device();
+        let p = prop(device);
+        let mut free = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: valid out-pointer and property struct.
+            if let Err(e) = unsafe { sys::cuMemCreate(&mut h, chunk, &p, 0) }.result() {
+                for h in free {
+                    // SAFETY: ours, mapped nowhere.
+                    let _ = unsafe { sys::cuMemRelease(h) };
+                }
+                return Err(dev_err(&format!("reserving {} bytes", n * chunk), e));
+            }
+            free.push(h);
+        }
+        *pool = Some(Pool {
+            device,
+            chunk,
+            free,
+        });
+        Ok(DeviceReservation {
+            ctx,
+            chunk,
+            chunks: n,
+        })
+    }
+
+    /// Bytes reserved.
+    pub fn size(&self) -> u64 {
+        (self.chunk * self.chunks) as u64
+    }
+
+    /// Blocks are whole chunks of this size.
+    pub fn chunk(&self) -> u64 {
+        self.chunk as u64
+    }
+
+    /// Bytes of it not mapped by any program now.
+    pub fn free_bytes(&self) -> u64 {
+        POOL.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map_or(0, |p| (p.free.len() * p.chunk) as u64)
+    }
+}
+
+impl Drop for DeviceReservation {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        if let Some(p) = POOL.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            for h in p.free {
+                // SAFETY: free chunks are mapped nowhere.
+                let _ = unsafe { sys::cuMemRelease(h) };
+            }
+        }
+    }
+}
+
+/// Physical memory of one arena part: one allocation, or chunks of the
+/// device reservation; back to the reservation, the free list or the
+/// driver when the last arena that maps it lets go.
 struct Block {
     ctx: Arc<CudaContext>,
     device: sys::CUdevice,
-    handle: sys::CUmemGenericAllocationHandle,
+    /// Equal allocations of `piece` bytes each, mapped side by side.
+    handles: Vec<sys::CUmemGenericAllocationHandle>,
+    piece: usize,
     size: usize,
+    /// Chunks of the device reservation.
+    pooled: bool,
 }
 
 // SAFETY: the handle is a plain driver identifier owned by this value;
@@ -100,6 +231,30 @@ impl Block {
     /// if there is, else new memory.
     fn take(ctx: &Arc<CudaContext>, size: usize) -> Result<Arc<Block>, ExecError> {
         let device = ctx.cu_device();
+        if let Some(p) = POOL
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+            .filter(|p| p.device == device)
+        {
+            let n = size.div_ceil(p.chunk);
+            if p.free.len() >= n {
+                let at = p.free.len() - n;
+                return Ok(Arc::new(Block {
+                    ctx: ctx.clone(),
+                    device,
+                    handles: p.free.split_off(at),
+                    piece: p.chunk,
+                    size: n * p.chunk,
+                    pooled: true,
+                }));
+            }
+            tracing::warn!(
+                bytes = size,
+                free = p.free.len() * p.chunk,
+                "device reservation exhausted: memory taken from the driver"
+            );
+        }
         let reused = FREE
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -121,8 +276,10 @@ impl Block {
         Ok(Arc::new(Block {
             ctx: ctx.clone(),
             device,
-            handle,
+            handles: vec![handle],
+            piece: size,
             size,
+            pooled: false,
         }))
     }
 
@@ -151,6 +308,24 @@ impl Block {
 impl Drop for Block {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        if self.pooled {
+            let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
+            match pool.as_mut().filter(|p| p.device == self.device) {
+                Some(p) => p.free.append(&mut self.handles),
+                None => {
+                    for &h in &self.handles {
+                        // SAFETY: no arena maps the chunk any more (each
+                        // mapping holds an `Arc` to this block) and the
+                        // reservation is gone.
+                        let _ = unsafe { sys::cuMemRelease(h) };
+                    }
+                }
+            }
+            return;
+        }
+        let Some(&handle) = self.handles.first() else {
+            return;
+        };
         let mut free = FREE.lock().unwrap_or_else(PoisonError::into_inner);
         let lists = free.get_or_insert_with(HashMap::new);
         let kept: usize = lists.iter().map(|((_, size), v)| size * v.len()).sum();
@@ -158,11 +333,11 @@ impl Drop for Block {
             lists
                 .entry((self.device, self.size))
                 .or_default()
-                .push(self.handle);
+                .push(handle);
         } else {
             // SAFETY: no arena maps the handle any more (each mapping holds
             // an `Arc` to this block).
-            let _ = unsafe { sys::cuMemRelease(self.handle) };
+            let _ = unsafe { sys::cuMemRelease(handle) };
         }
     }
 }
@@ -296,19 +471,37 @@ impl VmArena {
         if bytes == 0 {
             return Ok(());
         }
-        // SAFETY: the range was reserved by `new` and this part is unmapped;
-        // the block holds at least `bytes` bytes.
-        unsafe { sys::cuMemMap(at, bytes, 0, block.handle, 0) }
-            .result()
-            .map_err(|e| dev_err("mapping the arena", e))?;
+        // Whole pieces side by side (a lane's block may be larger than this
+        // part: its first pieces); a single allocation maps `bytes` of it.
+        let mut mapped = 0usize;
+        for &h in &block.handles {
+            if mapped >= bytes {
+                break;
+            }
+            let n = if block.handles.len() == 1 {
+                bytes
+            } else {
+                block.piece
+            };
+            // SAFETY: the range was reserved by `new` and this piece of it
+            // is unmapped; the allocation holds at least `n` bytes.
+            if let Err(e) = unsafe { sys::cuMemMap(at + mapped as u64, n, 0, h, 0) }.result() {
+                unmap_pieces(at, mapped, block.piece);
+                return Err(dev_err("mapping the arena", e));
+            }
+            mapped += n;
+        }
+        if mapped < bytes {
+            unmap_pieces(at, mapped, block.piece);
+            return Err(dev_err("mapping the arena", "block smaller than the part"));
+        }
         let access = sys::CUmemAccessDesc {
             location: location(self.device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range is mapped (just above).
         if let Err(e) = unsafe { sys::cuMemSetAccess(at, bytes, &access, 1) }.result() {
-            // SAFETY: undo the mapping made above.
-            let _ = unsafe { sys::cuMemUnmap(at, bytes) };
+            unmap_pieces(at, bytes, block.piece);
             return Err(dev_err("arena access", e));
         }
         self.parts[part] = Some(block);
@@ -320,10 +513,19 @@ impl VmArena {
             return Ok(());
         }
         let (at, bytes) = self.range(part);
-        // SAFETY: the part is mapped and no work uses it any more.
-        unsafe { sys::cuMemUnmap(at, bytes) }
-            .result()
-            .map_err(|e| dev_err("unmapping the arena", e))?;
+        let piece = self.parts[part]
+            .as_ref()
+            .filter(|b| b.handles.len() > 1)
+            .map_or(bytes, |b| b.piece);
+        let mut done = 0usize;
+        while done < bytes {
+            let n = piece.min(bytes - done);
+            // SAFETY: this piece is mapped and no work uses it any more.
+            unsafe { sys::cuMemUnmap(at + done as u64, n) }
+                .result()
+                .map_err(|e| dev_err("unmapping the arena", e))?;
+            done += n;
+        }
         self.parts[part] = None;
         Ok(())
     }
@@ -370,13 +572,10 @@ impl Drop for VmArena {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         for part in 0..2 {
-            if self.parts[part].is_some() {
-                let (at, bytes) = self.range(part);
-                // SAFETY: the program owning the range is gone; the block
-                // goes back when no other arena maps it.
-                let _ = unsafe { sys::cuMemUnmap(at, bytes) };
-                self.parts[part] = None;
-            }
+            // The program owning the range is gone; the block goes back
+            // when no other arena maps it.
+            let _ = self.unmap_part(part);
+            self.parts[part] = None;
         }
         // SAFETY: the range was reserved by `new` and is unmapped now.
         let _ = unsafe { sys::cuMemAddressFree(self.va, self.size) };
