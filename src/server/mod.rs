@@ -140,7 +140,15 @@ pub struct ServerConfig {
     pub evict_idle: bool,
     /// Training jobs may be evicted too (their state is copied out).
     pub evict_training: bool,
+    /// Most bytes of feed storage kept after runs for decoding the next
+    /// requests' tensors into (see [`lanes_adaptor::wire::BufferPool`]);
+    /// 0 keeps none.
+    pub feed_pool_bytes: usize,
 }
+
+/// Default of [`ServerConfig::feed_pool_bytes`]: room for a few
+/// iterations' worth of large feeds (a ResNet-50 batch of 32 is 19.3 MB).
+pub const DEFAULT_FEED_POOL_BYTES: usize = 256 << 20;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -155,6 +163,7 @@ impl Default for ServerConfig {
             policy: PolicyChoice::Fifo,
             evict_idle: true,
             evict_training: false,
+            feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
         }
     }
 }

@@ -10,6 +10,7 @@ use super::error::{DecodeError, ErrorCode, WireError};
 use super::message::{
     ErrorReply, NamedTensor, Reply, Request, SessionId, SessionSpec, StatusReport,
 };
+use super::pool::BufferPool;
 use super::{Limits, PROTOCOL_VERSION};
 use crate::graph::Graph;
 use crate::tensor::{DType, Tensor, TensorData, TensorError, TensorType};
@@ -147,6 +148,16 @@ pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
 /// Rebuilds a tensor from its type and a little-endian frame (one copy into
 /// aligned memory; no per-element decoding on little-endian hosts).
 pub fn tensor_from_frame(ty: &TensorType, bytes: &[u8]) -> Result<Tensor, TensorError> {
+    tensor_from_frame_in(ty, bytes, None)
+}
+
+/// [`tensor_from_frame`] into storage from `pool` when it has a buffer that
+/// fits (the one copy then writes into memory already mapped).
+pub fn tensor_from_frame_in(
+    ty: &TensorType,
+    bytes: &[u8],
+    pool: Option<&BufferPool>,
+) -> Result<Tensor, TensorError> {
     let expected = ty.checked_bytes().ok_or_else(|| TensorError::Overflow {
         shape: ty.shape.clone(),
     })?;
@@ -159,14 +170,25 @@ pub fn tensor_from_frame(ty: &TensorType, bytes: &[u8]) -> Result<Tensor, Tensor
     }
     #[cfg(target_endian = "little")]
     {
-        let data = match ty.dtype {
-            DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(bytes)),
-            DType::I64 => TensorData::I64(bytemuck::pod_collect_to_vec::<u8, i64>(bytes)),
+        let data = match (ty.dtype, pool) {
+            (DType::F32, Some(pool)) => {
+                let mut v = pool.f32s(bytes.len() / 4);
+                bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(bytes);
+                TensorData::F32(v)
+            }
+            (DType::I64, Some(pool)) => {
+                let mut v = pool.i64s(bytes.len() / 8);
+                bytemuck::cast_slice_mut::<i64, u8>(&mut v).copy_from_slice(bytes);
+                TensorData::I64(v)
+            }
+            (DType::F32, None) => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(bytes)),
+            (DType::I64, None) => TensorData::I64(bytemuck::pod_collect_to_vec::<u8, i64>(bytes)),
         };
         Tensor::new(ty.shape.clone(), data)
     }
     #[cfg(not(target_endian = "little"))]
     {
+        let _ = pool;
         Tensor::from_le_bytes(ty, bytes)
     }
 }
@@ -413,6 +435,7 @@ fn take_tensors<F: Deref<Target = [u8]>>(
     metas: Vec<TensorMeta>,
     frames: &[F],
     limits: &Limits,
+    pool: Option<&BufferPool>,
 ) -> Result<Vec<NamedTensor>, WireError> {
     if metas.len() != frames.len() {
         return Err(WireError::FrameCount {
@@ -434,7 +457,7 @@ fn take_tensors<F: Deref<Target = [u8]>>(
                     limit: limits.max_tensor_bytes,
                 });
             }
-            match tensor_from_frame(&m.ty, f) {
+            match tensor_from_frame_in(&m.ty, f, pool) {
                 Ok(tensor) => Ok(NamedTensor {
                     name: m.name,
                     tensor,
@@ -463,6 +486,16 @@ fn no_tensors<F>(frames: &[F]) -> Result<(), WireError> {
 pub fn decode_request<F: Deref<Target = [u8]>>(
     frames: &[F],
     limits: &Limits,
+) -> Result<Envelope<Request>, DecodeError> {
+    decode_request_in(frames, limits, None)
+}
+
+/// [`decode_request`], taking the storage of the tensors it carries from
+/// `pool` where a buffer fits.
+pub fn decode_request_in<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+    pool: Option<&BufferPool>,
 ) -> Result<Envelope<Request>, DecodeError> {
     let (request_id, body, rest) = decode_header::<RequestBody<'static>, F>(frames, limits)?;
     let wrap = |error| DecodeError {
@@ -495,7 +528,7 @@ pub fn decode_request<F: Deref<Target = [u8]>>(
             Request::LoadGraph {
                 session,
                 graph: graph.into_owned(),
-                variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+                variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
             }
         }
         RequestBody::Run {
@@ -504,7 +537,7 @@ pub fn decode_request<F: Deref<Target = [u8]>>(
             fetches,
         } => Request::Run {
             session,
-            feeds: take_tensors(feeds, rest, limits).map_err(wrap)?,
+            feeds: take_tensors(feeds, rest, limits, pool).map_err(wrap)?,
             fetches,
         },
         RequestBody::ReadVariables { session, names } => {
@@ -513,7 +546,7 @@ pub fn decode_request<F: Deref<Target = [u8]>>(
         }
         RequestBody::WriteVariables { session, variables } => Request::WriteVariables {
             session,
-            variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+            variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
         },
         RequestBody::CloseSession { session } => {
             no_tensors(rest).map_err(wrap)?;
@@ -535,6 +568,16 @@ pub fn decode_reply<F: Deref<Target = [u8]>>(
     frames: &[F],
     limits: &Limits,
 ) -> Result<Envelope<Reply>, DecodeError> {
+    decode_reply_in(frames, limits, None)
+}
+
+/// [`decode_reply`], taking the storage of the tensors it carries from
+/// `pool` where a buffer fits.
+pub fn decode_reply_in<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+    pool: Option<&BufferPool>,
+) -> Result<Envelope<Reply>, DecodeError> {
     let (request_id, body, rest) = decode_header::<ReplyBody, F>(frames, limits)?;
     let wrap = |error| DecodeError {
         request_id: Some(request_id),
@@ -550,13 +593,13 @@ pub fn decode_reply<F: Deref<Target = [u8]>>(
                     ty,
                 })
                 .collect();
-            let ts = take_tensors(metas, rest, limits).map_err(wrap)?;
+            let ts = take_tensors(metas, rest, limits, pool).map_err(wrap)?;
             Reply::RunDone {
                 outputs: ts.into_iter().map(|t| t.tensor).collect(),
             }
         }
         ReplyBody::Variables { variables } => Reply::Variables {
-            variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+            variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
         },
         other => {
             no_tensors(rest).map_err(wrap)?;

@@ -14,16 +14,19 @@
 mod codec;
 mod error;
 mod message;
+mod pool;
 
 pub use codec::{
-    decode_reply, decode_request, encode_error, encode_reply, encode_request, peek_request_id,
-    tensor_frame, tensor_from_frame, Envelope, MAGIC, PREFIX_BYTES,
+    decode_reply, decode_reply_in, decode_request, decode_request_in, encode_error, encode_reply,
+    encode_request, peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in,
+    Envelope, MAGIC, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
     ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,
     SessionStatus, StatusReport,
 };
+pub use pool::{BufferPool, MIN_POOLED_BYTES};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};
