@@ -18,6 +18,7 @@ use bincode::Options;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::ops::Deref;
+use std::sync::OnceLock;
 
 /// First bytes of every header frame.
 pub const MAGIC: [u8; 4] = *b"LNS\0";
@@ -130,13 +131,61 @@ fn header<B: Serialize>(request_id: u64, body: &B) -> Result<Vec<u8>, WireError>
     Ok(out)
 }
 
+/// Frames at least this large are copied by several threads.
+const PARALLEL_COPY_BYTES: usize = 4 << 20;
+/// Bytes each copying thread gets at least, and most threads per copy.
+const BYTES_PER_COPY_THREAD: usize = 2 << 20;
+const MAX_COPY_THREADS: usize = 4;
+
+fn copy_threads(bytes: usize) -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if bytes < PARALLEL_COPY_BYTES {
+        1
+    } else {
+        (bytes / BYTES_PER_COPY_THREAD).clamp(1, cores.min(MAX_COPY_THREADS))
+    }
+}
+
+/// `dst.copy_from_slice(src)`, split over a few scoped threads when large:
+/// a large destination is often fresh memory, and its page faults as well
+/// as the copy then proceed in parallel.
+fn copy_bytes(dst: &mut [u8], src: &[u8]) {
+    let threads = copy_threads(src.len());
+    if threads <= 1 || dst.len() != src.len() {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = src.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let mut parts = dst.chunks_mut(chunk).zip(src.chunks(chunk));
+        let first = parts.next();
+        for (d, s) in parts {
+            scope.spawn(move || d.copy_from_slice(s));
+        }
+        if let Some((d, s)) = first {
+            d.copy_from_slice(s);
+        }
+    });
+}
+
+/// A copy of `bytes` in a new vector.
+fn bytes_to_vec(bytes: &[u8]) -> Vec<u8> {
+    if copy_threads(bytes.len()) <= 1 {
+        return bytes.to_vec();
+    }
+    let mut out = vec![0u8; bytes.len()];
+    copy_bytes(&mut out, bytes);
+    out
+}
+
 /// A tensor's values as one little-endian frame.
 pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
     #[cfg(target_endian = "little")]
     {
         match t.data() {
-            TensorData::F32(v) => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
-            TensorData::I64(v) => bytemuck::cast_slice::<i64, u8>(v).to_vec(),
+            TensorData::F32(v) => bytes_to_vec(bytemuck::cast_slice::<f32, u8>(v)),
+            TensorData::I64(v) => bytes_to_vec(bytemuck::cast_slice::<i64, u8>(v)),
         }
     }
     #[cfg(not(target_endian = "little"))]
@@ -170,19 +219,19 @@ pub fn tensor_from_frame_in(
     }
     #[cfg(target_endian = "little")]
     {
-        let data = match (ty.dtype, pool) {
-            (DType::F32, Some(pool)) => {
-                let mut v = pool.f32s(bytes.len() / 4);
-                bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(bytes);
+        let data = match ty.dtype {
+            DType::F32 => {
+                let len = bytes.len() / 4;
+                let mut v = pool.map_or_else(|| vec![0.0; len], |p| p.f32s(len));
+                copy_bytes(bytemuck::cast_slice_mut::<f32, u8>(&mut v), bytes);
                 TensorData::F32(v)
             }
-            (DType::I64, Some(pool)) => {
-                let mut v = pool.i64s(bytes.len() / 8);
-                bytemuck::cast_slice_mut::<i64, u8>(&mut v).copy_from_slice(bytes);
+            DType::I64 => {
+                let len = bytes.len() / 8;
+                let mut v = pool.map_or_else(|| vec![0; len], |p| p.i64s(len));
+                copy_bytes(bytemuck::cast_slice_mut::<i64, u8>(&mut v), bytes);
                 TensorData::I64(v)
             }
-            (DType::F32, None) => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(bytes)),
-            (DType::I64, None) => TensorData::I64(bytemuck::pod_collect_to_vec::<u8, i64>(bytes)),
         };
         Tensor::new(ty.shape.clone(), data)
     }
