@@ -132,6 +132,7 @@ impl Client {
 
     /// Connects and performs the versioned handshake.
     pub fn connect_with(endpoint: &str, options: ClientOptions) -> Result<Client, ClientError> {
+        wire::keep_freed_blocks_mapped();
         let socket = context().socket(zmq::DEALER)?;
         let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
         socket.set_sndtimeo(ms)?;

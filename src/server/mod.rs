@@ -3,7 +3,10 @@
 //!
 //! Threads:
 //! - the **socket thread** (`frontend.rs`) owns the ROUTER socket and the
-//!   session table. It decodes every message (bounded by [`Limits`]),
+//!   session table. It decodes every message (bounded by [`Limits`]; tensor
+//!   values into storage reused from the service's
+//!   [`BufferPool`](lanes_adaptor::wire::BufferPool), which sessions refill
+//!   with their feeds after each run),
 //!   answers control requests itself (Hello, OpenSession, CloseSession,
 //!   Status), queues compute requests on the [`dispatch::Dispatcher`], and
 //!   reclaims sessions that have been silent past the idle timeout;
@@ -231,6 +234,7 @@ impl Drop for ServerHandle {
 
 /// Binds the endpoint, starts the socket thread and the workers.
 pub fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
+    lanes_adaptor::wire::keep_freed_blocks_mapped();
     let stop = Arc::new(AtomicBool::new(false));
     let (endpoint, thread) = frontend::spawn(config, Arc::clone(&stop))?;
     Ok(ServerHandle {

@@ -26,7 +26,7 @@ pub use message::{
     ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,
     SessionStatus, StatusReport,
 };
-pub use pool::{BufferPool, MIN_POOLED_BYTES};
+pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};
@@ -104,7 +104,10 @@ mod tests {
                 feeds.into_iter().for_each(|t| pool.give(t.tensor));
             }
         }
-        assert_eq!(decode_request(&frames, &Limits::default()).unwrap().message, req);
+        assert_eq!(
+            decode_request(&frames, &Limits::default()).unwrap().message,
+            req
+        );
     }
 
     fn load_graph() -> Request {

@@ -16,6 +16,27 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 /// memory it already has.
 pub const MIN_POOLED_BYTES: usize = 1 << 20;
 
+/// The largest block glibc's dynamic mmap threshold follows (its
+/// `DEFAULT_MMAP_THRESHOLD_MAX` on 64-bit hosts).
+const GLIBC_MMAP_THRESHOLD_MAX: usize = 32 << 20;
+
+/// Lets the allocator keep freed blocks below 32 MiB mapped, so that the
+/// frames ZeroMQ allocates and frees for every large message (which no pool
+/// can hold: ZeroMQ owns them) land on pages already mapped.
+///
+/// glibc serves blocks above its mmap threshold (128 KiB at start) with a
+/// fresh `mmap` and unmaps them on free; each new block then costs a page
+/// fault per 4 KiB page. The threshold is dynamic (mallopt(3)): freeing an
+/// mmapped block of at most 32 MiB raises it to that block's size (and the
+/// heap trim threshold to twice that). Allocating and freeing one 32 MiB
+/// block does that once per process; the block is zeroed by `calloc`'s
+/// `mmap` and never touched, so it costs two system calls. Other allocators
+/// ignore it.
+pub fn keep_freed_blocks_mapped() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| drop(std::hint::black_box(vec![0u8; GLIBC_MMAP_THRESHOLD_MAX])));
+}
+
 /// Tensor storage given back after use, reused by the next decode of a
 /// tensor of at most the same size. Cloning shares the pool. Holds at most
 /// `limit_bytes` of buffers (by capacity); giving one more frees the oldest
