@@ -130,7 +130,9 @@ impl Client {
         Self::connect_with(endpoint, ClientOptions::default())
     }
 
-    /// Connects and performs the versioned handshake.
+    /// Connects and performs the versioned handshake. The first connection
+    /// of a process also calls [`wire::keep_freed_blocks_mapped`] (large
+    /// frames then reuse mapped pages under glibc).
     pub fn connect_with(endpoint: &str, options: ClientOptions) -> Result<Client, ClientError> {
         wire::keep_freed_blocks_mapped();
         let socket = context().socket(zmq::DEALER)?;
