@@ -1,12 +1,13 @@
 //! Round trips through a real service on loopback TCP: one Run of a tiny
-//! graph, and sending a 64 MiB tensor (WriteVariables). Results and the
-//! command are in `docs/benchmarks.md`.
+//! graph, Runs with a 19.3 MB feed and a 19.3 MB fetch (the size of a
+//! ResNet-50 training batch of 32), and sending a 64 MiB tensor
+//! (WriteVariables). Results and the command are in `docs/benchmarks.md`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use lanes::server::{self, ServerConfig};
 use lanes_adaptor::{Client, GraphBuilder, SessionSpec, Tensor, TensorType, VarValues};
 
@@ -66,5 +67,47 @@ fn big_tensor(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, tiny_run, big_tensor);
+/// Elements of the large feed: 32 × 3 × 224 × 224 f32, 19.3 MB.
+const FEED: usize = 32 * 3 * 224 * 224;
+
+/// A Run whose feed is large and whose work and fetch are tiny: `x[FEED]`
+/// fed, `x[0..1]` fetched; and one that fetches all of `x` scaled by 1.
+/// The feed is cloned outside the timed part (a Run consumes its feeds).
+fn large_feed(c: &mut Criterion) {
+    let svc = service();
+    let mut client = Client::connect(svc.endpoint()).unwrap();
+    let mut s = client
+        .open_session(SessionSpec::inference("bench-19MB"))
+        .unwrap();
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([FEED]));
+    let head = g.slice(x, 0, 0, 1);
+    g.set_name(head, "head");
+    let all = g.scale(x, 1.0);
+    g.set_name(all, "all");
+    let (graph, vars) = g.finish().unwrap();
+    s.load(&graph, vars).unwrap();
+    let x = Tensor::full([FEED], 1.5);
+    let mut group = c.benchmark_group("roundtrip");
+    group.sample_size(20);
+    group.measurement_time(Duration::from_secs(5));
+    group.throughput(Throughput::Bytes((FEED * 4) as u64));
+    group.bench_function("run_feed_19MB", |b| {
+        b.iter_batched(
+            || vec![("x", x.clone())],
+            |feeds| s.run(feeds, &["head"]).unwrap(),
+            BatchSize::PerIteration,
+        )
+    });
+    group.bench_function("run_feed_fetch_19MB", |b| {
+        b.iter_batched(
+            || vec![("x", x.clone())],
+            |feeds| s.run(feeds, &["all"]).unwrap(),
+            BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, tiny_run, large_feed, big_tensor);
 criterion_main!(benches);

@@ -22,8 +22,8 @@
 use crate::graph::{Graph, VarValues};
 use crate::tensor::Tensor;
 use crate::wire::{
-    self, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId, SessionSpec,
-    StatusReport, WireError,
+    self, BufferPool, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId,
+    SessionSpec, StatusReport, WireError,
 };
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -92,9 +92,22 @@ fn context() -> &'static zmq::Context {
     CTX.get_or_init(zmq::Context::new)
 }
 
+/// A request on its way: what the reply is matched and timed against.
+#[derive(Debug)]
+struct Sent {
+    id: u64,
+    request: &'static str,
+    bytes: usize,
+    start: Instant,
+    encoded: Instant,
+    sent: Instant,
+}
+
 /// A connection to one Lanes service. Blocking: one request at a time.
 pub struct Client {
     socket: zmq::Socket,
+    /// A Run's feeds between its send and its reply (empty otherwise).
+    pool: BufferPool,
     next_id: u64,
     options: ClientOptions,
     server: String,
@@ -117,8 +130,11 @@ impl Client {
         Self::connect_with(endpoint, ClientOptions::default())
     }
 
-    /// Connects and performs the versioned handshake.
+    /// Connects and performs the versioned handshake. The first connection
+    /// of a process also calls [`wire::keep_freed_blocks_mapped`] (large
+    /// frames then reuse mapped pages under glibc).
     pub fn connect_with(endpoint: &str, options: ClientOptions) -> Result<Client, ClientError> {
+        wire::keep_freed_blocks_mapped();
         let socket = context().socket(zmq::DEALER)?;
         let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
         socket.set_sndtimeo(ms)?;
@@ -127,6 +143,7 @@ impl Client {
         socket.connect(endpoint)?;
         let mut client = Client {
             socket,
+            pool: BufferPool::new(usize::MAX),
             next_id: 1,
             server: String::new(),
             server_limits: Limits::default(),
@@ -151,7 +168,7 @@ impl Client {
                 client.server_limits = limits;
                 Ok(client)
             }
-            other => Err(unexpected(&hello, &other)),
+            other => Err(unexpected(hello.name(), &other)),
         }
     }
 
@@ -169,9 +186,32 @@ impl Client {
     /// [`ClientError::Service`]; replies to earlier, timed-out requests are
     /// skipped.
     pub fn request(&mut self, req: &Request) -> Result<Reply, ClientError> {
+        let sent = self.send(req)?;
+        self.receive(&sent, None)
+    }
+
+    /// A Run: once it is sent, the storage of its feeds is where the tensors
+    /// of the reply are decoded, when sizes fit (a fetch as large as a feed
+    /// then writes into memory already mapped instead of fresh pages).
+    fn request_run(&mut self, req: Request) -> Result<Reply, ClientError> {
+        let sent = self.send(&req)?;
+        let pool = self.pool.clone();
+        if let Request::Run { feeds, .. } = req {
+            feeds.into_iter().for_each(|f| pool.give(f.tensor));
+        }
+        let reply = self.receive(&sent, Some(&pool));
+        pool.clear();
+        reply
+    }
+
+    /// Encodes and queues a request.
+    fn send(&mut self, req: &Request) -> Result<Sent, ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
+        let start = Instant::now();
         let frames = wire::encode_request(id, req).map_err(ClientError::Encode)?;
+        let bytes: usize = frames.iter().map(Vec::len).sum();
+        let encoded = Instant::now();
         self.socket.send_multipart(frames, 0).map_err(|e| match e {
             zmq::Error::EAGAIN => ClientError::Timeout {
                 request: req.name(),
@@ -179,29 +219,57 @@ impl Client {
             },
             other => ClientError::Zmq(other),
         })?;
-        let deadline = Instant::now() + self.options.timeout;
+        Ok(Sent {
+            id,
+            request: req.name(),
+            bytes,
+            start,
+            encoded,
+            sent: Instant::now(),
+        })
+    }
+
+    /// Waits for the reply to `sent`, decoding its tensors into `pool`'s
+    /// storage where it fits.
+    fn receive(&self, sent: &Sent, pool: Option<&BufferPool>) -> Result<Reply, ClientError> {
+        let deadline = sent.sent + self.options.timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
             if left.is_zero() || self.socket.poll(zmq::POLLIN, ms)? == 0 {
                 return Err(ClientError::Timeout {
-                    request: req.name(),
+                    request: sent.request,
                     timeout: self.options.timeout,
                 });
             }
+            let ready = Instant::now();
             let frames = recv_frames(&self.socket)?;
-            match wire::decode_reply(&frames, &self.options.limits) {
-                Ok(env) if env.request_id != id => continue,
+            let received = Instant::now();
+            let decoded = wire::decode_reply_in(&frames, &self.options.limits, pool);
+            drop(frames);
+            match decoded {
+                Ok(env) if env.request_id != sent.id => continue,
                 Ok(env) => {
+                    let us = |a: Instant, b: Instant| b.duration_since(a).as_micros() as u64;
+                    tracing::trace!(
+                        request = sent.request,
+                        bytes = sent.bytes,
+                        encode_us = us(sent.start, sent.encoded),
+                        send_us = us(sent.encoded, sent.sent),
+                        wait_us = us(sent.sent, ready),
+                        recv_us = us(ready, received),
+                        decode_us = received.elapsed().as_micros() as u64,
+                        "round trip"
+                    );
                     return match env.message {
                         Reply::Error(e) => Err(ClientError::Service {
                             code: e.code,
                             message: e.message,
                         }),
                         r => Ok(r),
-                    }
+                    };
                 }
-                Err(e) if e.request_id.is_some_and(|r| r != id) => continue,
+                Err(e) if e.request_id.is_some_and(|r| r != sent.id) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -216,7 +284,7 @@ impl Client {
                 id: session,
                 closed: false,
             }),
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected(req.name(), &other)),
         }
     }
 
@@ -225,7 +293,7 @@ impl Client {
         let req = Request::Status;
         match self.request(&req)? {
             Reply::Status(s) => Ok(s),
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected(req.name(), &other)),
         }
     }
 
@@ -243,7 +311,7 @@ impl Client {
         };
         match self.request(&req)? {
             Reply::GraphLoaded { .. } => Ok(()),
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected(req.name(), &other)),
         }
     }
 
@@ -262,9 +330,9 @@ impl Client {
                 .collect(),
             fetches: fetches.iter().map(|s| s.to_string()).collect(),
         };
-        match self.request(&req)? {
+        match self.request_run(req)? {
             Reply::RunDone { outputs } => Ok(outputs),
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected("run", &other)),
         }
     }
 
@@ -282,7 +350,7 @@ impl Client {
             Reply::Variables { variables } => {
                 Ok(variables.into_iter().map(|t| (t.name, t.tensor)).collect())
             }
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected(req.name(), &other)),
         }
     }
 
@@ -298,7 +366,7 @@ impl Client {
         };
         match self.request(&req)? {
             Reply::VariablesWritten { .. } => Ok(()),
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected(req.name(), &other)),
         }
     }
 
@@ -307,7 +375,7 @@ impl Client {
         let req = Request::CloseSession { session };
         match self.request(&req)? {
             Reply::SessionClosed { .. } => Ok(()),
-            other => Err(unexpected(&req, &other)),
+            other => Err(unexpected(req.name(), &other)),
         }
     }
 }
@@ -319,9 +387,9 @@ fn named(values: VarValues) -> Vec<NamedTensor> {
         .collect()
 }
 
-fn unexpected(req: &Request, got: &Reply) -> ClientError {
+fn unexpected(request: &'static str, got: &Reply) -> ClientError {
     ClientError::UnexpectedReply {
-        request: req.name(),
+        request,
         got: got.name(),
     }
 }

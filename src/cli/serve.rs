@@ -123,6 +123,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         policy: args.policy,
         evict_idle: !args.no_evict,
         evict_training: args.evict_training,
+        feed_pool_bytes: server::DEFAULT_FEED_POOL_BYTES,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();

@@ -7,8 +7,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{
-    self, Envelope, ErrorCode, ErrorReply, JobKind, Reply, Request, SessionId, SessionSpec,
-    SessionState, SessionStatus, StatusReport,
+    self, BufferPool, Envelope, ErrorCode, ErrorReply, JobKind, Reply, Request, SessionId,
+    SessionSpec, SessionState, SessionStatus, StatusReport,
 };
 
 use super::dispatch::{Dispatcher, Work, WorkItem};
@@ -46,6 +46,8 @@ struct Frontend {
     router: zmq::Socket,
     pull: zmq::Socket,
     dispatcher: Arc<Dispatcher>,
+    /// Storage of finished runs' feeds, decoded into again.
+    pool: Option<BufferPool>,
     sessions: HashMap<SessionId, Entry>,
     next_session: u64,
     started: Instant,
@@ -110,7 +112,9 @@ pub(super) fn spawn(
                 .spawn(move || worker::run(ctx, d, graph_limits))?,
         );
     }
+    let pool = (config.feed_pool_bytes > 0).then(|| BufferPool::new(config.feed_pool_bytes));
     let fe = Frontend {
+        pool,
         config,
         router,
         pull,
@@ -248,7 +252,16 @@ impl Frontend {
     }
 
     fn handle(&mut self, peer: Vec<u8>, frames: Vec<zmq::Message>) -> Result<(), zmq::Error> {
-        let env = match wire::decode_request(&frames, &self.config.limits) {
+        let t0 = Instant::now();
+        let decoded = wire::decode_request_in(&frames, &self.config.limits, self.pool.as_ref());
+        let bytes: usize = frames.iter().map(|f| f.len()).sum();
+        drop(frames);
+        tracing::trace!(
+            bytes,
+            decode_us = t0.elapsed().as_micros() as u64,
+            "request decoded"
+        );
+        let env = match decoded {
             Ok(env) => env,
             Err(e) => {
                 tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %e, "bad message");
@@ -350,6 +363,7 @@ impl Frontend {
                 state: Arc::new(Mutex::new(
                     Session::new(session, spec.clone())
                         .with_lanes(self.lanes.clone())
+                        .with_pool(self.pool.clone())
                         .with_backend(super::backend_of(&self.config.device)),
                 )),
                 spec,

@@ -3,7 +3,10 @@
 //!
 //! Threads:
 //! - the **socket thread** (`frontend.rs`) owns the ROUTER socket and the
-//!   session table. It decodes every message (bounded by [`Limits`]),
+//!   session table. It decodes every message (bounded by [`Limits`]; tensor
+//!   values into storage reused from the service's
+//!   [`BufferPool`](lanes_adaptor::wire::BufferPool), which sessions refill
+//!   with their feeds after each run),
 //!   answers control requests itself (Hello, OpenSession, CloseSession,
 //!   Status), queues compute requests on the [`dispatch::Dispatcher`], and
 //!   reclaims sessions that have been silent past the idle timeout;
@@ -217,7 +220,15 @@ pub struct ServerConfig {
     pub evict_idle: bool,
     /// Training jobs may be evicted too (their state is copied out).
     pub evict_training: bool,
+    /// Most bytes of feed storage kept after runs for decoding the next
+    /// requests' tensors into (see [`lanes_adaptor::wire::BufferPool`]);
+    /// 0 keeps none.
+    pub feed_pool_bytes: usize,
 }
+
+/// Default of [`ServerConfig::feed_pool_bytes`]: room for a few
+/// iterations' worth of large feeds (a ResNet-50 batch of 32 is 19.3 MB).
+pub const DEFAULT_FEED_POOL_BYTES: usize = 256 << 20;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -234,6 +245,7 @@ impl Default for ServerConfig {
             policy: PolicyChoice::Fifo,
             evict_idle: true,
             evict_training: false,
+            feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
         }
     }
 }
@@ -305,6 +317,7 @@ impl Drop for ServerHandle {
 
 /// Binds the endpoint, starts the socket thread and the workers.
 pub fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
+    lanes_adaptor::wire::keep_freed_blocks_mapped();
     let stop = Arc::new(AtomicBool::new(false));
     let (endpoint, thread) = frontend::spawn(config, Arc::clone(&stop))?;
     Ok(ServerHandle {

@@ -64,6 +64,7 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
         ..
     } = item;
     let what = work.name();
+    let t0 = std::time::Instant::now();
     let reply = catch_unwind(AssertUnwindSafe(|| {
         let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
         execute(&mut s, work, limits)
@@ -75,13 +76,23 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
             format!("the executor panicked while running {what}"),
         )
     });
-    wire::encode_reply(request_id, &reply).unwrap_or_else(|e| {
+    let t_ran = std::time::Instant::now();
+    let frames = wire::encode_reply(request_id, &reply).unwrap_or_else(|e| {
         wire::encode_error(
             request_id,
             ErrorCode::Internal,
             &format!("reply could not be encoded: {e}"),
         )
-    })
+    });
+    drop(reply);
+    tracing::trace!(
+        %session,
+        request = what,
+        run_us = t_ran.duration_since(t0).as_micros() as u64,
+        encode_us = t_ran.elapsed().as_micros() as u64,
+        "executed"
+    );
+    frames
 }
 
 /// A worker's loop: until the dispatcher shuts down.

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use lanes_adaptor::wire::{ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
+use lanes_adaptor::wire::{BufferPool, ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
 use lanes_adaptor::{
     validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
 };
@@ -115,6 +115,9 @@ pub struct Session {
     backend: Backend,
     /// Evictions and returns so far.
     switches: (u64, u64),
+    /// Where the feeds' storage goes after a run (the service decodes the
+    /// next request's tensors into it).
+    pool: Option<BufferPool>,
 }
 
 /// The (P, T) a job of `valid` asks the lanes for on `backend`: the memory
@@ -150,7 +153,14 @@ impl Session {
             memory: None,
             backend: Backend::Cpu,
             switches: (0, 0),
+            pool: None,
         }
+    }
+
+    /// Gives the feeds' storage to `pool` after each run.
+    pub fn with_pool(mut self, pool: Option<BufferPool>) -> Self {
+        self.pool = pool;
+        self
     }
 
     /// Runs this session's graph on `backend` (CPU unless the service found a GPU).
@@ -422,6 +432,9 @@ impl Session {
             .program
             .run_switching(&fed, fetches, Strategy::Pipelined)?;
         drop(turn);
+        if let Some(pool) = &self.pool {
+            fed.into_values().for_each(|t| pool.give(t));
+        }
         if let Some(r) = report {
             tracing::debug!(
                 %session,

@@ -10,6 +10,7 @@ use super::error::{DecodeError, ErrorCode, WireError};
 use super::message::{
     ErrorReply, NamedTensor, Reply, Request, SessionId, SessionSpec, StatusReport,
 };
+use super::pool::BufferPool;
 use super::{Limits, PROTOCOL_VERSION};
 use crate::graph::Graph;
 use crate::tensor::{DType, Tensor, TensorData, TensorError, TensorType};
@@ -17,6 +18,7 @@ use bincode::Options;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::ops::Deref;
+use std::sync::OnceLock;
 
 /// First bytes of every header frame.
 pub const MAGIC: [u8; 4] = *b"LNS\0";
@@ -129,13 +131,61 @@ fn header<B: Serialize>(request_id: u64, body: &B) -> Result<Vec<u8>, WireError>
     Ok(out)
 }
 
+/// Frames at least this large are copied by several threads.
+const PARALLEL_COPY_BYTES: usize = 4 << 20;
+/// Bytes each copying thread gets at least, and most threads per copy.
+const BYTES_PER_COPY_THREAD: usize = 2 << 20;
+const MAX_COPY_THREADS: usize = 4;
+
+fn copy_threads(bytes: usize) -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if bytes < PARALLEL_COPY_BYTES {
+        1
+    } else {
+        (bytes / BYTES_PER_COPY_THREAD).clamp(1, cores.min(MAX_COPY_THREADS))
+    }
+}
+
+/// `dst.copy_from_slice(src)`, split over a few scoped threads when large:
+/// a large destination is often fresh memory, and its page faults as well
+/// as the copy then proceed in parallel.
+fn copy_bytes(dst: &mut [u8], src: &[u8]) {
+    let threads = copy_threads(src.len());
+    if threads <= 1 || dst.len() != src.len() {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = src.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let mut parts = dst.chunks_mut(chunk).zip(src.chunks(chunk));
+        let first = parts.next();
+        for (d, s) in parts {
+            scope.spawn(move || d.copy_from_slice(s));
+        }
+        if let Some((d, s)) = first {
+            d.copy_from_slice(s);
+        }
+    });
+}
+
+/// A copy of `bytes` in a new vector.
+fn bytes_to_vec(bytes: &[u8]) -> Vec<u8> {
+    if copy_threads(bytes.len()) <= 1 {
+        return bytes.to_vec();
+    }
+    let mut out = vec![0u8; bytes.len()];
+    copy_bytes(&mut out, bytes);
+    out
+}
+
 /// A tensor's values as one little-endian frame.
 pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
     #[cfg(target_endian = "little")]
     {
         match t.data() {
-            TensorData::F32(v) => bytemuck::cast_slice::<f32, u8>(v).to_vec(),
-            TensorData::I64(v) => bytemuck::cast_slice::<i64, u8>(v).to_vec(),
+            TensorData::F32(v) => bytes_to_vec(bytemuck::cast_slice::<f32, u8>(v)),
+            TensorData::I64(v) => bytes_to_vec(bytemuck::cast_slice::<i64, u8>(v)),
         }
     }
     #[cfg(not(target_endian = "little"))]
@@ -147,6 +197,16 @@ pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
 /// Rebuilds a tensor from its type and a little-endian frame (one copy into
 /// aligned memory; no per-element decoding on little-endian hosts).
 pub fn tensor_from_frame(ty: &TensorType, bytes: &[u8]) -> Result<Tensor, TensorError> {
+    tensor_from_frame_in(ty, bytes, None)
+}
+
+/// [`tensor_from_frame`] into storage from `pool` when it has a buffer that
+/// fits (the one copy then writes into memory already mapped).
+pub fn tensor_from_frame_in(
+    ty: &TensorType,
+    bytes: &[u8],
+    pool: Option<&BufferPool>,
+) -> Result<Tensor, TensorError> {
     let expected = ty.checked_bytes().ok_or_else(|| TensorError::Overflow {
         shape: ty.shape.clone(),
     })?;
@@ -160,13 +220,24 @@ pub fn tensor_from_frame(ty: &TensorType, bytes: &[u8]) -> Result<Tensor, Tensor
     #[cfg(target_endian = "little")]
     {
         let data = match ty.dtype {
-            DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec::<u8, f32>(bytes)),
-            DType::I64 => TensorData::I64(bytemuck::pod_collect_to_vec::<u8, i64>(bytes)),
+            DType::F32 => {
+                let len = bytes.len() / 4;
+                let mut v = pool.map_or_else(|| vec![0.0; len], |p| p.f32s(len));
+                copy_bytes(bytemuck::cast_slice_mut::<f32, u8>(&mut v), bytes);
+                TensorData::F32(v)
+            }
+            DType::I64 => {
+                let len = bytes.len() / 8;
+                let mut v = pool.map_or_else(|| vec![0; len], |p| p.i64s(len));
+                copy_bytes(bytemuck::cast_slice_mut::<i64, u8>(&mut v), bytes);
+                TensorData::I64(v)
+            }
         };
         Tensor::new(ty.shape.clone(), data)
     }
     #[cfg(not(target_endian = "little"))]
     {
+        let _ = pool;
         Tensor::from_le_bytes(ty, bytes)
     }
 }
@@ -413,6 +484,7 @@ fn take_tensors<F: Deref<Target = [u8]>>(
     metas: Vec<TensorMeta>,
     frames: &[F],
     limits: &Limits,
+    pool: Option<&BufferPool>,
 ) -> Result<Vec<NamedTensor>, WireError> {
     if metas.len() != frames.len() {
         return Err(WireError::FrameCount {
@@ -434,7 +506,7 @@ fn take_tensors<F: Deref<Target = [u8]>>(
                     limit: limits.max_tensor_bytes,
                 });
             }
-            match tensor_from_frame(&m.ty, f) {
+            match tensor_from_frame_in(&m.ty, f, pool) {
                 Ok(tensor) => Ok(NamedTensor {
                     name: m.name,
                     tensor,
@@ -463,6 +535,16 @@ fn no_tensors<F>(frames: &[F]) -> Result<(), WireError> {
 pub fn decode_request<F: Deref<Target = [u8]>>(
     frames: &[F],
     limits: &Limits,
+) -> Result<Envelope<Request>, DecodeError> {
+    decode_request_in(frames, limits, None)
+}
+
+/// [`decode_request`], taking the storage of the tensors it carries from
+/// `pool` where a buffer fits.
+pub fn decode_request_in<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+    pool: Option<&BufferPool>,
 ) -> Result<Envelope<Request>, DecodeError> {
     let (request_id, body, rest) = decode_header::<RequestBody<'static>, F>(frames, limits)?;
     let wrap = |error| DecodeError {
@@ -495,7 +577,7 @@ pub fn decode_request<F: Deref<Target = [u8]>>(
             Request::LoadGraph {
                 session,
                 graph: graph.into_owned(),
-                variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+                variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
             }
         }
         RequestBody::Run {
@@ -504,7 +586,7 @@ pub fn decode_request<F: Deref<Target = [u8]>>(
             fetches,
         } => Request::Run {
             session,
-            feeds: take_tensors(feeds, rest, limits).map_err(wrap)?,
+            feeds: take_tensors(feeds, rest, limits, pool).map_err(wrap)?,
             fetches,
         },
         RequestBody::ReadVariables { session, names } => {
@@ -513,7 +595,7 @@ pub fn decode_request<F: Deref<Target = [u8]>>(
         }
         RequestBody::WriteVariables { session, variables } => Request::WriteVariables {
             session,
-            variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+            variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
         },
         RequestBody::CloseSession { session } => {
             no_tensors(rest).map_err(wrap)?;
@@ -535,6 +617,16 @@ pub fn decode_reply<F: Deref<Target = [u8]>>(
     frames: &[F],
     limits: &Limits,
 ) -> Result<Envelope<Reply>, DecodeError> {
+    decode_reply_in(frames, limits, None)
+}
+
+/// [`decode_reply`], taking the storage of the tensors it carries from
+/// `pool` where a buffer fits.
+pub fn decode_reply_in<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+    pool: Option<&BufferPool>,
+) -> Result<Envelope<Reply>, DecodeError> {
     let (request_id, body, rest) = decode_header::<ReplyBody, F>(frames, limits)?;
     let wrap = |error| DecodeError {
         request_id: Some(request_id),
@@ -550,13 +642,13 @@ pub fn decode_reply<F: Deref<Target = [u8]>>(
                     ty,
                 })
                 .collect();
-            let ts = take_tensors(metas, rest, limits).map_err(wrap)?;
+            let ts = take_tensors(metas, rest, limits, pool).map_err(wrap)?;
             Reply::RunDone {
                 outputs: ts.into_iter().map(|t| t.tensor).collect(),
             }
         }
         ReplyBody::Variables { variables } => Reply::Variables {
-            variables: take_tensors(variables, rest, limits).map_err(wrap)?,
+            variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
         },
         other => {
             no_tensors(rest).map_err(wrap)?;

@@ -14,16 +14,19 @@
 mod codec;
 mod error;
 mod message;
+mod pool;
 
 pub use codec::{
-    decode_reply, decode_request, encode_error, encode_reply, encode_request, peek_request_id,
-    tensor_frame, tensor_from_frame, Envelope, MAGIC, PREFIX_BYTES,
+    decode_reply, decode_reply_in, decode_request, decode_request_in, encode_error, encode_reply,
+    encode_request, peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in,
+    Envelope, MAGIC, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
     ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,
     SessionStatus, StatusReport,
 };
+pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};
@@ -77,6 +80,35 @@ mod tests {
     use super::*;
     use crate::graph::GraphBuilder;
     use crate::tensor::{Tensor, TensorType};
+
+    #[test]
+    fn large_tensors_round_trip_through_the_split_copies() {
+        // Above the size at which frames are copied by several threads, with
+        // a length that does not divide evenly.
+        let n = 1_500_001;
+        let f = Tensor::from_f32([n], (0..n).map(|i| i as f32 * 0.25 - 7.0).collect()).unwrap();
+        let i = Tensor::from_i64([n], (0..n as i64).map(|i| i * 3 - 11).collect()).unwrap();
+        let req = Request::Run {
+            session: SessionId(4),
+            feeds: vec![NamedTensor::new("f", f), NamedTensor::new("i", i)],
+            fetches: vec![],
+        };
+        let frames = encode_request(9, &req).unwrap();
+        assert_eq!(frames[1].len(), n * 4);
+        let pool = BufferPool::new(1 << 30);
+        for round in 0..2 {
+            let env = decode_request_in(&frames, &Limits::default(), Some(&pool)).unwrap();
+            assert_eq!(env.message, req, "round {round}");
+            // Second round: decoded into the storage given back here.
+            if let Request::Run { feeds, .. } = env.message {
+                feeds.into_iter().for_each(|t| pool.give(t.tensor));
+            }
+        }
+        assert_eq!(
+            decode_request(&frames, &Limits::default()).unwrap().message,
+            req
+        );
+    }
 
     fn load_graph() -> Request {
         let mut g = GraphBuilder::new();
