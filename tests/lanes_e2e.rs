@@ -414,7 +414,7 @@ mod service {
             .enumerate()
             .map(|(i, &h)| {
                 // As the lanes count it on the test's device.
-                let (p, t) = server::admission_sizes(&util::device(), &mlp(h, i).0).unwrap();
+                let (p, t) = server::admission_sizes(&util::device(), &mlp(h, i).0, false).unwrap();
                 p + t
             })
             .collect();

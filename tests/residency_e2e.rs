@@ -65,7 +65,7 @@ fn more_models_than_memory(reserve: bool) {
     let valid = validate(models[0].graph.clone(), &GraphLimits::default()).unwrap();
     // What the lanes count for one job on the test's device (on the GPU:
     // workspaces in T, whole granules).
-    let (p, t) = lanes::server::admission_sizes(&util::device(), &valid).unwrap();
+    let (p, t) = lanes::server::admission_sizes(&util::device(), &valid, reserve).unwrap();
     let memory = 2 * p + t + p / 2 + 4096;
     assert!(3 * p + t > memory, "three models must not fit at once");
     let service = util::start_with(|c| {

@@ -126,12 +126,13 @@ pub fn lanes_for(
 }
 
 /// The (P, T) a job of `graph` asks the lanes for on the service's
-/// resolved `device`, rounded as the lanes round them: on the GPU T also
-/// holds the cuDNN and cuBLAS workspaces that the lane's block holds. For
-/// sizing `--memory` in benchmarks and tests.
+/// resolved `device` (with `--reserve` or not), rounded as the lanes round
+/// them: on the GPU T also holds the cuDNN and cuBLAS workspaces that the
+/// lane's block holds. For sizing `--memory` in benchmarks and tests.
 pub fn admission_sizes(
     device: &str,
     graph: &lanes_adaptor::ValidGraph,
+    reserve: bool,
 ) -> Result<(u64, u64), ServerError> {
     let no = |reason: String| ServerError::Sizes { reason };
     let plan = crate::compile::plan(graph).map_err(|e| no(e.to_string()))?;
@@ -140,10 +141,10 @@ pub fn admission_sizes(
     // Whole mapping granules (2 MiB on the H100): also the chunk of a
     // `--reserve` reservation below 1 GiB.
     let align = match backend_of(device) {
-        crate::session::Backend::Cuda => {
+        crate::session::Backend::Cuda if reserve => {
             crate::exec::cuda::mapping_granularity().map_err(|e| no(e.to_string()))?
         }
-        crate::session::Backend::Cpu => crate::compile::DEFAULT_ALIGNMENT,
+        _ => crate::compile::DEFAULT_ALIGNMENT,
     };
     let up = |b: u64| b.checked_next_multiple_of(align.max(1));
     up(p).zip(up(t)).ok_or_else(|| no("sizes overflow".into()))

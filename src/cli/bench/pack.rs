@@ -76,7 +76,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     // What the lanes count for one model on this device (on the GPU: the
     // workspaces in T, whole granules); room for `fit` models in one lane,
     // not for one more.
-    let (p, t) = server::admission_sizes(&device, &valid)?;
+    let (p, t) = server::admission_sizes(&device, &valid, false)?;
     let memory = a.fit as u64 * p + t + p / 2;
     let limits = Limits {
         max_nodes: 1 << 20,

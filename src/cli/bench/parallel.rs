@@ -222,7 +222,7 @@ pub fn lanes(a: LanesArgs) -> anyhow::Result<()> {
         Device::Cuda => "cuda",
         Device::Cpu => "cpu",
     };
-    let (p, t) = server::admission_sizes(device, &valid)?;
+    let (p, t) = server::admission_sizes(device, &valid, a.reserve)?;
     // Room for two jobs in two lanes (2 (P + T)), with slack.
     let memory = 2 * (p + t) + (p + t) / 2;
     let mut cases = Vec::with_capacity(CASES.len());
