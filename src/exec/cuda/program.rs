@@ -801,11 +801,19 @@ impl CudaProgram {
         mem.place(&graph, &plan, &mut slots)?;
         let arena = VmArena::new(&gpu.ctx, mem.ephemeral_at, mem.bytes - mem.ephemeral_at)?;
         let base = arena.base();
-        // SAFETY: the whole range is mapped; zeroed like a fresh allocation.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(base, 0, arena.size(), stream.cu_stream())
+        if mem.ephemeral_at > 0 {
+            // SAFETY: the persistent part is mapped (the ephemeral part is
+            // mapped by the first run); zeroed like a fresh allocation.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    base,
+                    0,
+                    mem.ephemeral_at,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| dev_err("memset", e))?;
         }
-        .map_err(|e| dev_err("memset", e))?;
         bind_cublas_workspace(&blas, base + mem.cublas_at as u64)?;
 
         let updates = g.nodes.iter().any(|n| !n.op.mutated_inputs().is_empty());
@@ -991,6 +999,8 @@ impl CudaProgram {
                 .run_switching(feeds, fetches, Strategy::Pipelined)
                 .map(|(o, _)| o);
         }
+        // The ephemeral part (own, or the lane's block) from the first run.
+        self.arena.map()?;
         for (o, t) in feed_list {
             self.upload(o, t)?;
         }
@@ -1018,6 +1028,7 @@ impl CudaProgram {
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
+        self.arena.map()?;
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         for (o, t) in feed_list {

@@ -374,7 +374,8 @@ unsafe impl Send for VmArena {}
 
 impl VmArena {
     /// Reserves address space for `own` bytes then `ephemeral` bytes (each
-    /// rounded up to the granularity) and maps memory into it.
+    /// rounded up to the granularity) and maps memory into the first part
+    /// (the second is mapped by [`VmArena::map`]).
     pub fn new(ctx: &Arc<CudaContext>, own: usize, ephemeral: usize) -> Result<Self, ExecError> {
         ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let gran = granularity(ctx)?;
@@ -397,7 +398,13 @@ impl VmArena {
             shared: false,
             parts: [None, None],
         };
-        a.map()?;
+        // The persistent part now (variables are uploaded into it); the
+        // ephemeral part at the first `map`, by then perhaps bound to its
+        // lane's block (so a program in a lane never holds both).
+        if split > 0 {
+            let b = Block::take(ctx, split)?;
+            a.map_part(0, b)?;
+        }
         Ok(a)
     }
 
