@@ -415,3 +415,41 @@ fn cli_status_and_device_errors() {
         assert!(stderr.contains("GPU"), "{stderr}");
     }
 }
+
+/// Runs submitted ahead (the next one's feeds travel while the current one
+/// runs) give each iteration's own result, waited for in order or not; a
+/// failing one fails only its own wait.
+#[test]
+fn runs_submitted_ahead_answer_in_order() {
+    let service = start_with(|_| {});
+    let mut client = Client::connect(service.endpoint()).unwrap();
+    let mut session = client
+        .open_session(SessionSpec::inference("ahead"))
+        .unwrap();
+    let (graph, vars) = linear_relu(7);
+    let w = vars["w"].f32s().unwrap().to_vec();
+    let b = vars["b"].f32s().unwrap().to_vec();
+    session.load(&graph, vars).unwrap();
+    let want = |seed: u64| linear_relu_ref(x_for(seed).f32s().unwrap(), &w, &b);
+    // Two in flight at a time, waited for in order.
+    let mut pending = session.submit_run(vec![("x", x_for(0))], &["y"]).unwrap();
+    for i in 1..6u64 {
+        let next = session.submit_run(vec![("x", x_for(i))], &["y"]).unwrap();
+        let out = session.wait_run(pending).unwrap();
+        assert_close(out[0].f32s().unwrap(), &want(i - 1));
+        pending = next;
+    }
+    let out = session.wait_run(pending).unwrap();
+    assert_close(out[0].f32s().unwrap(), &want(5));
+    // Three in flight, the middle one bad, waited for last first.
+    let a = session.submit_run(vec![("x", x_for(10))], &["y"]).unwrap();
+    let bad = session
+        .submit_run(vec![("x", x_for(11))], &["nope"])
+        .unwrap();
+    let c = session.submit_run(vec![("x", x_for(12))], &["y"]).unwrap();
+    let out_c = session.wait_run(c).unwrap();
+    assert_close(out_c[0].f32s().unwrap(), &want(12));
+    assert_eq!(code(session.wait_run(bad)), ErrorCode::UnknownFetch);
+    let out_a = session.wait_run(a).unwrap();
+    assert_close(out_a[0].f32s().unwrap(), &want(10));
+}

@@ -25,6 +25,7 @@ use crate::wire::{
     self, BufferPool, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId,
     SessionSpec, StatusReport, WireError,
 };
+use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -112,6 +113,17 @@ pub struct Client {
     options: ClientOptions,
     server: String,
     server_limits: Limits,
+    /// Runs submitted ahead and not yet waited for (by request id), and
+    /// replies that arrived while waiting for another request.
+    ahead: HashSet<u64>,
+    early: HashMap<u64, Result<Reply, ClientError>>,
+}
+
+/// A Run sent ahead with [`Client::submit_run_in`]; its reply is taken
+/// with [`Client::wait_run`].
+#[derive(Debug)]
+pub struct PendingRun {
+    sent: Sent,
 }
 
 impl std::fmt::Debug for Client {
@@ -147,6 +159,8 @@ impl Client {
             next_id: 1,
             server: String::new(),
             server_limits: Limits::default(),
+            ahead: HashSet::new(),
+            early: HashMap::new(),
             options,
         };
         let hello = Request::Hello {
@@ -231,7 +245,10 @@ impl Client {
 
     /// Waits for the reply to `sent`, decoding its tensors into `pool`'s
     /// storage where it fits.
-    fn receive(&self, sent: &Sent, pool: Option<&BufferPool>) -> Result<Reply, ClientError> {
+    fn receive(&mut self, sent: &Sent, pool: Option<&BufferPool>) -> Result<Reply, ClientError> {
+        if let Some(r) = self.early.remove(&sent.id) {
+            return r;
+        }
         let deadline = sent.sent + self.options.timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -248,7 +265,20 @@ impl Client {
             let decoded = wire::decode_reply_in(&frames, &self.options.limits, pool);
             drop(frames);
             match decoded {
-                Ok(env) if env.request_id != sent.id => continue,
+                Ok(env) if env.request_id != sent.id => {
+                    // A Run submitted ahead: keep its reply for its wait.
+                    if self.ahead.contains(&env.request_id) {
+                        let r = match env.message {
+                            Reply::Error(e) => Err(ClientError::Service {
+                                code: e.code,
+                                message: e.message,
+                            }),
+                            r => Ok(r),
+                        };
+                        self.early.insert(env.request_id, r);
+                    }
+                    continue;
+                }
                 Ok(env) => {
                     let us = |a: Instant, b: Instant| b.duration_since(a).as_micros() as u64;
                     tracing::trace!(
@@ -331,6 +361,39 @@ impl Client {
             fetches: fetches.iter().map(|s| s.to_string()).collect(),
         };
         match self.request_run(req)? {
+            Reply::RunDone { outputs } => Ok(outputs),
+            other => Err(unexpected("run", &other)),
+        }
+    }
+
+    /// Sends one iteration of a session by id without waiting for it, so
+    /// that the next iteration's feeds travel while this one runs (the
+    /// service runs a session's requests in order). Take its result with
+    /// [`Client::wait_run`]; replies may be waited for in any order.
+    pub fn submit_run_in<N: Into<String>>(
+        &mut self,
+        session: SessionId,
+        feeds: Vec<(N, Tensor)>,
+        fetches: &[&str],
+    ) -> Result<PendingRun, ClientError> {
+        let req = Request::Run {
+            session,
+            feeds: feeds
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+            fetches: fetches.iter().map(|s| s.to_string()).collect(),
+        };
+        let sent = self.send(&req)?;
+        self.ahead.insert(sent.id);
+        Ok(PendingRun { sent })
+    }
+
+    /// The fetched tensors of a Run submitted ahead.
+    pub fn wait_run(&mut self, run: PendingRun) -> Result<Vec<Tensor>, ClientError> {
+        let r = self.receive(&run.sent, None);
+        self.ahead.remove(&run.sent.id);
+        match r? {
             Reply::RunDone { outputs } => Ok(outputs),
             other => Err(unexpected("run", &other)),
         }
@@ -439,6 +502,21 @@ impl Session<'_> {
     ) -> Result<Vec<Tensor>, ClientError> {
         let id = self.live()?;
         self.client.run_in(id, feeds, fetches)
+    }
+
+    /// Sends one iteration without waiting (see [`Client::submit_run_in`]).
+    pub fn submit_run<N: Into<String>>(
+        &mut self,
+        feeds: Vec<(N, Tensor)>,
+        fetches: &[&str],
+    ) -> Result<PendingRun, ClientError> {
+        let id = self.live()?;
+        self.client.submit_run_in(id, feeds, fetches)
+    }
+
+    /// The result of an iteration sent with [`Session::submit_run`].
+    pub fn wait_run(&mut self, run: PendingRun) -> Result<Vec<Tensor>, ClientError> {
+        self.client.wait_run(run)
     }
 
     /// Current values of variables; all of them when `names` is empty.
