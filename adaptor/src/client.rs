@@ -119,6 +119,22 @@ pub struct Client {
     early: HashMap<u64, Result<Reply, ClientError>>,
 }
 
+/// The Run request for `session` with `feeds` and `fetches`.
+fn run_request<N: Into<String>>(
+    session: SessionId,
+    feeds: Vec<(N, Tensor)>,
+    fetches: &[&str],
+) -> Request {
+    Request::Run {
+        session,
+        feeds: feeds
+            .into_iter()
+            .map(|(n, t)| NamedTensor::new(n, t))
+            .collect(),
+        fetches: fetches.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
 /// A Run sent ahead with [`Client::submit_run_in`]; its reply is taken
 /// with [`Client::wait_run`].
 #[derive(Debug)]
@@ -352,14 +368,7 @@ impl Client {
         feeds: Vec<(N, Tensor)>,
         fetches: &[&str],
     ) -> Result<Vec<Tensor>, ClientError> {
-        let req = Request::Run {
-            session,
-            feeds: feeds
-                .into_iter()
-                .map(|(n, t)| NamedTensor::new(n, t))
-                .collect(),
-            fetches: fetches.iter().map(|s| s.to_string()).collect(),
-        };
+        let req = run_request(session, feeds, fetches);
         match self.request_run(req)? {
             Reply::RunDone { outputs } => Ok(outputs),
             other => Err(unexpected("run", &other)),
@@ -376,14 +385,7 @@ impl Client {
         feeds: Vec<(N, Tensor)>,
         fetches: &[&str],
     ) -> Result<PendingRun, ClientError> {
-        let req = Request::Run {
-            session,
-            feeds: feeds
-                .into_iter()
-                .map(|(n, t)| NamedTensor::new(n, t))
-                .collect(),
-            fetches: fetches.iter().map(|s| s.to_string()).collect(),
-        };
+        let req = run_request(session, feeds, fetches);
         let sent = self.send(&req)?;
         self.ahead.insert(sent.id);
         Ok(PendingRun { sent })

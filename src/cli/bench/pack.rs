@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use lanes::server::{self, DeviceChoice, ServerConfig};
 use lanes_adaptor::wire::{Reply, Request};
-use lanes_adaptor::{validate, Client, ClientOptions, GraphLimits, Limits, SessionSpec, Tensor};
+use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -60,15 +60,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     crate::cli::serve::init_tracing("warn");
     let since = Instant::now();
     progress(&format!("building {} ×{}", a.model, a.models), since);
-    let w = workload::inference(&a.model, a.batch, a.seq)?;
-    let valid = validate(
-        w.graph.clone(),
-        &GraphLimits {
-            max_nodes: 1 << 20,
-            ..GraphLimits::default()
-        },
-    )
-    .context("model graph does not validate")?;
+    let (w, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
     let device = match a.device {
         Device::Cuda => server::resolve_device(DeviceChoice::Cuda)?,
         Device::Cpu => server::resolve_device(DeviceChoice::Cpu)?,

@@ -21,7 +21,7 @@ use lanes::lanes::JobId;
 use lanes::server;
 use lanes::session::Session;
 use lanes_adaptor::wire::{NamedTensor, SessionId};
-use lanes_adaptor::{validate, GraphLimits, SessionSpec, Tensor};
+use lanes_adaptor::{GraphLimits, SessionSpec, Tensor};
 
 use super::paths::{progress, Device};
 use super::workload::{self, Workload};
@@ -209,15 +209,7 @@ pub fn lanes(a: LanesArgs) -> anyhow::Result<()> {
     }
     let since = Instant::now();
     progress(&format!("building {}", a.model), since);
-    let w = workload::inference(&a.model, a.batch, a.seq)?;
-    let valid = validate(
-        w.graph.clone(),
-        &GraphLimits {
-            max_nodes: 1 << 20,
-            ..GraphLimits::default()
-        },
-    )
-    .context("model graph does not validate")?;
+    let (w, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
     let device = match a.device {
         Device::Cuda => "cuda",
         Device::Cpu => "cpu",

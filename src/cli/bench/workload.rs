@@ -143,6 +143,24 @@ fn zoo_arch(model: &str, seq: usize) -> Option<(Arch, BTreeMap<String, usize>)> 
 
 /// The inference graph of `model` at `batch` (BERT and the transformer at
 /// sequence length `seq`).
+/// [`inference`] and its graph validated (large graphs allowed).
+pub fn validated_inference(
+    model: &str,
+    batch: usize,
+    seq: usize,
+) -> anyhow::Result<(Workload, lanes_adaptor::ValidGraph)> {
+    let w = inference(model, batch, seq)?;
+    let valid = lanes_adaptor::validate(
+        w.graph.clone(),
+        &lanes_adaptor::GraphLimits {
+            max_nodes: 1 << 20,
+            ..lanes_adaptor::GraphLimits::default()
+        },
+    )
+    .context("model graph does not validate")?;
+    Ok((w, valid))
+}
+
 pub fn inference(model: &str, batch: usize, seq: usize) -> anyhow::Result<Workload> {
     if batch == 0 {
         bail!("--batch must be positive");
