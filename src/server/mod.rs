@@ -138,12 +138,10 @@ pub fn admission_sizes(
     let plan = crate::compile::plan(graph).map_err(|e| no(e.to_string()))?;
     let (p, t) = crate::session::admission_sizes(backend_of(device), graph, &plan)
         .map_err(|e| no(e.to_string()))?;
-    // Whole mapping granules (2 MiB on the H100): also the chunk of a
-    // `--reserve` reservation below 1 GiB.
+    // With `--reserve`: whole chunks (`RESERVE_CHUNK`, the chunk of every
+    // reservation up to 8 GiB).
     let align = match backend_of(device) {
-        crate::session::Backend::Cuda if reserve => {
-            crate::exec::cuda::mapping_granularity().map_err(|e| no(e.to_string()))?
-        }
+        crate::session::Backend::Cuda if reserve => crate::exec::cuda::RESERVE_CHUNK,
         _ => crate::compile::DEFAULT_ALIGNMENT,
     };
     let up = |b: u64| b.checked_next_multiple_of(align.max(1));

@@ -39,6 +39,10 @@ pub struct PackArgs {
     /// Timed requests (after one warm-up request per model).
     #[arg(long, default_value_t = 200)]
     requests: usize,
+    /// Carve the models' memory from one device reservation (as `lanes
+    /// serve --reserve`).
+    #[arg(long)]
+    reserve: bool,
     /// Seed of the model choice.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -68,7 +72,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     // What the lanes count for one model on this device (on the GPU: the
     // workspaces in T, whole granules); room for `fit` models in one lane,
     // not for one more.
-    let (p, t) = server::admission_sizes(&device, &valid, false)?;
+    let (p, t) = server::admission_sizes(&device, &valid, a.reserve)?;
     let memory = a.fit as u64 * p + t + p / 2;
     let limits = Limits {
         max_nodes: 1 << 20,
@@ -80,6 +84,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         device: device.clone(),
         limits,
         memory_bytes: Some(memory),
+        reserve: a.reserve,
         ..ServerConfig::default()
     })
     .context("starting the embedded service")?;
@@ -168,6 +173,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         "evicted": {"count": misses.len(), "p50_ms": quantile(&misses, 0.5), "p99_ms": quantile(&misses, 0.99)},
         "miss_rate": misses.len() as f64 / a.requests as f64,
         "evictions": evictions,
+        "reserve": a.reserve,
     });
     println!("{json}");
     drop(client);

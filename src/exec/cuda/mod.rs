@@ -36,14 +36,7 @@ pub fn probe() -> Result<CudaInfo, ExecError> {
     device::gpu().map(|g| g.info.clone())
 }
 
-pub use vm::{lane_block_bytes, DeviceReservation};
-
-/// The GPU's mapping granularity: lane offsets and sizes in a device
-/// reservation are multiples of it.
-pub fn mapping_granularity() -> Result<u64, ExecError> {
-    let g = device::gpu()?;
-    vm::min_granularity(&g.ctx).map(|v| v as u64)
-}
+pub use vm::{lane_block_bytes, DeviceReservation, RESERVE_CHUNK};
 
 /// Bytes of the GPU's memory in use now (by every process), for benchmarks
 /// that compare memory layouts.
