@@ -485,6 +485,12 @@ impl VmArena {
         }
         // Whole pieces side by side (a lane's block may be larger than this
         // part: its first pieces); a single allocation maps `bytes` of it.
+        if block.handles.len() > 1 && bytes % block.piece != 0 {
+            return Err(dev_err(
+                "mapping the arena",
+                format!("{bytes} bytes is not whole chunks of {}", block.piece),
+            ));
+        }
         let mut mapped = 0usize;
         for &h in &block.handles {
             if mapped >= bytes {
