@@ -328,8 +328,11 @@ mod service {
             endpoint: "tcp://127.0.0.1:*".into(),
             workers: 2,
             memory_bytes: Some(memory),
-            // `LANES_TEST_DEVICE=cuda`: jobs in the GPU's device reservation.
+            // `LANES_TEST_DEVICE=cuda`: a GPU-backed service.
             device,
+            // Jobs wait for memory here; evicting idle ones to make room is
+            // tested in tests/residency_e2e.rs.
+            evict_idle: false,
             ..ServerConfig::default()
         })
         .unwrap()
