@@ -38,18 +38,6 @@ pub fn probe() -> Result<CudaInfo, ExecError> {
 
 pub use vm::{lane_block_bytes, DeviceReservation, RESERVE_CHUNK};
 
-/// Bytes of the GPU's memory in use now (by every process), for benchmarks
-/// that compare memory layouts.
-pub fn memory_in_use() -> Result<u64, ExecError> {
-    let g = device::gpu()?;
-    g.ctx
-        .bind_to_thread()
-        .map_err(|e| program::dev_err("bind", e))?;
-    let (free, total) =
-        cudarc::driver::result::mem_get_info().map_err(|e| program::dev_err("memory info", e))?;
-    Ok(total.saturating_sub(free) as u64)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {

@@ -411,6 +411,7 @@ impl CudaProgram {
                     .get(&id.index())
                     .ok_or_else(|| err("no convolution plan".into()))?;
                 let n = |t: &TensorType| t.shape.numel();
+                let (ws, ws_bytes) = self.cudnn_workspace();
                 // SAFETY: the plan's descriptors were made from these very
                 // types; the workspace holds the largest size any plan asked.
                 unsafe {
@@ -419,8 +420,8 @@ impl CudaProgram {
                         (inp[0], n(ity[0])),
                         (inp[1], n(ity[1])),
                         (out[0], n_out),
-                        self.workspace,
-                        self.workspace_bytes,
+                        ws,
+                        ws_bytes,
                     )
                 }
                 .map_err(|e| err(format!("cuDNN: {e:?}")))?;

@@ -99,8 +99,6 @@ pub struct CudaProgram {
     pub(super) slots: Vec<Vec<Slot>>,
     pub(super) base: u64,
     pub(super) convs: HashMap<usize, ConvPlan>,
-    pub(super) workspace: u64,
-    pub(super) workspace_bytes: usize,
     pub(super) options: CudaOptions,
     /// The recorded iteration (valid for the program's lifetime: the arena
     /// keeps its address across evictions, see `vm.rs`).
@@ -167,22 +165,19 @@ impl ArenaLayout {
                 .and_then(|b| b.checked_next_multiple_of(ALIGN))
                 .ok_or_else(|| dev_err("arena size", "overflows"))
         };
+        let (ephemeral, cudnn_bytes, extent) = ephemeral_extent(plan.ephemeral, cudnn_bytes)?;
         // The ephemeral part is mapped on its own (perhaps to the lane's
         // shared memory): it starts at a multiple of the granularity.
         let ephemeral_at = persistent
             .checked_next_multiple_of(granularity.max(ALIGN))
             .ok_or_else(|| dev_err("arena size", "overflows"))?;
-        let ephemeral = size(plan.ephemeral)?;
-        let cudnn_at = ephemeral_at
-            .checked_add(ephemeral)
+        let bytes = ephemeral_at
+            .checked_add(extent)
             .ok_or_else(|| dev_err("arena size", "overflows"))?;
-        let cudnn_bytes = size(cudnn_bytes as u64)?;
-        let cublas_at = cudnn_at
-            .checked_add(cudnn_bytes)
-            .ok_or_else(|| dev_err("arena size", "overflows"))?;
-        let bytes = cublas_at
-            .checked_add(CUBLAS_WORKSPACE)
-            .ok_or_else(|| dev_err("arena size", "overflows"))?;
+        // Inside the extent (no overflow: both below `bytes`): T, then
+        // cuDNN's workspace, then cuBLAS's.
+        let cudnn_at = ephemeral_at + ephemeral;
+        let cublas_at = cudnn_at + cudnn_bytes;
         let layout = ArenaLayout {
             ephemeral_at,
             ephemeral,
@@ -678,7 +673,7 @@ impl std::fmt::Debug for CudaProgram {
             .field("device", &self.gpu.info.name)
             .field("nodes", &self.graph.graph().nodes.len())
             .field("arena_bytes", &self.arena.size())
-            .field("workspace_bytes", &self.workspace_bytes)
+            .field("cudnn_workspace_bytes", &self.mem.cudnn_bytes)
             .field("options", &self.options)
             .finish()
     }
@@ -825,8 +820,6 @@ impl CudaProgram {
             slots,
             base,
             convs,
-            workspace: base + mem.cudnn_at as u64,
-            workspace_bytes: mem.cudnn_bytes,
             options,
             captured: None,
             capture_failures: 0,
@@ -913,6 +906,11 @@ impl CudaProgram {
     /// Name of the GPU.
     pub fn device_name(&self) -> &str {
         &self.gpu.info.name
+    }
+
+    /// The cuDNN workspace in the arena: (address, bytes).
+    pub(super) fn cudnn_workspace(&self) -> (u64, usize) {
+        (self.base + self.mem.cudnn_at as u64, self.mem.cudnn_bytes)
     }
 
     pub(super) fn slot(&self, o: Outlet) -> &Slot {
@@ -1113,7 +1111,6 @@ impl CudaProgram {
         );
         mem.place(&self.graph, &plan, &mut self.slots)?;
         bind_cublas_workspace(&self.blas, self.base + mem.cublas_at as u64)?;
-        self.workspace = self.base + mem.cudnn_at as u64;
         self.mem = mem;
         self.captured = None;
         self.capture_failures = 0;
@@ -1479,11 +1476,23 @@ pub fn ephemeral_need(graph: &ValidGraph, planned: u64) -> Result<u64, ExecError
     let stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
     let cudnn = Cudnn::new(stream).map_err(|e| dev_err("cuDNN", e))?;
     let (_, ws) = plan_convs(&cudnn, graph, CudaOptions::default())?;
-    let round = |b: u64| b.checked_next_multiple_of(ALIGN as u64);
+    ephemeral_extent(planned, ws).map(|(_, _, extent)| extent as u64)
+}
+
+/// The ephemeral part of an arena for a plan's T and a cuDNN workspace:
+/// (T, cuDNN workspace, the whole part with the cuBLAS workspace), each
+/// rounded to the arena alignment. One formula for the program's layout
+/// and for what admission counts.
+fn ephemeral_extent(planned: u64, cudnn: usize) -> Result<(usize, usize, usize), ExecError> {
+    let round = |b: u64| {
+        usize::try_from(b)
+            .ok()
+            .and_then(|b| b.checked_next_multiple_of(ALIGN))
+    };
     round(planned)
-        .zip(round(ws as u64))
-        .and_then(|(t, w)| t.checked_add(w)?.checked_add(CUBLAS_WORKSPACE as u64))
-        .ok_or_else(|| dev_err("ephemeral size", "overflows"))
+        .zip(round(cudnn as u64))
+        .and_then(|(t, w)| Some((t, w, t.checked_add(w)?.checked_add(CUBLAS_WORKSPACE)?)))
+        .ok_or_else(|| dev_err("arena size", "overflows"))
 }
 
 pub(super) fn op_err(id: NodeId, node: &lanes_adaptor::Node, reason: String) -> ExecError {

@@ -367,9 +367,9 @@ pub(super) struct VmArena {
     size: usize,
     split: usize,
     /// The lane whose block the ephemeral part maps (`None`: its own).
+    /// While the part is mapped, it maps that lane's block exactly when
+    /// this is `Some`.
     lane: Option<u64>,
-    /// The ephemeral part now maps a lane's block.
-    shared: bool,
     parts: [Option<Arc<Block>>; 2],
 }
 
@@ -400,7 +400,6 @@ impl VmArena {
             size,
             split,
             lane: None,
-            shared: false,
             parts: [None, None],
         };
         // The persistent part now (variables are uploaded into it); the
@@ -436,8 +435,8 @@ impl VmArena {
         } else {
             0
         };
-        let eph = match (&self.parts[1], self.shared) {
-            (Some(_), false) => self.size - self.split,
+        let eph = match (&self.parts[1], self.lane) {
+            (Some(_), None) => self.size - self.split,
             _ => 0,
         };
         own + eph
@@ -449,25 +448,25 @@ impl VmArena {
     /// lane one at a time and has synchronised every stream that used the
     /// ephemeral part.
     pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
-        self.lane = lane;
         let Some(have) = self.parts[1].clone() else {
             // Not mapped: `map` binds.
+            self.lane = lane;
             return Ok(());
         };
         let bytes = self.size - self.split;
         let want = match lane {
             Some(l) => Block::of_lane(&self.ctx, l, bytes)?,
-            None if !self.shared => return Ok(()),
+            None if self.lane.is_none() => return Ok(()),
             None => Block::take(&self.ctx, bytes)?,
         };
         if Arc::ptr_eq(&have, &want) {
+            self.lane = lane;
             return Ok(());
         }
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         self.unmap_part(1)?;
-        self.map_part(1, want)?;
-        self.shared = lane.is_some();
-        Ok(())
+        self.lane = lane;
+        self.map_part(1, want)
     }
 
     fn range(&self, part: usize) -> (u64, usize) {
@@ -565,7 +564,6 @@ impl VmArena {
                 None => Block::take(&self.ctx, bytes)?,
             };
             self.map_part(1, b)?;
-            self.shared = self.lane.is_some();
         }
         tracing::trace!(
             ms = t0.elapsed().as_secs_f64() * 1e3,
