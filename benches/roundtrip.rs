@@ -1,7 +1,8 @@
 //! Round trips through a real service on loopback TCP: one Run of a tiny
 //! graph, Runs with a 19.3 MB feed and a 19.3 MB fetch (the size of a
-//! ResNet-50 training batch of 32), and sending a 64 MiB tensor
-//! (WriteVariables). Results and the command are in `docs/benchmarks.md`.
+//! ResNet-50 training batch of 32) with the feed through shared memory (the
+//! client's default on loopback) and over the socket (`_socket`), and
+//! sending a 64 MiB tensor (WriteVariables). Results and the command are in `docs/benchmarks.md`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,7 +10,9 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use lanes::server::{self, ServerConfig};
-use lanes_adaptor::{Client, GraphBuilder, SessionSpec, Tensor, TensorType, VarValues};
+use lanes_adaptor::{
+    Client, ClientOptions, GraphBuilder, SessionSpec, Tensor, TensorType, VarValues,
+};
 
 fn service() -> server::ServerHandle {
     server::start(ServerConfig {
@@ -75,10 +78,6 @@ const FEED: usize = 32 * 3 * 224 * 224;
 /// The feed is cloned outside the timed part (a Run consumes its feeds).
 fn large_feed(c: &mut Criterion) {
     let svc = service();
-    let mut client = Client::connect(svc.endpoint()).unwrap();
-    let mut s = client
-        .open_session(SessionSpec::inference("bench-19MB"))
-        .unwrap();
     let mut g = GraphBuilder::new();
     let x = g.placeholder("x", TensorType::f32([FEED]));
     let head = g.slice(x, 0, 0, 1);
@@ -86,26 +85,41 @@ fn large_feed(c: &mut Criterion) {
     let all = g.scale(x, 1.0);
     g.set_name(all, "all");
     let (graph, vars) = g.finish().unwrap();
-    s.load(&graph, vars).unwrap();
     let x = Tensor::full([FEED], 1.5);
     let mut group = c.benchmark_group("roundtrip");
     group.sample_size(20);
     group.measurement_time(Duration::from_secs(5));
     group.throughput(Throughput::Bytes((FEED * 4) as u64));
-    group.bench_function("run_feed_19MB", |b| {
-        b.iter_batched(
-            || vec![("x", x.clone())],
-            |feeds| s.run(feeds, &["head"]).unwrap(),
-            BatchSize::PerIteration,
+    // The client's default on loopback (feeds through a shared segment),
+    // then the feeds over the socket.
+    for (suffix, shared_memory) in [("", true), ("_socket", false)] {
+        let mut client = Client::connect_with(
+            svc.endpoint(),
+            ClientOptions {
+                shared_memory,
+                ..ClientOptions::default()
+            },
         )
-    });
-    group.bench_function("run_feed_fetch_19MB", |b| {
-        b.iter_batched(
-            || vec![("x", x.clone())],
-            |feeds| s.run(feeds, &["all"]).unwrap(),
-            BatchSize::PerIteration,
-        )
-    });
+        .unwrap();
+        let mut s = client
+            .open_session(SessionSpec::inference("bench-19MB"))
+            .unwrap();
+        s.load(&graph, vars.clone()).unwrap();
+        group.bench_function(format!("run_feed_19MB{suffix}"), |b| {
+            b.iter_batched(
+                || vec![("x", x.clone())],
+                |feeds| s.run(feeds, &["head"]).unwrap(),
+                BatchSize::PerIteration,
+            )
+        });
+        group.bench_function(format!("run_feed_fetch_19MB{suffix}"), |b| {
+            b.iter_batched(
+                || vec![("x", x.clone())],
+                |feeds| s.run(feeds, &["all"]).unwrap(),
+                BatchSize::PerIteration,
+            )
+        });
+    }
     group.finish();
 }
 

@@ -21,6 +21,7 @@
 
 use crate::graph::{Graph, VarValues};
 use crate::tensor::Tensor;
+use crate::wire::shm::OwnedSegment;
 use crate::wire::{
     self, BufferPool, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId,
     SessionSpec, StatusReport, WireError,
@@ -76,6 +77,12 @@ pub struct ClientOptions {
     pub limits: Limits,
     /// Name sent in the handshake (shown in the service's logs).
     pub name: String,
+    /// When the service is on this host (an `ipc://` endpoint, or `tcp://`
+    /// to a loopback address), send large Runs' feeds through a
+    /// shared-memory segment instead of the socket (see
+    /// [`crate::wire::shm`]). Falls back to the socket by itself when the
+    /// service cannot attach the segment.
+    pub shared_memory: bool,
 }
 
 impl Default for ClientOptions {
@@ -84,6 +91,7 @@ impl Default for ClientOptions {
             timeout: Duration::from_secs(30),
             limits: Limits::default(),
             name: format!("lanes-adaptor/{}", env!("CARGO_PKG_VERSION")),
+            shared_memory: true,
         }
     }
 }
@@ -117,6 +125,68 @@ pub struct Client {
     /// replies that arrived while waiting for another request.
     ahead: HashSet<u64>,
     early: HashMap<u64, Result<Reply, ClientError>>,
+    /// Shared-memory segments by session (see [`ClientOptions::shared_memory`]).
+    shared: SharedFeeds,
+}
+
+/// Runs whose feeds (all together) are at least this large use a shared
+/// segment when one can be had: below it the socket costs about as much as
+/// the copy into the segment.
+pub const SHARED_FEEDS_MIN_BYTES: usize = 1 << 20;
+/// Most segments one session keeps (one per Run in flight).
+const MAX_SEGMENTS_PER_SESSION: usize = 4;
+/// Segments are sized in multiples of this.
+const SEGMENT_GRANULE: usize = 2 << 20;
+
+/// A client's shared-memory segments.
+#[derive(Debug, Default)]
+struct SharedFeeds {
+    /// False once the service refused a segment, or never for remote
+    /// services: every Run then goes through the socket.
+    usable: bool,
+    next_id: u32,
+    by_session: HashMap<SessionId, Vec<ClientSegment>>,
+}
+
+#[derive(Debug)]
+struct ClientSegment {
+    seg: OwnedSegment,
+    /// The request whose feeds it holds until its reply arrives. A request
+    /// that timed out keeps its segment forever (the service may still read
+    /// it).
+    busy: Option<u64>,
+}
+
+impl SharedFeeds {
+    /// Frees the segment that held `request`'s feeds.
+    fn release(&mut self, request: u64) {
+        for segs in self.by_session.values_mut() {
+            for s in segs.iter_mut() {
+                if s.busy == Some(request) {
+                    s.busy = None;
+                }
+            }
+        }
+    }
+}
+
+/// Whether `endpoint` reaches a service on this host.
+fn is_local(endpoint: &str) -> bool {
+    if endpoint.starts_with("ipc://") {
+        return true;
+    }
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return false;
+    };
+    let host = match rest.rsplit_once(':') {
+        Some((h, _)) => h,
+        None => rest,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The Run request for `session` with `feeds` and `fetches`.
@@ -177,6 +247,10 @@ impl Client {
             server_limits: Limits::default(),
             ahead: HashSet::new(),
             early: HashMap::new(),
+            shared: SharedFeeds {
+                usable: options.shared_memory && is_local(endpoint),
+                ..SharedFeeds::default()
+            },
             options,
         };
         let hello = Request::Hello {
@@ -224,7 +298,7 @@ impl Client {
     /// of the reply are decoded, when sizes fit (a fetch as large as a feed
     /// then writes into memory already mapped instead of fresh pages).
     fn request_run(&mut self, req: Request) -> Result<Reply, ClientError> {
-        let sent = self.send(&req)?;
+        let sent = self.send_run(&req)?;
         let pool = self.pool.clone();
         if let Request::Run { feeds, .. } = req {
             feeds.into_iter().for_each(|f| pool.give(f.tensor));
@@ -236,10 +310,19 @@ impl Client {
 
     /// Encodes and queues a request.
     fn send(&mut self, req: &Request) -> Result<Sent, ClientError> {
+        self.send_via(req, None)
+    }
+
+    /// Encodes and queues a request, a Run's feeds into `shared` when given.
+    fn send_via(
+        &mut self,
+        req: &Request,
+        shared: Option<&mut OwnedSegment>,
+    ) -> Result<Sent, ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         let start = Instant::now();
-        let frames = wire::encode_request(id, req).map_err(ClientError::Encode)?;
+        let frames = wire::encode_request_into(id, req, shared).map_err(ClientError::Encode)?;
         let bytes: usize = frames.iter().map(Vec::len).sum();
         let encoded = Instant::now();
         self.socket.send_multipart(frames, 0).map_err(|e| match e {
@@ -280,6 +363,14 @@ impl Client {
             let received = Instant::now();
             let decoded = wire::decode_reply_in(&frames, &self.options.limits, pool);
             drop(frames);
+            // The service has read a Run's feeds once it answers.
+            let answered = match &decoded {
+                Ok(env) => Some(env.request_id),
+                Err(e) => e.request_id,
+            };
+            if let Some(id) = answered {
+                self.shared.release(id);
+            }
             match decoded {
                 Ok(env) if env.request_id != sent.id => {
                     // A Run submitted ahead: keep its reply for its wait.
@@ -319,6 +410,102 @@ impl Client {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// Sends a Run, its feeds through a shared segment when that is
+    /// possible and worth it (see [`ClientOptions::shared_memory`]).
+    fn send_run(&mut self, req: &Request) -> Result<Sent, ClientError> {
+        let Request::Run { session, feeds, .. } = req else {
+            return self.send(req);
+        };
+        let need =
+            wire::shm::layout(feeds.iter().map(|f| f.tensor.ty().bytes())).map(|(_, end)| end);
+        let Some(need) = need.filter(|n| {
+            self.shared.usable && n - wire::shm::SEGMENT_HEADER >= SHARED_FEEDS_MIN_BYTES
+        }) else {
+            return self.send(req);
+        };
+        let Some(at) = self.free_segment(*session, need)? else {
+            return self.send(req);
+        };
+        // Taken out while the request borrows `self`; put back below.
+        let mut seg = self
+            .shared
+            .by_session
+            .get_mut(session)
+            .map(|v| v.swap_remove(at))
+            .ok_or(ClientError::Closed)?;
+        let sent = self.send_via(req, Some(&mut seg.seg));
+        if let Ok(s) = &sent {
+            seg.busy = Some(s.id);
+        }
+        self.shared
+            .by_session
+            .entry(*session)
+            .or_default()
+            .push(seg);
+        sent
+    }
+
+    /// Index of a free segment of `session` with at least `need` bytes,
+    /// making and attaching one if none is free; `None` when shared memory
+    /// is not to be had (the Run then goes through the socket).
+    fn free_segment(
+        &mut self,
+        session: SessionId,
+        need: usize,
+    ) -> Result<Option<usize>, ClientError> {
+        let segs = self.shared.by_session.entry(session).or_default();
+        if let Some(i) = segs
+            .iter()
+            .position(|s| s.busy.is_none() && s.seg.len() >= need)
+        {
+            return Ok(Some(i));
+        }
+        // A free segment that is too small is replaced under its id (the
+        // service then drops its mapping of the old one).
+        let id = match segs.iter().position(|s| s.busy.is_none()) {
+            Some(i) => segs.swap_remove(i).seg.id(),
+            None if segs.len() >= MAX_SEGMENTS_PER_SESSION => return Ok(None),
+            None => {
+                let id = self.shared.next_id;
+                self.shared.next_id = self.shared.next_id.wrapping_add(1);
+                id
+            }
+        };
+        let bytes = need.next_multiple_of(SEGMENT_GRANULE);
+        let seg = match OwnedSegment::create(id, bytes) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "no shared-memory segment; feeds go through the socket");
+                self.shared.usable = false;
+                return Ok(None);
+            }
+        };
+        let req = Request::ShareMemory {
+            session,
+            offer: seg.offer(),
+        };
+        match self.request(&req) {
+            Ok(Reply::MemoryShared { .. }) => {}
+            Ok(other) => return Err(unexpected(req.name(), &other)),
+            Err(ClientError::Service { code, message })
+                if code == ErrorCode::SharedMemory || code == ErrorCode::BadRequest =>
+            {
+                tracing::debug!(%code, %message, "the service cannot attach shared memory; feeds go through the socket");
+                self.shared.usable = false;
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+        let segs = self.shared.by_session.entry(session).or_default();
+        segs.push(ClientSegment { seg, busy: None });
+        Ok(Some(segs.len() - 1))
+    }
+
+    /// Whether Runs with large feeds currently go through shared memory.
+    pub fn shares_memory(&self) -> bool {
+        self.shared.usable
     }
 
     /// Opens a session for a job.
@@ -386,7 +573,7 @@ impl Client {
         fetches: &[&str],
     ) -> Result<PendingRun, ClientError> {
         let req = run_request(session, feeds, fetches);
-        let sent = self.send(&req)?;
+        let sent = self.send_run(&req)?;
         self.ahead.insert(sent.id);
         Ok(PendingRun { sent })
     }
@@ -438,7 +625,9 @@ impl Client {
     /// Closes a session by id.
     pub fn close_in(&mut self, session: SessionId) -> Result<(), ClientError> {
         let req = Request::CloseSession { session };
-        match self.request(&req)? {
+        let reply = self.request(&req);
+        self.shared.by_session.remove(&session);
+        match reply? {
             Reply::SessionClosed { .. } => Ok(()),
             other => Err(unexpected(req.name(), &other)),
         }
@@ -548,6 +737,7 @@ impl Drop for Session<'_> {
         }
         let id = self.client.next_id;
         self.client.next_id = self.client.next_id.wrapping_add(1);
+        self.client.shared.by_session.remove(&self.id);
         if let Ok(frames) = wire::encode_request(id, &Request::CloseSession { session: self.id }) {
             // Best effort: the reply is skipped by the next request's id check.
             let _ = self.client.socket.send_multipart(frames, zmq::DONTWAIT);

@@ -56,6 +56,9 @@ enum What {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // `RUST_LOG=lanes=trace,lanes_adaptor=trace` shows where a Run's time
+    // goes (client encode/send/wait, service decode/run/encode).
+    crate::cli::serve::init_tracing("warn");
     match args.what {
         What::Infer(a) => infer(a),
         What::Train(a) => train(a),
@@ -104,6 +107,10 @@ struct RunOpts {
     /// other, instead of each in a fresh child process.
     #[arg(long)]
     same_process: bool,
+    /// Service path: feeds always over the socket (by default a client on
+    /// the service's host sends large feeds through shared memory).
+    #[arg(long)]
+    no_shared_memory: bool,
 }
 
 impl RunOpts {
@@ -230,6 +237,7 @@ fn bench(
         warmup: o.warmup,
         cuda_graph: !o.no_graph,
         op_profile: o.op_profile,
+        shared_memory: !o.no_shared_memory,
     };
     let feeds = w.random_feeds(7)?;
     let want_exec = matches!(o.path, PathChoice::Executor | PathChoice::Both);

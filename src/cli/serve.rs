@@ -50,6 +50,10 @@ pub struct Args {
     /// Training jobs may be evicted too (their state is copied out).
     #[arg(long)]
     pub evict_training: bool,
+    /// Refuse the shared-memory segments that jobs on this host offer for
+    /// their feeds (their Runs then carry the feeds over the socket).
+    #[arg(long)]
+    pub no_shared_memory: bool,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -124,6 +128,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         evict_idle: !args.no_evict,
         evict_training: args.evict_training,
         feed_pool_bytes: server::DEFAULT_FEED_POOL_BYTES,
+        shared_memory: !args.no_shared_memory,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use lanes_adaptor::wire::shm::{AttachedSegment, SegmentLookup, SegmentOffer};
 use lanes_adaptor::wire::{
     self, BufferPool, Envelope, ErrorCode, ErrorReply, JobKind, Reply, Request, SessionId,
     SessionSpec, SessionState, SessionStatus, StatusReport,
@@ -39,6 +40,28 @@ struct Entry {
     resident: bool,
     /// (evictions, returns), as last read.
     switches: (u64, u64),
+    /// Shared-memory segments its Runs may carry feeds in, by the client's
+    /// segment id; unmapped when the session goes.
+    segments: HashMap<u32, AttachedSegment>,
+}
+
+/// Most shared-memory segments one session may attach.
+const MAX_SEGMENTS_PER_SESSION: usize = 8;
+
+/// The segments of the sessions a connection owns, for the decoder.
+struct PeerSegments<'a> {
+    sessions: &'a HashMap<SessionId, Entry>,
+    peer: &'a [u8],
+}
+
+impl SegmentLookup for PeerSegments<'_> {
+    fn segment(&self, session: SessionId, segment: u32) -> Option<&[u8]> {
+        let e = self.sessions.get(&session)?;
+        if e.owner != self.peer {
+            return None;
+        }
+        e.segments.get(&segment).map(AttachedSegment::bytes)
+    }
 }
 
 struct Frontend {
@@ -253,7 +276,12 @@ impl Frontend {
 
     fn handle(&mut self, peer: Vec<u8>, frames: Vec<zmq::Message>) -> Result<(), zmq::Error> {
         let t0 = Instant::now();
-        let decoded = wire::decode_request_in(&frames, &self.config.limits, self.pool.as_ref());
+        let segments = PeerSegments {
+            sessions: &self.sessions,
+            peer: &peer,
+        };
+        let decoded =
+            wire::decode_request_with(&frames, &self.config.limits, self.pool.as_ref(), &segments);
         let bytes: usize = frames.iter().map(|f| f.len()).sum();
         drop(frames);
         tracing::trace!(
@@ -287,6 +315,7 @@ impl Frontend {
                 }
             }
             Request::OpenSession(spec) => self.open(&peer, spec),
+            Request::ShareMemory { session, offer } => self.share(&peer, session, &offer),
             Request::Status => Reply::Status(self.status()),
             Request::CloseSession { session } => match self.owned(&peer, session) {
                 Ok(_) => {
@@ -372,9 +401,54 @@ impl Frontend {
                 iterations: 0,
                 resident: true,
                 switches: (0, 0),
+                segments: HashMap::new(),
             },
         );
         Reply::SessionOpened { session }
+    }
+
+    /// Attaches a job's shared-memory segment to its session (replacing
+    /// one of the same id).
+    fn share(&mut self, peer: &[u8], session: SessionId, offer: &SegmentOffer) -> Reply {
+        if !self.config.shared_memory {
+            return Reply::error(
+                ErrorCode::SharedMemory,
+                "this service does not attach shared memory (--no-shared-memory)",
+            );
+        }
+        // A segment holds one Run's feeds: no larger than the largest
+        // message the service accepts.
+        let limits = &self.config.limits;
+        let limit = (limits.max_frame_bytes as u64).saturating_mul(limits.max_frames as u64);
+        let entry = match self.owned(peer, session) {
+            Ok(e) => e,
+            Err(e) => return Reply::Error(e),
+        };
+        if entry.segments.len() >= MAX_SEGMENTS_PER_SESSION
+            && !entry.segments.contains_key(&offer.segment)
+        {
+            return Reply::error(
+                ErrorCode::SharedMemory,
+                format!("session {session} already has {MAX_SEGMENTS_PER_SESSION} segments"),
+            );
+        }
+        match AttachedSegment::open(offer, limit) {
+            Ok(seg) => {
+                tracing::debug!(%session, segment = offer.segment, bytes = offer.bytes, pid = offer.pid, "shared memory attached");
+                entry.segments.insert(offer.segment, seg);
+                Reply::MemoryShared {
+                    session,
+                    segment: offer.segment,
+                }
+            }
+            Err(e) => {
+                tracing::debug!(%session, error = %e, "shared memory refused");
+                Reply::error(
+                    ErrorCode::SharedMemory,
+                    format!("cannot attach the segment: {e}"),
+                )
+            }
+        }
     }
 
     fn queue(

@@ -223,6 +223,9 @@ pub struct ServerConfig {
     /// requests' tensors into (see [`lanes_adaptor::wire::BufferPool`]);
     /// 0 keeps none.
     pub feed_pool_bytes: usize,
+    /// Attach the shared-memory segments local jobs offer for their feeds
+    /// (see `lanes_adaptor::wire::shm`); off, their Runs use the socket.
+    pub shared_memory: bool,
 }
 
 /// Default of [`ServerConfig::feed_pool_bytes`]: room for a few
@@ -245,6 +248,7 @@ impl Default for ServerConfig {
             evict_idle: true,
             evict_training: false,
             feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
+            shared_memory: true,
         }
     }
 }

@@ -11,6 +11,7 @@ use super::message::{
     ErrorReply, NamedTensor, Reply, Request, SessionId, SessionSpec, StatusReport,
 };
 use super::pool::BufferPool;
+use super::shm::{self, NoSegments, OwnedSegment, SegmentLookup, SegmentOffer};
 use super::{Limits, PROTOCOL_VERSION};
 use crate::graph::Graph;
 use crate::tensor::{DType, Tensor, TensorData, TensorError, TensorType};
@@ -47,6 +48,9 @@ enum RequestBody<'a> {
         session: SessionId,
         feeds: Vec<TensorMeta>,
         fetches: Vec<String>,
+        /// Set when the feeds' values are in a shared-memory segment
+        /// instead of frames.
+        shared: Option<SharedFeeds>,
     },
     ReadVariables {
         session: SessionId,
@@ -60,6 +64,17 @@ enum RequestBody<'a> {
         session: SessionId,
     },
     Status,
+    ShareMemory {
+        session: SessionId,
+        offer: SegmentOffer,
+    },
+}
+
+/// Where in which segment a Run's feeds are (one offset per feed, in order).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct SharedFeeds {
+    segment: u32,
+    offsets: Vec<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -94,6 +109,10 @@ enum ReplyBody {
     },
     Status(StatusReport),
     Error(ErrorReply),
+    MemoryShared {
+        session: SessionId,
+        segment: u32,
+    },
 }
 
 /// A decoded message: its request id and value.
@@ -248,6 +267,37 @@ fn frames_of(header: Vec<u8>, tensors: impl Iterator<Item = Vec<u8>>) -> Vec<Vec
 
 /// Encodes a request into frames (header, then one frame per tensor).
 pub fn encode_request(request_id: u64, req: &Request) -> Result<Vec<Vec<u8>>, WireError> {
+    encode_request_into(request_id, req, None)
+}
+
+/// [`encode_request`]; a Run's feed values go into `shared` (a segment the
+/// service has attached) instead of frames when it is given.
+pub fn encode_request_into(
+    request_id: u64,
+    req: &Request,
+    shared: Option<&mut OwnedSegment>,
+) -> Result<Vec<Vec<u8>>, WireError> {
+    if let (
+        Request::Run {
+            session,
+            feeds,
+            fetches,
+        },
+        Some(seg),
+    ) = (req, shared)
+    {
+        let offsets = write_shared(feeds, seg)?;
+        let body = RequestBody::Run {
+            session: *session,
+            feeds: metas(feeds),
+            fetches: fetches.clone(),
+            shared: Some(SharedFeeds {
+                segment: seg.id(),
+                offsets,
+            }),
+        };
+        return Ok(vec![header(request_id, &body)?]);
+    }
     let named = |ts: &[NamedTensor]| {
         ts.iter()
             .map(|t| tensor_frame(&t.tensor))
@@ -282,6 +332,7 @@ pub fn encode_request(request_id: u64, req: &Request) -> Result<Vec<Vec<u8>>, Wi
                 session: *session,
                 feeds: metas(feeds),
                 fetches: fetches.clone(),
+                shared: None,
             },
             named(feeds),
         ),
@@ -303,8 +354,58 @@ pub fn encode_request(request_id: u64, req: &Request) -> Result<Vec<Vec<u8>>, Wi
             (RequestBody::CloseSession { session: *session }, Vec::new())
         }
         Request::Status => (RequestBody::Status, Vec::new()),
+        Request::ShareMemory { session, offer } => (
+            RequestBody::ShareMemory {
+                session: *session,
+                offer: *offer,
+            },
+            Vec::new(),
+        ),
     };
     Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
+}
+
+/// Writes the feeds' values into `seg` (packed by [`shm::layout`]) and
+/// returns their offsets.
+fn write_shared(feeds: &[NamedTensor], seg: &mut OwnedSegment) -> Result<Vec<u64>, WireError> {
+    let sizes: Vec<usize> = feeds.iter().map(|f| f.tensor.ty().bytes()).collect();
+    let room = seg.len();
+    let (offsets, _) = shm::layout(sizes.iter().copied())
+        .filter(|(_, end)| *end <= room)
+        .ok_or_else(|| WireError::Encode {
+            reason: format!("the feeds do not fit the shared segment of {room} bytes"),
+        })?;
+    let bytes = seg.bytes_mut();
+    for ((f, &at), &len) in feeds.iter().zip(&offsets).zip(&sizes) {
+        let at = at as usize;
+        let dst = &mut bytes[at..at + len];
+        match f.tensor.data() {
+            TensorData::F32(v) => {
+                write_le(dst, bytemuck::cast_slice::<f32, u8>(v), v, f32::to_le_bytes)
+            }
+            TensorData::I64(v) => {
+                write_le(dst, bytemuck::cast_slice::<i64, u8>(v), v, i64::to_le_bytes)
+            }
+        }
+    }
+    Ok(offsets)
+}
+
+/// Copies values into `dst` little-endian (one memory copy on
+/// little-endian hosts).
+fn write_le<T: Copy, const N: usize>(
+    dst: &mut [u8],
+    raw: &[u8],
+    values: &[T],
+    le: fn(T) -> [u8; N],
+) {
+    if cfg!(target_endian = "little") {
+        copy_bytes(dst, raw);
+    } else {
+        for (d, v) in dst.chunks_exact_mut(N).zip(values) {
+            d.copy_from_slice(&le(*v));
+        }
+    }
 }
 
 /// Encodes a reply into frames.
@@ -363,6 +464,13 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
         }
         Reply::Status(s) => (ReplyBody::Status(s.clone()), Vec::new()),
         Reply::Error(e) => (ReplyBody::Error(e.clone()), Vec::new()),
+        Reply::MemoryShared { session, segment } => (
+            ReplyBody::MemoryShared {
+                session: *session,
+                segment: *segment,
+            },
+            Vec::new(),
+        ),
     };
     Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
 }
@@ -520,6 +628,63 @@ fn take_tensors<F: Deref<Target = [u8]>>(
         .collect()
 }
 
+/// Reads feeds from a shared segment at `offsets`, checking each range
+/// against the segment and the tensor limit.
+fn take_shared(
+    metas: Vec<TensorMeta>,
+    offsets: &[u64],
+    seg: &[u8],
+    limits: &Limits,
+    pool: Option<&BufferPool>,
+) -> Result<Vec<NamedTensor>, WireError> {
+    if metas.len() != offsets.len() {
+        return Err(WireError::SharedMemory {
+            reason: format!(
+                "{} feeds but {} offsets in the segment",
+                metas.len(),
+                offsets.len()
+            ),
+        });
+    }
+    metas
+        .into_iter()
+        .zip(offsets)
+        .map(|(m, &at)| {
+            let Some(len) = m.ty.checked_bytes().filter(|b| *b <= limits.max_tensor_bytes) else {
+                return Err(WireError::TensorTooLarge {
+                    name: m.name,
+                    ty: m.ty,
+                    limit: limits.max_tensor_bytes,
+                });
+            };
+            let range = usize::try_from(at)
+                .ok()
+                .filter(|a| *a >= shm::SEGMENT_HEADER)
+                .and_then(|a| Some(a..a.checked_add(len)?))
+                .filter(|r| r.end <= seg.len());
+            let Some(range) = range else {
+                return Err(WireError::SharedMemory {
+                    reason: format!(
+                        "feed `{}` ({len} bytes at offset {at}) is outside the segment's {} data bytes",
+                        m.name,
+                        seg.len().saturating_sub(shm::SEGMENT_HEADER)
+                    ),
+                });
+            };
+            match tensor_from_frame_in(&m.ty, &seg[range], pool) {
+                Ok(tensor) => Ok(NamedTensor {
+                    name: m.name,
+                    tensor,
+                }),
+                Err(source) => Err(WireError::TensorBytes {
+                    name: m.name,
+                    source,
+                }),
+            }
+        })
+        .collect()
+}
+
 fn no_tensors<F>(frames: &[F]) -> Result<(), WireError> {
     if frames.is_empty() {
         Ok(())
@@ -545,6 +710,17 @@ pub fn decode_request_in<F: Deref<Target = [u8]>>(
     frames: &[F],
     limits: &Limits,
     pool: Option<&BufferPool>,
+) -> Result<Envelope<Request>, DecodeError> {
+    decode_request_with(frames, limits, pool, &NoSegments)
+}
+
+/// [`decode_request_in`], reading the feeds of a Run that names a
+/// shared-memory segment from the segment `segments` finds.
+pub fn decode_request_with<F: Deref<Target = [u8]>>(
+    frames: &[F],
+    limits: &Limits,
+    pool: Option<&BufferPool>,
+    segments: &dyn SegmentLookup,
 ) -> Result<Envelope<Request>, DecodeError> {
     let (request_id, body, rest) = decode_header::<RequestBody<'static>, F>(frames, limits)?;
     let wrap = |error| DecodeError {
@@ -584,11 +760,33 @@ pub fn decode_request_in<F: Deref<Target = [u8]>>(
             session,
             feeds,
             fetches,
+            shared: None,
         } => Request::Run {
             session,
             feeds: take_tensors(feeds, rest, limits, pool).map_err(wrap)?,
             fetches,
         },
+        RequestBody::Run {
+            session,
+            feeds,
+            fetches,
+            shared: Some(shared),
+        } => {
+            no_tensors(rest).map_err(wrap)?;
+            let seg = segments.segment(session, shared.segment).ok_or_else(|| {
+                wrap(WireError::SharedMemory {
+                    reason: format!(
+                        "segment {} is not attached to session {session} on this connection",
+                        shared.segment
+                    ),
+                })
+            })?;
+            Request::Run {
+                session,
+                feeds: take_shared(feeds, &shared.offsets, seg, limits, pool).map_err(wrap)?,
+                fetches,
+            }
+        }
         RequestBody::ReadVariables { session, names } => {
             no_tensors(rest).map_err(wrap)?;
             Request::ReadVariables { session, names }
@@ -604,6 +802,10 @@ pub fn decode_request_in<F: Deref<Target = [u8]>>(
         RequestBody::Status => {
             no_tensors(rest).map_err(wrap)?;
             Request::Status
+        }
+        RequestBody::ShareMemory { session, offer } => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::ShareMemory { session, offer }
         }
     };
     Ok(Envelope {
@@ -682,6 +884,9 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
                 ReplyBody::SessionClosed { session } => Reply::SessionClosed { session },
                 ReplyBody::Status(s) => Reply::Status(s),
                 ReplyBody::Error(e) => Reply::Error(e),
+                ReplyBody::MemoryShared { session, segment } => {
+                    Reply::MemoryShared { session, segment }
+                }
                 ReplyBody::RunDone { .. } | ReplyBody::Variables { .. } => {
                     return Err(wrap(WireError::Malformed {
                         reason: "unreachable reply body".into(),

@@ -51,6 +51,9 @@ pub enum ErrorCode {
     Internal,
     /// The job's memory (P + T) exceeds the service's whole reservation.
     MemoryTooLarge,
+    /// A shared-memory segment could not be attached, or a Run names one
+    /// that is not attached or reads outside it.
+    SharedMemory,
     /// A code this client does not know (sent by a newer service).
     Unknown(u16),
 }
@@ -79,6 +82,7 @@ impl ErrorCode {
             ErrorCode::Overloaded => 21,
             ErrorCode::Internal => 22,
             ErrorCode::MemoryTooLarge => 23,
+            ErrorCode::SharedMemory => 24,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -107,6 +111,7 @@ impl From<u16> for ErrorCode {
             21 => ErrorCode::Overloaded,
             22 => ErrorCode::Internal,
             23 => ErrorCode::MemoryTooLarge,
+            24 => ErrorCode::SharedMemory,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -162,6 +167,8 @@ pub enum WireError {
     TensorBytes { name: String, source: TensorError },
     #[error("header could not be encoded: {reason}")]
     Encode { reason: String },
+    #[error("shared memory: {reason}")]
+    SharedMemory { reason: String },
 }
 
 impl WireError {
@@ -180,6 +187,7 @@ impl WireError {
             | WireError::FrameCount { .. }
             | WireError::TensorBytes { .. } => ErrorCode::Truncated,
             WireError::TensorTooLarge { .. } => ErrorCode::TensorTooLarge,
+            WireError::SharedMemory { .. } => ErrorCode::SharedMemory,
         }
     }
 }

@@ -120,6 +120,13 @@ pub enum Request {
         session: SessionId,
     },
     Status,
+    /// Attach a shared-memory segment the job made (see
+    /// [`super::shm`]); later Runs of the session may carry their feeds in
+    /// it.
+    ShareMemory {
+        session: SessionId,
+        offer: super::shm::SegmentOffer,
+    },
 }
 
 impl Request {
@@ -134,6 +141,7 @@ impl Request {
             Request::WriteVariables { .. } => "write_variables",
             Request::CloseSession { .. } => "close_session",
             Request::Status => "status",
+            Request::ShareMemory { .. } => "share_memory",
         }
     }
     /// The session a request addresses, if any.
@@ -143,7 +151,8 @@ impl Request {
             | Request::Run { session, .. }
             | Request::ReadVariables { session, .. }
             | Request::WriteVariables { session, .. }
-            | Request::CloseSession { session } => Some(*session),
+            | Request::CloseSession { session }
+            | Request::ShareMemory { session, .. } => Some(*session),
             Request::Hello { .. } | Request::OpenSession(_) | Request::Status => None,
         }
     }
@@ -259,6 +268,11 @@ pub enum Reply {
     },
     Status(StatusReport),
     Error(ErrorReply),
+    /// The segment of a [`Request::ShareMemory`] is attached.
+    MemoryShared {
+        session: SessionId,
+        segment: u32,
+    },
 }
 
 impl Reply {
@@ -280,6 +294,7 @@ impl Reply {
             Reply::SessionClosed { .. } => "session_closed",
             Reply::Status(_) => "status",
             Reply::Error(_) => "error",
+            Reply::MemoryShared { .. } => "memory_shared",
         }
     }
 }

@@ -15,11 +15,12 @@ mod codec;
 mod error;
 mod message;
 mod pool;
+pub mod shm;
 
 pub use codec::{
-    decode_reply, decode_reply_in, decode_request, decode_request_in, encode_error, encode_reply,
-    encode_request, peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in,
-    Envelope, MAGIC, PREFIX_BYTES,
+    decode_reply, decode_reply_in, decode_request, decode_request_in, decode_request_with,
+    encode_error, encode_reply, encode_request, encode_request_into, peek_request_id, tensor_frame,
+    tensor_from_frame, tensor_from_frame_in, Envelope, MAGIC, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
@@ -33,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,6 +158,16 @@ mod tests {
                 session: SessionId(9),
             },
             Request::Status,
+            Request::ShareMemory {
+                session: SessionId(2),
+                offer: shm::SegmentOffer {
+                    segment: 5,
+                    pid: 77,
+                    fd: 9,
+                    bytes: 1 << 21,
+                    token: [3; shm::TOKEN_BYTES],
+                },
+            },
         ] {
             let frames = encode_request(42, &req).unwrap();
             let env = decode_request(&frames, &l).unwrap();
@@ -182,6 +193,10 @@ mod tests {
                 outputs: vec![Tensor::scalar(2.5), Tensor::from_i64([1], vec![4]).unwrap()],
             },
             Reply::error(ErrorCode::BadFeed, "nope"),
+            Reply::MemoryShared {
+                session: SessionId(2),
+                segment: 5,
+            },
             Reply::Hello {
                 server: "s".into(),
                 version: PROTOCOL_VERSION,
@@ -285,11 +300,64 @@ mod tests {
         assert!(decode_request(&frames, &Limits::default()).is_err());
     }
 
+    /// Finds one segment, as the service's table would.
+    struct OneSegment<'a>(SessionId, u32, &'a [u8]);
+    impl shm::SegmentLookup for OneSegment<'_> {
+        fn segment(&self, session: SessionId, segment: u32) -> Option<&[u8]> {
+            (session == self.0 && segment == self.1).then_some(self.2)
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn run_feeds_travel_in_a_shared_segment() {
+        let l = Limits::default();
+        let req = run();
+        let mut seg = shm::OwnedSegment::create(4, 4096).unwrap();
+        let frames = encode_request_into(8, &req, Some(&mut seg)).unwrap();
+        // Only the header crosses the socket.
+        assert_eq!(frames.len(), 1);
+        let attached = shm::AttachedSegment::open(&seg.offer(), 1 << 20).unwrap();
+        let found = OneSegment(SessionId(3), 4, attached.bytes());
+        let env = decode_request_with(&frames, &l, None, &found).unwrap();
+        assert_eq!(env.message, req);
+        // The same header read against another session's segments, none,
+        // or a segment too short for the feeds: typed errors.
+        for lookup in [
+            OneSegment(SessionId(4), 4, attached.bytes()),
+            OneSegment(SessionId(3), 5, attached.bytes()),
+            OneSegment(SessionId(3), 4, &attached.bytes()[..100]),
+        ] {
+            let e = decode_request_with(&frames, &l, None, &lookup).unwrap_err();
+            assert_eq!(e.error.code(), ErrorCode::SharedMemory, "{e}");
+            assert_eq!(e.request_id, Some(8));
+        }
+        let e = decode_request(&frames, &l).unwrap_err();
+        assert_eq!(e.error.code(), ErrorCode::SharedMemory);
+        // Frames next to a shared Run are refused too.
+        let mut extra = frames.clone();
+        extra.push(vec![0; 16]);
+        assert!(decode_request_with(&extra, &l, None, &found).is_err());
+        // Feeds larger than the segment are an encoding error, not a panic.
+        let mut small = shm::OwnedSegment::create(6, 100).unwrap();
+        assert!(matches!(
+            encode_request_into(9, &req, Some(&mut small)),
+            Err(WireError::Encode { .. })
+        ));
+        // Other requests ignore the segment.
+        let status = encode_request_into(10, &Request::Status, Some(&mut small)).unwrap();
+        assert_eq!(
+            decode_request(&status, &l).unwrap().message,
+            Request::Status
+        );
+    }
+
     #[test]
     fn error_codes_are_stable() {
         assert_eq!(ErrorCode::Malformed.as_u16(), 1);
         assert_eq!(ErrorCode::UnknownSession.as_u16(), 10);
         assert_eq!(ErrorCode::BadFeed.as_u16(), 14);
+        assert_eq!(ErrorCode::SharedMemory.as_u16(), 24);
         for c in 0..40u16 {
             assert_eq!(ErrorCode::from(c).as_u16(), c);
         }

@@ -61,7 +61,6 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     if a.models == 0 || a.fit == 0 || a.fit > a.models || a.requests == 0 {
         bail!("need --models ≥ --fit ≥ 1 and --requests ≥ 1");
     }
-    crate::cli::serve::init_tracing("warn");
     let since = Instant::now();
     progress(&format!("building {} ×{}", a.model, a.models), since);
     let (w, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
@@ -94,6 +93,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
             timeout: Duration::from_secs(900),
             limits,
             name: "lanes-bench-pack".into(),
+            ..ClientOptions::default()
         },
     )?;
     let feeds = w.random_feeds(7)?;

@@ -203,7 +203,6 @@ pub fn lanes(a: LanesArgs) -> anyhow::Result<()> {
     if a.iters == 0 {
         bail!("need --iters ≥ 1");
     }
-    crate::cli::serve::init_tracing("warn");
     if a.device == Device::Cuda {
         lanes::exec::cuda::probe().context("--device cuda")?;
     }

@@ -54,6 +54,8 @@ pub struct Timing {
     /// Executor path on CUDA: after timing, one more iteration op by op
     /// with GPU time per op kind (in the JSON and on stderr).
     pub op_profile: bool,
+    /// Service path: the client may send feeds through shared memory.
+    pub shared_memory: bool,
 }
 
 /// Median and spread of the timed iterations, in milliseconds.
@@ -291,6 +293,7 @@ pub fn service(
                 timeout: Duration::from_secs(900),
                 limits,
                 name: "lanes-bench".into(),
+                shared_memory: t.shared_memory,
             },
         )
         .with_context(|| format!("connecting to the embedded service at {bound}"))?;
@@ -357,6 +360,16 @@ pub fn service(
         m.insert("load_ms".into(), json!(load_ms));
         m.insert("endpoint".into(), json!(bound));
         m.insert("workers".into(), json!(1));
+        // Whether large feeds went through a shared segment (the client
+        // falls back to the socket by itself).
+        m.insert(
+            "feeds_via".into(),
+            json!(if client.shares_memory() {
+                "shared memory"
+            } else {
+                "socket"
+            }),
+        );
         m.insert(
             "executor_options".into(),
             json!(match t.device {

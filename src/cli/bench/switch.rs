@@ -51,7 +51,6 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     if a.batch == 0 || a.iters == 0 {
         bail!("--batch and --iters must be positive");
     }
-    crate::cli::serve::init_tracing("warn");
     eprintln!("building {} at batch {} …", a.model, a.batch);
     let built = workload::inference(&a.model, a.batch, a.seq)?;
     let feeds: BTreeMap<String, Tensor> = built.random_feeds(7)?;

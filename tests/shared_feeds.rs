@@ -1,0 +1,219 @@
+//! Large feeds through shared memory, end to end: a client on the service's
+//! host sends a Run's feeds in a sealed memfd segment instead of the socket;
+//! the results are the socket path's, runs in flight each get their own
+//! segment, a service that refuses segments is used over the socket, and
+//! bad offers or Runs naming unknown segments get typed errors.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod util;
+
+use lanes_adaptor::wire::shm::{OwnedSegment, SegmentOffer, TOKEN_BYTES};
+use lanes_adaptor::wire::{self, NamedTensor, Reply, Request, SessionId};
+use lanes_adaptor::{
+    Client, ClientOptions, ErrorCode, Graph, GraphBuilder, SessionSpec, Tensor, TensorType,
+    VarValues,
+};
+use util::*;
+
+/// Rows of the feed: 65 536 × 8 f32 = 2 MiB, above the client's threshold.
+const ROWS: usize = 1 << 16;
+const COLS: usize = 8;
+const OUTS: usize = 2;
+
+/// `y = relu(x @ w + b)` with a large x.
+fn wide(seed: u64) -> (Graph, VarValues) {
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([ROWS, COLS]));
+    let w = g.variable(
+        "w",
+        Tensor::from_f32([COLS, OUTS], values(seed, COLS * OUTS)).unwrap(),
+    );
+    let b = g.variable(
+        "b",
+        Tensor::from_f32([OUTS], values(seed + 1, OUTS)).unwrap(),
+    );
+    let h = g.matmul(x, w);
+    let h = g.add(h, b);
+    let y = g.relu(h);
+    g.set_name(y, "y");
+    g.finish().unwrap()
+}
+
+fn wide_ref(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut y = vec![0.0; ROWS * OUTS];
+    for i in 0..ROWS {
+        for j in 0..OUTS {
+            let mut acc = b[j];
+            for k in 0..COLS {
+                acc += x[i * COLS + k] * w[k * OUTS + j];
+            }
+            y[i * OUTS + j] = acc.max(0.0);
+        }
+    }
+    y
+}
+
+fn x_for(seed: u64) -> Tensor {
+    Tensor::from_f32([ROWS, COLS], values(seed, ROWS * COLS)).unwrap()
+}
+
+/// Runs `iters` iterations (two in flight at a time) and checks each.
+fn run_checked(client: &mut Client, name: &str, iters: u64) {
+    let mut session = client.open_session(SessionSpec::inference(name)).unwrap();
+    let (graph, vars) = wide(3);
+    let w = vars["w"].f32s().unwrap().to_vec();
+    let b = vars["b"].f32s().unwrap().to_vec();
+    session.load(&graph, vars).unwrap();
+    let want = |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b);
+    let out = session.run(vec![("x", x_for(100))], &["y"]).unwrap();
+    assert_close(out[0].f32s().unwrap(), &want(100));
+    let mut pending = session.submit_run(vec![("x", x_for(0))], &["y"]).unwrap();
+    for i in 1..iters {
+        let next = session.submit_run(vec![("x", x_for(i))], &["y"]).unwrap();
+        let out = session.wait_run(pending).unwrap();
+        assert_close(out[0].f32s().unwrap(), &want(i - 1));
+        pending = next;
+    }
+    let out = session.wait_run(pending).unwrap();
+    assert_close(out[0].f32s().unwrap(), &want(iters - 1));
+    session.close().unwrap();
+}
+
+#[test]
+fn large_feeds_through_shared_memory_give_the_socket_results() {
+    let service = start();
+    let mut shared = Client::connect(service.endpoint()).unwrap();
+    assert!(shared.shares_memory(), "loopback endpoints share memory");
+    run_checked(&mut shared, "shared", 5);
+    assert!(
+        shared.shares_memory(),
+        "the service attached the segments (the client did not fall back)"
+    );
+    let mut socket = Client::connect_with(
+        service.endpoint(),
+        ClientOptions {
+            shared_memory: false,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(!socket.shares_memory());
+    run_checked(&mut socket, "socket", 3);
+}
+
+#[test]
+fn a_service_that_refuses_segments_is_used_over_the_socket() {
+    let service = start_with(|c| c.shared_memory = false);
+    let mut client = Client::connect(service.endpoint()).unwrap();
+    run_checked(&mut client, "refused", 3);
+    assert!(
+        !client.shares_memory(),
+        "the client fell back to the socket"
+    );
+}
+
+fn offer_reply(peer: &RawPeer, id: u64, session: SessionId, offer: SegmentOffer) -> Reply {
+    let req = Request::ShareMemory { session, offer };
+    peer.call(wire::encode_request(id, &req).unwrap()).message
+}
+
+fn error_code(reply: &Reply) -> ErrorCode {
+    match reply {
+        Reply::Error(e) => e.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_offers_and_unknown_segments_get_typed_errors() {
+    let service = start();
+    let peer = RawPeer::connect(service.endpoint());
+    let open = Request::OpenSession(SessionSpec::inference("raw"));
+    let session = match peer.call(wire::encode_request(1, &open).unwrap()).message {
+        Reply::SessionOpened { session } => session,
+        other => panic!("{other:?}"),
+    };
+    let (graph, vars) = wide(3);
+    let load = Request::LoadGraph {
+        session,
+        graph,
+        variables: vars
+            .into_iter()
+            .map(|(n, t)| NamedTensor::new(n, t))
+            .collect(),
+    };
+    assert!(matches!(
+        peer.call(wire::encode_request(2, &load).unwrap()).message,
+        Reply::GraphLoaded { .. }
+    ));
+    let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
+    let good = seg.offer();
+    // A wrong token, a descriptor that is no memfd, one that does not exist,
+    // a segment larger than it is, another connection's session.
+    let stdin_like = std::fs::File::open("/proc/self/exe").unwrap();
+    use std::os::fd::AsRawFd;
+    for (i, bad) in [
+        SegmentOffer {
+            token: [9; TOKEN_BYTES],
+            ..good
+        },
+        SegmentOffer {
+            fd: stdin_like.as_raw_fd(),
+            ..good
+        },
+        SegmentOffer {
+            fd: 1 << 20,
+            ..good
+        },
+        SegmentOffer {
+            bytes: good.bytes * 2,
+            ..good
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = offer_reply(&peer, 10 + i as u64, session, bad);
+        assert_eq!(error_code(&r), ErrorCode::SharedMemory, "offer {i}: {r:?}");
+    }
+    let r = offer_reply(&peer, 20, SessionId(session.0 + 100), good);
+    assert_eq!(error_code(&r), ErrorCode::UnknownSession);
+    // A Run naming a segment that was never attached.
+    let run = Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", x_for(1))],
+        fetches: vec!["y".into()],
+    };
+    let frames = wire::encode_request_into(21, &run, Some(&mut seg)).unwrap();
+    assert_eq!(
+        error_code(&peer.call(frames).message),
+        ErrorCode::SharedMemory
+    );
+    // Attached, the same Run works, and gives what the socket gives.
+    assert!(matches!(
+        offer_reply(&peer, 22, session, good),
+        Reply::MemoryShared { segment: 1, .. }
+    ));
+    let frames = wire::encode_request_into(23, &run, Some(&mut seg)).unwrap();
+    let via_shared = match peer.call(frames).message {
+        Reply::RunDone { outputs } => outputs,
+        other => panic!("{other:?}"),
+    };
+    let via_socket = match peer.call(wire::encode_request(24, &run).unwrap()).message {
+        Reply::RunDone { outputs } => outputs,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(via_shared, via_socket);
+    // Another connection cannot use this session's segment.
+    let other = RawPeer::connect(service.endpoint());
+    let frames = wire::encode_request_into(25, &run, Some(&mut seg)).unwrap();
+    let r = other.call(frames).message;
+    assert!(
+        matches!(
+            error_code(&r),
+            ErrorCode::SharedMemory | ErrorCode::UnknownSession
+        ),
+        "{r:?}"
+    );
+}
