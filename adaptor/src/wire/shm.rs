@@ -237,7 +237,24 @@ impl AttachedSegment {
             });
         }
         let path = format!("/proc/{}/fd/{}", offer.pid, offer.fd);
-        let file = std::fs::File::open(&path).map_err(io(format!("opening {path}")))?;
+        // Only regular files (a memfd is one): opening a FIFO could block
+        // the service and a device could react to being opened. Checked
+        // before opening, opened non-blocking (the descriptor may be
+        // swapped in between) and checked again on what was opened.
+        let regular = |m: std::fs::Metadata| m.file_type().is_file();
+        let meta = std::fs::metadata(&path).map_err(io(format!("looking at {path}")))?;
+        if !regular(meta) {
+            return Err(SharedMemoryError::NotMemfd { path });
+        }
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(&path)
+            .map_err(io(format!("opening {path}")))?;
+        if !file.metadata().is_ok_and(regular) {
+            return Err(SharedMemoryError::NotMemfd { path });
+        }
         let memfd = Memfd::try_from_file(file)
             .map_err(|_| SharedMemoryError::NotMemfd { path: path.clone() })?;
         let seals = memfd.seals().map_err(|e| SharedMemoryError::Io {
@@ -376,6 +393,25 @@ mod tests {
         };
         assert!(matches!(
             AttachedSegment::open(&plain, 1 << 20),
+            Err(SharedMemoryError::NotMemfd { .. })
+        ));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_socket_is_refused_without_opening_it() {
+        // Not a regular file (opening a FIFO with no writer would block).
+        let (reader, _writer) = std::os::unix::net::UnixStream::pair().unwrap();
+        use std::os::fd::AsRawFd;
+        let offer = SegmentOffer {
+            segment: 0,
+            pid: std::process::id(),
+            fd: reader.as_raw_fd(),
+            bytes: 4096,
+            token: [0; TOKEN_BYTES],
+        };
+        assert!(matches!(
+            AttachedSegment::open(&offer, 1 << 20),
             Err(SharedMemoryError::NotMemfd { .. })
         ));
     }
