@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use lanes::server::{self, ByteSize, DeviceChoice, PolicyChoice, ServerConfig};
+use lanes::server::{self, ByteSize, DeviceChoice, MemoryChoice, PolicyChoice, ServerConfig};
 use lanes_adaptor::Limits;
 
 #[derive(Debug, clap::Args)]
@@ -14,19 +14,24 @@ pub struct Args {
     /// Where iterations run: `auto` falls back to the CPU when no GPU is usable.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
-    /// Device memory the service may use (e.g. 512MiB, 8GiB); reported now, enforced by lane admission.
-    #[arg(long)]
-    pub memory: Option<ByteSize>,
-    /// Most lanes open at once (with `--memory`): each lane runs one
+    /// Memory that lane admission shares among jobs: `auto` (a safe share
+    /// of the device read at start-up: on the GPU 90% of its free memory
+    /// less 1 GiB headroom, on the CPU half of the host's available memory),
+    /// a size (e.g. 512MiB, 8GiB), or `none`: no admission, every job is
+    /// loaded and jobs together can run the device out of memory.
+    #[arg(long, default_value = "auto")]
+    pub memory: MemoryChoice,
+    /// Most lanes open at once: each lane runs one
     /// iteration at a time and its jobs share one ephemeral arena; lanes run
     /// in parallel.
     #[arg(long, default_value_t = ServerConfig::default().max_lanes)]
     pub max_lanes: usize,
-    /// On the GPU, take `--memory` at start-up as one device reservation
-    /// (equal chunks) that every job's memory is carved from: the memory is
-    /// the service's even if other processes allocate. Switching a job back
-    /// costs more (a map call per chunk; see docs/memory.md).
-    #[arg(long, requires = "memory")]
+    /// On the GPU, take `--memory` (the size given or chosen by `auto`) at
+    /// start-up as one device reservation (equal chunks) that every job's
+    /// memory is carved from: the memory is the service's even if other
+    /// processes allocate. Switching a job back costs more (a map call per
+    /// chunk; see docs/memory.md). Refused with `--memory none`.
+    #[arg(long)]
     pub reserve: bool,
     /// Seconds of silence after which a session is reclaimed.
     #[arg(long, default_value_t = 300.0)]
@@ -42,9 +47,10 @@ pub struct Args {
     /// Most open sessions.
     #[arg(long, default_value_t = 4096)]
     pub max_sessions: usize,
-    /// Never evict idle jobs to host memory under memory pressure (with
-    /// `--memory`; by default idle inference jobs are evicted, least
-    /// recently used first, and brought back pipelined by their next Run).
+    /// Never evict idle jobs to host memory under memory pressure (by
+    /// default idle inference jobs are evicted, least recently used first,
+    /// and brought back pipelined by their next Run; nothing is evicted
+    /// with `--memory none`).
     #[arg(long)]
     pub no_evict: bool,
     /// Training jobs may be evicted too (their state is copied out).
@@ -106,14 +112,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
         anyhow::bail!("--idle-timeout must be a positive number of seconds");
     }
-    let device = server::resolve_device(args.device)?;
-    if let Some(m) = args.memory {
-        tracing::info!(
-            bytes = m.0,
-            gib = m.0 as f64 / (1u64 << 30) as f64,
-            "memory budget"
+    if args.reserve && args.memory == MemoryChoice::Off {
+        anyhow::bail!(
+            "--reserve takes the lanes' memory at start-up: give --memory auto or a size, not none"
         );
     }
+    let device = server::resolve_device(args.device)?;
+    let memory_bytes = server::resolve_memory(args.memory, &device)?;
     let config = ServerConfig {
         endpoint: args.endpoint.clone(),
         limits: args.limits.limits()?,
@@ -121,7 +126,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
         device,
-        memory_bytes: args.memory.map(|m| m.0),
+        memory_bytes,
         max_lanes: args.max_lanes,
         reserve: args.reserve,
         policy: args.policy,

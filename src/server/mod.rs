@@ -23,6 +23,7 @@
 
 pub mod dispatch;
 mod frontend;
+pub mod memory;
 pub mod policy_queue;
 mod worker;
 
@@ -35,6 +36,7 @@ use std::time::Duration;
 use lanes_adaptor::Limits;
 
 pub use dispatch::{Dispatcher, FifoQueue, ReadyQueue, Work, WorkItem};
+pub use memory::{resolve_memory, MemoryChoice, MemoryChoiceError};
 pub use policy_queue::{PolicyChoice, PolicyQueue, UnknownPolicy};
 
 /// Where iterations run.
@@ -204,8 +206,10 @@ pub struct ServerConfig {
     pub max_sessions: usize,
     /// Device name reported by Status (see [`resolve_device`]).
     pub device: String,
-    /// Memory given with `--memory`: one reservation, divided into lanes;
-    /// jobs are admitted under the safety condition (none: no admission).
+    /// The memory the lanes share (`--memory`, resolved by
+    /// [`resolve_memory`]): one reservation, divided into lanes; jobs are
+    /// admitted under the safety condition. `None` (`--memory none`, and
+    /// this struct's default): no admission.
     pub memory_bytes: Option<u64>,
     /// Most lanes open at once (`--max-lanes`): jobs beyond share lanes.
     pub max_lanes: usize,
@@ -275,6 +279,10 @@ pub enum ServerError {
     Sizes { reason: String },
     #[error("cannot reserve {bytes} bytes of device memory (--memory): {reason}")]
     DeviceMemory { bytes: u64, reason: String },
+    #[error(
+        "cannot choose --memory auto: {reason}; pass --memory SIZE (e.g. 8GiB), or --memory none to run without admission"
+    )]
+    AutoMemory { reason: String },
 }
 
 /// A running service. Dropping it shuts the service down and waits for it.

@@ -36,6 +36,19 @@ pub fn probe() -> Result<CudaInfo, ExecError> {
     device::gpu().map(|g| g.info.clone())
 }
 
+/// Free and total memory of the GPU now, in bytes (`cuMemGetInfo`), asked
+/// through the process's own context: the one [`probe`] and every program
+/// use, opened (kernels compiled) on first use, so no second context is
+/// created and what the context and kernels take is already not free.
+/// Binds that context to the calling thread.
+pub fn memory_info() -> Result<(u64, u64), ExecError> {
+    let gpu = device::gpu()?;
+    let (free, total) = gpu.ctx.mem_get_info().map_err(|e| ExecError::NoDevice {
+        reason: format!("cuMemGetInfo: {e:?}"),
+    })?;
+    Ok((free as u64, total as u64))
+}
+
 pub use vm::{lane_block_bytes, DeviceReservation, RESERVE_CHUNK};
 
 #[cfg(test)]
@@ -51,6 +64,19 @@ mod tests {
             Ok(info) => assert!(!info.name.is_empty()),
             Err(ExecError::NoDevice { reason }) => assert!(!reason.is_empty()),
             Err(e) => panic!("unexpected error kind: {e}"),
+        }
+    }
+
+    /// The memory query agrees with the probe: free within total on a GPU,
+    /// a clear `NoDevice` error without one.
+    #[test]
+    fn memory_info_agrees_with_probe() {
+        match (probe(), memory_info()) {
+            (Ok(_), Ok((free, total))) => {
+                assert!(total > 0 && free <= total, "{free} free of {total}");
+            }
+            (Err(_), Err(ExecError::NoDevice { reason })) => assert!(!reason.is_empty()),
+            (a, b) => panic!("probe {a:?} disagrees with memory_info {b:?}"),
         }
     }
 

@@ -1,0 +1,193 @@
+//! `lanes serve` started as a user starts it: lane admission is on by
+//! default (`--memory auto`, a share of the device read at start-up, logged
+//! with its derivation), `--memory none` turns it off, a size is taken as
+//! given, and `--reserve` is refused without memory. CPU here;
+//! `LANES_TEST_DEVICE=cuda` runs the same cases on the GPU machine (with
+//! `LANES_BIN` pointing at the staged binary). Whole file: a few seconds on
+//! the 2-core development VM.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod util;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+
+fn device() -> &'static str {
+    match std::env::var("LANES_TEST_DEVICE").as_deref() {
+        Ok("cuda") => "cuda",
+        _ => "cpu",
+    }
+}
+
+/// One service at a time: on the GPU each holds a context, and with
+/// `--reserve` most of the device.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// A `lanes serve` child process, killed when dropped.
+struct Serve {
+    child: Child,
+    endpoint: String,
+}
+
+impl Serve {
+    /// Starts `lanes serve` on a free loopback port with `args` and waits
+    /// for its "serving on" line.
+    fn start(args: &[&str]) -> Serve {
+        let mut child = Command::new(util::lanes_bin())
+            .args(["serve", "--device", device(), "--workers", "1"])
+            .args(["--endpoint", "tcp://127.0.0.1:*"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("lanes runs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped stdout"))
+            .read_line(&mut line)
+            .expect("stdout readable");
+        let Some(endpoint) = line
+            .strip_prefix("lanes serving on ")
+            .and_then(|rest| rest.split_whitespace().next())
+        else {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("lanes exits");
+            panic!(
+                "lanes serve {args:?} did not start: {line:?}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        Serve {
+            endpoint: endpoint.to_string(),
+            child,
+        }
+    }
+
+    /// `lanes status` against it: stdout.
+    fn status(&self) -> String {
+        let out = Command::new(util::lanes_bin())
+            .args(["status", "--endpoint", &self.endpoint])
+            .output()
+            .expect("lanes runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "lanes status failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    }
+
+    /// Stops it; its stderr (the log).
+    fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut log = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut log);
+        }
+        log
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The GiB figure of `lanes status`'s `memory X GiB` (None for `unset`).
+fn status_memory_gib(status: &str) -> Option<f64> {
+    let after = status.split(" · memory ").nth(1)?;
+    let figure = after.split(" · ").next()?;
+    figure.strip_suffix(" GiB")?.parse().ok()
+}
+
+#[test]
+fn memory_auto_is_the_default_and_admits() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let serve = Serve::start(&[]);
+    let status = serve.status();
+    let gib = status_memory_gib(&status).unwrap_or_else(|| panic!("a memory figure:\n{status}"));
+    assert!(gib > 0.0, "{status}");
+    // The lanes are there: admission is on.
+    assert!(status.contains("\nreservation "), "{status}");
+    let log = serve.stop();
+    let rule = match device() {
+        "cuda" => "memory: auto = 90% of ",
+        _ => "memory: auto = 50% of ",
+    };
+    assert!(log.contains(rule), "{log}");
+    let how = match device() {
+        "cuda" => " free (of ",
+        _ => " available host memory = ",
+    };
+    assert!(log.contains(how), "{log}");
+}
+
+#[test]
+fn memory_none_turns_admission_off() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let serve = Serve::start(&["--memory", "none"]);
+    let status = serve.status();
+    assert!(status.contains(" · memory unset · "), "{status}");
+    assert!(!status.contains("\nreservation "), "{status}");
+    let log = serve.stop();
+    assert!(log.contains("no lane admission"), "{log}");
+}
+
+#[test]
+fn memory_size_is_taken_as_given() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let serve = Serve::start(&["--memory", "1.5GiB"]);
+    let status = serve.status();
+    assert_eq!(status_memory_gib(&status), Some(1.5), "{status}");
+    assert!(status.contains("\nreservation 1.50 GiB"), "{status}");
+}
+
+#[test]
+fn reserve_takes_the_auto_size_and_is_refused_without_memory() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let serve = Serve::start(&["--reserve"]);
+    let status = serve.status();
+    assert!(
+        status_memory_gib(&status).is_some_and(|g| g > 0.0),
+        "{status}"
+    );
+    drop(serve);
+
+    let out = Command::new(util::lanes_bin())
+        .args([
+            "serve",
+            "--device",
+            device(),
+            "--memory",
+            "none",
+            "--reserve",
+        ])
+        .args(["--endpoint", "tcp://127.0.0.1:*"])
+        .output()
+        .expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--reserve") && stderr.contains("not none"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn memory_values_are_checked_by_the_parser() {
+    let out = Command::new(util::lanes_bin())
+        .args(["serve", "--device", device(), "--memory", "lots"])
+        .args(["--endpoint", "tcp://127.0.0.1:*"])
+        .output()
+        .expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("auto, none or a size"), "{stderr}");
+}
