@@ -141,7 +141,7 @@ pub fn admission_sizes(
     let (p, t) = crate::session::admission_sizes(backend_of(device), graph, &plan)
         .map_err(|e| no(e.to_string()))?;
     // With `--reserve`: whole chunks (`RESERVE_CHUNK`, the chunk of every
-    // reservation up to 8 GiB).
+    // reservation up to 128 GiB, see `cuda::reserve_chunk`).
     let align = match backend_of(device) {
         crate::session::Backend::Cuda if reserve => crate::exec::cuda::RESERVE_CHUNK,
         _ => crate::compile::DEFAULT_ALIGNMENT,

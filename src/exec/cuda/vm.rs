@@ -108,6 +108,19 @@ fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
 /// (2 MiB chunks doubled a ResNet-50 switch on the H100).
 pub const RESERVE_CHUNK: u64 = 16 << 20;
 
+/// Most chunks a reservation is cut into before its chunks grow (each is
+/// one `cuMemCreate` at start-up; 8192 × 16 MiB = 128 GiB).
+pub const MAX_RESERVE_CHUNKS: usize = 8192;
+
+/// The chunk of a reservation of `bytes`: [`RESERVE_CHUNK`], or the power
+/// of two that keeps it within [`MAX_RESERVE_CHUNKS`] chunks.
+pub fn reserve_chunk(bytes: usize) -> usize {
+    (bytes.div_ceil(MAX_RESERVE_CHUNKS))
+        .max(RESERVE_CHUNK as usize)
+        .checked_next_power_of_two()
+        .unwrap_or(RESERVE_CHUNK as usize)
+}
+
 /// The chunks of the device reservation (see [`DeviceReservation`]).
 struct Pool {
     device: sys::CUdevice,
@@ -132,16 +145,17 @@ pub struct DeviceReservation {
 
 impl DeviceReservation {
     /// Takes `bytes` of device memory now, in chunks of
-    /// [`RESERVE_CHUNK`] (larger, to keep at most 512 of them: every chunk
-    /// costs a map call when a program comes back), rounded down to whole
-    /// chunks. One reservation per process.
+    /// [`RESERVE_CHUNK`] (a larger power of two above
+    /// [`MAX_RESERVE_CHUNKS`] chunks; the lanes align to the chunk, which
+    /// must be a power of two), rounded down to whole chunks. One
+    /// reservation per process.
     pub fn new(bytes: u64) -> Result<Self, ExecError> {
         let gpu = super::device::gpu()?;
         let ctx = gpu.ctx.clone();
         ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let gran = min_granularity(&ctx)?;
         let bytes = usize::try_from(bytes).map_err(|_| dev_err("reservation", "too large"))?;
-        let chunk = round_up((bytes / 512).max(RESERVE_CHUNK as usize), gran)?;
+        let chunk = round_up(reserve_chunk(bytes), gran)?;
         let n = bytes / chunk;
         if n == 0 {
             return Err(dev_err(
@@ -595,5 +609,25 @@ impl Drop for VmArena {
         }
         // SAFETY: the range was reserved by `new` and is unmapped now.
         let _ = unsafe { sys::cuMemAddressFree(self.va, self.size) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservation_chunks_are_powers_of_two_and_few_enough() {
+        const GIB: usize = 1 << 30;
+        // `--memory auto` on the H100 (69.80 GiB): SIZE/512 was 140 MiB.
+        assert_eq!(reserve_chunk(74_943_823_872), RESERVE_CHUNK as usize);
+        assert_eq!(reserve_chunk(GIB), RESERVE_CHUNK as usize);
+        assert_eq!(reserve_chunk(128 * GIB), RESERVE_CHUNK as usize);
+        assert_eq!(reserve_chunk(128 * GIB + 1), 32 << 20);
+        for bytes in [1, 3 * GIB, 500 * GIB, 1 << 50] {
+            let c = reserve_chunk(bytes);
+            assert!(c.is_power_of_two() && c >= RESERVE_CHUNK as usize);
+            assert!(bytes / c <= MAX_RESERVE_CHUNKS, "{bytes}: {c}");
+        }
     }
 }
