@@ -744,3 +744,30 @@ impl Drop for Session<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::is_local;
+
+    #[test]
+    fn only_endpoints_on_this_host_are_local() {
+        for e in [
+            "ipc:///tmp/lanes.sock",
+            "tcp://127.0.0.1:5555",
+            "tcp://127.1.2.3:1",
+            "tcp://localhost:5555",
+            "tcp://[::1]:5555",
+        ] {
+            assert!(is_local(e), "{e}");
+        }
+        for e in [
+            "tcp://10.0.0.7:5555",
+            "tcp://gpu-box:5555",
+            "tcp://[2001:db8::1]:5555",
+            "inproc://x",
+            "garbage",
+        ] {
+            assert!(!is_local(e), "{e}");
+        }
+    }
+}
