@@ -29,13 +29,6 @@ fn code(r: Result<impl std::fmt::Debug, ClientError>) -> ErrorCode {
     }
 }
 
-fn error_code(reply: &Reply) -> ErrorCode {
-    match reply {
-        Reply::Error(e) => e.code,
-        other => panic!("expected an error reply, got {other:?}"),
-    }
-}
-
 #[test]
 fn thirty_two_concurrent_sessions_get_correct_results() {
     const SESSIONS: usize = 32;

@@ -41,17 +41,7 @@ fn wide(seed: u64) -> (Graph, VarValues) {
 }
 
 fn wide_ref(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut y = vec![0.0; ROWS * OUTS];
-    for i in 0..ROWS {
-        for j in 0..OUTS {
-            let mut acc = b[j];
-            for k in 0..COLS {
-                acc += x[i * COLS + k] * w[k * OUTS + j];
-            }
-            y[i * OUTS + j] = acc.max(0.0);
-        }
-    }
-    y
+    dense_relu_ref(x, w, b, ROWS, COLS, OUTS)
 }
 
 fn x_for(seed: u64) -> Tensor {
@@ -116,13 +106,6 @@ fn a_service_that_refuses_segments_is_used_over_the_socket() {
 fn offer_reply(peer: &RawPeer, id: u64, session: SessionId, offer: SegmentOffer) -> Reply {
     let req = Request::ShareMemory { session, offer };
     peer.call(wire::encode_request(id, &req).unwrap()).message
-}
-
-fn error_code(reply: &Reply) -> ErrorCode {
-    match reply {
-        Reply::Error(e) => e.code,
-        other => panic!("expected an error reply, got {other:?}"),
-    }
 }
 
 #[test]

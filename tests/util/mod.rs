@@ -93,6 +93,14 @@ impl RawPeer {
     }
 }
 
+/// The code of an error reply (panics on any other reply).
+pub fn error_code(reply: &Reply) -> lanes_adaptor::ErrorCode {
+    match reply {
+        Reply::Error(e) => e.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
 pub const BATCH: usize = 4;
 pub const IN: usize = 3;
 pub const OUT: usize = 2;
@@ -130,14 +138,26 @@ pub fn linear_relu(seed: u64) -> (Graph, VarValues) {
 
 /// Reference for [`linear_relu`].
 pub fn linear_relu_ref(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut y = vec![0.0; BATCH * OUT];
-    for i in 0..BATCH {
-        for j in 0..OUT {
+    dense_relu_ref(x, w, b, BATCH, IN, OUT)
+}
+
+/// `relu(x @ w + b)` for x [rows, cols], w [cols, outs], b [outs].
+pub fn dense_relu_ref(
+    x: &[f32],
+    w: &[f32],
+    b: &[f32],
+    rows: usize,
+    cols: usize,
+    outs: usize,
+) -> Vec<f32> {
+    let mut y = vec![0.0; rows * outs];
+    for i in 0..rows {
+        for j in 0..outs {
             let mut acc = b[j];
-            for k in 0..IN {
-                acc += x[i * IN + k] * w[k * OUT + j];
+            for k in 0..cols {
+                acc += x[i * cols + k] * w[k * outs + j];
             }
-            y[i * OUT + j] = acc.max(0.0);
+            y[i * outs + j] = acc.max(0.0);
         }
     }
     y

@@ -604,28 +604,39 @@ fn take_tensors<F: Deref<Target = [u8]>>(
         .into_iter()
         .zip(frames)
         .map(|(m, f)| {
-            if m.ty
-                .checked_bytes()
-                .is_none_or(|b| b > limits.max_tensor_bytes)
-            {
-                return Err(WireError::TensorTooLarge {
-                    name: m.name,
-                    ty: m.ty,
-                    limit: limits.max_tensor_bytes,
-                });
-            }
-            match tensor_from_frame_in(&m.ty, f, pool) {
-                Ok(tensor) => Ok(NamedTensor {
-                    name: m.name,
-                    tensor,
-                }),
-                Err(source) => Err(WireError::TensorBytes {
-                    name: m.name,
-                    source,
-                }),
-            }
+            checked_len(&m, limits)?;
+            named_from(m, f, pool)
         })
         .collect()
+}
+
+/// The byte length of the tensor `m` announces, within the tensor limit.
+fn checked_len(m: &TensorMeta, limits: &Limits) -> Result<usize, WireError> {
+    m.ty.checked_bytes()
+        .filter(|b| *b <= limits.max_tensor_bytes)
+        .ok_or_else(|| WireError::TensorTooLarge {
+            name: m.name.clone(),
+            ty: m.ty.clone(),
+            limit: limits.max_tensor_bytes,
+        })
+}
+
+/// The tensor `m` announces, its values from `bytes`.
+fn named_from(
+    m: TensorMeta,
+    bytes: &[u8],
+    pool: Option<&BufferPool>,
+) -> Result<NamedTensor, WireError> {
+    match tensor_from_frame_in(&m.ty, bytes, pool) {
+        Ok(tensor) => Ok(NamedTensor {
+            name: m.name,
+            tensor,
+        }),
+        Err(source) => Err(WireError::TensorBytes {
+            name: m.name,
+            source,
+        }),
+    }
 }
 
 /// Reads feeds from a shared segment at `offsets`, checking each range
@@ -650,13 +661,7 @@ fn take_shared(
         .into_iter()
         .zip(offsets)
         .map(|(m, &at)| {
-            let Some(len) = m.ty.checked_bytes().filter(|b| *b <= limits.max_tensor_bytes) else {
-                return Err(WireError::TensorTooLarge {
-                    name: m.name,
-                    ty: m.ty,
-                    limit: limits.max_tensor_bytes,
-                });
-            };
+            let len = checked_len(&m, limits)?;
             let range = usize::try_from(at)
                 .ok()
                 .filter(|a| *a >= shm::SEGMENT_HEADER)
@@ -671,16 +676,7 @@ fn take_shared(
                     ),
                 });
             };
-            match tensor_from_frame_in(&m.ty, &seg[range], pool) {
-                Ok(tensor) => Ok(NamedTensor {
-                    name: m.name,
-                    tensor,
-                }),
-                Err(source) => Err(WireError::TensorBytes {
-                    name: m.name,
-                    source,
-                }),
-            }
+            named_from(m, &seg[range], pool)
         })
         .collect()
 }
