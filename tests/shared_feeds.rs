@@ -80,6 +80,23 @@ fn large_feeds_through_shared_memory_give_the_socket_results() {
         shared.shares_memory(),
         "the service attached the segments (the client did not fall back)"
     );
+    // Status (asked on another connection) shows the attached segment: a
+    // 2 MiB feed and the header, in 2 MiB granules.
+    {
+        let mut s = shared
+            .open_session(SessionSpec::inference("status"))
+            .unwrap();
+        let (graph, vars) = wide(5);
+        s.load(&graph, vars).unwrap();
+        s.run(vec![("x", x_for(1))], &["y"]).unwrap();
+        let report = Client::connect(service.endpoint())
+            .unwrap()
+            .status()
+            .unwrap();
+        let row = report.sessions.iter().find(|r| r.session == s.id());
+        assert_eq!(row.map(|r| r.shared_bytes), Some(4 << 20), "{report:?}");
+        s.close().unwrap();
+    }
     let mut socket = Client::connect_with(
         service.endpoint(),
         ClientOptions {

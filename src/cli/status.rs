@@ -39,7 +39,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.queued
     );
     println!(
-        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11}",
+        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11} {:>10}",
         "session",
         "name",
         "kind",
@@ -50,7 +50,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "weights",
         "evictions",
         "queue (ms)",
-        "run (ms)"
+        "run (ms)",
+        "feeds"
     );
     for x in &s.sessions {
         let iters = match x.spec.expected_iterations {
@@ -58,7 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None => x.iterations.to_string(),
         };
         println!(
-            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3}",
+            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3} {:>10}",
             x.session.to_string(),
             x.spec.name,
             x.spec.kind.to_string(),
@@ -69,7 +70,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             if x.resident { "device" } else { "host" },
             x.evictions,
             x.queueing_mean_us as f64 / 1000.0,
-            x.service_mean_us as f64 / 1000.0
+            x.service_mean_us as f64 / 1000.0,
+            // Where its large feeds travel: shared segments (their size) or
+            // the socket.
+            if x.shared_bytes > 0 {
+                format!("shm {:.0}M", x.shared_bytes as f64 / (1u64 << 20) as f64)
+            } else {
+                "socket".to_string()
+            }
         );
     }
     if s.sessions.is_empty() {

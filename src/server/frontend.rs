@@ -585,6 +585,7 @@ impl Frontend {
                 resident: e.resident,
                 evictions: e.switches.0,
                 returns: e.switches.1,
+                shared_bytes: e.segments.values().map(|s| s.bytes().len() as u64).sum(),
             });
         }
         StatusReport {

@@ -201,6 +201,9 @@ pub struct SessionStatus {
     /// Times it was evicted to host memory, and brought back.
     pub evictions: u64,
     pub returns: u64,
+    /// Bytes of the shared-memory segments it has attached (its Runs' large
+    /// feeds travel in them; 0: over the socket).
+    pub shared_bytes: u64,
 }
 
 /// The service's answer to [`Request::Status`].
