@@ -1,12 +1,12 @@
 //! Running a validated graph on the CPU: feeds, the set of nodes an
-//! iteration needs, topological execution, in-place updates of variables.
+//! iteration needs, topological execution with every op output at its
+//! planned offset in the program's arena, in-place updates of variables.
 
 use std::collections::BTreeMap;
 
-use lanes_adaptor::{
-    DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
-};
+use lanes_adaptor::{NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
 
+use super::arena::{self, Arena, Span};
 use super::run_op;
 use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
 
@@ -36,15 +36,6 @@ pub(super) fn view<'a>(ty: &'a TensorType, t: &'a Tensor) -> TensorRef<'a> {
     TensorRef { ty, data }
 }
 
-/// Zeroed buffer of a type.
-fn zeros(ty: &TensorType) -> TensorData {
-    let n = ty.shape.numel();
-    match ty.dtype {
-        DType::F32 => TensorData::F32(vec![0.0; n]),
-        DType::I64 => TensorData::I64(vec![0; n]),
-    }
-}
-
 fn view_mut<'a>(ty: &'a TensorType, d: &'a mut TensorData) -> TensorMut<'a> {
     let data = match d {
         TensorData::F32(v) => DataMut::F32(v),
@@ -66,10 +57,12 @@ fn into_tensor(ty: &TensorType, d: TensorData) -> Result<Tensor, ExecError> {
 /// (pipelined restore) or take the time (profiling).
 pub(super) type BeforeNode<'h> = dyn FnMut(usize, &mut VarValues) -> Result<(), ExecError> + 'h;
 
-/// Runs one iteration of `graph` with variables `vars` (updated in place).
+/// Runs one iteration of `graph` with variables `vars` (updated in place)
+/// and every op output in `arena`, at its planned offset (see `arena.rs`).
 pub(super) fn run_iteration(
     graph: &ValidGraph,
     vars: &mut VarValues,
+    arena: &mut Arena,
     feeds: &BTreeMap<String, Tensor>,
     fetches: &[String],
     before: &mut BeforeNode<'_>,
@@ -101,6 +94,9 @@ pub(super) fn run_iteration(
                 .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
         })
         .collect::<Result<_, _>>()?;
+    // Fetched outputs live to the end; the buffer is there.
+    arena.cover(graph, &outlets)?;
+    arena.ensure()?;
     // Needed: fetched nodes, in-place updates, and everything they read.
     let mut needed = vec![false; n];
     let mut stack: Vec<NodeId> = outlets.iter().map(|o| o.node).collect();
@@ -117,19 +113,8 @@ pub(super) fn run_iteration(
         }
         stack.extend(g.nodes[id.index()].inputs.iter().map(|o| o.node));
     }
-    // Remaining uses of each node's outputs, to free intermediates early.
-    let mut uses = vec![0usize; n];
-    for (i, nd) in g.nodes.iter().enumerate() {
-        if needed[i] {
-            for o in &nd.inputs {
-                uses[o.node.index()] += 1;
-            }
-        }
-    }
-    for o in &outlets {
-        uses[o.node.index()] += 1;
-    }
-    let mut values: Vec<Option<Vec<Tensor>>> = vec![None; n];
+    // Ops whose outputs hold this iteration's values.
+    let mut done = vec![false; n];
     for (pos, &id) in graph.order().iter().enumerate() {
         before(pos, vars)?;
         let i = id.index();
@@ -139,15 +124,14 @@ pub(super) fn run_iteration(
         let node = &g.nodes[i];
         match &node.op {
             Op::Placeholder(_) => {
-                let t = feeds
-                    .get(&node.name)
-                    .ok_or_else(|| ExecError::MissingFeed {
+                if !feeds.contains_key(&node.name) {
+                    return Err(ExecError::MissingFeed {
                         name: node.name.clone(),
-                    })?;
-                values[i] = Some(vec![t.clone()]);
+                    });
+                }
             }
-            Op::Constant(t) => values[i] = Some(vec![t.clone()]),
-            Op::Variable(_) => {} // read from `vars` when used
+            // Read where they are when used.
+            Op::Constant(_) | Op::Variable(_) => {}
             op => {
                 let mutated = op.mutated_inputs();
                 // Copies of the mutated variables, written back on success.
@@ -168,11 +152,21 @@ pub(super) fn run_iteration(
                         })?;
                     updated.push((var.name.clone(), cur.data().clone()));
                 }
-                let mut outs: Vec<TensorData> = node.outputs.iter().map(zeros).collect();
                 {
+                    let spans: Vec<Option<Span>> =
+                        node.inputs.iter().map(|o| arena.span(graph, *o)).collect();
+                    for (o, s) in node.inputs.iter().zip(&spans) {
+                        if s.is_some() && !done[o.node.index()] {
+                            return Err(bad(node, "value used before it was computed"));
+                        }
+                    }
+                    let (words, outputs) = arena.parts();
+                    let outputs = outputs.get(i).map_or(&[][..], Vec::as_slice);
+                    let (in_words, out_words) =
+                        arena::carve(words, &spans, outputs).map_err(|r| bad(node, &r))?;
                     let mut ins = Vec::with_capacity(node.inputs.len());
-                    for o in &node.inputs {
-                        ins.push(input_view(graph, vars, &values, *o)?);
+                    for (o, w) in node.inputs.iter().zip(in_words) {
+                        ins.push(input_view(graph, vars, feeds, *o, w)?);
                     }
                     let mut inplace: Vec<TensorMut<'_>> = updated
                         .iter_mut()
@@ -186,9 +180,10 @@ pub(super) fn run_iteration(
                     let mut out_views: Vec<TensorMut<'_>> = node
                         .outputs
                         .iter()
-                        .zip(outs.iter_mut())
-                        .map(|(ty, d)| view_mut(ty, d))
-                        .collect();
+                        .zip(out_words)
+                        .map(|(ty, w)| arena::view_mut(ty, w))
+                        .collect::<Result<_, _>>()
+                        .map_err(|r| bad(node, &r))?;
                     run_op(&node.name, op, &ins, &mut inplace, &mut out_views)?;
                 }
                 for (name, d) in updated {
@@ -196,18 +191,7 @@ pub(super) fn run_iteration(
                         *v = into_tensor(&v.ty(), d)?;
                     }
                 }
-                let mut produced = Vec::with_capacity(outs.len());
-                for (ty, d) in node.outputs.iter().zip(outs) {
-                    produced.push(into_tensor(ty, d)?);
-                }
-                values[i] = Some(produced);
-                for o in &node.inputs {
-                    let j = o.node.index();
-                    uses[j] = uses[j].saturating_sub(1);
-                    if uses[j] == 0 {
-                        values[j] = None;
-                    }
-                }
+                done[i] = true;
             }
         }
     }
@@ -217,19 +201,26 @@ pub(super) fn run_iteration(
         .zip(fetches)
         .map(|(o, key)| {
             let node = &g.nodes[o.node.index()];
-            if matches!(node.op, Op::Variable(_)) {
-                return vars
-                    .get(&node.name)
-                    .cloned()
-                    .ok_or_else(|| ExecError::MissingVariable {
-                        name: node.name.clone(),
-                    });
+            let unknown = || ExecError::UnknownFetch { key: key.clone() };
+            match &node.op {
+                Op::Variable(_) => {
+                    vars.get(&node.name)
+                        .cloned()
+                        .ok_or_else(|| ExecError::MissingVariable {
+                            name: node.name.clone(),
+                        })
+                }
+                Op::Constant(t) => Ok(t.clone()),
+                Op::Placeholder(_) => feeds.get(&node.name).cloned().ok_or_else(unknown),
+                _ => {
+                    let span = arena.span(graph, *o).ok_or_else(unknown)?;
+                    let ty = g.outlet_type(*o).ok_or_else(unknown)?;
+                    if !done[o.node.index()] {
+                        return Err(unknown());
+                    }
+                    arena::copy_out(ty, arena.words(), span).map_err(|r| bad(node, &r))
+                }
             }
-            values[o.node.index()]
-                .as_ref()
-                .and_then(|v| v.get(o.slot as usize))
-                .cloned()
-                .ok_or_else(|| ExecError::UnknownFetch { key: key.clone() })
         })
         .collect()
 }
@@ -242,27 +233,34 @@ fn bad(node: &lanes_adaptor::Node, reason: &str) -> ExecError {
     }
 }
 
+/// Kernel view of input `o`: in the arena (`words`), a feed, a variable
+/// or a constant.
 fn input_view<'a>(
     graph: &'a ValidGraph,
     vars: &'a VarValues,
-    values: &'a [Option<Vec<Tensor>>],
+    feeds: &'a BTreeMap<String, Tensor>,
     o: Outlet,
+    words: Option<&'a [u64]>,
 ) -> Result<TensorRef<'a>, ExecError> {
     let g = graph.graph();
     let src = &g.nodes[o.node.index()];
     let ty = g
         .outlet_type(o)
         .ok_or_else(|| bad(src, "dangling outlet"))?;
-    let t = if matches!(src.op, Op::Variable(_)) {
-        vars.get(&src.name)
+    if let Some(w) = words {
+        return arena::view(ty, w).map_err(|r| bad(src, &r));
+    }
+    let t = match &src.op {
+        Op::Variable(_) => vars
+            .get(&src.name)
             .ok_or_else(|| ExecError::MissingVariable {
                 name: src.name.clone(),
-            })?
-    } else {
-        values[o.node.index()]
-            .as_ref()
-            .and_then(|v| v.get(o.slot as usize))
-            .ok_or_else(|| bad(src, "value used before it was computed"))?
+            })?,
+        Op::Constant(t) => t,
+        Op::Placeholder(_) => feeds.get(&src.name).ok_or_else(|| ExecError::MissingFeed {
+            name: src.name.clone(),
+        })?,
+        _ => return Err(bad(src, "value used before it was computed")),
     };
     Ok(view(ty, t))
 }
