@@ -22,6 +22,10 @@
 //! - The buffer is allocated when the program is built, after a re-plan
 //!   that needs it larger, and after an eviction (which gives it up) — never
 //!   per iteration in the steady state.
+//! - **Scratch.** In-place ops (optimizer steps, running statistics) write
+//!   the variables where they are; the old values their kernels read as
+//!   inputs are copied into a second buffer of the arena, grown to the
+//!   largest update during the first iteration.
 
 use std::collections::HashSet;
 
@@ -54,6 +58,9 @@ pub(super) struct Arena {
     spans: Vec<Vec<Span>>,
     /// The buffer; at least `planned` bytes unless the program is evicted.
     words: Vec<u64>,
+    /// Old values of the variables an in-place op updates (see
+    /// `program::update_in_place`), as large as the largest update.
+    scratch: Vec<u64>,
 }
 
 fn err(reason: String) -> ExecError {
@@ -72,6 +79,7 @@ impl Arena {
             fetchable: HashSet::new(),
             spans: Vec::new(),
             words: Vec::new(),
+            scratch: Vec::new(),
         };
         arena.replan(graph, compile::sinks(graph))?;
         arena.ensure()?;
@@ -180,6 +188,7 @@ impl Arena {
     /// takes it again.
     pub fn release(&mut self) {
         self.words = Vec::new();
+        self.scratch = Vec::new();
     }
 
     /// Where output `o` of an op lives; `None` for sources (feeds,
@@ -195,9 +204,9 @@ impl Arena {
             .copied()
     }
 
-    /// The buffer and the output spans, borrowed apart.
-    pub fn parts(&mut self) -> (&mut [u64], &[Vec<Span>]) {
-        (&mut self.words, &self.spans)
+    /// The buffer, the output spans and the scratch buffer, borrowed apart.
+    pub fn parts(&mut self) -> (&mut [u64], &[Vec<Span>], &mut Vec<u64>) {
+        (&mut self.words, &self.spans, &mut self.scratch)
     }
 
     /// The buffer, for copying fetched results out.
@@ -208,6 +217,11 @@ impl Arena {
     #[cfg(test)]
     pub fn buffer(&self) -> &Vec<u64> {
         &self.words
+    }
+
+    #[cfg(test)]
+    pub fn scratch(&self) -> &Vec<u64> {
+        &self.scratch
     }
 
     #[cfg(test)]

@@ -42,7 +42,7 @@ pub struct CpuProgram {
     graph: ValidGraph,
     vars: VarValues,
     /// The ephemeral tensors, at their memory plan's offsets.
-    arena: Arena,
+    arena: Box<Arena>,
     res: Box<Residency>,
 }
 
@@ -71,7 +71,7 @@ impl CpuProgram {
     /// type, plans its memory and allocates the ephemeral arena (T bytes).
     pub fn new(graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
         program::check_vars(&graph, &vars)?;
-        let arena = Arena::new(&graph)?;
+        let arena = Box::new(Arena::new(&graph)?);
         let layout = Layout::of(&graph);
         let updates = graph
             .graph()

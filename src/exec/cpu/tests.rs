@@ -4,9 +4,11 @@
 
 use std::collections::BTreeMap;
 
+use lanes_adaptor::nn::{Mode, Nn};
 use lanes_adaptor::zoo::Arch;
 use lanes_adaptor::{
-    validate, DType, GraphLimits, Op, Optimizer, Outlet, Tensor, TensorType, ValidGraph,
+    training_graph, validate, DType, GraphLimits, Op, Optimizer, Outlet, Tensor, TensorType,
+    ValidGraph, VarValues,
 };
 
 use super::{program, run_op, CpuProgram};
@@ -94,6 +96,7 @@ fn iterations_reuse_the_arena() {
     let mut p = CpuProgram::new(v, vars).unwrap();
     let at_build = buffer(&p);
     let mut losses = Vec::new();
+    let mut scratch = None;
     for k in 0..3 {
         let out = p
             .run(&feeds(&inputs, 7), std::slice::from_ref(&loss))
@@ -103,6 +106,12 @@ fn iterations_reuse_the_arena() {
             at_build,
             "iteration {k} moved or grew the arena"
         );
+        // The old values of the updated variables: sized in the first
+        // iteration, then kept.
+        let s = p.arena.scratch();
+        let now = (s.as_ptr() as usize, s.capacity());
+        assert!(now.1 > 0);
+        assert_eq!(*scratch.get_or_insert(now), now, "iteration {k}");
         losses.push(out[0].f32s().unwrap()[0]);
     }
     // The updates reached the variables: same batch, lower loss.
@@ -196,4 +205,50 @@ fn fetched_intermediates_are_right() {
     drop(views);
     assert_eq!(&outs[out.slot as usize].ty(), ty);
     assert_eq!(outs.swap_remove(out.slot as usize), alone);
+}
+
+/// Three AdamW steps of a small model with batch norm (running statistics
+/// updated in place too): the variables written where they are give
+/// exactly what copies written back give.
+#[test]
+fn in_place_updates_match_copies() {
+    let build = || {
+        let mut nn = Nn::new(4, Mode::Train);
+        let x = nn.g.placeholder("x", TensorType::f32([4, 8]));
+        let labels = nn.g.placeholder("labels", TensorType::i64([4]));
+        let h = nn.linear("fc1", x, 16, true);
+        let h = nn.batch_norm("bn", h, 1e-5, 0.1);
+        let h = nn.g.relu(h);
+        let y = nn.linear("fc2", h, 10, true);
+        let loss = nn.g.cross_entropy(y, labels);
+        nn.g.set_name(loss, "loss");
+        let t = training_graph(nn.g, loss, &Optimizer::adamw(1e-2, 0.01)).unwrap();
+        let v = validate(t.graph, &GraphLimits::default()).unwrap();
+        CpuProgram::new(v, t.vars).unwrap()
+    };
+    let inputs = vec![
+        ("x".to_string(), TensorType::f32([4, 8])),
+        ("labels".to_string(), TensorType::i64([4])),
+    ];
+    let fetch = ["loss".to_string()];
+    let steps = |p: &mut CpuProgram, cloned: bool| -> (Vec<Tensor>, VarValues) {
+        program::FORCE_CLONED.set(cloned);
+        let losses = (0..3)
+            .map(|k| p.run(&feeds(&inputs, 20 + k), &fetch).unwrap().remove(0))
+            .collect();
+        program::FORCE_CLONED.set(false);
+        (losses, p.read_variables(&[]).unwrap())
+    };
+    let (mut a, mut b) = (build(), build());
+    let before = a.read_variables(&[]).unwrap();
+    let (la, va) = steps(&mut a, false);
+    let (lb, vb) = steps(&mut b, true);
+    assert_eq!(la, lb);
+    assert_eq!(va, vb);
+    // The steps changed every variable: weights, moments, step counters and
+    // the running statistics.
+    assert_eq!(va.len(), before.len());
+    let same: Vec<&String> = va.keys().filter(|k| va[*k] == before[*k]).collect();
+    assert!(same.is_empty(), "unchanged: {same:?}");
+    assert!(va.keys().any(|k| k.contains("running_mean")));
 }
