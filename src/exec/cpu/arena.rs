@@ -9,8 +9,8 @@
 //!   slots in the buffer are left unused. Variables and constants are
 //!   persistent, not in the buffer.
 //! - **Outputs** are zeroed before their kernel runs, as the fresh buffers
-//!   of the executor before were (some backward kernels accumulate into
-//!   their outputs).
+//!   of the executor before were (some kernels accumulate into their
+//!   outputs: reductions, convolution and normalisation gradients).
 //! - **Views.** An op's inputs and outputs are live at the same step, so the
 //!   plan gives them disjoint ranges (checked again here: overlapping ranges
 //!   are an error, not a panic); [`carve`] splits the buffer into them with
