@@ -99,7 +99,7 @@ impl Program {
 
     /// Runs the next iterations in the shared ephemeral memory of `lane`
     /// (a process-unique key; `None`: the program's own). The CPU backend
-    /// keeps its tensors in its own buffers (nothing to do).
+    /// keeps its ephemeral tensors in the program's own arena (nothing to do).
     pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
         match self {
             Program::Cpu(_) => Ok(()),

@@ -219,7 +219,18 @@ pub fn executor(
             );
             Some(p.device_name().to_string())
         }
-        Program::Cpu(_) => None,
+        Program::Cpu(p) => {
+            // The ephemeral buffer at the memory plan's offsets (T bytes).
+            m.insert(
+                "arena".into(),
+                json!({
+                    "persistent": p.persistent_bytes(),
+                    "ephemeral": p.ephemeral_bytes(),
+                    "buffer": p.arena_bytes(),
+                }),
+            );
+            None
+        }
     };
     seen.json(w.kind, &mut m);
     progress(&format!("executor: median {:.3} ms", stats.median), since);

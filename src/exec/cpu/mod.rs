@@ -9,7 +9,13 @@
 //!   In-place ops (optimizer updates, batch-norm running stats, assign)
 //!   update the program's variables.
 //! - [`run_op`] runs one op on typed slices: the kernel entry point.
+//!
+//! Memory: every op output of an iteration lives in one buffer per program
+//! at the offset the compile stage's memory plan gives it (T bytes, the
+//! T the service reports; see `arena.rs`), allocated when the program is
+//! built, not per iteration.
 
+mod arena;
 mod backward;
 mod forward;
 mod program;
@@ -18,6 +24,7 @@ use std::collections::BTreeMap;
 
 use lanes_adaptor::{Op, Tensor, ValidGraph, VarValues};
 
+use self::arena::Arena;
 use super::{ExecError, TensorMut, TensorRef};
 use crate::residency::{
     Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport, UnitTimer,
@@ -29,10 +36,13 @@ use crate::residency::{
 /// (the stand-in for device memory) into a host copy (the stand-in for
 /// pinned host memory); the next run brings them back in groups on a copier
 /// thread while the iteration already computes ([`CpuProgram::run_switching`]).
+/// Eviction also gives up the ephemeral arena; the next run takes it again.
 #[derive(Debug)]
 pub struct CpuProgram {
     graph: ValidGraph,
     vars: VarValues,
+    /// The ephemeral tensors, at their memory plan's offsets.
+    arena: Box<Arena>,
     res: Box<Residency>,
 }
 
@@ -57,9 +67,11 @@ struct Residency {
 const GROUP_OVERHEAD: f64 = 10e-6;
 
 impl CpuProgram {
-    /// Checks that every variable of `graph` has a value of its declared type.
+    /// Checks that every variable of `graph` has a value of its declared
+    /// type, plans its memory and allocates the ephemeral arena (T bytes).
     pub fn new(graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
         program::check_vars(&graph, &vars)?;
+        let arena = Box::new(Arena::new(&graph)?);
         let layout = Layout::of(&graph);
         let updates = graph
             .graph()
@@ -69,6 +81,7 @@ impl CpuProgram {
         Ok(CpuProgram {
             graph,
             vars,
+            arena,
             res: Box::new(Residency {
                 layout,
                 resident: true,
@@ -109,6 +122,18 @@ impl CpuProgram {
     /// The unit layout (persistent tensors by first use).
     pub fn layout(&self) -> &Layout {
         &self.res.layout
+    }
+
+    /// T of the memory plan the ephemeral tensors follow, bytes (the
+    /// graph's sinks kept to the end, plus any output a Run fetched).
+    pub fn ephemeral_bytes(&self) -> u64 {
+        self.arena.planned() as u64
+    }
+
+    /// Bytes of the ephemeral arena held now: T, or more after a re-plan
+    /// to a smaller T; 0 while evicted.
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena.bytes() as u64
     }
 
     /// Host copy bandwidth in bytes/s, measured when the host copy was taken.
@@ -152,6 +177,7 @@ impl CpuProgram {
             res.dirty = false;
         }
         self.vars.clear();
+        self.arena.release();
         res.resident = false;
         let costs = self.costs();
         self.res.plans.fill(&costs);
@@ -193,6 +219,7 @@ impl CpuProgram {
                 let out = program::run_iteration(
                     &self.graph,
                     &mut self.vars,
+                    &mut self.arena,
                     feeds,
                     fetches,
                     &mut |pos, _| {
@@ -206,9 +233,14 @@ impl CpuProgram {
                 }
                 out
             } else {
-                program::run_iteration(&self.graph, &mut self.vars, feeds, fetches, &mut |_, _| {
-                    Ok(())
-                })
+                program::run_iteration(
+                    &self.graph,
+                    &mut self.vars,
+                    &mut self.arena,
+                    feeds,
+                    fetches,
+                    &mut |_, _| Ok(()),
+                )
             };
             if self.res.updates {
                 self.res.dirty = true;
@@ -216,7 +248,12 @@ impl CpuProgram {
             return out.map(|o| (o, None));
         }
         let plan = self.plan(strategy);
-        let CpuProgram { graph, vars, res } = self;
+        let CpuProgram {
+            graph,
+            vars,
+            arena,
+            res,
+        } = self;
         let host = res
             .host
             .as_ref()
@@ -247,7 +284,7 @@ impl CpuProgram {
                     }
                 }
             }
-            program::run_iteration(graph, vars, feeds, fetches, &mut |_, _| Ok(()))
+            program::run_iteration(graph, vars, arena, feeds, fetches, &mut |_, _| Ok(()))
         } else {
             std::thread::scope(|s| {
                 let (tx, rx) = crossbeam_channel::unbounded::<Vec<(String, Tensor)>>();
@@ -274,7 +311,7 @@ impl CpuProgram {
                     }
                     Ok(())
                 };
-                let out = program::run_iteration(graph, vars, feeds, fetches, &mut install);
+                let out = program::run_iteration(graph, vars, arena, feeds, fetches, &mut install);
                 // Whatever happened, the program ends resident.
                 let drained = install(usize::MAX, vars);
                 out.and_then(|o| drained.map(|()| o))
@@ -353,3 +390,7 @@ pub fn run_op(
         None => forward::run(node, op, inputs, outputs),
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests;

@@ -1,12 +1,14 @@
 //! Running a validated graph on the CPU: feeds, the set of nodes an
-//! iteration needs, topological execution, in-place updates of variables.
+//! iteration needs, topological execution with every op output at its
+//! planned offset in the program's arena, in-place updates of variables.
 
 use std::collections::BTreeMap;
 
 use lanes_adaptor::{
-    DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
+    DType, Graph, Node, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
 };
 
+use super::arena::{self, Arena, Span};
 use super::run_op;
 use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
 
@@ -36,15 +38,6 @@ pub(super) fn view<'a>(ty: &'a TensorType, t: &'a Tensor) -> TensorRef<'a> {
     TensorRef { ty, data }
 }
 
-/// Zeroed buffer of a type.
-fn zeros(ty: &TensorType) -> TensorData {
-    let n = ty.shape.numel();
-    match ty.dtype {
-        DType::F32 => TensorData::F32(vec![0.0; n]),
-        DType::I64 => TensorData::I64(vec![0; n]),
-    }
-}
-
 fn view_mut<'a>(ty: &'a TensorType, d: &'a mut TensorData) -> TensorMut<'a> {
     let data = match d {
         TensorData::F32(v) => DataMut::F32(v),
@@ -66,10 +59,12 @@ fn into_tensor(ty: &TensorType, d: TensorData) -> Result<Tensor, ExecError> {
 /// (pipelined restore) or take the time (profiling).
 pub(super) type BeforeNode<'h> = dyn FnMut(usize, &mut VarValues) -> Result<(), ExecError> + 'h;
 
-/// Runs one iteration of `graph` with variables `vars` (updated in place).
+/// Runs one iteration of `graph` with variables `vars` (updated in place)
+/// and every op output in `arena`, at its planned offset (see `arena.rs`).
 pub(super) fn run_iteration(
     graph: &ValidGraph,
     vars: &mut VarValues,
+    arena: &mut Arena,
     feeds: &BTreeMap<String, Tensor>,
     fetches: &[String],
     before: &mut BeforeNode<'_>,
@@ -101,6 +96,9 @@ pub(super) fn run_iteration(
                 .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
         })
         .collect::<Result<_, _>>()?;
+    // Fetched outputs live to the end; the buffer is there.
+    arena.cover(graph, &outlets)?;
+    arena.ensure()?;
     // Needed: fetched nodes, in-place updates, and everything they read.
     let mut needed = vec![false; n];
     let mut stack: Vec<NodeId> = outlets.iter().map(|o| o.node).collect();
@@ -117,19 +115,8 @@ pub(super) fn run_iteration(
         }
         stack.extend(g.nodes[id.index()].inputs.iter().map(|o| o.node));
     }
-    // Remaining uses of each node's outputs, to free intermediates early.
-    let mut uses = vec![0usize; n];
-    for (i, nd) in g.nodes.iter().enumerate() {
-        if needed[i] {
-            for o in &nd.inputs {
-                uses[o.node.index()] += 1;
-            }
-        }
-    }
-    for o in &outlets {
-        uses[o.node.index()] += 1;
-    }
-    let mut values: Vec<Option<Vec<Tensor>>> = vec![None; n];
+    // Ops whose outputs hold this iteration's values.
+    let mut done = vec![false; n];
     for (pos, &id) in graph.order().iter().enumerate() {
         before(pos, vars)?;
         let i = id.index();
@@ -139,20 +126,18 @@ pub(super) fn run_iteration(
         let node = &g.nodes[i];
         match &node.op {
             Op::Placeholder(_) => {
-                let t = feeds
-                    .get(&node.name)
-                    .ok_or_else(|| ExecError::MissingFeed {
+                if !feeds.contains_key(&node.name) {
+                    return Err(ExecError::MissingFeed {
                         name: node.name.clone(),
-                    })?;
-                values[i] = Some(vec![t.clone()]);
+                    });
+                }
             }
-            Op::Constant(t) => values[i] = Some(vec![t.clone()]),
-            Op::Variable(_) => {} // read from `vars` when used
+            // Read where they are when used.
+            Op::Constant(_) | Op::Variable(_) => {}
             op => {
-                let mutated = op.mutated_inputs();
-                // Copies of the mutated variables, written back on success.
-                let mut updated: Vec<(String, TensorData)> = Vec::with_capacity(mutated.len());
-                for &k in mutated {
+                // The variables the op updates in place.
+                let mut names: Vec<&str> = Vec::with_capacity(op.mutated_inputs().len());
+                for &k in op.mutated_inputs() {
                     let src = node
                         .inputs
                         .get(k)
@@ -161,53 +146,39 @@ pub(super) fn run_iteration(
                     if !matches!(var.op, Op::Variable(_)) {
                         return Err(bad(node, "in-place update of a non-variable"));
                     }
-                    let cur = vars
-                        .get(&var.name)
-                        .ok_or_else(|| ExecError::MissingVariable {
-                            name: var.name.clone(),
-                        })?;
-                    updated.push((var.name.clone(), cur.data().clone()));
+                    names.push(&var.name);
                 }
-                let mut outs: Vec<TensorData> = node.outputs.iter().map(zeros).collect();
-                {
-                    let mut ins = Vec::with_capacity(node.inputs.len());
-                    for o in &node.inputs {
-                        ins.push(input_view(graph, vars, &values, *o)?);
-                    }
-                    let mut inplace: Vec<TensorMut<'_>> = updated
-                        .iter_mut()
-                        .zip(mutated)
-                        .map(|((_, d), &k)| {
-                            let src = node.inputs[k];
-                            let ty = &g.nodes[src.node.index()].outputs[0];
-                            view_mut(ty, d)
-                        })
-                        .collect();
-                    let mut out_views: Vec<TensorMut<'_>> = node
-                        .outputs
-                        .iter()
-                        .zip(outs.iter_mut())
-                        .map(|(ty, d)| view_mut(ty, d))
-                        .collect();
-                    run_op(&node.name, op, &ins, &mut inplace, &mut out_views)?;
-                }
-                for (name, d) in updated {
-                    if let Some(v) = vars.get_mut(&name) {
-                        *v = into_tensor(&v.ty(), d)?;
+                let spans: Vec<Option<Span>> =
+                    node.inputs.iter().map(|o| arena.span(graph, *o)).collect();
+                for (o, s) in node.inputs.iter().zip(&spans) {
+                    if s.is_some() && !done[o.node.index()] {
+                        return Err(bad(node, "value used before it was computed"));
                     }
                 }
-                let mut produced = Vec::with_capacity(outs.len());
-                for (ty, d) in node.outputs.iter().zip(outs) {
-                    produced.push(into_tensor(ty, d)?);
+                let (words, outputs, scratch) = arena.parts();
+                let outputs = outputs.get(i).map_or(&[][..], Vec::as_slice);
+                let (in_words, out_words) =
+                    arena::carve(words, &spans, outputs).map_err(|r| bad(node, &r))?;
+                let mut out_views: Vec<TensorMut<'_>> = node
+                    .outputs
+                    .iter()
+                    .zip(out_words)
+                    .map(|(ty, w)| arena::view_mut(ty, w))
+                    .collect::<Result<_, _>>()
+                    .map_err(|r| bad(node, &r))?;
+                let io = Io {
+                    graph,
+                    node,
+                    names: &names,
+                    feeds,
+                    in_words,
+                };
+                if !names.is_empty() && in_place_ok(&names, vars) {
+                    update_in_place(io, vars, scratch, &mut out_views)?;
+                } else {
+                    update_cloned(io, vars, &mut out_views)?;
                 }
-                values[i] = Some(produced);
-                for o in &node.inputs {
-                    let j = o.node.index();
-                    uses[j] = uses[j].saturating_sub(1);
-                    if uses[j] == 0 {
-                        values[j] = None;
-                    }
-                }
+                done[i] = true;
             }
         }
     }
@@ -217,21 +188,219 @@ pub(super) fn run_iteration(
         .zip(fetches)
         .map(|(o, key)| {
             let node = &g.nodes[o.node.index()];
-            if matches!(node.op, Op::Variable(_)) {
-                return vars
-                    .get(&node.name)
-                    .cloned()
-                    .ok_or_else(|| ExecError::MissingVariable {
-                        name: node.name.clone(),
-                    });
+            let unknown = || ExecError::UnknownFetch { key: key.clone() };
+            match &node.op {
+                Op::Variable(_) => {
+                    vars.get(&node.name)
+                        .cloned()
+                        .ok_or_else(|| ExecError::MissingVariable {
+                            name: node.name.clone(),
+                        })
+                }
+                Op::Constant(t) => Ok(t.clone()),
+                Op::Placeholder(_) => feeds.get(&node.name).cloned().ok_or_else(unknown),
+                _ => {
+                    let span = arena.span(graph, *o).ok_or_else(unknown)?;
+                    let ty = g.outlet_type(*o).ok_or_else(unknown)?;
+                    if !done[o.node.index()] {
+                        return Err(unknown());
+                    }
+                    arena::copy_out(ty, arena.words(), span).map_err(|r| bad(node, &r))
+                }
             }
-            values[o.node.index()]
-                .as_ref()
-                .and_then(|v| v.get(o.slot as usize))
-                .cloned()
-                .ok_or_else(|| ExecError::UnknownFetch { key: key.clone() })
         })
         .collect()
+}
+
+/// What an op reads: the graph, the node, the names of the
+/// variables it updates (in the order of `Op::mutated_inputs`), the feeds,
+/// and its inputs' ranges of the arena.
+struct Io<'g, 'w> {
+    graph: &'g ValidGraph,
+    node: &'g Node,
+    names: &'g [&'g str],
+    feeds: &'g BTreeMap<String, Tensor>,
+    in_words: Vec<Option<&'w [u64]>>,
+}
+
+/// The declared type of the `j`-th variable `node` updates.
+fn mutated_type<'g>(g: &'g Graph, node: &Node, j: usize) -> Result<&'g TensorType, ExecError> {
+    node.op
+        .mutated_inputs()
+        .get(j)
+        .and_then(|&k| node.inputs.get(k))
+        .and_then(|o| g.outlet_type(*o))
+        .ok_or_else(|| bad(node, "missing mutated input"))
+}
+
+/// Whether the updated variables can be written where they are: distinct
+/// and `f32` (an `i64` variable, or one updated twice by the same op, goes
+/// through copies: [`update_cloned`]).
+fn in_place_ok(names: &[&str], vars: &VarValues) -> bool {
+    #[cfg(test)]
+    if FORCE_CLONED.get() {
+        return false;
+    }
+    names.iter().enumerate().all(|(j, n)| {
+        !names[..j].contains(n) && vars.get(*n).is_some_and(|t| t.dtype() == DType::F32)
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: every in-place op through [`update_cloned`] (the reference).
+    pub(super) static FORCE_CLONED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs an in-place op on the variables where they are. The kernel reads
+/// the updated variables' old values (its `inputs`) from copies in
+/// `scratch` — a buffer of the program, grown to the largest update once,
+/// so no allocation in the steady state — and writes the variables
+/// themselves; if it fails, the old values are copied back (the
+/// variables are unchanged on error, as with [`update_cloned`]).
+fn update_in_place(
+    io: Io<'_, '_>,
+    vars: &mut VarValues,
+    scratch: &mut Vec<u64>,
+    out_views: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let Io {
+        graph,
+        node,
+        names,
+        feeds,
+        in_words,
+    } = io;
+    let g = graph.graph();
+    let missing = |n: &str| ExecError::MissingVariable { name: n.into() };
+    let mut lens = Vec::with_capacity(names.len());
+    for n in names {
+        let t = vars.get(*n).ok_or_else(|| missing(n))?;
+        lens.push(t.numel().div_ceil(2));
+    }
+    let total: usize = lens.iter().sum();
+    if scratch.len() < total {
+        scratch.resize(total, 0);
+    }
+    // The old values, in `scratch`.
+    let mut olds: Vec<&[u64]> = Vec::with_capacity(names.len());
+    let mut rest: &mut [u64] = scratch;
+    for (n, &len) in names.iter().zip(&lens) {
+        let (piece, tail) = std::mem::take(&mut rest)
+            .split_at_mut_checked(len)
+            .ok_or_else(|| bad(node, "scratch too small"))?;
+        rest = tail;
+        let src = vars
+            .get(*n)
+            .ok_or_else(|| missing(n))?
+            .f32s()
+            .map_err(|e| bad(node, &e.to_string()))?;
+        bytemuck::cast_slice_mut::<u64, f32>(piece)
+            .get_mut(..src.len())
+            .ok_or_else(|| bad(node, "scratch too small"))?
+            .copy_from_slice(src);
+        olds.push(piece);
+    }
+    // The updated variables writable, the other variables it reads shared.
+    let is_var = |o: &Outlet, name: &str| {
+        let src = &g.nodes[o.node.index()];
+        matches!(src.op, Op::Variable(_)) && src.name == name
+    };
+    let mut muts: Vec<Option<&mut Tensor>> = names.iter().map(|_| None).collect();
+    let mut reads: Vec<Option<&Tensor>> = vec![None; node.inputs.len()];
+    for (name, t) in vars.iter_mut() {
+        if let Some(j) = names.iter().position(|n| *n == name) {
+            muts[j] = Some(t);
+            continue;
+        }
+        let t: &Tensor = t;
+        for (k, o) in node.inputs.iter().enumerate() {
+            if is_var(o, name) {
+                reads[k] = Some(t);
+            }
+        }
+    }
+    let mut ins = Vec::with_capacity(node.inputs.len());
+    for (k, (o, w)) in node.inputs.iter().zip(in_words).enumerate() {
+        let old = names
+            .iter()
+            .position(|n| is_var(o, n))
+            .and_then(|j| olds.get(j).copied());
+        ins.push(input_view(graph, reads[k], feeds, *o, old.or(w))?);
+    }
+    let mut inplace: Vec<TensorMut<'_>> = Vec::with_capacity(names.len());
+    for (j, m) in muts.into_iter().enumerate() {
+        let t = m.ok_or_else(|| missing(names[j]))?;
+        let data = t.f32s_mut().map_err(|e| bad(node, &e.to_string()))?;
+        inplace.push(TensorMut {
+            ty: mutated_type(g, node, j)?,
+            data: DataMut::F32(data),
+        });
+    }
+    let result = run_op(&node.name, &node.op, &ins, &mut inplace, out_views);
+    if result.is_err() {
+        for (v, old) in inplace.iter_mut().zip(&olds) {
+            if let (DataMut::F32(d), Ok(o)) =
+                (&mut v.data, bytemuck::try_cast_slice::<u64, f32>(old))
+            {
+                let n = d.len().min(o.len());
+                d[..n].copy_from_slice(&o[..n]);
+            }
+        }
+    }
+    result
+}
+
+/// Runs an op; the variables it updates in place, if any, on copies that
+/// replace them once the kernel succeeded (nothing is copied for an op
+/// that updates none).
+fn update_cloned(
+    io: Io<'_, '_>,
+    vars: &mut VarValues,
+    out_views: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let Io {
+        graph,
+        node,
+        names,
+        feeds,
+        in_words,
+    } = io;
+    let g = graph.graph();
+    let mut updated = Vec::with_capacity(names.len());
+    for n in names {
+        let cur = vars.get(*n).ok_or_else(|| ExecError::MissingVariable {
+            name: n.to_string(),
+        })?;
+        updated.push(cur.data().clone());
+    }
+    {
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for (o, w) in node.inputs.iter().zip(in_words) {
+            ins.push(input_view(graph, var_of(graph, vars, *o), feeds, *o, w)?);
+        }
+        let mut inplace = Vec::with_capacity(names.len());
+        for (j, d) in updated.iter_mut().enumerate() {
+            inplace.push(view_mut(mutated_type(g, node, j)?, d));
+        }
+        run_op(&node.name, &node.op, &ins, &mut inplace, out_views)?;
+    }
+    for (n, d) in names.iter().zip(updated) {
+        if let Some(v) = vars.get_mut(*n) {
+            *v = into_tensor(&v.ty(), d)?;
+        }
+    }
+    Ok(())
+}
+
+/// The value of input `o` when it is a variable.
+fn var_of<'a>(graph: &ValidGraph, vars: &'a VarValues, o: Outlet) -> Option<&'a Tensor> {
+    let src = &graph.graph().nodes[o.node.index()];
+    if matches!(src.op, Op::Variable(_)) {
+        vars.get(&src.name)
+    } else {
+        None
+    }
 }
 
 fn bad(node: &lanes_adaptor::Node, reason: &str) -> ExecError {
@@ -242,27 +411,34 @@ fn bad(node: &lanes_adaptor::Node, reason: &str) -> ExecError {
     }
 }
 
+/// Kernel view of input `o`: in the arena (`words`), a feed, a variable
+/// or a constant.
+/// Kernel view of input `o`: in the arena (`words`), a variable (`var`),
+/// a feed or a constant.
 fn input_view<'a>(
     graph: &'a ValidGraph,
-    vars: &'a VarValues,
-    values: &'a [Option<Vec<Tensor>>],
+    var: Option<&'a Tensor>,
+    feeds: &'a BTreeMap<String, Tensor>,
     o: Outlet,
+    words: Option<&'a [u64]>,
 ) -> Result<TensorRef<'a>, ExecError> {
     let g = graph.graph();
     let src = &g.nodes[o.node.index()];
     let ty = g
         .outlet_type(o)
         .ok_or_else(|| bad(src, "dangling outlet"))?;
-    let t = if matches!(src.op, Op::Variable(_)) {
-        vars.get(&src.name)
-            .ok_or_else(|| ExecError::MissingVariable {
-                name: src.name.clone(),
-            })?
-    } else {
-        values[o.node.index()]
-            .as_ref()
-            .and_then(|v| v.get(o.slot as usize))
-            .ok_or_else(|| bad(src, "value used before it was computed"))?
+    if let Some(w) = words {
+        return arena::view(ty, w).map_err(|r| bad(src, &r));
+    }
+    let t = match &src.op {
+        Op::Variable(_) => var.ok_or_else(|| ExecError::MissingVariable {
+            name: src.name.clone(),
+        })?,
+        Op::Constant(t) => t,
+        Op::Placeholder(_) => feeds.get(&src.name).ok_or_else(|| ExecError::MissingFeed {
+            name: src.name.clone(),
+        })?,
+        _ => return Err(bad(src, "value used before it was computed")),
     };
     Ok(view(ty, t))
 }

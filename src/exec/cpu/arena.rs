@@ -1,0 +1,367 @@
+//! The CPU executor's ephemeral memory: one buffer per program, laid out by
+//! the compile stage's memory plan (`compile::plan_outlets`), so every op
+//! output of an iteration lives at its planned offset and the buffer is T
+//! bytes — the T the service reports, with nothing added: the plan's
+//! offsets and sizes are multiples of its alignment (256 bytes), the buffer
+//! is made of 8-byte words.
+//!
+//! - **Feeds** stay where the caller holds them (a Run hands them in); their
+//!   slots in the buffer are left unused. Variables and constants are
+//!   persistent, not in the buffer.
+//! - **Outputs** are zeroed before their kernel runs, as the fresh buffers
+//!   of the executor before were (some kernels accumulate into their
+//!   outputs: reductions, convolution and normalisation gradients).
+//! - **Views.** An op's inputs and outputs are live at the same step, so the
+//!   plan gives them disjoint ranges (checked again here: overlapping ranges
+//!   are an error, not a panic); [`carve`] splits the buffer into them with
+//!   `split_at_mut`, the outputs writable and the inputs shared.
+//! - **Fetches.** The plan keeps the graph's sinks to the end of an
+//!   iteration. A Run that fetches an output the plan lets die early
+//!   re-plans with that output kept too (as the CUDA executor does), and
+//!   the buffer grows when the new T is larger; later Runs reuse it.
+//! - The buffer is allocated when the program is built, after a re-plan
+//!   that needs it larger, and after an eviction (which gives it up) — never
+//!   per iteration in the steady state.
+//! - **Scratch.** In-place ops (optimizer steps, running statistics) write
+//!   the variables where they are; the old values their kernels read as
+//!   inputs are copied into a second buffer of the arena, grown to the
+//!   largest update during the first iteration.
+
+use std::collections::HashSet;
+
+use lanes_adaptor::{DType, Outlet, Tensor, TensorData, TensorType, ValidGraph};
+
+use crate::compile::{self, PlanOptions};
+use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
+
+/// Bytes of one word of the buffer (the alignment of `f32` and `i64` slices
+/// cast from it).
+const WORD: usize = std::mem::size_of::<u64>();
+
+/// A tensor's place in the buffer, in words (its exact bytes, rounded up to
+/// a word; the plan's slot may be larger).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Span {
+    pub start: usize,
+    pub len: usize,
+}
+
+/// The ephemeral tensors of a program at the offsets of its memory plan.
+#[derive(Debug)]
+pub(super) struct Arena {
+    /// T of the plan, bytes.
+    planned: usize,
+    /// Outputs the plan keeps to the end of an iteration.
+    fetchable: HashSet<Outlet>,
+    /// Per node, per output slot: where it lives (read only for outputs of
+    /// ops: sources — feeds, variables, constants — are not in the buffer).
+    spans: Vec<Vec<Span>>,
+    /// The buffer; at least `planned` bytes unless the program is evicted.
+    words: Vec<u64>,
+    /// Old values of the variables an in-place op updates (see
+    /// `program::update_in_place`), as large as the largest update.
+    scratch: Vec<u64>,
+}
+
+fn err(reason: String) -> ExecError {
+    ExecError::Op {
+        node: String::new(),
+        op: "arena",
+        reason,
+    }
+}
+
+impl Arena {
+    /// Plans `graph` for Runs that fetch its sinks and allocates the buffer.
+    pub fn new(graph: &ValidGraph) -> Result<Self, ExecError> {
+        let mut arena = Arena {
+            planned: 0,
+            fetchable: HashSet::new(),
+            spans: Vec::new(),
+            words: Vec::new(),
+            scratch: Vec::new(),
+        };
+        arena.replan(graph, compile::sinks(graph))?;
+        arena.ensure()?;
+        Ok(arena)
+    }
+
+    /// T of the plan the tensors follow, bytes.
+    pub fn planned(&self) -> usize {
+        self.planned
+    }
+
+    /// Bytes of the buffer held now.
+    pub fn bytes(&self) -> usize {
+        self.words.len() * WORD
+    }
+
+    fn replan(&mut self, graph: &ValidGraph, fetchable: HashSet<Outlet>) -> Result<(), ExecError> {
+        let plan = compile::plan_outlets(graph, fetchable.clone(), PlanOptions::default())
+            .map_err(|e| err(format!("memory plan: {e}")))?;
+        if plan.alignment % WORD as u64 != 0 {
+            return Err(err(format!(
+                "plan alignment {} is not a multiple of {WORD} bytes",
+                plan.alignment
+            )));
+        }
+        let planned = usize::try_from(plan.ephemeral)
+            .map_err(|_| err(format!("T = {} bytes does not fit", plan.ephemeral)))?;
+        let g = graph.graph();
+        let mut spans: Vec<Vec<Span>> = g
+            .nodes
+            .iter()
+            .map(|n| vec![Span::default(); n.outputs.len()])
+            .collect();
+        for t in &plan.tensors {
+            let end = t
+                .offset
+                .checked_add(t.bytes)
+                .filter(|&e| e <= plan.ephemeral);
+            let span = match (end, usize::try_from(t.offset), usize::try_from(t.bytes)) {
+                (Some(_), Ok(offset), Ok(bytes)) => Span {
+                    start: offset / WORD,
+                    len: bytes.div_ceil(WORD),
+                },
+                _ => return Err(err(format!("slot of {:?} lies outside T", t.outlet))),
+            };
+            let slot = spans
+                .get_mut(t.outlet.node.index())
+                .and_then(|s| s.get_mut(t.outlet.slot as usize))
+                .ok_or_else(|| err(format!("the plan names {:?}, not in the graph", t.outlet)))?;
+            *slot = span;
+        }
+        self.planned = planned;
+        self.fetchable = fetchable;
+        self.spans = spans;
+        Ok(())
+    }
+
+    /// Re-plans when `fetches` name an output of an op that the plan lets
+    /// die before the end of the iteration: the new plan keeps every output
+    /// fetched so far. Returns whether it re-planned.
+    pub fn cover(&mut self, graph: &ValidGraph, fetches: &[Outlet]) -> Result<bool, ExecError> {
+        let g = graph.graph();
+        let missing: Vec<Outlet> = fetches
+            .iter()
+            .copied()
+            .filter(|o| {
+                g.nodes
+                    .get(o.node.index())
+                    .is_some_and(|n| !n.op.is_source())
+                    && !self.fetchable.contains(o)
+            })
+            .collect();
+        if missing.is_empty() {
+            return Ok(false);
+        }
+        let before = self.planned;
+        let mut fetchable = self.fetchable.clone();
+        fetchable.extend(missing);
+        self.replan(graph, fetchable)?;
+        tracing::debug!(
+            before,
+            after = self.planned,
+            fetchable = self.fetchable.len(),
+            "re-planned the CPU arena for new fetches"
+        );
+        Ok(true)
+    }
+
+    /// Allocates the buffer when it is smaller than T (after building, a
+    /// re-plan to a larger T, or an eviction); otherwise keeps it.
+    pub fn ensure(&mut self) -> Result<(), ExecError> {
+        let need = self.planned / WORD;
+        if self.words.len() < need {
+            self.words = Vec::new();
+            let mut words = Vec::new();
+            words
+                .try_reserve_exact(need)
+                .map_err(|e| err(format!("cannot allocate {} bytes: {e}", self.planned)))?;
+            words.resize(need, 0);
+            self.words = words;
+        }
+        Ok(())
+    }
+
+    /// Gives the buffer up (the program is evicted); [`Arena::ensure`]
+    /// takes it again.
+    pub fn release(&mut self) {
+        self.words = Vec::new();
+        self.scratch = Vec::new();
+    }
+
+    /// Where output `o` of an op lives; `None` for sources (feeds,
+    /// variables, constants), which are not in the buffer.
+    pub fn span(&self, graph: &ValidGraph, o: Outlet) -> Option<Span> {
+        let node = graph.graph().nodes.get(o.node.index())?;
+        if node.op.is_source() {
+            return None;
+        }
+        self.spans
+            .get(o.node.index())?
+            .get(o.slot as usize)
+            .copied()
+    }
+
+    /// The buffer, the output spans and the scratch buffer, borrowed apart.
+    pub fn parts(&mut self) -> (&mut [u64], &[Vec<Span>], &mut Vec<u64>) {
+        (&mut self.words, &self.spans, &mut self.scratch)
+    }
+
+    /// The buffer, for copying fetched results out.
+    pub fn words(&self) -> &[u64] {
+        &self.words
+    }
+
+    #[cfg(test)]
+    pub fn buffer(&self) -> &Vec<u64> {
+        &self.words
+    }
+
+    #[cfg(test)]
+    pub fn scratch(&self) -> &Vec<u64> {
+        &self.scratch
+    }
+
+    #[cfg(test)]
+    pub fn keeps(&self, o: Outlet) -> bool {
+        self.fetchable.contains(&o)
+    }
+}
+
+/// One op's ranges of the buffer: `inputs[k]` for the inputs that live in
+/// it (`None` elsewhere), every output writable and zeroed.
+pub(super) type Carved<'a> = (Vec<Option<&'a [u64]>>, Vec<&'a mut [u64]>);
+
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    In(usize),
+    Out(usize),
+}
+
+/// Splits `words` into an op's input ranges (shared; an input read twice
+/// gets the same range) and output ranges (writable, zeroed). Ranges must
+/// not overlap, except an input's with itself.
+pub(super) fn carve<'a>(
+    words: &'a mut [u64],
+    inputs: &[Option<Span>],
+    outputs: &[Span],
+) -> Result<Carved<'a>, String> {
+    let mut order: Vec<(Span, Role)> = Vec::with_capacity(inputs.len() + outputs.len());
+    order.extend(
+        inputs
+            .iter()
+            .enumerate()
+            .filter_map(|(k, s)| s.map(|s| (s, Role::In(k)))),
+    );
+    order.extend(outputs.iter().enumerate().map(|(k, &s)| (s, Role::Out(k))));
+    order.sort_unstable_by_key(|(s, _)| (s.start, s.len));
+    let mut ins: Vec<Option<&'a [u64]>> = vec![None; inputs.len()];
+    let mut outs: Vec<Option<&'a mut [u64]>> = outputs.iter().map(|_| None).collect();
+    let mut rest: &'a mut [u64] = words;
+    let mut pos = 0usize;
+    let mut prev: Option<(Span, &'a [u64])> = None;
+    for (span, role) in order {
+        if span.len == 0 {
+            match role {
+                Role::In(k) => ins[k] = Some(&[]),
+                Role::Out(k) => outs[k] = Some(&mut []),
+            }
+            continue;
+        }
+        if let (Role::In(k), Some((p, data))) = (role, prev) {
+            if p == span {
+                ins[k] = Some(data);
+                continue;
+            }
+        }
+        let skip = span
+            .start
+            .checked_sub(pos)
+            .ok_or_else(|| format!("arena ranges overlap at word {}", span.start))?;
+        let (_, tail) = std::mem::take(&mut rest)
+            .split_at_mut_checked(skip)
+            .ok_or("arena range past the buffer")?;
+        let (piece, tail) = tail
+            .split_at_mut_checked(span.len)
+            .ok_or("arena range past the buffer")?;
+        rest = tail;
+        pos = span.start + span.len;
+        match role {
+            Role::In(k) => {
+                let data: &'a [u64] = piece;
+                ins[k] = Some(data);
+                prev = Some((span, data));
+            }
+            Role::Out(k) => {
+                piece.fill(0);
+                outs[k] = Some(piece);
+                prev = None;
+            }
+        }
+    }
+    let outs = outs
+        .into_iter()
+        .map(|o| o.ok_or("an output has no range"))
+        .collect::<Result<_, _>>()?;
+    Ok((ins, outs))
+}
+
+/// Read-only kernel view of a tensor of type `ty` in `words`.
+pub(super) fn view<'a>(ty: &'a TensorType, words: &'a [u64]) -> Result<TensorRef<'a>, String> {
+    let n = ty.shape.numel();
+    let short = || format!("{ty} does not fit its range of {} words", words.len());
+    let data = match ty.dtype {
+        DType::F32 => DataRef::F32(
+            bytemuck::try_cast_slice::<u64, f32>(words)
+                .map_err(|e| e.to_string())?
+                .get(..n)
+                .ok_or_else(short)?,
+        ),
+        DType::I64 => DataRef::I64(
+            bytemuck::try_cast_slice::<u64, i64>(words)
+                .map_err(|e| e.to_string())?
+                .get(..n)
+                .ok_or_else(short)?,
+        ),
+    };
+    Ok(TensorRef { ty, data })
+}
+
+/// Writable kernel view of a tensor of type `ty` in `words`.
+pub(super) fn view_mut<'a>(
+    ty: &'a TensorType,
+    words: &'a mut [u64],
+) -> Result<TensorMut<'a>, String> {
+    let n = ty.shape.numel();
+    let len = words.len();
+    let short = || format!("{ty} does not fit its range of {len} words");
+    let data = match ty.dtype {
+        DType::F32 => DataMut::F32(
+            bytemuck::try_cast_slice_mut::<u64, f32>(words)
+                .map_err(|e| e.to_string())?
+                .get_mut(..n)
+                .ok_or_else(short)?,
+        ),
+        DType::I64 => DataMut::I64(
+            bytemuck::try_cast_slice_mut::<u64, i64>(words)
+                .map_err(|e| e.to_string())?
+                .get_mut(..n)
+                .ok_or_else(short)?,
+        ),
+    };
+    Ok(TensorMut { ty, data })
+}
+
+/// A copy of the tensor of type `ty` at `span` (a fetched result).
+pub(super) fn copy_out(ty: &TensorType, words: &[u64], span: Span) -> Result<Tensor, String> {
+    let range = words
+        .get(span.start..span.start + span.len)
+        .ok_or("fetched range past the buffer")?;
+    let data = match view(ty, range)?.data {
+        DataRef::F32(v) => TensorData::F32(v.to_vec()),
+        DataRef::I64(v) => TensorData::I64(v.to_vec()),
+    };
+    Tensor::new(ty.shape.clone(), data).map_err(|e| e.to_string())
+}

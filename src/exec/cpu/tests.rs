@@ -1,0 +1,254 @@
+//! The CPU executor's arena: T bytes of the memory plan, allocated once,
+//! kept across iterations, and fetched intermediates still right after a
+//! re-plan.
+
+use std::collections::BTreeMap;
+
+use lanes_adaptor::nn::{Mode, Nn};
+use lanes_adaptor::zoo::Arch;
+use lanes_adaptor::{
+    training_graph, validate, DType, GraphLimits, Op, Optimizer, Outlet, Tensor, TensorType,
+    ValidGraph, VarValues,
+};
+
+use super::{program, run_op, CpuProgram};
+use crate::compile;
+use crate::exec::{DataMut, TensorMut};
+
+fn lenet() -> Arch {
+    Arch::LeNet {
+        channels: 1,
+        image: 28,
+        classes: 10,
+    }
+}
+
+/// Deterministic feeds: floats in [-1, 1), integers in [0, classes).
+fn feeds(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor> {
+    let mut s = seed;
+    let mut next = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    inputs
+        .iter()
+        .map(|(name, ty)| {
+            let n = ty.shape.numel();
+            let t = match ty.dtype {
+                DType::F32 => Tensor::from_f32(
+                    ty.shape.clone(),
+                    (0..n)
+                        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
+                        .collect(),
+                ),
+                DType::I64 => Tensor::from_i64(
+                    ty.shape.clone(),
+                    (0..n).map(|_| i64::from(next() % 10)).collect(),
+                ),
+            };
+            (name.clone(), t.unwrap())
+        })
+        .collect()
+}
+
+/// The buffer's address and capacity.
+fn buffer(p: &CpuProgram) -> (usize, usize, usize) {
+    let b = p.arena.buffer();
+    (b.as_ptr() as usize, b.capacity(), b.len())
+}
+
+fn training() -> (
+    ValidGraph,
+    lanes_adaptor::VarValues,
+    String,
+    Vec<(String, TensorType)>,
+) {
+    let (t, inputs) = lenet()
+        .training(4, 1, &Optimizer::sgd_momentum(0.1, 0.9, 1e-4))
+        .unwrap();
+    let v = validate(t.graph, &GraphLimits::default()).unwrap();
+    (v, t.vars, t.loss, inputs)
+}
+
+#[test]
+fn the_arena_is_the_planned_t() {
+    let (v, vars, _, _) = training();
+    let planned = compile::plan(&v).unwrap();
+    let p = CpuProgram::new(v, vars).unwrap();
+    assert!(planned.ephemeral > 0);
+    assert_eq!(p.ephemeral_bytes(), planned.ephemeral);
+    assert_eq!(p.arena_bytes(), planned.ephemeral);
+    // Below one buffer per tensor (what every iteration allocated before).
+    assert!(planned.ephemeral < planned.no_reuse, "{planned}");
+
+    let m = lenet().inference(2, 1).unwrap();
+    let v = validate(m.graph, &GraphLimits::default()).unwrap();
+    let planned = compile::plan(&v).unwrap();
+    let p = CpuProgram::new(v, m.vars).unwrap();
+    assert_eq!(p.arena_bytes(), planned.ephemeral);
+}
+
+#[test]
+fn iterations_reuse_the_arena() {
+    let (v, vars, loss, inputs) = training();
+    let mut p = CpuProgram::new(v, vars).unwrap();
+    let at_build = buffer(&p);
+    let mut losses = Vec::new();
+    let mut scratch = None;
+    for k in 0..3 {
+        let out = p
+            .run(&feeds(&inputs, 7), std::slice::from_ref(&loss))
+            .unwrap();
+        assert_eq!(
+            buffer(&p),
+            at_build,
+            "iteration {k} moved or grew the arena"
+        );
+        // The old values of the updated variables: sized in the first
+        // iteration, then kept.
+        let s = p.arena.scratch();
+        let now = (s.as_ptr() as usize, s.capacity());
+        assert!(now.1 > 0);
+        assert_eq!(*scratch.get_or_insert(now), now, "iteration {k}");
+        losses.push(out[0].f32s().unwrap()[0]);
+    }
+    // The updates reached the variables: same batch, lower loss.
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(losses[2] < losses[0], "{losses:?}");
+    // An eviction gives the arena up; the next run takes T again.
+    p.evict().unwrap();
+    assert_eq!(p.arena_bytes(), 0);
+    p.run(&feeds(&inputs, 7), std::slice::from_ref(&loss))
+        .unwrap();
+    assert_eq!(p.arena_bytes(), p.ephemeral_bytes());
+}
+
+fn key(v: &ValidGraph, o: Outlet) -> String {
+    format!("{}:{}", v.graph().nodes[o.node.index()].name, o.slot)
+}
+
+/// Fetching the inputs of the output node (which the plan lets die before
+/// the end) re-plans; the fetched values recompute the output exactly.
+#[test]
+fn fetched_intermediates_are_right() {
+    let m = lenet().inference(2, 3).unwrap();
+    let v = validate(m.graph, &GraphLimits::default()).unwrap();
+    let mut p = CpuProgram::new(v, m.vars).unwrap();
+    let f = feeds(&m.inputs, 11);
+    let alone = p
+        .run(&f, std::slice::from_ref(&m.output))
+        .unwrap()
+        .remove(0);
+
+    let graph = p.graph().clone();
+    let g = graph.graph();
+    let out = g.resolve(&m.output).unwrap();
+    let node = &g.nodes[out.node.index()];
+    let inner: Vec<Outlet> = node
+        .inputs
+        .iter()
+        .copied()
+        .filter(|o| !g.nodes[o.node.index()].op.is_source())
+        .collect();
+    assert!(!inner.is_empty());
+    assert!(
+        inner.iter().any(|o| !p.arena.keeps(*o)),
+        "nothing to re-plan"
+    );
+    let mut keys = vec![m.output.clone()];
+    keys.extend(inner.iter().map(|o| key(&graph, *o)));
+    let got = p.run(&f, &keys).unwrap();
+    assert!(inner.iter().all(|o| p.arena.keeps(*o)));
+    assert_eq!(got[0], alone);
+    let after_replan = buffer(&p);
+    assert!(p.arena_bytes() >= p.ephemeral_bytes());
+    let again = p.run(&f, &keys).unwrap();
+    assert_eq!(again, got);
+    assert_eq!(buffer(&p), after_replan);
+
+    // Recompute the output node from the fetched inputs.
+    let vars = p.read_variables(&[]).unwrap();
+    let mut fetched = got[1..].iter();
+    let held: Vec<Tensor> = node
+        .inputs
+        .iter()
+        .map(|o| {
+            let src = &g.nodes[o.node.index()];
+            match &src.op {
+                Op::Variable(_) => vars[&src.name].clone(),
+                Op::Constant(t) => t.clone(),
+                Op::Placeholder(_) => f[&src.name].clone(),
+                _ => fetched.next().unwrap().clone(),
+            }
+        })
+        .collect();
+    let ins: Vec<_> = node
+        .inputs
+        .iter()
+        .zip(&held)
+        .map(|(o, t)| program::view(g.outlet_type(*o).unwrap(), t))
+        .collect();
+    let ty = &node.outputs[out.slot as usize];
+    let mut outs: Vec<Tensor> = node.outputs.iter().map(Tensor::zeros).collect();
+    let mut views: Vec<TensorMut<'_>> = node
+        .outputs
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(ty, t)| TensorMut {
+            ty,
+            data: DataMut::F32(t.f32s_mut().unwrap()),
+        })
+        .collect();
+    run_op(&node.name, &node.op, &ins, &mut [], &mut views).unwrap();
+    drop(views);
+    assert_eq!(&outs[out.slot as usize].ty(), ty);
+    assert_eq!(outs.swap_remove(out.slot as usize), alone);
+}
+
+/// Three AdamW steps of a small model with batch norm (running statistics
+/// updated in place too): the variables written where they are give
+/// exactly what copies written back give.
+#[test]
+fn in_place_updates_match_copies() {
+    let build = || {
+        let mut nn = Nn::new(4, Mode::Train);
+        let x = nn.g.placeholder("x", TensorType::f32([4, 8]));
+        let labels = nn.g.placeholder("labels", TensorType::i64([4]));
+        let h = nn.linear("fc1", x, 16, true);
+        let h = nn.batch_norm("bn", h, 1e-5, 0.1);
+        let h = nn.g.relu(h);
+        let y = nn.linear("fc2", h, 10, true);
+        let loss = nn.g.cross_entropy(y, labels);
+        nn.g.set_name(loss, "loss");
+        let t = training_graph(nn.g, loss, &Optimizer::adamw(1e-2, 0.01)).unwrap();
+        let v = validate(t.graph, &GraphLimits::default()).unwrap();
+        CpuProgram::new(v, t.vars).unwrap()
+    };
+    let inputs = vec![
+        ("x".to_string(), TensorType::f32([4, 8])),
+        ("labels".to_string(), TensorType::i64([4])),
+    ];
+    let fetch = ["loss".to_string()];
+    let steps = |p: &mut CpuProgram, cloned: bool| -> (Vec<Tensor>, VarValues) {
+        program::FORCE_CLONED.set(cloned);
+        let losses = (0..3)
+            .map(|k| p.run(&feeds(&inputs, 20 + k), &fetch).unwrap().remove(0))
+            .collect();
+        program::FORCE_CLONED.set(false);
+        (losses, p.read_variables(&[]).unwrap())
+    };
+    let (mut a, mut b) = (build(), build());
+    let before = a.read_variables(&[]).unwrap();
+    let (la, va) = steps(&mut a, false);
+    let (lb, vb) = steps(&mut b, true);
+    assert_eq!(la, lb);
+    assert_eq!(va, vb);
+    // The steps changed every variable: weights, moments, step counters and
+    // the running statistics.
+    assert_eq!(va.len(), before.len());
+    let same: Vec<&String> = va.keys().filter(|k| va[*k] == before[*k]).collect();
+    assert!(same.is_empty(), "unchanged: {same:?}");
+    assert!(va.keys().any(|k| k.contains("running_mean")));
+}
