@@ -520,9 +520,21 @@ impl CudaProgram {
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         let plan = self.plan(strategy);
+        let fill = arena_fill();
         // Memory back under the arena's fixed address: the recorded graphs
-        // stay valid.
-        self.arena.map()?;
+        // stay valid. The persistent part's chunks beyond the first group
+        // are mapped while the earlier groups copy (below); a fill touches
+        // it all at once.
+        let units = &self.res.layout.units;
+        let first = match plan.groups() {
+            0 => 0,
+            _ => self.res.ranges[plan.range(0, units.len()).end - 1].1,
+        };
+        if fill.is_some() {
+            self.arena.map()?;
+        } else {
+            self.arena.map_deferred(first)?;
+        }
         let base = self.base;
         let p = self.res.bytes;
         // The ephemeral part is left as mapped: every kernel
@@ -532,7 +544,6 @@ impl CudaProgram {
         // runs on the compute stream around the feeds, which the copy stream
         // brings in first: a copy from pageable memory returns only once
         // done, so behind the weights it would hold up every launch.
-        let fill = arena_fill();
         let mut fed: Vec<(usize, usize)> = feed_list
             .iter()
             .map(|(o, t)| {
@@ -580,9 +591,10 @@ impl CudaProgram {
         for k in 0..plan.groups() {
             let r = plan.range(k, units.len());
             let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
+            self.arena.map_through(hi)?;
             // SAFETY: [lo, hi) lies in the persistent region of the new arena
-            // and of the pinned image, which outlives the copy (synchronised
-            // before returning).
+            // (mapped through `hi` just above) and of the pinned image, which
+            // outlives the copy (synchronised before returning).
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     base + lo as u64,
@@ -593,6 +605,9 @@ impl CudaProgram {
             .map_err(|e| dev_err("host to device copy", e))?;
             groups.push((units[r.start].first_use, self.event(copy, false)?));
         }
+        // Whatever the groups did not cover (alignment tail), before any
+        // kernel runs.
+        self.arena.map()?;
         let recorded = self
             .res
             .segments

@@ -385,6 +385,10 @@ pub(super) struct VmArena {
     /// this is `Some`.
     lane: Option<u64>,
     parts: [Option<Arc<Block>>; 2],
+    /// Bytes of each part mapped now (from its start; whole pieces). A part
+    /// made of several chunks may be mapped a prefix at a time (see
+    /// [`VmArena::map_through`]).
+    mapped: [usize; 2],
 }
 
 // SAFETY: the range is a plain driver identifier owned by this value; every
@@ -415,6 +419,7 @@ impl VmArena {
             split,
             lane: None,
             parts: [None, None],
+            mapped: [0, 0],
         };
         // The persistent part now (variables are uploaded into it); the
         // ephemeral part at the first `map`, by then perhaps bound to its
@@ -492,7 +497,18 @@ impl VmArena {
     }
 
     fn map_part(&mut self, part: usize, block: Arc<Block>) -> Result<(), ExecError> {
-        let (at, bytes) = self.range(part);
+        self.map_part_upto(part, block, usize::MAX)
+    }
+
+    /// Maps `block` under `part`: the pieces covering its first `upto` bytes
+    /// (see [`VmArena::extend_part`]).
+    fn map_part_upto(
+        &mut self,
+        part: usize,
+        block: Arc<Block>,
+        upto: usize,
+    ) -> Result<(), ExecError> {
+        let (_, bytes) = self.range(part);
         if bytes == 0 {
             return Ok(());
         }
@@ -504,38 +520,59 @@ impl VmArena {
                 format!("{bytes} bytes is not whole chunks of {}", block.piece),
             ));
         }
-        let mut mapped = 0usize;
-        for &h in &block.handles {
-            if mapped >= bytes {
-                break;
-            }
-            let n = if block.handles.len() == 1 {
-                bytes
-            } else {
-                block.piece
-            };
+        if block.handles.len() > 1 && (bytes / block.piece) > block.handles.len() {
+            return Err(dev_err("mapping the arena", "block smaller than the part"));
+        }
+        self.parts[part] = Some(block);
+        self.mapped[part] = 0;
+        self.extend_part(part, upto.min(bytes))
+    }
+
+    /// Maps the pieces of `part`'s block that cover its first `upto` bytes
+    /// and are not mapped yet (a single allocation: all of it), and makes
+    /// them accessible.
+    fn extend_part(&mut self, part: usize, upto: usize) -> Result<(), ExecError> {
+        let (at, bytes) = self.range(part);
+        let Some(block) = self.parts[part].clone() else {
+            return Err(dev_err("mapping the arena", "no block for the part"));
+        };
+        let single = block.handles.len() == 1;
+        let piece = if single { bytes } else { block.piece };
+        let upto = if single {
+            bytes
+        } else {
+            upto.min(bytes).next_multiple_of(piece)
+        };
+        let from = self.mapped[part];
+        if upto <= from {
+            return Ok(());
+        }
+        let mut mapped = from;
+        for &h in &block.handles[from / piece..upto / piece] {
             // SAFETY: the range was reserved by `new` and this piece of it
-            // is unmapped; the allocation holds at least `n` bytes.
-            if let Err(e) = unsafe { sys::cuMemMap(at + mapped as u64, n, 0, h, 0) }.result() {
-                unmap_pieces(at, mapped, block.piece);
+            // is unmapped; the allocation holds at least `piece` bytes.
+            if let Err(e) = unsafe { sys::cuMemMap(at + mapped as u64, piece, 0, h, 0) }.result() {
+                unmap_pieces(at, mapped, piece);
+                self.parts[part] = None;
+                self.mapped[part] = 0;
                 return Err(dev_err("mapping the arena", e));
             }
-            mapped += n;
-        }
-        if mapped < bytes {
-            unmap_pieces(at, mapped, block.piece);
-            return Err(dev_err("mapping the arena", "block smaller than the part"));
+            mapped += piece;
         }
         let access = sys::CUmemAccessDesc {
             location: location(self.device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range is mapped (just above).
-        if let Err(e) = unsafe { sys::cuMemSetAccess(at, bytes, &access, 1) }.result() {
-            unmap_pieces(at, bytes, block.piece);
+        if let Err(e) =
+            unsafe { sys::cuMemSetAccess(at + from as u64, upto - from, &access, 1) }.result()
+        {
+            unmap_pieces(at, upto, piece);
+            self.parts[part] = None;
+            self.mapped[part] = 0;
             return Err(dev_err("arena access", e));
         }
-        self.parts[part] = Some(block);
+        self.mapped[part] = upto;
         Ok(())
     }
 
@@ -543,11 +580,13 @@ impl VmArena {
         if self.parts[part].is_none() {
             return Ok(());
         }
-        let (at, bytes) = self.range(part);
+        let (at, part_bytes) = self.range(part);
         let piece = self.parts[part]
             .as_ref()
             .filter(|b| b.handles.len() > 1)
-            .map_or(bytes, |b| b.piece);
+            .map_or(part_bytes, |b| b.piece);
+        // Only what is mapped (a prefix of whole pieces).
+        let bytes = self.mapped[part];
         let mut done = 0usize;
         while done < bytes {
             let n = piece.min(bytes - done);
@@ -558,6 +597,7 @@ impl VmArena {
             done += n;
         }
         self.parts[part] = None;
+        self.mapped[part] = 0;
         Ok(())
     }
 
@@ -570,7 +610,22 @@ impl VmArena {
         if self.parts[0].is_none() && self.split > 0 {
             let b = Block::take(&self.ctx, self.split)?;
             self.map_part(0, b)?;
+        } else if self.parts[0].is_some() {
+            self.extend_part(0, self.split)?;
         }
+        self.map_ephemeral()?;
+        tracing::trace!(
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            bytes = self.size,
+            lane = ?self.lane,
+            "mapped"
+        );
+        Ok(())
+    }
+
+    /// Maps the ephemeral part (the lane's block or an own one) when it is
+    /// not.
+    fn map_ephemeral(&mut self) -> Result<(), ExecError> {
         if self.parts[1].is_none() {
             let bytes = self.size - self.split;
             let b = match self.lane {
@@ -579,13 +634,32 @@ impl VmArena {
             };
             self.map_part(1, b)?;
         }
-        tracing::trace!(
-            ms = t0.elapsed().as_secs_f64() * 1e3,
-            bytes = self.size,
-            lane = ?self.lane,
-            "mapped"
-        );
         Ok(())
+    }
+
+    /// [`VmArena::map`], but of the own part only the pieces covering its
+    /// first `first` bytes: the rest is mapped by [`VmArena::map_through`]
+    /// while earlier pieces are being filled (a switched-back program maps
+    /// one chunk per call inside a device reservation; this takes those
+    /// calls off the path to its first copy). A part that is one
+    /// allocation is mapped whole.
+    pub fn map_deferred(&mut self, first: usize) -> Result<(), ExecError> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        if self.parts[0].is_none() && self.split > 0 {
+            let b = Block::take(&self.ctx, self.split)?;
+            self.map_part_upto(0, b, first)?;
+        }
+        self.map_ephemeral()
+    }
+
+    /// Maps the own part's pieces up to `upto` bytes (after
+    /// [`VmArena::map_deferred`]); nothing when they are mapped. Every byte
+    /// a copy or kernel touches must be mapped through first.
+    pub fn map_through(&mut self, upto: usize) -> Result<(), ExecError> {
+        if self.parts[0].is_none() || upto <= self.mapped[0] {
+            return Ok(());
+        }
+        self.extend_part(0, upto)
     }
 
     /// Gives the physical memory up (the own blocks to the free list; a
