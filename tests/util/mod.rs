@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lanes::server::{self, ServerConfig, ServerHandle};
 use lanes_adaptor::wire::{self, Envelope, Reply};
-use lanes_adaptor::{DType, Graph, GraphBuilder, Limits, Tensor, TensorType, VarValues};
+use lanes_adaptor::{Graph, GraphBuilder, Limits, Tensor, TensorType, VarValues};
 
 /// Starts a service on `tcp://127.0.0.1:*` with `f` applied to the config.
 /// `LANES_TEST_DEVICE=cuda` runs the same tests against a GPU-backed service
@@ -180,30 +180,5 @@ pub fn feeds_for(
     seed: u64,
     int_range: i64,
 ) -> std::collections::BTreeMap<String, Tensor> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (s >> 33) as u32
-    };
-    inputs
-        .iter()
-        .map(|(name, ty)| {
-            let n = ty.shape.numel();
-            let t = match ty.dtype {
-                DType::F32 => Tensor::from_f32(
-                    ty.shape.clone(),
-                    (0..n)
-                        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
-                        .collect(),
-                ),
-                DType::I64 => Tensor::from_i64(
-                    ty.shape.clone(),
-                    (0..n).map(|_| i64::from(next()) % int_range).collect(),
-                ),
-            };
-            (name.clone(), t.unwrap())
-        })
-        .collect()
+    lanes_adaptor::zoo::seeded_feeds(inputs, seed, int_range).unwrap()
 }

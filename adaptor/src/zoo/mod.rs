@@ -18,10 +18,48 @@ use crate::autodiff::trainable_variables;
 use crate::graph::{Graph, GraphBuilder, GraphError, Outlet, VarValues};
 use crate::nn::{Mode, Nn};
 use crate::optim::{training_graph, Optimizer, TrainError, TrainingGraph};
-use crate::tensor::TensorType;
+use crate::tensor::{DType, Tensor, TensorType};
 
 /// Placeholders a job feeds: (name, type).
 pub type Inputs = Vec<(String, TensorType)>;
+
+/// Deterministic feeds for `inputs` from `seed` (a 64-bit LCG, the same
+/// values on every platform): f32 values in [-1, 1) in steps of 0.001,
+/// integer inputs (token ids, labels) in `0..int_range` (at least 1).
+/// For tests and examples that need the same inputs on both backends.
+pub fn seeded_feeds(
+    inputs: &[(String, TensorType)],
+    seed: u64,
+    int_range: i64,
+) -> Result<std::collections::BTreeMap<String, Tensor>, crate::tensor::TensorError> {
+    let range = int_range.max(1);
+    let mut s = seed;
+    let mut next = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    inputs
+        .iter()
+        .map(|(name, ty)| {
+            let n = ty.shape.numel();
+            let t = match ty.dtype {
+                DType::F32 => Tensor::from_f32(
+                    ty.shape.clone(),
+                    (0..n)
+                        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
+                        .collect(),
+                ),
+                DType::I64 => Tensor::from_i64(
+                    ty.shape.clone(),
+                    (0..n).map(|_| i64::from(next()) % range).collect(),
+                ),
+            }?;
+            Ok((name.clone(), t))
+        })
+        .collect()
+}
 
 /// A model of the zoo.
 #[derive(Debug, Clone, PartialEq)]
@@ -260,5 +298,30 @@ impl Arch {
             .filter_map(|v| vars.get(g.name_of(*v)))
             .map(|t| t.numel())
             .sum())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_feeds_are_deterministic_and_in_range() {
+        let inputs = vec![
+            ("x".to_string(), TensorType::f32([4, 50])),
+            ("labels".to_string(), TensorType::i64([200])),
+        ];
+        let a = seeded_feeds(&inputs, 3, 10).unwrap();
+        assert_eq!(a, seeded_feeds(&inputs, 3, 10).unwrap());
+        assert_ne!(a, seeded_feeds(&inputs, 4, 10).unwrap());
+        let x = a["x"].f32s().unwrap();
+        assert!(x.iter().all(|v| (-1.0..1.0).contains(v)));
+        let l = a["labels"].i64s().unwrap();
+        assert!(l.iter().all(|v| (0..10).contains(v)));
+        // Every label value shows up in 200 draws; a range below 1 is 1.
+        assert!((0..10).all(|k| l.contains(&k)));
+        let one = seeded_feeds(&inputs, 3, 0).unwrap();
+        assert!(one["labels"].i64s().unwrap().iter().all(|&v| v == 0));
     }
 }

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use lanes_adaptor::nn::{Mode, Nn};
 use lanes_adaptor::zoo::Arch;
 use lanes_adaptor::{
-    training_graph, validate, DType, GraphLimits, Op, Optimizer, Outlet, Tensor, TensorType,
-    ValidGraph, VarValues,
+    training_graph, validate, GraphLimits, Op, Optimizer, Outlet, Tensor, TensorType, ValidGraph,
+    VarValues,
 };
 
 use super::{program, run_op, CpuProgram};
@@ -25,32 +25,7 @@ fn lenet() -> Arch {
 
 /// Deterministic feeds: floats in [-1, 1), integers in [0, classes).
 fn feeds(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor> {
-    let mut s = seed;
-    let mut next = move || {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (s >> 33) as u32
-    };
-    inputs
-        .iter()
-        .map(|(name, ty)| {
-            let n = ty.shape.numel();
-            let t = match ty.dtype {
-                DType::F32 => Tensor::from_f32(
-                    ty.shape.clone(),
-                    (0..n)
-                        .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
-                        .collect(),
-                ),
-                DType::I64 => Tensor::from_i64(
-                    ty.shape.clone(),
-                    (0..n).map(|_| i64::from(next() % 10)).collect(),
-                ),
-            };
-            (name.clone(), t.unwrap())
-        })
-        .collect()
+    lanes_adaptor::zoo::seeded_feeds(inputs, seed, 10).unwrap()
 }
 
 /// The buffer's address and capacity.
