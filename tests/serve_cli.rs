@@ -1,7 +1,8 @@
 //! `lanes serve` started as a user starts it: lane admission is on by
 //! default (`--memory auto`, a share of the device read at start-up, logged
 //! with its derivation), `--memory none` turns it off, a size is taken as
-//! given, and `--reserve` is refused without memory. CPU here;
+//! given, and `--reserve` is refused without memory; on the GPU the memory
+//! is one device reservation unless `--no-reserve`. CPU here;
 //! `LANES_TEST_DEVICE=cuda` runs the same cases on the GPU machine (with
 //! `LANES_BIN` pointing at the staged binary). Whole file: a few seconds on
 //! the 2-core development VM.
@@ -190,4 +191,28 @@ fn memory_values_are_checked_by_the_parser() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("auto, none or a size"), "{stderr}");
+}
+
+/// On the GPU the lanes' memory is one device reservation by default;
+/// `--no-reserve` leaves it to the driver. On the CPU there is nothing to
+/// reserve either way.
+#[test]
+fn the_gpu_memory_is_reserved_unless_no_reserve() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let reserved = Serve::start(&[]).stop().contains("device memory reserved");
+    assert_eq!(reserved, device() == "cuda");
+    let log = Serve::start(&["--no-reserve"]).stop();
+    assert!(!log.contains("device memory reserved"), "{log}");
+    let log = Serve::start(&["--memory", "none"]).stop();
+    assert!(!log.contains("device memory reserved"), "{log}");
+    let out = Command::new(util::lanes_bin())
+        .args(["serve", "--device", device(), "--reserve", "--no-reserve"])
+        .args(["--endpoint", "tcp://127.0.0.1:*"])
+        .output()
+        .expect("lanes runs");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "conflicting flags are a usage error"
+    );
 }

@@ -111,13 +111,18 @@ pub(crate) fn run(
         let what = item.work.name();
         let frames = handle(item, &limits);
         let took = started.elapsed();
-        dispatcher.done(session, took);
         tracing::trace!(%session, request = what, micros = took.as_micros() as u64, "done");
         let mut out: Vec<Vec<u8>> = Vec::with_capacity(frames.len() + 2);
         out.push(session.0.to_le_bytes().to_vec());
         out.push(peer);
         out.extend(frames);
-        push.send_multipart(out, 0)?;
+        // The reply is on its way before the session's next request can
+        // start on another worker, so its replies mostly keep their order
+        // (clients must not rely on it: workers answer through separate
+        // sockets).
+        let sent = push.send_multipart(out, 0);
+        dispatcher.done(session, took);
+        sent?;
     }
     Ok(())
 }

@@ -307,12 +307,22 @@ impl Conn {
                 sent += 1;
             }
             let env = self.recv("run")?;
-            match env.message {
-                Reply::RunDone { .. } if outstanding.front() == Some(&env.request_id) => {
-                    outstanding.pop_front();
+            // Replies to a session's Runs may arrive in any order (the
+            // service runs them in order, but its workers answer through
+            // separate sockets).
+            let at = outstanding.iter().position(|&id| id == env.request_id);
+            match (env.message, at) {
+                (Reply::RunDone { .. }, Some(at)) => {
+                    outstanding.remove(at);
                     done += 1;
                 }
-                other => return Err(self.unexpected("run_done", &other)),
+                (Reply::RunDone { .. }, None) => {
+                    return Err(RemoteError::Decode(format!(
+                        "job {}: a Run reply to request {}, which is not outstanding",
+                        self.job, env.request_id
+                    )))
+                }
+                (other, _) => return Err(self.unexpected("run_done", &other)),
             }
         }
         Ok(())
