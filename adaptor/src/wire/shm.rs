@@ -72,6 +72,17 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SharedMemoryErr
     move |source| SharedMemoryError::Io { what, source }
 }
 
+/// [`io`] for the memfd crate's errors, keeping the OS error they carry.
+#[cfg(target_os = "linux")]
+fn memfd_io(what: impl Into<String>) -> impl FnOnce(memfd::Error) -> SharedMemoryError {
+    let to_io = io(what);
+    move |e| match e {
+        memfd::Error::Create(source)
+        | memfd::Error::AddSeals(source)
+        | memfd::Error::GetSeals(source) => to_io(source),
+    }
+}
+
 /// Offsets of `sizes` (bytes) packed from [`SEGMENT_HEADER`], each aligned
 /// to [`FEED_ALIGN`], and the bytes the segment then needs; `None` on
 /// overflow.
@@ -118,20 +129,14 @@ impl OwnedSegment {
         let memfd = MemfdOptions::default()
             .allow_sealing(true)
             .create("lanes-feeds")
-            .map_err(|e| SharedMemoryError::Io {
-                what: "memfd_create".into(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+            .map_err(memfd_io("memfd_create"))?;
         memfd
             .as_file()
             .set_len(bytes as u64)
             .map_err(io(format!("sizing the segment to {bytes} bytes")))?;
         memfd
             .add_seals(&[FileSeal::SealShrink, FileSeal::SealGrow, FileSeal::SealSeal])
-            .map_err(|e| SharedMemoryError::Io {
-                what: "sealing the segment".into(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+            .map_err(memfd_io("sealing the segment"))?;
         // SAFETY: the file is a memfd this process just made and sealed
         // against resizing, so the mapping stays backed for its whole life;
         // only this process writes it.
@@ -257,10 +262,9 @@ impl AttachedSegment {
         }
         let memfd = Memfd::try_from_file(file)
             .map_err(|_| SharedMemoryError::NotMemfd { path: path.clone() })?;
-        let seals = memfd.seals().map_err(|e| SharedMemoryError::Io {
-            what: format!("reading the seals of {path}"),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        let seals = memfd
+            .seals()
+            .map_err(memfd_io(format!("reading the seals of {path}")))?;
         if !seals.contains(&FileSeal::SealShrink) {
             return Err(SharedMemoryError::NotSealed);
         }
