@@ -98,11 +98,13 @@ impl Program {
     }
 
     /// Runs the next iterations in the shared ephemeral memory of `lane`
-    /// (a process-unique key; `None`: the program's own). The CPU backend
-    /// keeps its ephemeral tensors in the program's own arena (nothing to do).
+    /// (a process-unique key; `None`: the program's own).
     pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
         match self {
-            Program::Cpu(_) => Ok(()),
+            Program::Cpu(p) => {
+                p.bind_lane(lane);
+                Ok(())
+            }
             Program::Cuda(p) => p.bind_lane(lane),
         }
     }

@@ -1,35 +1,43 @@
-//! The CPU executor's ephemeral memory: one buffer per program, laid out by
-//! the compile stage's memory plan (`compile::plan_outlets`), so every op
-//! output of an iteration lives at its planned offset and the buffer is T
-//! bytes — the T the service reports, with nothing added: the plan's
-//! offsets and sizes are multiples of its alignment (256 bytes), the buffer
-//! is made of 8-byte words.
+//! The CPU executor's ephemeral memory, laid out by the compile stage's
+//! memory plan (`compile::plan_outlets`): every op output of an iteration
+//! lives at its planned offset in one buffer of T bytes — the T the
+//! service reports, with nothing added: the plan's offsets and sizes are
+//! multiples of its alignment (256 bytes), the buffer is made of 8-byte
+//! words.
 //!
+//! - **Whose buffer.** A program alone uses its own. Under the service a
+//!   program runs in its lane's buffer ([`Arena::bind_lane`]): the
+//!   programs of one lane run one iteration at a time, so they share one
+//!   buffer as large as the largest T among them, and a lane holds
+//!   `sum P + max T` bytes, not `sum (P + T)` — as the lane manager counts
+//!   and as the CUDA executor maps. A lane's buffer lives while a program
+//!   is bound to it.
 //! - **Feeds** stay where the caller holds them (a Run hands them in); their
 //!   slots in the buffer are left unused. Variables and constants are
 //!   persistent, not in the buffer.
-//! - **Outputs** are zeroed before their kernel runs, as the fresh buffers
-//!   of the executor before were (some kernels accumulate into their
-//!   outputs: reductions, convolution and normalisation gradients).
+//! - **Outputs** are zeroed before their kernel runs, as fresh buffers
+//!   would be (some kernels accumulate into their outputs: reductions,
+//!   convolution and normalisation gradients).
 //! - **Views.** An op's inputs and outputs are live at the same step, so the
 //!   plan gives them disjoint ranges (checked again here: overlapping ranges
 //!   are an error, not a panic); [`carve`] splits the buffer into them with
 //!   `split_at_mut`, the outputs writable and the inputs shared.
 //! - **Fetches.** The plan keeps the graph's sinks to the end of an
-//!   iteration. A Run that fetches an output the plan lets die early
-//!   re-plans with that output kept too (as the CUDA executor does), and
-//!   the buffer grows when the new T is larger; later Runs reuse it.
-//! - The buffer is allocated when the program is built, after a re-plan
-//!   that needs it larger, and after an eviction (which gives it up) — never
-//!   per iteration in the steady state.
+//!   iteration; an output the plan lets die early is copied out right
+//!   after its op ran (`program::run_iteration`), so fetching never grows
+//!   the buffer past the T the job was admitted with.
+//! - The buffer is allocated at the first iteration, and again after an
+//!   eviction (which gives it up) or when a lane gets a program with a
+//!   larger T — never per iteration in the steady state.
 //! - **Scratch.** In-place ops (optimizer steps, running statistics) write
 //!   the variables where they are; the old values their kernels read as
 //!   inputs are copied into a second buffer of the arena, grown to the
 //!   largest update during the first iteration.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use lanes_adaptor::{DType, Outlet, Tensor, TensorData, TensorType, ValidGraph};
+use lanes_adaptor::{DType, Tensor, TensorData, TensorType, ValidGraph};
 
 use crate::compile::{self, PlanOptions};
 use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
@@ -46,21 +54,104 @@ pub(super) struct Span {
     pub len: usize,
 }
 
+/// A lane's buffer, shared by the arenas bound to it.
+type LaneBuffer = Arc<Mutex<Vec<u64>>>;
+
+/// Each lane's buffer by lane key, while some arena is bound to it.
+type LaneBuffers = HashMap<u64, Weak<Mutex<Vec<u64>>>>;
+static LANES: Mutex<Option<LaneBuffers>> = Mutex::new(None);
+
+/// The buffer of `lane`: the one its programs use now, or a new empty one.
+fn lane_buffer(lane: u64) -> LaneBuffer {
+    let mut lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
+    let lanes = lanes.get_or_insert_with(HashMap::new);
+    if let Some(b) = lanes.get(&lane).and_then(Weak::upgrade) {
+        return b;
+    }
+    let b: LaneBuffer = Arc::new(Mutex::new(Vec::new()));
+    lanes.insert(lane, Arc::downgrade(&b));
+    lanes.retain(|_, w| w.strong_count() > 0);
+    b
+}
+
+/// Bytes of the buffer of `lane`, while it is alive.
+#[cfg(test)]
+pub(super) fn lane_bytes(lane: u64) -> Option<usize> {
+    let lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
+    let b = lanes.as_ref()?.get(&lane)?.upgrade()?;
+    let n = b.lock().unwrap_or_else(PoisonError::into_inner).len() * WORD;
+    Some(n)
+}
+
+/// Bytes of the lanes' shared buffers alive now.
+pub fn lane_buffer_bytes() -> u64 {
+    let lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
+    lanes.as_ref().map_or(0, |m| {
+        m.values()
+            .filter_map(Weak::upgrade)
+            .map(|b| (b.lock().unwrap_or_else(PoisonError::into_inner).len() * WORD) as u64)
+            .sum()
+    })
+}
+
+/// Where an arena's tensors are.
+#[derive(Debug)]
+enum Store {
+    /// The program's own buffer (empty before the first iteration and
+    /// after an eviction).
+    Own(Vec<u64>),
+    /// Its lane's buffer.
+    Lane { key: u64, buffer: LaneBuffer },
+}
+
 /// The ephemeral tensors of a program at the offsets of its memory plan.
 #[derive(Debug)]
 pub(super) struct Arena {
     /// T of the plan, bytes.
     planned: usize,
-    /// Outputs the plan keeps to the end of an iteration.
-    fetchable: HashSet<Outlet>,
     /// Per node, per output slot: where it lives (read only for outputs of
     /// ops: sources — feeds, variables, constants — are not in the buffer).
     spans: Vec<Vec<Span>>,
-    /// The buffer; at least `planned` bytes unless the program is evicted.
-    words: Vec<u64>,
+    store: Store,
     /// Old values of the variables an in-place op updates (see
     /// `program::update_in_place`), as large as the largest update.
     scratch: Vec<u64>,
+}
+
+/// The buffer during an iteration: the program's own, or its lane's,
+/// locked (uncontended: a lane runs one iteration at a time).
+#[derive(Debug)]
+pub(super) enum Words<'a> {
+    Own(&'a mut Vec<u64>),
+    Lane(MutexGuard<'a, Vec<u64>>),
+}
+
+impl std::ops::Deref for Words<'_> {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        match self {
+            Words::Own(v) => v,
+            Words::Lane(g) => g,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Words<'_> {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match self {
+            Words::Own(v) => v,
+            Words::Lane(g) => g,
+        }
+    }
+}
+
+/// An arena held for one iteration: the buffer (at least T bytes), the
+/// output spans and the scratch buffer, borrowed apart.
+#[derive(Debug)]
+pub(super) struct Held<'a> {
+    pub words: Words<'a>,
+    pub spans: &'a [Vec<Span>],
+    pub scratch: &'a mut Vec<u64>,
 }
 
 fn err(reason: String) -> ExecError {
@@ -71,33 +162,23 @@ fn err(reason: String) -> ExecError {
     }
 }
 
+/// Grows `words` to `need` words (zeroed), keeping it when large enough.
+fn grow(words: &mut Vec<u64>, need: usize) -> Result<(), ExecError> {
+    if words.len() < need {
+        let extra = need - words.len();
+        words
+            .try_reserve_exact(extra)
+            .map_err(|e| err(format!("cannot allocate {} bytes: {e}", need * WORD)))?;
+        words.resize(need, 0);
+    }
+    Ok(())
+}
+
 impl Arena {
-    /// Plans `graph` for Runs that fetch its sinks and allocates the buffer.
+    /// Plans `graph` (its sinks kept to the end of an iteration); the
+    /// buffer comes at the first iteration.
     pub fn new(graph: &ValidGraph) -> Result<Self, ExecError> {
-        let mut arena = Arena {
-            planned: 0,
-            fetchable: HashSet::new(),
-            spans: Vec::new(),
-            words: Vec::new(),
-            scratch: Vec::new(),
-        };
-        arena.replan(graph, compile::sinks(graph))?;
-        arena.ensure()?;
-        Ok(arena)
-    }
-
-    /// T of the plan the tensors follow, bytes.
-    pub fn planned(&self) -> usize {
-        self.planned
-    }
-
-    /// Bytes of the buffer held now.
-    pub fn bytes(&self) -> usize {
-        self.words.len() * WORD
-    }
-
-    fn replan(&mut self, graph: &ValidGraph, fetchable: HashSet<Outlet>) -> Result<(), ExecError> {
-        let plan = compile::plan_outlets(graph, fetchable.clone(), PlanOptions::default())
+        let plan = compile::plan_outlets(graph, compile::sinks(graph), PlanOptions::default())
             .map_err(|e| err(format!("memory plan: {e}")))?;
         if plan.alignment % WORD as u64 != 0 {
             return Err(err(format!(
@@ -131,69 +212,105 @@ impl Arena {
                 .ok_or_else(|| err(format!("the plan names {:?}, not in the graph", t.outlet)))?;
             *slot = span;
         }
-        self.planned = planned;
-        self.fetchable = fetchable;
-        self.spans = spans;
-        Ok(())
+        Ok(Arena {
+            planned,
+            spans,
+            store: Store::Own(Vec::new()),
+            scratch: Vec::new(),
+        })
     }
 
-    /// Re-plans when `fetches` name an output of an op that the plan lets
-    /// die before the end of the iteration: the new plan keeps every output
-    /// fetched so far. Returns whether it re-planned.
-    pub fn cover(&mut self, graph: &ValidGraph, fetches: &[Outlet]) -> Result<bool, ExecError> {
-        let g = graph.graph();
-        let missing: Vec<Outlet> = fetches
-            .iter()
-            .copied()
-            .filter(|o| {
-                g.nodes
-                    .get(o.node.index())
-                    .is_some_and(|n| !n.op.is_source())
-                    && !self.fetchable.contains(o)
-            })
-            .collect();
-        if missing.is_empty() {
-            return Ok(false);
+    /// T of the plan the tensors follow, bytes.
+    pub fn planned(&self) -> usize {
+        self.planned
+    }
+
+    /// Bytes of the program's own buffer held now (0 while it runs in its
+    /// lane's buffer, before its first iteration and while evicted).
+    pub fn bytes(&self) -> usize {
+        match &self.store {
+            Store::Own(v) => v.len() * WORD,
+            Store::Lane { .. } => 0,
         }
-        let before = self.planned;
-        let mut fetchable = self.fetchable.clone();
-        fetchable.extend(missing);
-        self.replan(graph, fetchable)?;
-        tracing::debug!(
-            before,
-            after = self.planned,
-            fetchable = self.fetchable.len(),
-            "re-planned the CPU arena for new fetches"
-        );
-        Ok(true)
     }
 
-    /// Allocates the buffer when it is smaller than T (after building, a
-    /// re-plan to a larger T, or an eviction); otherwise keeps it.
-    pub fn ensure(&mut self) -> Result<(), ExecError> {
+    /// The lane whose buffer the next iterations use (`None`: the own one).
+    pub fn lane(&self) -> Option<u64> {
+        match &self.store {
+            Store::Own(_) => None,
+            Store::Lane { key, .. } => Some(*key),
+        }
+    }
+
+    /// Runs the next iterations in the buffer of `lane` (a key unique in
+    /// the process; `None`: the program's own buffer). The caller runs the
+    /// iterations of one lane one at a time (they would wait for each
+    /// other's lock otherwise). Binding gives the own buffer up.
+    pub fn bind_lane(&mut self, lane: Option<u64>) {
+        match (lane, &self.store) {
+            (Some(k), Store::Lane { key, .. }) if *key == k => {}
+            (None, Store::Own(_)) => {}
+            (Some(k), _) => {
+                self.store = Store::Lane {
+                    key: k,
+                    buffer: lane_buffer(k),
+                }
+            }
+            (None, Store::Lane { .. }) => self.store = Store::Own(Vec::new()),
+        }
+    }
+
+    /// The arena for one iteration: the buffer grown to T when it is
+    /// smaller (the first iteration, after an eviction, or a lane that got
+    /// a program with a larger T), otherwise as it is.
+    pub fn hold(&mut self) -> Result<Held<'_>, ExecError> {
         let need = self.planned / WORD;
-        if self.words.len() < need {
-            self.words = Vec::new();
-            let mut words = Vec::new();
-            words
-                .try_reserve_exact(need)
-                .map_err(|e| err(format!("cannot allocate {} bytes: {e}", self.planned)))?;
-            words.resize(need, 0);
-            self.words = words;
-        }
-        Ok(())
+        let words = match &mut self.store {
+            Store::Own(v) => {
+                grow(v, need)?;
+                Words::Own(v)
+            }
+            Store::Lane { buffer, .. } => {
+                // A panic during an iteration leaves only that iteration's
+                // values behind: outputs are zeroed before they are written.
+                let mut g = buffer.lock().unwrap_or_else(PoisonError::into_inner);
+                grow(&mut g, need)?;
+                Words::Lane(g)
+            }
+        };
+        Ok(Held {
+            words,
+            spans: &self.spans,
+            scratch: &mut self.scratch,
+        })
     }
 
-    /// Gives the buffer up (the program is evicted); [`Arena::ensure`]
-    /// takes it again.
+    /// Gives the buffer up (the program is evicted): the own buffer is
+    /// freed, the lane's stays with the lane's other programs; the next
+    /// iteration (after the service binds the lane again) takes it back.
     pub fn release(&mut self) {
-        self.words = Vec::new();
+        self.store = Store::Own(Vec::new());
         self.scratch = Vec::new();
     }
 
+    #[cfg(test)]
+    pub fn buffer(&self) -> Option<&Vec<u64>> {
+        match &self.store {
+            Store::Own(v) => Some(v),
+            Store::Lane { .. } => None,
+        }
+    }
+
+    #[cfg(test)]
+    pub fn scratch(&self) -> &Vec<u64> {
+        &self.scratch
+    }
+}
+
+impl Held<'_> {
     /// Where output `o` of an op lives; `None` for sources (feeds,
     /// variables, constants), which are not in the buffer.
-    pub fn span(&self, graph: &ValidGraph, o: Outlet) -> Option<Span> {
+    pub fn span(&self, graph: &ValidGraph, o: lanes_adaptor::Outlet) -> Option<Span> {
         let node = graph.graph().nodes.get(o.node.index())?;
         if node.op.is_source() {
             return None;
@@ -202,31 +319,6 @@ impl Arena {
             .get(o.node.index())?
             .get(o.slot as usize)
             .copied()
-    }
-
-    /// The buffer, the output spans and the scratch buffer, borrowed apart.
-    pub fn parts(&mut self) -> (&mut [u64], &[Vec<Span>], &mut Vec<u64>) {
-        (&mut self.words, &self.spans, &mut self.scratch)
-    }
-
-    /// The buffer, for copying fetched results out.
-    pub fn words(&self) -> &[u64] {
-        &self.words
-    }
-
-    #[cfg(test)]
-    pub fn buffer(&self) -> &Vec<u64> {
-        &self.words
-    }
-
-    #[cfg(test)]
-    pub fn scratch(&self) -> &Vec<u64> {
-        &self.scratch
-    }
-
-    #[cfg(test)]
-    pub fn keeps(&self, o: Outlet) -> bool {
-        self.fetchable.contains(&o)
     }
 }
 

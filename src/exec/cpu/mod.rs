@@ -10,15 +10,19 @@
 //!   update the program's variables.
 //! - [`run_op`] runs one op on typed slices: the kernel entry point.
 //!
-//! Memory: every op output of an iteration lives in one buffer per program
-//! at the offset the compile stage's memory plan gives it (T bytes, the
-//! T the service reports; see `arena.rs`), allocated when the program is
-//! built, not per iteration.
+//! Memory: every op output of an iteration lives at the offset the compile
+//! stage's memory plan gives it in one buffer of T bytes (the T the
+//! service reports; see `arena.rs`): the program's own, or under the
+//! service its lane's, shared by the lane's programs
+//! ([`CpuProgram::bind_lane`]). Allocated at the first iteration, not per
+//! iteration.
 
 mod arena;
 mod backward;
 mod forward;
 mod program;
+
+pub use arena::lane_buffer_bytes;
 
 use std::collections::BTreeMap;
 
@@ -68,7 +72,8 @@ const GROUP_OVERHEAD: f64 = 10e-6;
 
 impl CpuProgram {
     /// Checks that every variable of `graph` has a value of its declared
-    /// type, plans its memory and allocates the ephemeral arena (T bytes).
+    /// type and plans its memory (the ephemeral arena, T bytes, comes at
+    /// the first iteration).
     pub fn new(graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
         program::check_vars(&graph, &vars)?;
         let arena = Box::new(Arena::new(&graph)?);
@@ -130,10 +135,24 @@ impl CpuProgram {
         self.arena.planned() as u64
     }
 
-    /// Bytes of the ephemeral arena held now: T, or more after a re-plan
-    /// to a smaller T; 0 while evicted.
+    /// Bytes of the program's own ephemeral buffer held now: T once it
+    /// ran alone; 0 before, while evicted and while it runs in its lane's
+    /// buffer.
     pub fn arena_bytes(&self) -> u64 {
         self.arena.bytes() as u64
+    }
+
+    /// Runs the next iterations in the ephemeral buffer of `lane` (a key
+    /// unique in the process, shared by the lane's programs, as large as
+    /// the largest T among them; `None`: the program's own buffer). The
+    /// caller runs one iteration of a lane at a time.
+    pub fn bind_lane(&mut self, lane: Option<u64>) {
+        self.arena.bind_lane(lane);
+    }
+
+    /// The lane whose buffer the next iterations use.
+    pub fn lane(&self) -> Option<u64> {
+        self.arena.lane()
     }
 
     /// Host copy bandwidth in bytes/s, measured when the host copy was taken.

@@ -96,9 +96,17 @@ pub(super) fn run_iteration(
                 .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
         })
         .collect::<Result<_, _>>()?;
-    // Fetched outputs live to the end; the buffer is there.
-    arena.cover(graph, &outlets)?;
-    arena.ensure()?;
+    // Fetched outputs of ops, by node: copied out right after their op
+    // ran (the plan may let them die before the end of the iteration).
+    let mut fetched_at: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (k, o) in outlets.iter().enumerate() {
+        if !g.nodes[o.node.index()].op.is_source() {
+            fetched_at.entry(o.node.index()).or_default().push(k);
+        }
+    }
+    let mut results: Vec<Option<Tensor>> = vec![None; outlets.len()];
+    let mut held = arena.hold()?;
+    let all_spans = held.spans;
     // Needed: fetched nodes, in-place updates, and everything they read.
     let mut needed = vec![false; n];
     let mut stack: Vec<NodeId> = outlets.iter().map(|o| o.node).collect();
@@ -149,16 +157,15 @@ pub(super) fn run_iteration(
                     names.push(&var.name);
                 }
                 let spans: Vec<Option<Span>> =
-                    node.inputs.iter().map(|o| arena.span(graph, *o)).collect();
+                    node.inputs.iter().map(|o| held.span(graph, *o)).collect();
                 for (o, s) in node.inputs.iter().zip(&spans) {
                     if s.is_some() && !done[o.node.index()] {
                         return Err(bad(node, "value used before it was computed"));
                     }
                 }
-                let (words, outputs, scratch) = arena.parts();
-                let outputs = outputs.get(i).map_or(&[][..], Vec::as_slice);
+                let outputs = all_spans.get(i).map_or(&[][..], Vec::as_slice);
                 let (in_words, out_words) =
-                    arena::carve(words, &spans, outputs).map_err(|r| bad(node, &r))?;
+                    arena::carve(&mut held.words, &spans, outputs).map_err(|r| bad(node, &r))?;
                 let mut out_views: Vec<TensorMut<'_>> = node
                     .outputs
                     .iter()
@@ -174,19 +181,31 @@ pub(super) fn run_iteration(
                     in_words,
                 };
                 if !names.is_empty() && in_place_ok(&names, vars) {
-                    update_in_place(io, vars, scratch, &mut out_views)?;
+                    update_in_place(io, vars, held.scratch, &mut out_views)?;
                 } else {
                     update_cloned(io, vars, &mut out_views)?;
                 }
+                drop(out_views);
                 done[i] = true;
+                for &k in fetched_at.get(&i).map_or(&[][..], Vec::as_slice) {
+                    let o = outlets[k];
+                    let (span, ty) = outputs
+                        .get(o.slot as usize)
+                        .zip(node.outputs.get(o.slot as usize))
+                        .ok_or_else(|| bad(node, "fetched output has no place"))?;
+                    results[k] =
+                        Some(arena::copy_out(ty, &held.words, *span).map_err(|r| bad(node, &r))?);
+                }
             }
         }
     }
     before(graph.order().len(), vars)?;
+    drop(held);
     outlets
         .iter()
         .zip(fetches)
-        .map(|(o, key)| {
+        .zip(results)
+        .map(|((o, key), result)| {
             let node = &g.nodes[o.node.index()];
             let unknown = || ExecError::UnknownFetch { key: key.clone() };
             match &node.op {
@@ -199,14 +218,8 @@ pub(super) fn run_iteration(
                 }
                 Op::Constant(t) => Ok(t.clone()),
                 Op::Placeholder(_) => feeds.get(&node.name).cloned().ok_or_else(unknown),
-                _ => {
-                    let span = arena.span(graph, *o).ok_or_else(unknown)?;
-                    let ty = g.outlet_type(*o).ok_or_else(unknown)?;
-                    if !done[o.node.index()] {
-                        return Err(unknown());
-                    }
-                    arena::copy_out(ty, arena.words(), span).map_err(|r| bad(node, &r))
-                }
+                // Copied out after its op ran.
+                _ => result.ok_or_else(unknown),
             }
         })
         .collect()

@@ -1,6 +1,6 @@
 //! The CPU executor's arena: T bytes of the memory plan, allocated once,
-//! kept across iterations, and fetched intermediates still right after a
-//! re-plan.
+//! kept across iterations, never grown by fetches, and shared by the
+//! programs of a lane.
 
 use std::collections::BTreeMap;
 
@@ -28,9 +28,9 @@ fn feeds(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor>
     lanes_adaptor::zoo::seeded_feeds(inputs, seed, 10).unwrap()
 }
 
-/// The buffer's address and capacity.
+/// The own buffer's address and capacity.
 fn buffer(p: &CpuProgram) -> (usize, usize, usize) {
-    let b = p.arena.buffer();
+    let b = p.arena.buffer().expect("the program's own buffer");
     (b.as_ptr() as usize, b.capacity(), b.len())
 }
 
@@ -50,10 +50,14 @@ fn training() -> (
 #[test]
 fn the_arena_is_the_planned_t() {
     let (v, vars, _, _) = training();
+    let (_, _, loss, inputs) = training();
     let planned = compile::plan(&v).unwrap();
-    let p = CpuProgram::new(v, vars).unwrap();
+    let mut p = CpuProgram::new(v, vars).unwrap();
     assert!(planned.ephemeral > 0);
     assert_eq!(p.ephemeral_bytes(), planned.ephemeral);
+    // Taken at the first iteration.
+    assert_eq!(p.arena_bytes(), 0);
+    p.run(&feeds(&inputs, 1), &[loss]).unwrap();
     assert_eq!(p.arena_bytes(), planned.ephemeral);
     // Below one buffer per tensor (what every iteration allocated before).
     assert!(planned.ephemeral < planned.no_reuse, "{planned}");
@@ -61,7 +65,8 @@ fn the_arena_is_the_planned_t() {
     let m = lenet().inference(2, 1).unwrap();
     let v = validate(m.graph, &GraphLimits::default()).unwrap();
     let planned = compile::plan(&v).unwrap();
-    let p = CpuProgram::new(v, m.vars).unwrap();
+    let mut p = CpuProgram::new(v, m.vars).unwrap();
+    p.run(&feeds(&m.inputs, 1), &[m.output]).unwrap();
     assert_eq!(p.arena_bytes(), planned.ephemeral);
 }
 
@@ -69,16 +74,17 @@ fn the_arena_is_the_planned_t() {
 fn iterations_reuse_the_arena() {
     let (v, vars, loss, inputs) = training();
     let mut p = CpuProgram::new(v, vars).unwrap();
-    let at_build = buffer(&p);
+    let mut first = None;
     let mut losses = Vec::new();
     let mut scratch = None;
     for k in 0..3 {
         let out = p
             .run(&feeds(&inputs, 7), std::slice::from_ref(&loss))
             .unwrap();
+        let now = buffer(&p);
         assert_eq!(
-            buffer(&p),
-            at_build,
+            *first.get_or_insert(now),
+            now,
             "iteration {k} moved or grew the arena"
         );
         // The old values of the updated variables: sized in the first
@@ -105,17 +111,21 @@ fn key(v: &ValidGraph, o: Outlet) -> String {
 }
 
 /// Fetching the inputs of the output node (which the plan lets die before
-/// the end) re-plans; the fetched values recompute the output exactly.
+/// the end) neither re-plans nor grows the buffer; the fetched values
+/// recompute the output exactly.
 #[test]
 fn fetched_intermediates_are_right() {
     let m = lenet().inference(2, 3).unwrap();
     let v = validate(m.graph, &GraphLimits::default()).unwrap();
+    let sinks = compile::sinks(&v);
     let mut p = CpuProgram::new(v, m.vars).unwrap();
     let f = feeds(&m.inputs, 11);
     let alone = p
         .run(&f, std::slice::from_ref(&m.output))
         .unwrap()
         .remove(0);
+    let planned = p.ephemeral_bytes();
+    let at_first = buffer(&p);
 
     let graph = p.graph().clone();
     let g = graph.graph();
@@ -128,20 +138,20 @@ fn fetched_intermediates_are_right() {
         .filter(|o| !g.nodes[o.node.index()].op.is_source())
         .collect();
     assert!(!inner.is_empty());
-    assert!(
-        inner.iter().any(|o| !p.arena.keeps(*o)),
-        "nothing to re-plan"
-    );
+    // The plan lets them die before the end of the iteration.
+    assert!(inner.iter().all(|o| !sinks.contains(o)));
     let mut keys = vec![m.output.clone()];
     keys.extend(inner.iter().map(|o| key(&graph, *o)));
+    // Fetched twice in one Run: two copies.
+    keys.push(key(&graph, inner[0]));
     let got = p.run(&f, &keys).unwrap();
-    assert!(inner.iter().all(|o| p.arena.keeps(*o)));
     assert_eq!(got[0], alone);
-    let after_replan = buffer(&p);
-    assert!(p.arena_bytes() >= p.ephemeral_bytes());
+    assert_eq!(got[1], got[got.len() - 1]);
+    assert_eq!(p.ephemeral_bytes(), planned);
+    assert_eq!(buffer(&p), at_first);
     let again = p.run(&f, &keys).unwrap();
     assert_eq!(again, got);
-    assert_eq!(buffer(&p), after_replan);
+    assert_eq!(buffer(&p), at_first);
 
     // Recompute the output node from the fetched inputs.
     let vars = p.read_variables(&[]).unwrap();
@@ -226,4 +236,51 @@ fn in_place_updates_match_copies() {
     let same: Vec<&String> = va.keys().filter(|k| va[*k] == before[*k]).collect();
     assert!(same.is_empty(), "unchanged: {same:?}");
     assert!(va.keys().any(|k| k.contains("running_mean")));
+}
+
+/// Two programs of one lane run in one buffer as large as the larger T
+/// (neither holds its own), interleaved, with the results each gets alone;
+/// the buffer goes when the last program leaves the lane.
+#[test]
+fn programs_of_a_lane_share_one_buffer() {
+    let lane = u64::MAX - 41;
+    let (v, vars, loss, inputs) = training();
+    let m = lenet().inference(2, 5).unwrap();
+    let vi = validate(m.graph, &GraphLimits::default()).unwrap();
+    let mut alone = (
+        CpuProgram::new(v.clone(), vars.clone()).unwrap(),
+        CpuProgram::new(vi.clone(), m.vars.clone()).unwrap(),
+    );
+    let mut shared = (
+        CpuProgram::new(v, vars).unwrap(),
+        CpuProgram::new(vi, m.vars).unwrap(),
+    );
+    let (ta, tb) = (shared.0.ephemeral_bytes(), shared.1.ephemeral_bytes());
+    assert_ne!(ta, tb);
+    shared.0.bind_lane(Some(lane));
+    shared.1.bind_lane(Some(lane));
+    assert_eq!(shared.1.lane(), Some(lane));
+    let fetch_a = std::slice::from_ref(&loss);
+    let fetch_b = std::slice::from_ref(&m.output);
+    for k in 0..3 {
+        let fa = feeds(&inputs, 30 + k);
+        let fb = feeds(&m.inputs, 40 + k);
+        // The smaller T first: the buffer grows when the larger one runs.
+        let want_b = alone.1.run(&fb, fetch_b).unwrap();
+        assert_eq!(shared.1.run(&fb, fetch_b).unwrap(), want_b, "step {k}");
+        let want_a = alone.0.run(&fa, fetch_a).unwrap();
+        assert_eq!(shared.0.run(&fa, fetch_a).unwrap(), want_a, "step {k}");
+        assert_eq!(super::arena::lane_bytes(lane), Some(ta.max(tb) as usize));
+        assert_eq!((shared.0.arena_bytes(), shared.1.arena_bytes()), (0, 0));
+    }
+    assert_eq!(
+        shared.0.read_variables(&[]).unwrap(),
+        alone.0.read_variables(&[]).unwrap()
+    );
+    // Evicted, a program gives the lane up until it is bound again.
+    shared.0.evict().unwrap();
+    assert_eq!(shared.0.lane(), None);
+    assert!(super::arena::lane_bytes(lane).is_some());
+    drop(shared);
+    assert_eq!(super::arena::lane_bytes(lane), None);
 }
