@@ -496,4 +496,78 @@ mod service {
         );
         srv.shutdown().unwrap();
     }
+
+    /// Fetching intermediates the memory plan lets die early: right values;
+    /// on the CPU the job keeps the T it was admitted with (copies taken as
+    /// the ops run), on the GPU the re-planned T is admitted again first
+    /// (one eviction and return); a T that could never fit is refused with
+    /// `MemoryTooLarge` and the job runs on as before.
+    #[test]
+    fn fetching_intermediates_keeps_the_admitted_memory() {
+        let hidden = 512;
+        let (valid, vals) = mlp(hidden, 3);
+        let (p, t) = server::admission_sizes(&util::device(), &valid, false).unwrap();
+        // The first matmul's and the relu's outputs: kept to the end, they
+        // raise the peak of a GPU re-plan by one [B, hidden] tensor.
+        let g = valid.graph();
+        let name = |op: &str, nth: usize| {
+            g.nodes
+                .iter()
+                .filter(|n| n.op.name() == op)
+                .nth(nth)
+                .map(|n| format!("{}:0", n.name))
+                .unwrap()
+        };
+        let (h0, h2) = (name("matmul", 0), name("relu", 0));
+        let run_all = |memory: u64| {
+            let srv = serve(memory);
+            let mut c = client(srv.endpoint());
+            let (graph, variables, _) = graph_and_vars(hidden, 3);
+            let sid = open(&mut c, "fetcher");
+            c.request(&Request::LoadGraph {
+                session: sid,
+                graph,
+                variables,
+            })
+            .unwrap();
+            let x = feed(1, 0);
+            let xt = || Tensor::from_f32([BATCH, IN], x.clone()).unwrap();
+            let want = reference(&vals, hidden, &x);
+            let y = c.run_in(sid, vec![("x", xt())], &["y"]).unwrap();
+            assert_eq!(y[0].f32s().unwrap().len(), want.len());
+            let got = c.run_in(sid, vec![("x", xt())], &["y", &h0, &h2]);
+            let y2 = c.run_in(sid, vec![("x", xt())], &["y"]).unwrap();
+            assert_eq!(y2, y);
+            let st = c.status().unwrap();
+            let me = st.sessions.iter().find(|s| s.session == sid).unwrap();
+            let switched = (me.evictions, me.returns);
+            srv.shutdown().unwrap();
+            (got, y, want, x, switched)
+        };
+        let roomy = p + t + (4 << 20) + (64 << 20);
+        let (got, y, want, x, switched) = run_all(roomy);
+        let got = got.unwrap();
+        for (a, b) in y[0].f32s().unwrap().iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        assert_eq!(got[0], y[0]);
+        let pre = matmul(&x, &vals["w1"], BATCH, IN, hidden);
+        let post = relu(&add(&pre, &vals["b1"]));
+        for (fetched, want) in [(&got[1], &pre), (&got[2], &post)] {
+            for (a, b) in fetched.f32s().unwrap().iter().zip(want) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+        }
+        if util::device() == "cpu" {
+            assert_eq!(switched, (0, 0));
+        } else {
+            assert_eq!(switched, (1, 1));
+            // Room for the T admitted at load, not for the re-planned one.
+            let exact = (p + t).next_multiple_of(256);
+            let (refused, _, _, _, switched) = run_all(exact);
+            let e = refused.unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::MemoryTooLarge), "{e}");
+            assert_eq!(switched, (0, 0));
+        }
+    }
 }

@@ -109,6 +109,17 @@ impl Program {
         }
     }
 
+    /// The ephemeral bytes (as admission counts them) the program will use
+    /// once a Run fetched `fetches`, when that is a change: the CUDA
+    /// executor re-plans to keep outputs its plan lets die early; the CPU
+    /// executor copies them out as they are made (always `None`).
+    pub fn ephemeral_need_for(&self, fetches: &[String]) -> Result<Option<u64>, ExecError> {
+        match self {
+            Program::Cpu(_) => Ok(None),
+            Program::Cuda(p) => p.ephemeral_need_for(fetches),
+        }
+    }
+
     /// Device bytes mapped to this program alone now (its lane's shared
     /// memory not counted); `None` on the CPU.
     pub fn own_device_bytes(&self) -> Option<u64> {

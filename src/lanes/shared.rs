@@ -132,6 +132,11 @@ impl SharedLanes {
         Ok(r)
     }
 
+    /// The size and division of the reservation.
+    pub fn config(&self) -> LanesConfig {
+        *self.lock().manager.config()
+    }
+
     /// Current placement of `job`, if admitted.
     pub fn placement(&self, job: JobId) -> Option<Placement> {
         self.lock().manager.placement(job)

@@ -286,6 +286,47 @@ impl Session {
         Ok(())
     }
 
+    /// Before a Run whose fetches make the program need more ephemeral
+    /// memory than the job was admitted with (on the GPU: outputs the
+    /// memory plan lets die early, which a re-plan keeps to the end), asks
+    /// the lanes again with the larger T: the program is evicted and its
+    /// memory given back, and the Run re-admits it (waiting if need be), so
+    /// the safety condition holds for what the lanes really hold. A T that
+    /// could never fit is refused (`MemoryTooLarge`) and nothing changes.
+    fn grow_for(&mut self, fetches: &[String]) -> Result<(), SessionError> {
+        let (Some(lanes), Some((p, t))) = (&self.lanes, self.memory) else {
+            return Ok(());
+        };
+        let lanes = lanes.clone();
+        let session = self.id;
+        let Some(need) = self.loaded()?.program.ephemeral_need_for(fetches)? else {
+            return Ok(());
+        };
+        if need <= t {
+            return Ok(());
+        }
+        let cfg = lanes.config();
+        let up = |b: u64| b.checked_next_multiple_of(cfg.alignment.max(1));
+        let total = up(p).zip(up(need)).and_then(|(p, t)| p.checked_add(t));
+        if total.is_none_or(|n| n > cfg.capacity) {
+            return Err(SessionError::Memory(AdmitError::TooLarge {
+                job: JobId(session.0),
+                needed: total.unwrap_or(u64::MAX),
+                available: cfg.capacity,
+            }));
+        }
+        tracing::info!(
+            %session,
+            before = t,
+            after = need,
+            "the fetches need more ephemeral memory: admitted again"
+        );
+        self.evict()?;
+        self.lease = None;
+        self.memory = Some((p, need));
+        Ok(())
+    }
+
     /// Iterations run so far.
     pub fn iterations(&self) -> u64 {
         self.iterations
@@ -416,6 +457,8 @@ impl Session {
         if let Some(bad) = fetches.iter().find(|k| graph.resolve(k).is_none()) {
             return Err(SessionError::Fetch { key: bad.clone() });
         }
+        self.grow_for(fetches)?;
+        let loaded = self.loaded()?;
         let returning = !loaded.program.is_resident();
         if returning {
             self.readmit()?;

@@ -1073,6 +1073,38 @@ impl CudaProgram {
         Ok(out)
     }
 
+    /// The ephemeral bytes (T with the workspaces, as admission counts
+    /// them) the program will use once a Run fetched `fetches`: `None` when
+    /// they need no re-plan (see [`CudaProgram::cover_fetches`]).
+    pub fn ephemeral_need_for(&self, fetches: &[String]) -> Result<Option<u64>, ExecError> {
+        let g = self.graph.graph();
+        let mut fetchable = self.mem.fetchable.clone();
+        let mut more = false;
+        for k in fetches {
+            let o = g
+                .resolve(k)
+                .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })?;
+            let persistent = matches!(
+                g.nodes.get(o.node.index()).map(|n| &n.op),
+                Some(Op::Variable(_) | Op::Constant(_))
+            );
+            if !persistent && fetchable.insert(o) {
+                more = true;
+            }
+        }
+        if !more {
+            return Ok(None);
+        }
+        let plan = compile::plan_outlets(&self.graph, fetchable, compile::PlanOptions::default())
+            .map_err(|e| ExecError::Op {
+            node: String::new(),
+            op: "memory plan",
+            reason: e.to_string(),
+        })?;
+        let (_, _, extent) = ephemeral_extent(plan.ephemeral, self.mem.cudnn_bytes)?;
+        Ok(Some(extent as u64))
+    }
+
     /// Re-plans the ephemeral region when a Run fetches an output that the
     /// current plan lets die before the end of the iteration: the new plan
     /// keeps every output fetched so far. The recorded graphs hold the old
