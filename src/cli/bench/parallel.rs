@@ -11,7 +11,8 @@
 //! measures that path). Each job's thread runs `--iters` iterations back to
 //! back; throughput is iterations per second of wall time over all jobs. On
 //! the GPU each case reports the device memory its programs hold: their own
-//! blocks plus the lanes' shared blocks.
+//! blocks plus the lanes' shared blocks; on the CPU the bytes of the lanes'
+//! shared ephemeral buffers.
 
 use std::time::Instant;
 
@@ -144,6 +145,12 @@ fn run_case(
         Device::Cuda => Some(lanes::exec::cuda::lane_block_bytes()),
         Device::Cpu => None,
     };
+    // On the CPU: the lanes' shared ephemeral buffers (the programs run in
+    // them, holding none of their own).
+    let host_shared = match a.device {
+        Device::Cpu => Some(lanes::exec::cpu::lane_buffer_bytes()),
+        Device::Cuda => None,
+    };
     progress(
         &format!("{}: {} iterations per job", case.name, a.iters),
         since,
@@ -195,6 +202,7 @@ fn run_case(
             "lanes_shared": shared,
             "total": own.zip(shared).map(|(o, s)| o + s),
         },
+        "host_lane_buffers_bytes": host_shared,
         "lanes": lanes_text,
     }))
 }
