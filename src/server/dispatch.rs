@@ -230,8 +230,13 @@ impl Dispatcher {
         self.lock().gate = Some(lanes);
     }
 
-    /// Wakes the workers to look again (after memory was released).
+    /// Wakes the workers to look again (after memory was released). Takes
+    /// the lock first: a worker that found nothing runnable holds it from
+    /// its look at the lanes until it waits, so the notification cannot
+    /// fall between the two (a lost wake-up left a Run of a job admitted
+    /// meanwhile queued with every worker asleep).
     pub fn wake(&self) {
+        drop(self.lock());
         self.ready.notify_all();
     }
 
