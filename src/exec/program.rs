@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use lanes_adaptor::{Tensor, ValidGraph, VarValues};
 
-use super::cpu::CpuProgram;
+use super::cpu::{CpuMemory, CpuProgram};
 use super::cuda::CudaProgram;
 use super::ExecError;
 use crate::residency::{GroupPlan, Layout, Strategy, SwitchReport};
@@ -65,6 +65,66 @@ impl Program {
         match self {
             Program::Cpu(p) => p.run_switching(feeds, fetches, strategy),
             Program::Cuda(p) => p.run_switching(feeds, fetches, strategy),
+        }
+    }
+
+    /// [`Program::run_switching`] in memory handed in by the service (CPU
+    /// programs under lanes with a reservation: see `CpuMemory`; ignored
+    /// by the CUDA executor, whose memory is its own blocks).
+    pub fn run_in(
+        &mut self,
+        mem: Option<CpuMemory<'_>>,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+        strategy: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        match self {
+            Program::Cpu(p) => p.run_in(mem, feeds, fetches, strategy),
+            Program::Cuda(p) => p.run_switching(feeds, fetches, strategy),
+        }
+    }
+
+    /// Whether the program's variables live in memory handed in with each
+    /// call (a CPU program that ran in a reservation).
+    pub fn needs_memory(&self) -> bool {
+        match self {
+            Program::Cpu(p) => p.is_given(),
+            Program::Cuda(_) => false,
+        }
+    }
+
+    /// [`Program::read_variables`], the CPU program's variables perhaps in
+    /// `persistent` (handed in).
+    pub fn read_variables_in(
+        &self,
+        persistent: Option<&[u64]>,
+        names: &[String],
+    ) -> Result<VarValues, ExecError> {
+        match self {
+            Program::Cpu(p) => p.read_variables_in(persistent, names),
+            Program::Cuda(p) => p.read_variables(names),
+        }
+    }
+
+    /// [`Program::write_variables`], the CPU program's variables perhaps
+    /// in `persistent` (handed in).
+    pub fn write_variables_in(
+        &mut self,
+        persistent: Option<&mut [u64]>,
+        values: VarValues,
+    ) -> Result<(), ExecError> {
+        match self {
+            Program::Cpu(p) => p.write_variables_in(persistent, values),
+            Program::Cuda(p) => p.write_variables(values),
+        }
+    }
+
+    /// [`Program::evict`], the CPU program's variables perhaps in
+    /// `persistent` (handed in).
+    pub fn evict_in(&mut self, persistent: Option<&[u64]>) -> Result<u64, ExecError> {
+        match self {
+            Program::Cpu(p) => p.evict_in(persistent),
+            Program::Cuda(p) => p.evict(),
         }
     }
 

@@ -124,6 +124,8 @@ pub(super) struct Arena {
 pub(super) enum Words<'a> {
     Own(&'a mut Vec<u64>),
     Lane(MutexGuard<'a, Vec<u64>>),
+    /// Handed in for the iteration (the lane's arena in a reservation).
+    Given(&'a mut [u64]),
 }
 
 impl std::ops::Deref for Words<'_> {
@@ -132,6 +134,7 @@ impl std::ops::Deref for Words<'_> {
         match self {
             Words::Own(v) => v,
             Words::Lane(g) => g,
+            Words::Given(w) => w,
         }
     }
 }
@@ -141,6 +144,7 @@ impl std::ops::DerefMut for Words<'_> {
         match self {
             Words::Own(v) => v,
             Words::Lane(g) => g,
+            Words::Given(w) => w,
         }
     }
 }
@@ -285,6 +289,24 @@ impl Arena {
         })
     }
 
+    /// The arena for one iteration in `words`, handed in by the caller
+    /// (at least T bytes; the program's own or lane buffer is not used).
+    pub fn hold_given<'a>(&'a mut self, words: &'a mut [u64]) -> Result<Held<'a>, ExecError> {
+        let need = self.planned / WORD;
+        if words.len() < need {
+            return Err(err(format!(
+                "the arena handed in has {} bytes, T is {}",
+                words.len() * WORD,
+                self.planned
+            )));
+        }
+        Ok(Held {
+            words: Words::Given(words),
+            spans: &self.spans,
+            scratch: &mut self.scratch,
+        })
+    }
+
     /// Gives the buffer up (the program is evicted): the own buffer is
     /// freed, the lane's stays with the lane's other programs; the next
     /// iteration (after the service binds the lane again) takes it back.
@@ -340,6 +362,16 @@ pub(super) fn carve<'a>(
     inputs: &[Option<Span>],
     outputs: &[Span],
 ) -> Result<Carved<'a>, String> {
+    carve_with(words, inputs, outputs, true)
+}
+
+/// [`carve`], the writable ranges zeroed only when `zero`.
+pub(super) fn carve_with<'a>(
+    words: &'a mut [u64],
+    inputs: &[Option<Span>],
+    outputs: &[Span],
+    zero: bool,
+) -> Result<Carved<'a>, String> {
     let mut order: Vec<(Span, Role)> = Vec::with_capacity(inputs.len() + outputs.len());
     order.extend(
         inputs
@@ -387,7 +419,9 @@ pub(super) fn carve<'a>(
                 prev = Some((span, data));
             }
             Role::Out(k) => {
-                piece.fill(0);
+                if zero {
+                    piece.fill(0);
+                }
                 outs[k] = Some(piece);
                 prev = None;
             }

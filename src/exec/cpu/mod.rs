@@ -21,6 +21,7 @@ mod arena;
 mod backward;
 mod forward;
 mod program;
+mod vars;
 
 pub use arena::lane_buffer_bytes;
 
@@ -29,6 +30,7 @@ use std::collections::BTreeMap;
 use lanes_adaptor::{Op, Tensor, ValidGraph, VarValues};
 
 use self::arena::Arena;
+use self::vars::{Places, Vars};
 use super::{ExecError, TensorMut, TensorRef};
 use crate::residency::{
     Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport, UnitTimer,
@@ -36,27 +38,60 @@ use crate::residency::{
 
 /// A validated graph and its variables, ready to run iterations on the CPU.
 ///
-/// Residency: [`CpuProgram::evict`] moves the variables out of the program
-/// (the stand-in for device memory) into a host copy (the stand-in for
-/// pinned host memory); the next run brings them back in groups on a copier
-/// thread while the iteration already computes ([`CpuProgram::run_switching`]).
-/// Eviction also gives up the ephemeral arena; the next run takes it again.
+/// Memory: the variables and constants at fixed places in one buffer of P
+/// bytes (`vars.rs`), the op outputs at their planned offsets in one of T
+/// bytes (`arena.rs`). Both are the program's own, or — under a service
+/// whose lanes hold a reservation — the job's persistent region and its
+/// lane's arena in the reservation, handed in with each call
+/// ([`CpuMemory`]; from then on the program holds no persistent memory of
+/// its own).
+///
+/// Residency: [`CpuProgram::evict`] copies the persistent buffer to a host
+/// copy (the stand-in for pinned host memory) and gives the buffer up; the
+/// next run brings it back in groups on a copier thread while the
+/// iteration already computes ([`CpuProgram::run_switching`]). Eviction
+/// also gives up the ephemeral arena; the next run takes it again.
 #[derive(Debug)]
 pub struct CpuProgram {
     graph: ValidGraph,
-    vars: VarValues,
+    /// Where each variable and constant lives in the persistent buffer.
+    places: Places,
+    /// Where the persistent buffer is.
+    persist: Persist,
     /// The ephemeral tensors, at their memory plan's offsets.
     arena: Box<Arena>,
     res: Box<Residency>,
+}
+
+/// Where a program's persistent buffer is.
+#[derive(Debug)]
+enum Persist {
+    /// The program's own.
+    Own(Vec<u64>),
+    /// In the memory handed in with each call ([`CpuMemory`]).
+    Given,
+    /// Only in the host copy (evicted).
+    Evicted,
+}
+
+/// Memory a service hands a program for one call: the job's persistent
+/// region and its lane's ephemeral arena, as 8-byte words (see
+/// `lanes::JobMemory`). The first call that hands it in moves the
+/// program's variables there; every later call must hand it in (the
+/// region may have moved in the reservation meanwhile: its contents moved
+/// with it).
+#[derive(Debug)]
+pub struct CpuMemory<'a> {
+    pub persistent: &'a mut [u64],
+    pub arena: &'a mut [u64],
 }
 
 /// Residency state of a [`CpuProgram`].
 #[derive(Debug)]
 struct Residency {
     layout: Layout,
-    resident: bool,
-    /// The host copy; current unless `dirty`.
-    host: Option<VarValues>,
+    /// The host copy of the persistent buffer; current unless `dirty`.
+    host: Option<Vec<u64>>,
     /// The resident variables changed since the host copy was taken.
     dirty: bool,
     /// Iterations change variables (in-place ops).
@@ -70,14 +105,60 @@ struct Residency {
 /// Per-group cost of the copier (a channel send and wake-up), seconds.
 const GROUP_OVERHEAD: f64 = 10e-6;
 
+fn no_memory() -> ExecError {
+    ExecError::Op {
+        node: String::new(),
+        op: "persistent memory",
+        reason: "the program's variables live in memory handed in with each call, and none was"
+            .into(),
+    }
+}
+
+/// The first `n` words of `region`, the memory handed in for P.
+fn given(region: &mut [u64], n: usize) -> Result<&mut [u64], ExecError> {
+    let len = region.len();
+    region.get_mut(..n).ok_or_else(|| ExecError::Op {
+        node: String::new(),
+        op: "persistent memory",
+        reason: format!(
+            "the persistent region handed in has {} bytes, P is {}",
+            len * 8,
+            n * 8
+        ),
+    })
+}
+
+/// The hook that hands the iteration each group's piece of the persistent
+/// buffer (received from the copier) before the first node that needs it.
+fn installer<'p, 'r>(
+    groups: &'r [(usize, std::ops::Range<usize>)],
+    rx: &'r crossbeam_channel::Receiver<(usize, &'p mut [u64])>,
+) -> impl FnMut(usize, &mut Vars<'p>) -> Result<(), ExecError> + 'r {
+    let mut next = 0;
+    move |pos, vars| {
+        while next < groups.len() && groups[next].0 <= pos {
+            let (k, piece) = rx.recv().map_err(|_| ExecError::MissingVariable {
+                name: "(the copier stopped early)".into(),
+            })?;
+            vars.insert(k, piece)?;
+            next += 1;
+        }
+        Ok(())
+    }
+}
+
 impl CpuProgram {
     /// Checks that every variable of `graph` has a value of its declared
-    /// type and plans its memory (the ephemeral arena, T bytes, comes at
-    /// the first iteration).
+    /// type, places the variables and constants in the program's
+    /// persistent buffer and plans the ephemeral memory (the arena, T
+    /// bytes, comes at the first iteration).
     pub fn new(graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
         program::check_vars(&graph, &vars)?;
         let arena = Box::new(Arena::new(&graph)?);
         let layout = Layout::of(&graph);
+        let places = Places::new(&graph, &layout)?;
+        let own = places.fill(&graph, &vars)?;
+        drop(vars);
         let updates = graph
             .graph()
             .nodes
@@ -85,11 +166,11 @@ impl CpuProgram {
             .any(|n| !n.op.mutated_inputs().is_empty());
         Ok(CpuProgram {
             graph,
-            vars,
+            places,
+            persist: Persist::Own(own),
             arena,
             res: Box::new(Residency {
                 layout,
-                resident: true,
                 host: None,
                 dirty: true,
                 updates,
@@ -114,14 +195,26 @@ impl CpuProgram {
             .map(|(out, _)| out)
     }
 
-    /// Whether the variables are in the program (not only in the host copy).
+    /// Whether the variables are in the program's memory (not only in the
+    /// host copy).
     pub fn is_resident(&self) -> bool {
-        self.res.resident
+        !matches!(self.persist, Persist::Evicted)
+    }
+
+    /// Whether the variables live in memory handed in with each call.
+    pub fn is_given(&self) -> bool {
+        matches!(self.persist, Persist::Given)
     }
 
     /// Persistent bytes (variables and constants).
     pub fn persistent_bytes(&self) -> u64 {
         self.res.layout.bytes()
+    }
+
+    /// Bytes of the persistent buffer: P of the memory plan (every tensor
+    /// rounded up to the plan's alignment).
+    pub fn persistent_buffer_bytes(&self) -> u64 {
+        (self.places.words() * 8) as u64
     }
 
     /// The unit layout (persistent tensors by first use).
@@ -130,22 +223,32 @@ impl CpuProgram {
     }
 
     /// T of the memory plan the ephemeral tensors follow, bytes (the
-    /// graph's sinks kept to the end, plus any output a Run fetched).
+    /// graph's sinks kept to the end).
     pub fn ephemeral_bytes(&self) -> u64 {
         self.arena.planned() as u64
     }
 
     /// Bytes of the program's own ephemeral buffer held now: T once it
     /// ran alone; 0 before, while evicted and while it runs in its lane's
-    /// buffer.
+    /// buffer or in memory handed in.
     pub fn arena_bytes(&self) -> u64 {
         self.arena.bytes() as u64
+    }
+
+    /// Bytes of persistent memory the program holds of its own now (P
+    /// while resident in its own buffer; 0 while evicted or given memory).
+    pub fn own_persistent_bytes(&self) -> u64 {
+        match &self.persist {
+            Persist::Own(v) => (v.len() * 8) as u64,
+            Persist::Given | Persist::Evicted => 0,
+        }
     }
 
     /// Runs the next iterations in the ephemeral buffer of `lane` (a key
     /// unique in the process, shared by the lane's programs, as large as
     /// the largest T among them; `None`: the program's own buffer). The
-    /// caller runs one iteration of a lane at a time.
+    /// caller runs one iteration of a lane at a time. Memory handed in
+    /// with a call ([`CpuMemory`]) takes precedence.
     pub fn bind_lane(&mut self, lane: Option<u64>) {
         self.arena.bind_lane(lane);
     }
@@ -170,34 +273,44 @@ impl CpuProgram {
     /// host copy is stale (training state; never for an inference graph
     /// evicted twice). Returns the bytes copied.
     pub fn evict(&mut self) -> Result<u64, ExecError> {
+        self.evict_in(None)
+    }
+
+    /// [`CpuProgram::evict`] of a program whose variables live in
+    /// `persistent` (handed in: see [`CpuMemory`]).
+    pub fn evict_in(&mut self, persistent: Option<&[u64]>) -> Result<u64, ExecError> {
+        let n = self.places.words();
+        let words: &[u64] = match (&self.persist, persistent) {
+            (Persist::Evicted, _) => return Ok(0),
+            (Persist::Own(v), _) => v,
+            (Persist::Given, Some(p)) => p.get(..n).ok_or_else(no_memory)?,
+            (Persist::Given, None) => return Err(no_memory()),
+        };
         let res = &mut self.res;
-        if !res.resident {
-            return Ok(0);
-        }
         let mut copied = 0;
         if res.dirty || res.host.is_none() {
-            let g = self.graph.graph();
-            let mut host = VarValues::new();
+            let mut host = Vec::new();
+            host.try_reserve_exact(n).map_err(|e| ExecError::Op {
+                node: String::new(),
+                op: "evict",
+                reason: format!("cannot allocate the host copy: {e}"),
+            })?;
             let mut copy = Vec::with_capacity(res.layout.units.len());
-            for unit in &res.layout.units {
+            for k in 0..res.layout.units.len() {
                 let t0 = std::time::Instant::now();
-                for id in &unit.tensors {
-                    let name = &g.nodes[id.index()].name;
-                    if let Some(t) = self.vars.get(name) {
-                        host.insert(name.clone(), t.clone());
-                        copied += t.ty().bytes() as u64;
-                    }
-                }
+                let r = self.places.unit_range(k..k + 1);
+                host.extend_from_slice(&words[r]);
                 copy.push(t0.elapsed().as_secs_f64());
             }
+            host.resize(n, 0);
+            copied = (n * 8) as u64;
             res.host = Some(host);
             res.copy = Some(copy);
             res.plans.invalidate();
             res.dirty = false;
         }
-        self.vars.clear();
+        self.persist = Persist::Evicted;
         self.arena.release();
-        res.resident = false;
         let costs = self.costs();
         self.res.plans.fill(&costs);
         Ok(copied)
@@ -232,111 +345,181 @@ impl CpuProgram {
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
-        if self.res.resident {
-            let out = if self.res.profile.is_none() {
-                let mut timer = UnitTimer::new(&self.res.layout);
-                let out = program::run_iteration(
-                    &self.graph,
-                    &mut self.vars,
-                    &mut self.arena,
-                    feeds,
-                    fetches,
-                    &mut |pos, _| {
-                        timer.at(pos);
-                        Ok(())
-                    },
-                );
-                if out.is_ok() {
-                    self.res.profile = Some(timer.finish());
-                    self.res.plans.invalidate();
-                }
-                out
-            } else {
-                program::run_iteration(
-                    &self.graph,
-                    &mut self.vars,
-                    &mut self.arena,
-                    feeds,
-                    fetches,
-                    &mut |_, _| Ok(()),
-                )
-            };
-            if self.res.updates {
-                self.res.dirty = true;
+        self.run_in(None, feeds, fetches, strategy)
+    }
+
+    /// [`CpuProgram::run_switching`] in `mem` when given: the job's
+    /// persistent region (the variables move there at the first such call,
+    /// or come back there after an eviction) and its lane's arena.
+    pub fn run_in(
+        &mut self,
+        mem: Option<CpuMemory<'_>>,
+        feeds: &BTreeMap<String, Tensor>,
+        fetches: &[String],
+        strategy: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        let n = self.places.words();
+        let (region, arena_words) = match mem {
+            Some(m) => (Some(given(m.persistent, n)?), Some(m.arena)),
+            None => (None, None),
+        };
+        // Own variables move into the memory handed in.
+        if let (Persist::Own(own), Some(dst)) = (&self.persist, region.as_deref()) {
+            if own.len() != dst.len() {
+                return Err(no_memory());
             }
-            return out.map(|o| (o, None));
         }
-        let plan = self.plan(strategy);
+        let mut region = region;
+        if let (Persist::Own(own), Some(dst)) = (&self.persist, region.as_deref_mut()) {
+            dst.copy_from_slice(own);
+            self.persist = Persist::Given;
+        }
+        if matches!(self.persist, Persist::Given) && region.is_none() {
+            return Err(no_memory());
+        }
         let CpuProgram {
             graph,
-            vars,
+            places,
+            persist,
             arena,
             res,
         } = self;
+        let mut held = match arena_words {
+            Some(w) => arena.hold_given(w)?,
+            None => arena.hold()?,
+        };
+        if !matches!(persist, Persist::Evicted) {
+            let words: &mut [u64] = match (persist, region) {
+                (Persist::Own(v), _) => v,
+                (_, Some(r)) => r,
+                _ => return Err(no_memory()),
+            };
+            let mut vars = Vars::whole(words);
+            let mem = program::Memory {
+                places,
+                vars: &mut vars,
+                arena: &mut held,
+            };
+            let out = if res.profile.is_none() {
+                let mut timer = UnitTimer::new(&res.layout);
+                let out = program::run_iteration(graph, mem, feeds, fetches, &mut |pos, _| {
+                    timer.at(pos);
+                    Ok(())
+                });
+                if out.is_ok() {
+                    res.profile = Some(timer.finish());
+                    res.plans.invalidate();
+                }
+                out
+            } else {
+                program::run_iteration(graph, mem, feeds, fetches, &mut |_, _| Ok(()))
+            };
+            if res.updates {
+                res.dirty = true;
+            }
+            return out.map(|o| (o, None));
+        }
+        // Evicted: back into the memory handed in, or a new own buffer.
+        let plan = res.plans.get(strategy, || {
+            let n_units = res.layout.units.len();
+            let profile = res
+                .profile
+                .clone()
+                .unwrap_or_else(|| Profile::zeros(n_units));
+            Costs {
+                copy: res.copy.clone().unwrap_or_else(|| vec![0.0; n_units]),
+                compute: profile.compute,
+                prefix: profile.prefix,
+                copy_overhead: GROUP_OVERHEAD,
+                compute_overhead: GROUP_OVERHEAD,
+            }
+        });
         let host = res
             .host
-            .as_ref()
+            .as_deref()
             .ok_or_else(|| ExecError::MissingVariable {
                 name: "(the evicted program has no host copy)".into(),
             })?;
-        let g = graph.graph();
+        let to_own = region.is_none();
+        let mut own: Vec<u64> = Vec::new();
+        let target: &mut [u64] = match region {
+            Some(r) => r,
+            None => {
+                own.try_reserve_exact(n).map_err(|e| ExecError::Op {
+                    node: String::new(),
+                    op: "restore",
+                    reason: format!("cannot allocate {} bytes: {e}", n * 8),
+                })?;
+                own.resize(n, 0);
+                &mut own
+            }
+        };
         let units = &res.layout.units;
-        let groups: Vec<(usize, Vec<&str>)> = (0..plan.groups())
+        // Per group: where the iteration first needs it, and its words.
+        let groups: Vec<(usize, std::ops::Range<usize>)> = (0..plan.groups())
             .map(|k| {
                 let r = plan.range(k, units.len());
-                let first = units[r.start].first_use;
-                let names = units[r]
-                    .iter()
-                    .flat_map(|u| &u.tensors)
-                    .map(|id| g.nodes[id.index()].name.as_str())
-                    .filter(|n| host.contains_key(*n))
-                    .collect();
-                (first, names)
+                let first = units.get(r.start).map_or(usize::MAX, |u| u.first_use);
+                (first, places.unit_range(r))
             })
             .collect();
         let out = if groups.len() <= 1 {
             // One group: copy, then run (no copier thread to start).
-            for (_, names) in &groups {
-                for n in names {
-                    if let Some(t) = host.get(*n) {
-                        vars.insert(n.to_string(), t.clone());
-                    }
-                }
-            }
-            program::run_iteration(graph, vars, arena, feeds, fetches, &mut |_, _| Ok(()))
+            target.copy_from_slice(host.get(..n).ok_or_else(no_memory)?);
+            let mut vars = Vars::whole(target);
+            let mem = program::Memory {
+                places,
+                vars: &mut vars,
+                arena: &mut held,
+            };
+            program::run_iteration(graph, mem, feeds, fetches, &mut |_, _| Ok(()))
         } else {
+            // The target in the groups' pieces; the copier fills each and
+            // hands it back.
+            let mut pieces: Vec<&mut [u64]> = Vec::with_capacity(groups.len());
+            let mut rest: &mut [u64] = target;
+            let mut at = 0;
+            for (_, r) in &groups {
+                let (piece, tail) = std::mem::take(&mut rest)
+                    .split_at_mut_checked(r.end - at)
+                    .ok_or_else(no_memory)?;
+                pieces.push(piece);
+                rest = tail;
+                at = r.end;
+            }
+            let starts: Vec<usize> = groups.iter().map(|(_, r)| r.start).collect();
+            let copier_groups = &groups;
             std::thread::scope(|s| {
-                let (tx, rx) = crossbeam_channel::unbounded::<Vec<(String, Tensor)>>();
-                let copier_groups = &groups;
+                let (tx, rx) = crossbeam_channel::unbounded::<(usize, &mut [u64])>();
                 s.spawn(move || {
-                    for (_, names) in copier_groups {
-                        let batch = names
-                            .iter()
-                            .filter_map(|n| host.get(*n).map(|t| (n.to_string(), t.clone())))
-                            .collect();
-                        if tx.send(batch).is_err() {
+                    for (k, (piece, (_, r))) in pieces.into_iter().zip(copier_groups).enumerate() {
+                        if let Some(src) = host.get(r.clone()) {
+                            piece.copy_from_slice(src);
+                        }
+                        if tx.send((k, piece)).is_err() {
                             break;
                         }
                     }
                 });
-                let mut next = 0;
-                let mut install = |pos: usize, vars: &mut VarValues| -> Result<(), ExecError> {
-                    while next < groups.len() && groups[next].0 <= pos {
-                        let batch = rx.recv().map_err(|_| ExecError::MissingVariable {
-                            name: "(the copier stopped early)".into(),
-                        })?;
-                        vars.extend(batch);
-                        next += 1;
-                    }
-                    Ok(())
+                let mut vars = Vars::pieces(starts);
+                let mut install = installer(&groups, &rx);
+                let mem = program::Memory {
+                    places,
+                    vars: &mut vars,
+                    arena: &mut held,
                 };
-                let out = program::run_iteration(graph, vars, arena, feeds, fetches, &mut install);
-                // Whatever happened, the program ends resident.
-                let drained = install(usize::MAX, vars);
+                let out = program::run_iteration(graph, mem, feeds, fetches, &mut install);
+                // Whatever happened, the buffer ends whole.
+                let drained = install(usize::MAX, &mut vars);
                 out.and_then(|o| drained.map(|()| o))
             })
         };
-        res.resident = true;
+        drop(held);
+        *persist = if to_own {
+            Persist::Own(own)
+        } else {
+            Persist::Given
+        };
         res.dirty = res.updates;
         let report = SwitchReport {
             strategy,
@@ -350,45 +533,96 @@ impl CpuProgram {
 
     /// Current values of the named variables (all variables when `names` is empty).
     pub fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
-        let vars = match (&self.res.host, self.res.resident) {
-            (Some(host), false) => host,
-            _ => &self.vars,
-        };
+        self.read_variables_in(None, names)
+    }
+
+    /// [`CpuProgram::read_variables`] of a program whose variables may
+    /// live in `persistent` (handed in).
+    pub fn read_variables_in(
+        &self,
+        persistent: Option<&[u64]>,
+        names: &[String],
+    ) -> Result<VarValues, ExecError> {
+        let words = self.words(persistent)?;
+        let g = self.graph.graph();
         let mut out = VarValues::new();
-        for n in names {
-            let t = vars
-                .get(n)
-                .ok_or_else(|| ExecError::MissingVariable { name: n.clone() })?;
-            out.insert(n.clone(), t.clone());
+        for (id, name, ty) in g.variables() {
+            if !names.is_empty() && !names.iter().any(|n| n == name) {
+                continue;
+            }
+            let span = self
+                .places
+                .span(id)
+                .ok_or_else(|| ExecError::MissingVariable { name: name.into() })?;
+            out.insert(name.to_string(), vars::read(ty, words, span)?);
         }
-        if names.is_empty() {
-            out = vars.clone();
+        if let Some(n) = names.iter().find(|n| !out.contains_key(*n)) {
+            return Err(ExecError::MissingVariable { name: n.clone() });
         }
         Ok(out)
     }
 
+    /// The persistent buffer wherever it is now.
+    fn words<'a>(&'a self, persistent: Option<&'a [u64]>) -> Result<&'a [u64], ExecError> {
+        let n = self.places.words();
+        match (&self.persist, persistent) {
+            (Persist::Own(v), _) => Ok(v),
+            (Persist::Given, Some(p)) => p.get(..n).ok_or_else(no_memory),
+            (Persist::Given, None) => Err(no_memory()),
+            (Persist::Evicted, _) => self.res.host.as_deref().ok_or_else(no_memory),
+        }
+    }
+
     /// Overwrites variables; each must exist and keep its type.
     pub fn write_variables(&mut self, values: VarValues) -> Result<(), ExecError> {
-        let vars = match (&mut self.res.host, self.res.resident) {
-            (Some(host), false) => host,
-            _ => {
-                self.res.dirty = true;
-                &mut self.vars
-            }
-        };
+        self.write_variables_in(None, values)
+    }
+
+    /// [`CpuProgram::write_variables`] of a program whose variables may
+    /// live in `persistent` (handed in). Nothing is written unless every
+    /// value is acceptable.
+    pub fn write_variables_in(
+        &mut self,
+        persistent: Option<&mut [u64]>,
+        values: VarValues,
+    ) -> Result<(), ExecError> {
+        let g = self.graph.graph();
+        let mut spans = Vec::with_capacity(values.len());
         for (name, t) in &values {
-            let cur = vars
-                .get(name)
+            let (id, ty) = g
+                .variables()
+                .find(|(_, n, _)| n == name)
+                .map(|(id, _, ty)| (id, ty))
                 .ok_or_else(|| ExecError::MissingVariable { name: name.clone() })?;
-            if cur.ty() != t.ty() {
+            if &t.ty() != ty {
                 return Err(ExecError::VariableType {
                     name: name.clone(),
-                    expected: cur.ty(),
+                    expected: ty.clone(),
                     got: t.ty(),
                 });
             }
+            let span = self
+                .places
+                .span(id)
+                .ok_or_else(|| ExecError::MissingVariable { name: name.clone() })?;
+            spans.push(span);
         }
-        vars.extend(values);
+        let n = self.places.words();
+        let words: &mut [u64] = match (&mut self.persist, persistent) {
+            (Persist::Own(v), _) => {
+                self.res.dirty = true;
+                v
+            }
+            (Persist::Given, Some(p)) => {
+                self.res.dirty = true;
+                p.get_mut(..n).ok_or_else(no_memory)?
+            }
+            (Persist::Given, None) => return Err(no_memory()),
+            (Persist::Evicted, _) => self.res.host.as_deref_mut().ok_or_else(no_memory)?,
+        };
+        for ((_, t), span) in values.iter().zip(spans) {
+            vars::write(words, span, t)?;
+        }
         Ok(())
     }
 }

@@ -1,16 +1,18 @@
 //! Running a validated graph on the CPU: feeds, the set of nodes an
 //! iteration needs, topological execution with every op output at its
-//! planned offset in the program's arena, in-place updates of variables.
+//! planned offset in the arena and every variable and constant at its
+//! place in the persistent memory, in-place updates of variables.
 
 use std::collections::BTreeMap;
 
 use lanes_adaptor::{
-    DType, Graph, Node, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
+    Node, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
 };
 
-use super::arena::{self, Arena, Span};
+use super::arena::{self, Held, Span};
 use super::run_op;
-use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
+use super::vars::{self, Places, Vars};
+use crate::exec::{DataRef, ExecError, TensorMut, TensorRef};
 
 /// Checks that `vars` holds a value of the declared type for every variable.
 pub(super) fn check_vars(graph: &ValidGraph, vars: &VarValues) -> Result<(), ExecError> {
@@ -38,37 +40,33 @@ pub(super) fn view<'a>(ty: &'a TensorType, t: &'a Tensor) -> TensorRef<'a> {
     TensorRef { ty, data }
 }
 
-fn view_mut<'a>(ty: &'a TensorType, d: &'a mut TensorData) -> TensorMut<'a> {
-    let data = match d {
-        TensorData::F32(v) => DataMut::F32(v),
-        TensorData::I64(v) => DataMut::I64(v),
-    };
-    TensorMut { ty, data }
-}
-
-fn into_tensor(ty: &TensorType, d: TensorData) -> Result<Tensor, ExecError> {
-    Tensor::new(ty.shape.clone(), d).map_err(|e| ExecError::Op {
-        node: String::new(),
-        op: "program",
-        reason: e.to_string(),
-    })
-}
-
 /// Called before the node at each position of the execution order (and once
-/// more with the order's length at the end); it may add variables to `vars`
-/// (pipelined restore) or take the time (profiling).
-pub(super) type BeforeNode<'h> = dyn FnMut(usize, &mut VarValues) -> Result<(), ExecError> + 'h;
+/// more with the order's length at the end); it may hand in pieces of the
+/// persistent memory (pipelined restore) or take the time (profiling).
+pub(super) type BeforeNode<'h, 'p> = dyn FnMut(usize, &mut Vars<'p>) -> Result<(), ExecError> + 'h;
 
-/// Runs one iteration of `graph` with variables `vars` (updated in place)
-/// and every op output in `arena`, at its planned offset (see `arena.rs`).
-pub(super) fn run_iteration(
+/// The program's memory during one iteration.
+pub(super) struct Memory<'m, 'p, 'a> {
+    pub places: &'m Places,
+    pub vars: &'m mut Vars<'p>,
+    pub arena: &'m mut Held<'a>,
+}
+
+/// Runs one iteration of `graph`: variables updated in place in the
+/// persistent memory, every op output in the arena at its planned offset
+/// (see `arena.rs`, `vars.rs`).
+pub(super) fn run_iteration<'p>(
     graph: &ValidGraph,
-    vars: &mut VarValues,
-    arena: &mut Arena,
+    mem: Memory<'_, 'p, '_>,
     feeds: &BTreeMap<String, Tensor>,
     fetches: &[String],
-    before: &mut BeforeNode<'_>,
+    before: &mut BeforeNode<'_, 'p>,
 ) -> Result<Vec<Tensor>, ExecError> {
+    let Memory {
+        places,
+        vars,
+        arena: held,
+    } = mem;
     let g = graph.graph();
     let n = g.nodes.len();
     // Feeds must name placeholders of the right type.
@@ -105,7 +103,6 @@ pub(super) fn run_iteration(
         }
     }
     let mut results: Vec<Option<Tensor>> = vec![None; outlets.len()];
-    let mut held = arena.hold()?;
     let all_spans = held.spans;
     // Needed: fetched nodes, in-place updates, and everything they read.
     let mut needed = vec![false; n];
@@ -144,17 +141,16 @@ pub(super) fn run_iteration(
             Op::Constant(_) | Op::Variable(_) => {}
             op => {
                 // The variables the op updates in place.
-                let mut names: Vec<&str> = Vec::with_capacity(op.mutated_inputs().len());
+                let mut mutated: Vec<NodeId> = Vec::with_capacity(op.mutated_inputs().len());
                 for &k in op.mutated_inputs() {
                     let src = node
                         .inputs
                         .get(k)
                         .ok_or_else(|| bad(node, "missing mutated input"))?;
-                    let var = &g.nodes[src.node.index()];
-                    if !matches!(var.op, Op::Variable(_)) {
+                    if !matches!(g.nodes[src.node.index()].op, Op::Variable(_)) {
                         return Err(bad(node, "in-place update of a non-variable"));
                     }
-                    names.push(&var.name);
+                    mutated.push(src.node);
                 }
                 let spans: Vec<Option<Span>> =
                     node.inputs.iter().map(|o| held.span(graph, *o)).collect();
@@ -176,14 +172,15 @@ pub(super) fn run_iteration(
                 let io = Io {
                     graph,
                     node,
-                    names: &names,
+                    places,
+                    mutated: &mutated,
                     feeds,
                     in_words,
                 };
-                if !names.is_empty() && in_place_ok(&names, vars) {
+                if !mutated.is_empty() && in_place_ok(&mutated) {
                     update_in_place(io, vars, held.scratch, &mut out_views)?;
                 } else {
-                    update_cloned(io, vars, &mut out_views)?;
+                    update_copied(io, vars, &mut out_views)?;
                 }
                 drop(out_views);
                 done[i] = true;
@@ -200,7 +197,6 @@ pub(super) fn run_iteration(
         }
     }
     before(graph.order().len(), vars)?;
-    drop(held);
     outlets
         .iter()
         .zip(fetches)
@@ -209,12 +205,10 @@ pub(super) fn run_iteration(
             let node = &g.nodes[o.node.index()];
             let unknown = || ExecError::UnknownFetch { key: key.clone() };
             match &node.op {
-                Op::Variable(_) => {
-                    vars.get(&node.name)
-                        .cloned()
-                        .ok_or_else(|| ExecError::MissingVariable {
-                            name: node.name.clone(),
-                        })
+                Op::Variable(ty) => {
+                    let span = places.span(o.node).ok_or_else(unknown)?;
+                    let w = vars.get(span)?;
+                    vars::read(ty, w, whole(w))
                 }
                 Op::Constant(t) => Ok(t.clone()),
                 Op::Placeholder(_) => feeds.get(&node.name).cloned().ok_or_else(unknown),
@@ -225,44 +219,118 @@ pub(super) fn run_iteration(
         .collect()
 }
 
-/// What an op reads: the graph, the node, the names of the
-/// variables it updates (in the order of `Op::mutated_inputs`), the feeds,
-/// and its inputs' ranges of the arena.
+/// The span of all of `w`.
+fn whole(w: &[u64]) -> Span {
+    Span {
+        start: 0,
+        len: w.len(),
+    }
+}
+
+/// What an op reads: the graph, the node, where the persistent tensors
+/// are, the variables it updates (in the order of `Op::mutated_inputs`),
+/// the feeds, and its inputs' ranges of the arena.
 struct Io<'g, 'w> {
     graph: &'g ValidGraph,
     node: &'g Node,
-    names: &'g [&'g str],
+    places: &'g Places,
+    mutated: &'g [NodeId],
     feeds: &'g BTreeMap<String, Tensor>,
     in_words: Vec<Option<&'w [u64]>>,
 }
 
-/// The declared type of the `j`-th variable `node` updates.
-fn mutated_type<'g>(g: &'g Graph, node: &Node, j: usize) -> Result<&'g TensorType, ExecError> {
-    node.op
-        .mutated_inputs()
-        .get(j)
-        .and_then(|&k| node.inputs.get(k))
-        .and_then(|o| g.outlet_type(*o))
-        .ok_or_else(|| bad(node, "missing mutated input"))
+impl Io<'_, '_> {
+    /// The declared type of the `j`-th variable the node updates.
+    fn mutated_type(&self, j: usize) -> Result<&TensorType, ExecError> {
+        let g = self.graph.graph();
+        self.node
+            .op
+            .mutated_inputs()
+            .get(j)
+            .and_then(|&k| self.node.inputs.get(k))
+            .and_then(|o| g.outlet_type(*o))
+            .ok_or_else(|| bad(self.node, "missing mutated input"))
+    }
+
+    /// Where persistent node `id` lives.
+    fn place(&self, id: NodeId) -> Result<Span, ExecError> {
+        self.places.span(id).ok_or_else(|| {
+            bad(
+                self.node,
+                "a persistent input has no place in the persistent memory",
+            )
+        })
+    }
+
+    /// The spans of the node's persistent inputs other than `skip`
+    /// (shared reads) and, per input, the index of its read.
+    fn reads(&self, skip: &[NodeId]) -> Result<(Vec<Span>, Vec<Option<usize>>), ExecError> {
+        let g = self.graph.graph();
+        let mut reads = Vec::new();
+        let mut of_input = Vec::with_capacity(self.node.inputs.len());
+        for o in &self.node.inputs {
+            let src = &g.nodes[o.node.index()];
+            let persistent = matches!(src.op, Op::Variable(_) | Op::Constant(_));
+            if persistent && !skip.contains(&o.node) {
+                of_input.push(Some(reads.len()));
+                reads.push(self.place(o.node)?);
+            } else {
+                of_input.push(None);
+            }
+        }
+        Ok((reads, of_input))
+    }
+
+    /// Kernel view of input `k`: in the arena, a persistent read (`read`),
+    /// the old value of an updated variable (`old`), or a feed.
+    fn input<'a>(
+        &'a self,
+        k: usize,
+        read: Option<&'a [u64]>,
+        old: Option<&'a [u64]>,
+    ) -> Result<TensorRef<'a>, ExecError> {
+        let g = self.graph.graph();
+        let o = self.node.inputs[k];
+        let src = &g.nodes[o.node.index()];
+        let ty = g
+            .outlet_type(o)
+            .ok_or_else(|| bad(src, "dangling outlet"))?;
+        if let Some(w) = self.in_words.get(k).copied().flatten().or(old).or(read) {
+            return arena::view(ty, w).map_err(|r| bad(src, &r));
+        }
+        match &src.op {
+            Op::Placeholder(_) => {
+                let t = self
+                    .feeds
+                    .get(&src.name)
+                    .ok_or_else(|| ExecError::MissingFeed {
+                        name: src.name.clone(),
+                    })?;
+                Ok(view(ty, t))
+            }
+            _ => Err(bad(src, "value used before it was computed")),
+        }
+    }
 }
 
 /// Whether the updated variables can be written where they are: distinct
-/// and `f32` (an `i64` variable, or one updated twice by the same op, goes
-/// through copies: [`update_cloned`]).
-fn in_place_ok(names: &[&str], vars: &VarValues) -> bool {
+/// (a variable updated twice by the same op goes through copies:
+/// [`update_copied`]).
+fn in_place_ok(mutated: &[NodeId]) -> bool {
     #[cfg(test)]
-    if FORCE_CLONED.get() {
+    if FORCE_COPIED.get() {
         return false;
     }
-    names.iter().enumerate().all(|(j, n)| {
-        !names[..j].contains(n) && vars.get(*n).is_some_and(|t| t.dtype() == DType::F32)
-    })
+    mutated
+        .iter()
+        .enumerate()
+        .all(|(j, n)| !mutated[..j].contains(n))
 }
 
 #[cfg(test)]
 thread_local! {
-    /// Tests: every in-place op through [`update_cloned`] (the reference).
-    pub(super) static FORCE_CLONED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Tests: every in-place op through [`update_copied`] (the reference).
+    pub(super) static FORCE_COPIED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Runs an in-place op on the variables where they are. The kernel reads
@@ -270,95 +338,57 @@ thread_local! {
 /// `scratch` — a buffer of the program, grown to the largest update once,
 /// so no allocation in the steady state — and writes the variables
 /// themselves; if it fails, the old values are copied back (the
-/// variables are unchanged on error, as with [`update_cloned`]).
+/// variables are unchanged on error, as with [`update_copied`]).
 fn update_in_place(
     io: Io<'_, '_>,
-    vars: &mut VarValues,
+    vars: &mut Vars<'_>,
     scratch: &mut Vec<u64>,
     out_views: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
-    let Io {
-        graph,
-        node,
-        names,
-        feeds,
-        in_words,
-    } = io;
-    let g = graph.graph();
-    let missing = |n: &str| ExecError::MissingVariable { name: n.into() };
-    let mut lens = Vec::with_capacity(names.len());
-    for n in names {
-        let t = vars.get(*n).ok_or_else(|| missing(n))?;
-        lens.push(t.numel().div_ceil(2));
-    }
-    let total: usize = lens.iter().sum();
+    let node = io.node;
+    let writes: Vec<Span> = io
+        .mutated
+        .iter()
+        .map(|id| io.place(*id))
+        .collect::<Result<_, _>>()?;
+    let total: usize = writes.iter().map(|s| s.len).sum();
     if scratch.len() < total {
         scratch.resize(total, 0);
     }
     // The old values, in `scratch`.
-    let mut olds: Vec<&[u64]> = Vec::with_capacity(names.len());
+    let mut olds: Vec<&[u64]> = Vec::with_capacity(writes.len());
     let mut rest: &mut [u64] = scratch;
-    for (n, &len) in names.iter().zip(&lens) {
+    for s in &writes {
         let (piece, tail) = std::mem::take(&mut rest)
-            .split_at_mut_checked(len)
+            .split_at_mut_checked(s.len)
             .ok_or_else(|| bad(node, "scratch too small"))?;
         rest = tail;
-        let src = vars
-            .get(*n)
-            .ok_or_else(|| missing(n))?
-            .f32s()
-            .map_err(|e| bad(node, &e.to_string()))?;
-        bytemuck::cast_slice_mut::<u64, f32>(piece)
-            .get_mut(..src.len())
-            .ok_or_else(|| bad(node, "scratch too small"))?
-            .copy_from_slice(src);
+        piece.copy_from_slice(vars.get(*s)?);
         olds.push(piece);
     }
-    // The updated variables writable, the other variables it reads shared.
-    let is_var = |o: &Outlet, name: &str| {
-        let src = &g.nodes[o.node.index()];
-        matches!(src.op, Op::Variable(_)) && src.name == name
-    };
-    let mut muts: Vec<Option<&mut Tensor>> = names.iter().map(|_| None).collect();
-    let mut reads: Vec<Option<&Tensor>> = vec![None; node.inputs.len()];
-    for (name, t) in vars.iter_mut() {
-        if let Some(j) = names.iter().position(|n| *n == name) {
-            muts[j] = Some(t);
-            continue;
-        }
-        let t: &Tensor = t;
-        for (k, o) in node.inputs.iter().enumerate() {
-            if is_var(o, name) {
-                reads[k] = Some(t);
-            }
-        }
-    }
+    let (reads, of_input) = io.reads(io.mutated)?;
+    let (read_words, write_words) = vars.split(&reads, &writes)?;
     let mut ins = Vec::with_capacity(node.inputs.len());
-    for (k, (o, w)) in node.inputs.iter().zip(in_words).enumerate() {
-        let old = names
+    for (k, o) in node.inputs.iter().enumerate() {
+        let old = io
+            .mutated
             .iter()
-            .position(|n| is_var(o, n))
+            .position(|id| *id == o.node)
             .and_then(|j| olds.get(j).copied());
-        ins.push(input_view(graph, reads[k], feeds, *o, old.or(w))?);
+        let read = of_input[k].and_then(|r| read_words.get(r).copied());
+        ins.push(io.input(k, read, old)?);
     }
-    let mut inplace: Vec<TensorMut<'_>> = Vec::with_capacity(names.len());
-    for (j, m) in muts.into_iter().enumerate() {
-        let t = m.ok_or_else(|| missing(names[j]))?;
-        let data = t.f32s_mut().map_err(|e| bad(node, &e.to_string()))?;
-        inplace.push(TensorMut {
-            ty: mutated_type(g, node, j)?,
-            data: DataMut::F32(data),
-        });
+    let mut inplace: Vec<TensorMut<'_>> = Vec::with_capacity(writes.len());
+    for (j, w) in write_words.into_iter().enumerate() {
+        inplace.push(vars::view_mut(io.mutated_type(j)?, w)?);
     }
     let result = run_op(&node.name, &node.op, &ins, &mut inplace, out_views);
+    drop(ins);
     if result.is_err() {
-        for (v, old) in inplace.iter_mut().zip(&olds) {
-            if let (DataMut::F32(d), Ok(o)) =
-                (&mut v.data, bytemuck::try_cast_slice::<u64, f32>(old))
-            {
-                let n = d.len().min(o.len());
-                d[..n].copy_from_slice(&o[..n]);
-            }
+        drop(inplace);
+        let (_, restore) = vars.split(&[], &writes)?;
+        for (w, old) in restore.into_iter().zip(&olds) {
+            w.copy_from_slice(old);
         }
     }
     result
@@ -367,91 +397,48 @@ fn update_in_place(
 /// Runs an op; the variables it updates in place, if any, on copies that
 /// replace them once the kernel succeeded (nothing is copied for an op
 /// that updates none).
-fn update_cloned(
+fn update_copied(
     io: Io<'_, '_>,
-    vars: &mut VarValues,
+    vars: &mut Vars<'_>,
     out_views: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
-    let Io {
-        graph,
-        node,
-        names,
-        feeds,
-        in_words,
-    } = io;
-    let g = graph.graph();
-    let mut updated = Vec::with_capacity(names.len());
-    for n in names {
-        let cur = vars.get(*n).ok_or_else(|| ExecError::MissingVariable {
-            name: n.to_string(),
-        })?;
-        updated.push(cur.data().clone());
+    let node = io.node;
+    let writes: Vec<Span> = io
+        .mutated
+        .iter()
+        .map(|id| io.place(*id))
+        .collect::<Result<_, _>>()?;
+    let mut updated: Vec<Vec<u64>> = Vec::with_capacity(writes.len());
+    for s in &writes {
+        updated.push(vars.get(*s)?.to_vec());
     }
     {
+        let (reads, of_input) = io.reads(&[])?;
+        let (read_words, _) = vars.split(&reads, &[])?;
         let mut ins = Vec::with_capacity(node.inputs.len());
-        for (o, w) in node.inputs.iter().zip(in_words) {
-            ins.push(input_view(graph, var_of(graph, vars, *o), feeds, *o, w)?);
+        for (k, r) in of_input.iter().enumerate() {
+            let read = r.and_then(|r| read_words.get(r).copied());
+            ins.push(io.input(k, read, None)?);
         }
-        let mut inplace = Vec::with_capacity(names.len());
+        let mut inplace = Vec::with_capacity(writes.len());
         for (j, d) in updated.iter_mut().enumerate() {
-            inplace.push(view_mut(mutated_type(g, node, j)?, d));
+            inplace.push(vars::view_mut(io.mutated_type(j)?, d)?);
         }
         run_op(&node.name, &node.op, &ins, &mut inplace, out_views)?;
     }
-    for (n, d) in names.iter().zip(updated) {
-        if let Some(v) = vars.get_mut(*n) {
-            *v = into_tensor(&v.ty(), d)?;
+    for (s, d) in writes.iter().zip(updated) {
+        let (_, mut w) = vars.split(&[], std::slice::from_ref(s))?;
+        if let Some(w) = w.pop() {
+            w.copy_from_slice(&d);
         }
     }
     Ok(())
 }
 
-/// The value of input `o` when it is a variable.
-fn var_of<'a>(graph: &ValidGraph, vars: &'a VarValues, o: Outlet) -> Option<&'a Tensor> {
-    let src = &graph.graph().nodes[o.node.index()];
-    if matches!(src.op, Op::Variable(_)) {
-        vars.get(&src.name)
-    } else {
-        None
-    }
-}
-
-fn bad(node: &lanes_adaptor::Node, reason: &str) -> ExecError {
+fn bad(node: &Node, reason: &str) -> ExecError {
     ExecError::Op {
         node: node.name.clone(),
         op: node.op.name(),
         reason: reason.into(),
     }
-}
-
-/// Kernel view of input `o`: in the arena (`words`), a feed, a variable
-/// or a constant.
-/// Kernel view of input `o`: in the arena (`words`), a variable (`var`),
-/// a feed or a constant.
-fn input_view<'a>(
-    graph: &'a ValidGraph,
-    var: Option<&'a Tensor>,
-    feeds: &'a BTreeMap<String, Tensor>,
-    o: Outlet,
-    words: Option<&'a [u64]>,
-) -> Result<TensorRef<'a>, ExecError> {
-    let g = graph.graph();
-    let src = &g.nodes[o.node.index()];
-    let ty = g
-        .outlet_type(o)
-        .ok_or_else(|| bad(src, "dangling outlet"))?;
-    if let Some(w) = words {
-        return arena::view(ty, w).map_err(|r| bad(src, &r));
-    }
-    let t = match &src.op {
-        Op::Variable(_) => var.ok_or_else(|| ExecError::MissingVariable {
-            name: src.name.clone(),
-        })?,
-        Op::Constant(t) => t,
-        Op::Placeholder(_) => feeds.get(&src.name).ok_or_else(|| ExecError::MissingFeed {
-            name: src.name.clone(),
-        })?,
-        _ => return Err(bad(src, "value used before it was computed")),
-    };
-    Ok(view(ty, t))
 }

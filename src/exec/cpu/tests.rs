@@ -217,11 +217,11 @@ fn in_place_updates_match_copies() {
     ];
     let fetch = ["loss".to_string()];
     let steps = |p: &mut CpuProgram, cloned: bool| -> (Vec<Tensor>, VarValues) {
-        program::FORCE_CLONED.set(cloned);
+        program::FORCE_COPIED.set(cloned);
         let losses = (0..3)
             .map(|k| p.run(&feeds(&inputs, 20 + k), &fetch).unwrap().remove(0))
             .collect();
-        program::FORCE_CLONED.set(false);
+        program::FORCE_COPIED.set(false);
         (losses, p.read_variables(&[]).unwrap())
     };
     let (mut a, mut b) = (build(), build());
