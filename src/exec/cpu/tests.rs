@@ -284,3 +284,96 @@ fn programs_of_a_lane_share_one_buffer() {
     drop(shared);
     assert_eq!(super::arena::lane_bytes(lane), None);
 }
+
+/// Programs in memory handed in (a reservation's regions, as a service
+/// lends them each turn): a training and an inference program with their
+/// own persistent regions and one shared arena of the larger T, the
+/// regions moved between calls (as a relocation moves them), evicted and
+/// brought back there: the same results and variables as alone.
+#[test]
+fn programs_in_memory_handed_in_match_programs_alone() {
+    use super::CpuMemory;
+    use crate::residency::Strategy;
+    let (v, vars, loss, inputs) = training();
+    let m = lenet().inference(2, 5).unwrap();
+    let vi = validate(m.graph, &GraphLimits::default()).unwrap();
+    let mut alone = (
+        CpuProgram::new(v.clone(), vars.clone()).unwrap(),
+        CpuProgram::new(vi.clone(), m.vars.clone()).unwrap(),
+    );
+    let mut given = (
+        CpuProgram::new(v, vars).unwrap(),
+        CpuProgram::new(vi, m.vars).unwrap(),
+    );
+    let words = |b: u64| (b as usize).div_ceil(8);
+    let (pa, pb) = (
+        words(given.0.persistent_buffer_bytes()),
+        words(given.1.persistent_buffer_bytes()),
+    );
+    let t = words(given.0.ephemeral_bytes().max(given.1.ephemeral_bytes()));
+    // The "reservation": [P of a | P of b | arena], and a second layout
+    // with the regions elsewhere (a relocation copies them over).
+    let mut mem = vec![0u64; pa + pb + t + 64];
+    let fetch_a = std::slice::from_ref(&loss);
+    let fetch_b = std::slice::from_ref(&m.output);
+    let run = |p: &mut CpuProgram,
+               mem: &mut [u64],
+               at: usize,
+               len: usize,
+               arena_at: usize,
+               f: &BTreeMap<String, Tensor>,
+               fetch: &[String]| {
+        let (head, arena) = mem.split_at_mut(arena_at);
+        let m = CpuMemory {
+            persistent: &mut head[at..at + len],
+            arena: &mut arena[..t],
+        };
+        p.run_in(Some(m), f, fetch, Strategy::Pipelined).unwrap().0
+    };
+    for k in 0..4 {
+        let fa = feeds(&inputs, 50 + k);
+        let fb = feeds(&m.inputs, 60 + k);
+        // Layout 0: a at 0, b at pa; from step 2 on: b at 0, a at pb
+        // (moved as a relocation would, between calls).
+        let (at_a, at_b) = if k < 2 { (0, pa) } else { (pb, 0) };
+        if k == 2 {
+            let old = mem[..pa + pb].to_vec();
+            mem[pb..pb + pa].copy_from_slice(&old[..pa]);
+            mem[..pb].copy_from_slice(&old[pa..pa + pb]);
+        }
+        let want_b = alone.1.run(&fb, fetch_b).unwrap();
+        let got_b = run(&mut given.1, &mut mem, at_b, pb, pa + pb, &fb, fetch_b);
+        assert_eq!(got_b, want_b, "step {k}");
+        let want_a = alone.0.run(&fa, fetch_a).unwrap();
+        let got_a = run(&mut given.0, &mut mem, at_a, pa, pa + pb, &fa, fetch_a);
+        assert_eq!(got_a, want_a, "step {k}");
+        assert!(given.0.is_given() && given.1.is_given());
+        assert_eq!(
+            (given.0.own_persistent_bytes(), given.0.arena_bytes()),
+            (0, 0)
+        );
+        if k == 1 {
+            // Evicted from the region and back into it, by groups.
+            given.0.evict_in(Some(&mem[at_a..at_a + pa])).unwrap();
+            assert!(!given.0.is_resident());
+            mem[at_a..at_a + pa].fill(0);
+        }
+    }
+    // Variables read and written where they live.
+    let region = &mut mem[pb..pb + pa];
+    let read = given.0.read_variables_in(Some(region), &[]).unwrap();
+    assert_eq!(read, alone.0.read_variables(&[]).unwrap());
+    let (name, t) = read.iter().next().unwrap();
+    let zero = Tensor::zeros(&t.ty());
+    let mut one = VarValues::new();
+    one.insert(name.clone(), zero.clone());
+    given.0.write_variables_in(Some(&mut *region), one).unwrap();
+    let back = given
+        .0
+        .read_variables_in(Some(region), std::slice::from_ref(name))
+        .unwrap();
+    assert_eq!(back[name], zero);
+    // Without the memory, a program living in it refuses rather than guess.
+    assert!(given.0.run(&feeds(&inputs, 1), fetch_a).is_err());
+    assert!(given.0.read_variables(&[]).is_err());
+}
