@@ -111,10 +111,12 @@ impl Reservation {
         // SAFETY: `map` is a live read-write mapping of `bytes` bytes (it
         // fits in isize, checked in `new`) that lives as long as `self`;
         // the pointer is page-aligned and non-null. The only other
-        // references into it are a lane turn's slices, which exist only
-        // while `SharedLanes` lends this reservation to nobody (it hands
-        // out `&Reservation` / `&mut Reservation` only while no turn is
-        // active), so none is live during the returned borrow.
+        // references into the bytes are a lane turn's slices, and the
+        // lanes reach `bytes` / `bytes_mut` (through `region`,
+        // `region_mut`, `apply_moves`, and the `&mut Reservation` they
+        // lend) only while no turn is active, so none is live during the
+        // returned borrow. (While turns run the lanes read only `base` and
+        // `capacity`, which form no reference to the bytes.)
         unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.bytes as usize) }
     }
 
