@@ -759,9 +759,13 @@ mod tests {
             leases.push(l);
         }
         let stop = Arc::new(AtomicBool::new(false));
+        // Turns each worker has taken: the churn keeps pace with them, so
+        // the layout changes while they run.
+        let progress: Arc<Vec<AtomicU64>> =
+            Arc::new((0..WORKERS).map(|_| AtomicU64::new(0)).collect());
         let handles: Vec<_> = (0..WORKERS)
             .map(|w| {
-                let (lanes, stop) = (lanes.clone(), stop.clone());
+                let (lanes, stop, progress) = (lanes.clone(), stop.clone(), progress.clone());
                 thread::spawn(move || {
                     // Turns taken, and turns that found the region moved.
                     let (mut i, mut moved) = (0u64, 0u64);
@@ -778,10 +782,15 @@ mod tests {
                             moved += 1;
                         }
                         last = Some(mem.placement.p_offset);
-                        fill(mem.arena, 0xDEAD_0000 + w);
                         fill(mem.persistent, pattern(w, i + 1));
+                        fill(mem.arena, 0xDEAD_0000 + w);
+                        // Nothing moves or overwrites them mid-turn.
+                        thread::yield_now();
+                        assert!(mem.persistent.iter().all(|&x| x == pattern(w, i + 1)));
+                        assert!(mem.arena.iter().all(|&x| x == 0xDEAD_0000 + w));
                         drop(t);
                         i += 1;
+                        progress[w as usize].store(i, Ordering::Relaxed);
                         thread::yield_now();
                     }
                     (i, moved)
@@ -812,7 +821,10 @@ mod tests {
         };
         let mut next_job = 103u64;
         assert_eq!(lanes.snapshot().lanes.len(), 3);
-        for step in 0..3000 {
+        for step in 0..3000u64 {
+            while progress.iter().map(|p| p.load(Ordering::Relaxed)).min() < Some(step / 4) {
+                thread::yield_now();
+            }
             let leave = churn.len() >= 6 || (!churn.is_empty() && next() % 2 == 0);
             if leave {
                 let k = (next() % churn.len() as u64) as usize;
@@ -836,9 +848,6 @@ mod tests {
                     write(job).unwrap();
                 }
                 churn.push(l);
-            }
-            if step % 4 == 0 {
-                thread::yield_now();
             }
         }
         stop.store(true, Ordering::Relaxed);
