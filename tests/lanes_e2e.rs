@@ -5,13 +5,15 @@
 //! Six MLP jobs of different sizes arrive at once on their own threads; the
 //! reservation holds only the two largest side by side, so some must wait
 //! in the admission queue. Each job, once admitted, writes its weights into
-//! its persistent region and runs iterations on its lane's worker thread: a
-//! small interpreter (matmul, add, relu) reads and writes every tensor at
-//! `arena + slot offset` (ephemeral) or `persistent region + slot offset`
-//! (weights), checks it stays inside its lane, and compares the result with
-//! a reference computed in ordinary vectors. Jobs leaving trigger
-//! re-partitioning, whose relocations move live weights; later iterations
-//! must still be exact.
+//! its persistent region (`SharedLanes::with_memory`) and runs iterations on
+//! its lane's worker thread, each in its lane's turn, through the words the
+//! turn lends (`LaneTurn::memory`): a small interpreter (matmul, add, relu)
+//! reads and writes every tensor at `arena + slot offset` (ephemeral) or
+//! `persistent region + slot offset` (weights), checks it stays inside its
+//! lane, and compares the result with a reference computed in ordinary
+//! vectors. Jobs leaving trigger re-partitioning, whose relocations move
+//! live weights (held back while turns of the old layout run); later
+//! iterations must still be exact.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -19,7 +21,8 @@ mod util;
 
 use lanes::compile::{self, MemoryPlan};
 use lanes::lanes::{
-    Admission, JobId, LaneManager, LaneWorkers, LanesConfig, Placement, Reservation, SharedLanes,
+    Admission, JobId, JobMemory, LaneManager, LaneWorkers, LanesConfig, Placement, Reservation,
+    SharedLanes,
 };
 use lanes_adaptor::{validate, GraphBuilder, GraphLimits, Op, Tensor, TensorType, ValidGraph};
 use std::collections::HashMap;
@@ -118,14 +121,38 @@ fn place(base: u64, offset: u64, bytes: u64, region: (u64, u64)) -> (u64, u64) {
     (start, bytes)
 }
 
-fn read(mem: &Reservation, at: (u64, u64)) -> Vec<f32> {
-    bytemuck::cast_slice::<u8, f32>(mem.region(at.0, at.1).unwrap()).to_vec()
+/// Memory addressed by absolute byte ranges of the reservation: the whole
+/// reservation (loading weights), or one job's regions during its turn.
+trait Bytes {
+    fn bytes(&mut self, at: (u64, u64)) -> &mut [u8];
 }
 
-fn write(mem: &mut Reservation, at: (u64, u64), v: &[f32]) {
-    mem.region_mut(at.0, at.1)
-        .unwrap()
-        .copy_from_slice(bytemuck::cast_slice(v));
+impl Bytes for Reservation {
+    fn bytes(&mut self, at: (u64, u64)) -> &mut [u8] {
+        self.region_mut(at.0, at.1).unwrap()
+    }
+}
+
+impl Bytes for JobMemory<'_> {
+    /// Only the job's persistent region and its lane's arena are there.
+    fn bytes(&mut self, at: (u64, u64)) -> &mut [u8] {
+        let pl = self.placement;
+        let (words, base) = if at.0 >= pl.p_offset && at.0 + at.1 <= pl.p_offset + pl.p_bytes {
+            (&mut *self.persistent, pl.p_offset)
+        } else {
+            (&mut *self.arena, pl.arena_offset)
+        };
+        let start = (at.0 - base) as usize;
+        &mut bytemuck::cast_slice_mut::<u64, u8>(words)[start..start + at.1 as usize]
+    }
+}
+
+fn read(mem: &mut impl Bytes, at: (u64, u64)) -> Vec<f32> {
+    bytemuck::pod_collect_to_vec::<u8, f32>(mem.bytes(at))
+}
+
+fn write(mem: &mut impl Bytes, at: (u64, u64), v: &[f32]) {
+    mem.bytes(at).copy_from_slice(bytemuck::cast_slice(v));
 }
 
 /// Where every output of `g` lives for a job placed at `pl`.
@@ -145,14 +172,11 @@ fn locate(plan: &MemoryPlan, pl: &Placement, node: usize) -> (u64, u64) {
     place(pl.arena_offset, s.offset, s.bytes, arena)
 }
 
-/// One iteration, every tensor in the reservation.
-fn run_in_place(
-    g: &ValidGraph,
-    plan: &MemoryPlan,
-    pl: &Placement,
-    mem: &mut Reservation,
-    x: &[f32],
-) -> Vec<f32> {
+/// One iteration in a job's turn, every tensor in its regions of the
+/// reservation.
+fn run_in_place(g: &ValidGraph, plan: &MemoryPlan, mem: &mut JobMemory<'_>, x: &[f32]) -> Vec<f32> {
+    let placement = mem.placement;
+    let pl = &placement;
     let graph = g.graph();
     let dims = |o: lanes_adaptor::Outlet| graph.outlet_type(o).unwrap().shape.dims().to_vec();
     for &id in g.order() {
@@ -252,13 +276,15 @@ fn more_jobs_than_fit_all_complete_exactly() {
                     let x = feed(j, it);
                     let want = reference(&vars, h, &x);
                     let (lanes2, g2, plan2) = (lanes.clone(), g.clone(), plan.clone());
+                    // In the job's turn: its lane runs one iteration at a
+                    // time, other lanes alongside, relocations held back.
                     let rx = workers
                         .lock()
                         .unwrap()
                         .submit(pl.lane, move || {
-                            lanes2
-                                .with_memory(job, |pl, mem| run_in_place(&g2, &plan2, &pl, mem, &x))
-                                .unwrap()
+                            let mut turn = lanes2.turn(job).expect("admitted");
+                            let mut mem = turn.memory().expect("the lanes own memory");
+                            run_in_place(&g2, &plan2, &mut mem, &x)
                         })
                         .unwrap();
                     let got = rx.recv_timeout(Duration::from_secs(60)).unwrap();

@@ -31,7 +31,8 @@
 //! contents do not outlive an iteration). They are listed in an order in
 //! which applying them one by one as `memmove`s is safe (see
 //! [`super::Reservation::apply_moves`]); the owner applies them at an
-//! iteration boundary, before any job of a moved lane runs again.
+//! iteration boundary, before any job of a moved lane runs again
+//! ([`super::SharedLanes`] does so with layout epochs).
 
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -404,6 +405,14 @@ impl LaneManager {
                 .position(|r| r.job == job)
                 .map(|k| l.placement(k))
         })
+    }
+
+    /// The byte range `[start, end)` of an open lane.
+    pub fn lane_span(&self, lane: LaneId) -> Option<(u64, u64)> {
+        self.lanes
+            .iter()
+            .find(|l| l.id == lane)
+            .map(|l| (l.start, l.end()))
     }
 
     /// Jobs waiting in the admission queue, in arrival order.

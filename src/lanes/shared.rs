@@ -6,27 +6,110 @@
 //! session that closes or vanishes frees its memory by dropping its lease.
 //! A waiting job blocks in [`Lease::wait`] until a release admits it.
 //!
-//! Relocations are applied to the reservation under the lock as soon as
-//! the manager reports them. On the CPU backend executors keep tensors in
-//! their own buffers and the reservation only stands in for device memory,
-//! so moving its bytes at any time is safe; a device backend must instead
-//! apply them at the moved lanes' next iteration boundary.
+//! **Turns.** A lane runs one iteration at a time: [`SharedLanes::turn`]
+//! holds the lane until the returned [`LaneTurn`] is dropped; different
+//! lanes run at the same time.
+//!
+//! **Layout epochs** (only for lanes that own memory, [`SharedLanes::new`];
+//! [`SharedLanes::accounting_only`] lanes keep the books and the turns
+//! alone). While a turn runs, its job may read and write its persistent
+//! region and its lane's arena ([`LaneTurn::memory`]) without the lock, so
+//! those bytes must neither move nor be handed to someone else meanwhile:
+//! - every admit or release that changes the books bumps the layout's
+//!   *epoch*; a turn records the epoch it started in;
+//! - a new turn starts only when its lane is free **and** no active turn
+//!   started in an older epoch: after a layout change, new turns wait
+//!   until the turns of the old layout have ended (one iteration at most;
+//!   the change goes first, so a stream of turns cannot starve it);
+//! - relocations ([`super::Move`]) are applied at once when no turn is
+//!   active; otherwise they are queued, and the first turn to start after
+//!   the old turns have ended (no turn is active then) applies them before
+//!   it reads its placement. Admit and release never wait for turns: a
+//!   thread holding a turn may drop a lease.
+//! - [`SharedLanes::with_memory`] / [`SharedLanes::with_persistent`] lend
+//!   the whole reservation: they wait until no turn is active (new turns
+//!   wait for them meanwhile) and apply the queued moves first.
+//!
+//! So a turn sees its job's bytes at the placement read when it started,
+//! for as long as it lasts. Calling `with_memory`, `with_persistent` or
+//! `turn` from a thread that holds a turn of the same lanes can wait for
+//! that very turn: don't.
+//!
+//! **Lock.** One mutex guards the books, the reservation and the table of
+//! active turns (there is no other lock, so no lock order to keep); two
+//! condition variables hang off it: `admitted` (a release admitted jobs)
+//! and `turn_over` (a turn ended, or a lender of the reservation is done).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::manager::{
-    Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Placement, Released,
+    Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, Released,
 };
 use super::reservation::{Reservation, ReserveError};
 use super::snapshot::LanesSnapshot;
+use super::turn::LaneTurn;
 
+/// What the one lock guards.
 #[derive(Debug)]
-struct State {
-    manager: LaneManager,
-    memory: Option<Reservation>,
+pub(super) struct State {
+    pub(super) manager: LaneManager,
+    pub(super) memory: Option<Reservation>,
+    /// The layout's epoch: bumped by every admit/release that changes the
+    /// books (lanes that own memory only).
+    pub(super) epoch: u64,
+    /// The active turns, by lane (a lane has at most one).
+    pub(super) turns: HashMap<LaneId, ActiveTurn>,
+    /// Relocations reported while turns were active, in order.
+    pub(super) pending: Vec<Move>,
+    /// Lenders of the reservation waiting for the turns to end.
+    pub(super) lenders: usize,
+}
+
+/// An active turn, as the lock's table knows it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ActiveTurn {
+    /// The epoch it started in.
+    pub(super) epoch: u64,
+    /// Its lane's byte range `[start, end)` when it started.
+    pub(super) span: (u64, u64),
+}
+
+impl State {
+    /// A layout change: a new epoch; `moves` applied now when no turn is
+    /// active, queued otherwise.
+    fn relayout(&mut self, moves: &[Move]) {
+        if self.memory.is_none() {
+            return;
+        }
+        self.epoch += 1;
+        self.pending.extend_from_slice(moves);
+        if self.turns.is_empty() {
+            self.apply_pending();
+        }
+    }
+
+    /// Applies the queued moves. Only while no turn is active.
+    fn apply_pending(&mut self) {
+        debug_assert!(self.turns.is_empty());
+        if let (Some(mem), false) = (self.memory.as_mut(), self.pending.is_empty()) {
+            // Moves stay inside the reservation by construction.
+            let _ = mem.apply_moves(&self.pending);
+        }
+        self.pending.clear();
+    }
+
+    /// Whether a turn of `lane` may start now.
+    fn may_start(&self, lane: LaneId) -> bool {
+        !self.turns.contains_key(&lane)
+            && self.lenders == 0
+            && self.turns.values().all(|t| t.epoch == self.epoch)
+            // Implied by the epochs (moves queue only behind older turns); kept
+            // so that a turn never starts over bytes still to be moved.
+            && (self.pending.is_empty() || self.turns.is_empty())
+    }
 }
 
 #[derive(Debug)]
@@ -34,9 +117,7 @@ struct Inner {
     state: Mutex<State>,
     /// Notified after every release that admitted someone.
     admitted: Condvar,
-    /// Lanes running an iteration now (see [`SharedLanes::turn`]).
-    busy: Mutex<HashSet<LaneId>>,
-    /// Notified when a lane's turn ends.
+    /// Notified when a turn ends or a lender of the reservation is done.
     turn_over: Condvar,
     /// Unique in the process: keys the lanes' device memory.
     id: u64,
@@ -61,15 +142,16 @@ pub enum SharedError {
 }
 
 impl SharedLanes {
-    /// Lanes over a fresh reservation of `cfg.capacity` bytes.
+    /// Lanes over a fresh reservation of `cfg.capacity` bytes, with layout
+    /// epochs (see the module docs).
     pub fn new(cfg: LanesConfig) -> Result<Self, SharedError> {
         let manager = LaneManager::new(cfg)?;
         let memory = Reservation::new(cfg.capacity)?;
         Ok(Self::from_parts(manager, Some(memory)))
     }
 
-    /// Lanes that only keep the books (no memory is reserved): for the
-    /// simulator and tests.
+    /// Lanes that only keep the books (no memory is reserved, turns have no
+    /// [`LaneTurn::memory`]): for the GPU service, the simulator and tests.
     pub fn accounting_only(cfg: LanesConfig) -> Result<Self, AdmitError> {
         Ok(Self::from_parts(LaneManager::new(cfg)?, None))
     }
@@ -77,28 +159,41 @@ impl SharedLanes {
     fn from_parts(manager: LaneManager, memory: Option<Reservation>) -> Self {
         SharedLanes {
             inner: Arc::new(Inner {
-                state: Mutex::new(State { manager, memory }),
+                state: Mutex::new(State {
+                    manager,
+                    memory,
+                    epoch: 0,
+                    turns: HashMap::new(),
+                    pending: Vec::new(),
+                    lenders: 0,
+                }),
                 admitted: Condvar::new(),
-                busy: Mutex::new(HashSet::new()),
                 turn_over: Condvar::new(),
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             }),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves the books consistent (every
         // mutation completes before returning), so a poisoned lock is used.
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Unique in the process.
+    pub(super) fn id(&self) -> u64 {
+        self.inner.id
     }
 
     /// Admits `job` now or queues it. The lease releases it on drop.
     pub fn admit(&self, job: JobId, p: u64, t: u64) -> Result<(Lease, Admission), AdmitError> {
         let mut st = self.lock();
         let a = st.manager.admit(job, p, t)?;
-        if let (Admission::Admitted { moves, .. }, Some(mem)) = (&a, st.memory.as_mut()) {
-            // Moves stay inside the reservation by construction.
-            let _ = mem.apply_moves(moves);
+        if let Admission::Admitted { moves, .. } = &a {
+            st.relayout(moves);
         }
         drop(st);
         let lease = Lease {
@@ -118,12 +213,13 @@ impl SharedLanes {
         self.admit(job, plan.persistent, plan.ephemeral)
     }
 
-    /// Releases `job` (admitted or waiting) and wakes jobs admitted as a result.
+    /// Releases `job` (admitted or waiting) and wakes jobs admitted as a
+    /// result. Never waits for turns.
     pub fn release(&self, job: JobId) -> Result<Released, AdmitError> {
         let mut st = self.lock();
         let r = st.manager.release(job)?;
-        if let Some(mem) = st.memory.as_mut() {
-            let _ = mem.apply_moves(&r.moves);
+        if !r.was_queued {
+            st.relayout(&r.moves);
         }
         drop(st);
         if !r.admitted.is_empty() {
@@ -137,7 +233,8 @@ impl SharedLanes {
         *self.lock().manager.config()
     }
 
-    /// Current placement of `job`, if admitted.
+    /// Current placement of `job` in the books, if admitted (its bytes may
+    /// still wait for queued moves: a turn's placement is where they are).
     pub fn placement(&self, job: JobId) -> Option<Placement> {
         self.lock().manager.placement(job)
     }
@@ -167,31 +264,43 @@ impl SharedLanes {
         }
     }
 
-    /// Waits until no other job of `job`'s lane runs an iteration, then
-    /// holds the lane until the returned turn is dropped: a lane runs one
-    /// iteration at a time (its jobs share one ephemeral arena), different
-    /// lanes run at the same time. `None` when the job is not admitted.
-    /// (Lock order: the lanes' turns, then the books.)
+    /// Waits until `job`'s lane is free (and, for lanes that own memory,
+    /// until no turn of an older layout is active, see the module docs),
+    /// then holds the lane until the returned turn is dropped: a lane runs
+    /// one iteration at a time (its jobs share one ephemeral arena),
+    /// different lanes run at the same time. `None` when the job is not
+    /// admitted.
     pub fn turn(&self, job: JobId) -> Option<LaneTurn> {
-        let mut busy = self
-            .inner
-            .busy
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut st = self.lock();
         loop {
-            let lane = self.placement(job)?.lane;
-            if busy.insert(lane) {
-                return Some(LaneTurn {
-                    lanes: self.clone(),
-                    lane,
-                });
+            let placement = st.manager.placement(job)?;
+            if st.may_start(placement.lane) {
+                if st.turns.is_empty() {
+                    st.apply_pending();
+                }
+                let span = st.manager.lane_span(placement.lane).unwrap_or((
+                    placement.p_offset,
+                    placement.arena_offset + placement.arena_bytes,
+                ));
+                let epoch = st.epoch;
+                st.turns.insert(placement.lane, ActiveTurn { epoch, span });
+                return Some(LaneTurn::new(self.clone(), placement, epoch));
             }
-            busy = self
-                .inner
-                .turn_over
-                .wait(busy)
-                .unwrap_or_else(PoisonError::into_inner);
+            st = self.wait_turn_over(st);
         }
+    }
+
+    fn wait_turn_over<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.inner
+            .turn_over
+            .wait(st)
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Ends the turn of `lane` (called when a [`LaneTurn`] drops).
+    pub(super) fn end_turn(&self, lane: LaneId) {
+        self.lock().turns.remove(&lane);
+        self.inner.turn_over.notify_all();
     }
 
     /// Every job in a lane with one of `jobs` (those included): what a
@@ -229,56 +338,50 @@ impl SharedLanes {
         self.lock().manager.snapshot()
     }
 
+    /// Runs `f` with the whole reservation under the lock, once no turn is
+    /// active and the queued moves are applied (new turns wait meanwhile).
+    /// `None` when no memory is reserved (at once) or `f` gives `None`.
+    fn lend<R>(&self, f: impl FnOnce(&mut State) -> Option<R>) -> Option<R> {
+        let mut st = self.lock();
+        st.memory.as_ref()?;
+        if !st.turns.is_empty() {
+            st.lenders += 1;
+            while !st.turns.is_empty() {
+                st = self.wait_turn_over(st);
+            }
+            st.lenders -= 1;
+        }
+        st.apply_pending();
+        let out = f(&mut st);
+        drop(st);
+        // Turns held back by this lender may start.
+        self.inner.turn_over.notify_all();
+        out
+    }
+
     /// Runs `f` with `job`'s current placement and the reservation, under
-    /// the lock (so no relocation happens meanwhile). `None` when the job is
-    /// not admitted or no memory is reserved.
+    /// the lock, once no turn is active (so nothing moves or runs
+    /// meanwhile). `None` when the job is not admitted or no memory is
+    /// reserved. Must not be called while holding a turn of these lanes.
     pub fn with_memory<R>(
         &self,
         job: JobId,
         f: impl FnOnce(Placement, &mut Reservation) -> R,
     ) -> Option<R> {
-        let mut st = self.lock();
-        let p = st.manager.placement(job)?;
-        st.memory.as_mut().map(|mem| f(p, mem))
+        self.lend(|st| {
+            let p = st.manager.placement(job)?;
+            st.memory.as_mut().map(|mem| f(p, mem))
+        })
     }
 
-    /// Runs `f` on the reservation's bytes of `job`'s persistent region.
+    /// Runs `f` on the reservation's bytes of `job`'s persistent region (as
+    /// [`Self::with_memory`]).
     pub fn with_persistent<R>(&self, job: JobId, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
-        let mut st = self.lock();
-        let p = st.manager.placement(job)?;
-        let mem = st.memory.as_mut()?;
-        mem.region_mut(p.p_offset, p.p_bytes).ok().map(f)
-    }
-}
-
-/// A job's turn on its lane (see [`SharedLanes::turn`]); ends on drop.
-#[derive(Debug)]
-pub struct LaneTurn {
-    lanes: SharedLanes,
-    lane: LaneId,
-}
-
-impl LaneTurn {
-    pub fn lane(&self) -> LaneId {
-        self.lane
-    }
-
-    /// The lane's key, unique in the process (for device memory shared by
-    /// the lane's jobs).
-    pub fn key(&self) -> u64 {
-        (self.lanes.inner.id << 32) | u64::from(self.lane.0)
-    }
-}
-
-impl Drop for LaneTurn {
-    fn drop(&mut self) {
-        let inner = &self.lanes.inner;
-        inner
-            .busy
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.lane);
-        inner.turn_over.notify_all();
+        self.lend(|st| {
+            let p = st.manager.placement(job)?;
+            let mem = st.memory.as_mut()?;
+            mem.region_mut(p.p_offset, p.p_bytes).ok().map(f)
+        })
     }
 }
 
@@ -357,7 +460,10 @@ mod tests {
             one.placement(JobId(1)).unwrap().lane,
             one.placement(JobId(2)).unwrap().lane
         );
-        let first = one.turn(JobId(1)).unwrap();
+        let mut first = one.turn(JobId(1)).unwrap();
+        // Accounting-only lanes own no memory.
+        assert!(first.memory().is_none());
+        assert_eq!(first.placement(), one.placement(JobId(1)).unwrap());
         let (tx, rx) = mpsc::channel();
         let waiter = thread::spawn(move || {
             let t = b.turn().expect("admitted");
@@ -438,5 +544,328 @@ mod tests {
         }
         assert!(big.placement().is_some());
         assert!(lanes.wait_admitted(JobId(77), Duration::ZERO).is_none());
+    }
+
+    /// Fills `words` with `v`.
+    fn fill(words: &mut [u64], v: u64) {
+        words.iter_mut().for_each(|w| *w = v);
+    }
+
+    fn pattern(job: u64, iteration: u64) -> u64 {
+        0xA5A5_0000_0000_0000 | (job << 32) | iteration
+    }
+
+    #[test]
+    fn a_turn_lends_its_jobs_regions_as_words() {
+        let lanes = SharedLanes::new(cfg(1 << 16)).unwrap();
+        let (_a, _) = lanes.admit(JobId(1), 1024, 512).unwrap();
+        let (_b, _) = lanes.admit(JobId(2), 256, 2048).unwrap();
+        let mut t = lanes.turn(JobId(1)).unwrap();
+        let mem = t.memory().unwrap();
+        let pl = mem.placement;
+        assert_eq!(pl, lanes.placement(JobId(1)).unwrap());
+        assert_eq!(mem.persistent.len() as u64 * 8, pl.p_bytes);
+        assert_eq!(mem.arena.len() as u64 * 8, pl.arena_bytes);
+        // Fresh memory reads as zero.
+        assert!(mem
+            .persistent
+            .iter()
+            .chain(mem.arena.iter())
+            .all(|&w| w == 0));
+        fill(mem.persistent, 7);
+        fill(mem.arena, 9);
+        // Another lane's turn gets its own, disjoint memory at the same time.
+        let mut u = lanes.turn(JobId(2)).unwrap();
+        let other = u.memory().unwrap();
+        assert_ne!(other.placement.lane, pl.lane);
+        assert!(other.persistent.iter().all(|&w| w == 0));
+        fill(other.persistent, 3);
+        drop((t, u));
+        let bytes = lanes
+            .with_memory(JobId(1), |pl, mem| {
+                let p = mem.region(pl.p_offset, pl.p_bytes).unwrap().to_vec();
+                let a = mem
+                    .region(pl.arena_offset, pl.arena_bytes)
+                    .unwrap()
+                    .to_vec();
+                (p, a)
+            })
+            .unwrap();
+        assert!(bytes.0.chunks(8).all(|w| w == 7u64.to_ne_bytes()));
+        assert!(bytes.1.chunks(8).all(|w| w == 9u64.to_ne_bytes()));
+    }
+
+    #[test]
+    fn ranges_that_are_not_word_aligned_give_no_memory() {
+        let lanes = SharedLanes::new(LanesConfig {
+            alignment: 4,
+            ..cfg(1 << 12)
+        })
+        .unwrap();
+        let (_b, _) = lanes.admit(JobId(2), 16, 16).unwrap();
+        assert!(lanes.turn(JobId(2)).unwrap().memory().is_some());
+        let (_a, _) = lanes.admit(JobId(1), 12, 16).unwrap();
+        assert_eq!(lanes.placement(JobId(1)).unwrap().p_bytes, 12);
+        assert!(lanes.turn(JobId(1)).unwrap().memory().is_none());
+    }
+
+    /// After a layout change, a turn of the old layout holds back new turns
+    /// of every lane until it ends; admit and release never wait for it.
+    #[test]
+    fn an_older_turn_holds_back_new_turns_of_other_lanes() {
+        use std::sync::mpsc;
+        let lanes = SharedLanes::new(cfg(1 << 20)).unwrap();
+        let (_a, _) = lanes.admit(JobId(1), 1024, 1024).unwrap();
+        let (b, _) = lanes.admit(JobId(2), 1024, 1024).unwrap();
+        assert_ne!(
+            lanes.placement(JobId(1)).unwrap().lane,
+            lanes.placement(JobId(2)).unwrap().lane
+        );
+        let old = lanes.turn(JobId(1)).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let taker = {
+            let lanes = lanes.clone();
+            thread::spawn(move || {
+                for _ in 0..2 {
+                    let t = lanes.turn(JobId(2)).expect("admitted");
+                    tx.send(t.lane()).unwrap();
+                    drop(t);
+                    go_rx.recv().unwrap();
+                }
+            })
+        };
+        // Same layout: the other lane runs at once.
+        assert!(rx.recv_timeout(Duration::from_secs(20)).is_ok());
+        // A layout change (and a release) while the old turn is held,
+        // from the very thread that holds it: neither waits.
+        let (c, adm) = lanes.admit(JobId(3), 1024, 1024).unwrap();
+        assert!(matches!(adm, Admission::Admitted { .. }));
+        c.release().unwrap();
+        go_tx.send(()).unwrap();
+        // The other lane's next turn now waits for the old turn to end.
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(old);
+        assert!(rx.recv_timeout(Duration::from_secs(20)).is_ok());
+        go_tx.send(()).unwrap();
+        taker.join().unwrap();
+        drop(b);
+    }
+
+    /// Lending the reservation waits for the active turns to end.
+    #[test]
+    fn with_memory_waits_for_active_turns() {
+        use std::sync::mpsc;
+        let lanes = SharedLanes::new(cfg(1 << 20)).unwrap();
+        let (_a, _) = lanes.admit(JobId(1), 1024, 1024).unwrap();
+        let (_b, _) = lanes.admit(JobId(2), 1024, 1024).unwrap();
+        let mut t = lanes.turn(JobId(1)).unwrap();
+        fill(t.memory().unwrap().persistent, 5);
+        let (tx, rx) = mpsc::channel();
+        let lender = {
+            let lanes = lanes.clone();
+            thread::spawn(move || {
+                let ok = lanes
+                    .with_persistent(JobId(1), |b| b.chunks(8).all(|w| w == 5u64.to_ne_bytes()))
+                    .unwrap();
+                tx.send(ok).unwrap();
+            })
+        };
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        drop(t);
+        assert!(rx.recv_timeout(Duration::from_secs(20)).unwrap());
+        lender.join().unwrap();
+        // Accounting-only lanes lend nothing, at once.
+        let acct = SharedLanes::accounting_only(cfg(1 << 20)).unwrap();
+        let (_c, _) = acct.admit(JobId(1), 1024, 1024).unwrap();
+        let _held = acct.turn(JobId(1)).unwrap();
+        assert!(acct.with_persistent(JobId(1), |_| ()).is_none());
+    }
+
+    /// Moves reported while a turn is active wait for it; the next turn
+    /// applies them before reading its placement, and the bytes follow.
+    #[test]
+    fn moves_queued_during_a_turn_follow_the_job() {
+        // One lane: B's region sits after A's and slides down when A goes.
+        let lanes = SharedLanes::new(LanesConfig {
+            max_lanes: 1,
+            ..cfg(1 << 16)
+        })
+        .unwrap();
+        let (a, _) = lanes.admit(JobId(1), 512, 256).unwrap();
+        let (_b, _) = lanes.admit(JobId(2), 1024, 256).unwrap();
+        let before = lanes.placement(JobId(2)).unwrap();
+        lanes.with_persistent(JobId(1), |b| b.fill(0x11)).unwrap();
+        let mut t = lanes.turn(JobId(2)).unwrap();
+        fill(t.memory().unwrap().persistent, pattern(2, 1));
+        let r = a.release().unwrap();
+        assert!(r.moves.iter().any(|m| m.job == JobId(2)), "{r:?}");
+        let after = lanes.placement(JobId(2)).unwrap();
+        assert_eq!(after.p_offset, before.p_offset - 512);
+        // The active turn still sees its bytes where they were.
+        let mem = t.memory().unwrap();
+        assert_eq!(mem.placement, before);
+        assert!(mem.persistent.iter().all(|&w| w == pattern(2, 1)));
+        fill(mem.persistent, pattern(2, 2));
+        drop(t);
+        // The next turn finds them moved.
+        let mut t = lanes.turn(JobId(2)).unwrap();
+        let mem = t.memory().unwrap();
+        assert_eq!(mem.placement, after);
+        assert!(mem.persistent.iter().all(|&w| w == pattern(2, 2)));
+        drop(t);
+        let ok = lanes
+            .with_persistent(JobId(2), |b| {
+                b.chunks(8).all(|w| w == pattern(2, 2).to_ne_bytes())
+            })
+            .unwrap();
+        assert!(ok);
+    }
+
+    /// Worker threads take their jobs' turns over and over, each checking
+    /// at the start of a turn that its persistent words are as it left
+    /// them, then writing new ones and scribbling over its lane's arena;
+    /// meanwhile another thread admits and releases other jobs (whose own
+    /// bytes it writes and checks through `with_persistent`), so lanes are
+    /// re-partitioned and regions slide under the workers, with moves
+    /// queued behind their turns.
+    #[test]
+    fn turns_keep_their_bytes_while_the_layout_changes() {
+        use std::sync::atomic::AtomicBool;
+        const WORKERS: u64 = 3;
+        const MIN_TURNS: u64 = 200;
+        let lanes = SharedLanes::new(LanesConfig {
+            capacity: 16 * 1024,
+            alignment: 256,
+            max_lanes: 3,
+        })
+        .unwrap();
+        let workers_moved = |moves: &[Move]| moves.iter().any(|m| m.job.0 < WORKERS);
+        // Lane 0 keeps an anchor job; churn jobs join and leave it and lane
+        // 1, so re-partitioning moves the workers' lane 2 back and forth.
+        // Job 102, admitted before the workers in their lane, slides them
+        // when it leaves.
+        let (_anchor, _) = lanes.admit(JobId(99), 256, 256).unwrap();
+        let mut churn = Vec::new();
+        for j in [101u64, 102] {
+            let (l, _) = lanes.admit(JobId(j), 1024, 512).unwrap();
+            churn.push(l);
+        }
+        let mut leases = Vec::new();
+        for w in 0..WORKERS {
+            let (l, adm) = lanes.admit(JobId(w), 512 * (w + 1), 256).unwrap();
+            assert!(matches!(adm, Admission::Admitted { .. }));
+            lanes.with_persistent(JobId(w), |b| b.fill(0)).unwrap();
+            leases.push(l);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        // Turns each worker has taken: the churn keeps pace with them, so
+        // the layout changes while they run.
+        let progress: Arc<Vec<AtomicU64>> =
+            Arc::new((0..WORKERS).map(|_| AtomicU64::new(0)).collect());
+        let handles: Vec<_> = (0..WORKERS)
+            .map(|w| {
+                let (lanes, stop, progress) = (lanes.clone(), stop.clone(), progress.clone());
+                thread::spawn(move || {
+                    // Turns taken, and turns that found the region moved.
+                    let (mut i, mut moved) = (0u64, 0u64);
+                    let mut last = None;
+                    while !stop.load(Ordering::Relaxed) || i < MIN_TURNS {
+                        let mut t = lanes.turn(JobId(w)).expect("admitted");
+                        let mem = t.memory().expect("memory lanes");
+                        assert_eq!(mem.placement.job, JobId(w));
+                        let want = if i == 0 { 0 } else { pattern(w, i) };
+                        if let Some(bad) = mem.persistent.iter().position(|&x| x != want) {
+                            panic!("job {w} turn {i}: word {bad} is {:#x}", mem.persistent[bad]);
+                        }
+                        if last.is_some_and(|p| p != mem.placement.p_offset) {
+                            moved += 1;
+                        }
+                        last = Some(mem.placement.p_offset);
+                        fill(mem.persistent, pattern(w, i + 1));
+                        fill(mem.arena, 0xDEAD_0000 + w);
+                        // Nothing moves or overwrites them mid-turn.
+                        thread::yield_now();
+                        assert!(mem.persistent.iter().all(|&x| x == pattern(w, i + 1)));
+                        assert!(mem.arena.iter().all(|&x| x == 0xDEAD_0000 + w));
+                        drop(t);
+                        i += 1;
+                        progress[w as usize].store(i, Ordering::Relaxed);
+                        thread::yield_now();
+                    }
+                    (i, moved)
+                })
+            })
+            .collect();
+        // The churn: a deterministic sequence of arrivals and departures.
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let stamp = |j: u64| (j as u8).wrapping_mul(37) | 1;
+        let write = |j: JobId| lanes.with_persistent(j, |b| b.fill(stamp(j.0)));
+        for j in [101, 102] {
+            write(JobId(j)).unwrap();
+        }
+        // Layout changes that moved a worker: all of them, and those whose
+        // moves were queued behind active turns.
+        let (mut changes, mut queued) = (0, 0);
+        let mut note = |moves: &[Move]| {
+            if workers_moved(moves) {
+                changes += 1;
+                queued += usize::from(!lanes.lock().pending.is_empty());
+            }
+        };
+        let mut next_job = 103u64;
+        assert_eq!(lanes.snapshot().lanes.len(), 3);
+        for step in 0..3000u64 {
+            while progress.iter().map(|p| p.load(Ordering::Relaxed)).min() < Some(step / 4) {
+                thread::yield_now();
+            }
+            let leave = churn.len() >= 6 || (!churn.is_empty() && next() % 2 == 0);
+            if leave {
+                let k = (next() % churn.len() as u64) as usize;
+                let lease = churn.remove(k);
+                let job = lease.job();
+                let intact = lanes.with_persistent(job, |b| b.iter().all(|&x| x == stamp(job.0)));
+                assert_ne!(intact, Some(false), "churn {job} lost its bytes");
+                let r = lease.release().unwrap();
+                note(&r.moves);
+                for p in &r.admitted {
+                    write(p.job).unwrap();
+                }
+            } else {
+                let job = JobId(next_job);
+                next_job += 1;
+                let p = 256 * (1 + next() % 12);
+                let t = 256 * (1 + next() % 8);
+                let (l, adm) = lanes.admit(job, p, t).unwrap();
+                if let Admission::Admitted { moves, .. } = adm {
+                    note(&moves);
+                    write(job).unwrap();
+                }
+                churn.push(l);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let done: Vec<(u64, u64)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let moved: u64 = done.iter().map(|d| d.1).sum();
+        eprintln!("turns and moves seen per worker {done:?}; changes moving workers {changes}, {queued} queued");
+        assert!(changes > 0 && moved > 0, "no worker was moved");
+        for (w, &(i, _)) in done.iter().enumerate() {
+            let w = w as u64;
+            let ok = lanes
+                .with_persistent(JobId(w), |b| {
+                    b.chunks(8).all(|x| x == pattern(w, i).to_ne_bytes())
+                })
+                .unwrap();
+            assert!(ok, "job {w} lost its bytes after {i} turns");
+        }
+        drop((leases, churn, _anchor));
+        let s = lanes.snapshot();
+        assert!(s.lanes.is_empty() && s.queue.is_empty());
     }
 }
