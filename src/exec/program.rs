@@ -158,13 +158,12 @@ impl Program {
     }
 
     /// Runs the next iterations in the shared ephemeral memory of `lane`
-    /// (a process-unique key; `None`: the program's own).
+    /// (a process-unique key; `None`: the program's own). CPU programs get
+    /// their lane's memory handed in with each call instead
+    /// ([`Program::run_in`]): nothing to do.
     pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
         match self {
-            Program::Cpu(p) => {
-                p.bind_lane(lane);
-                Ok(())
-            }
+            Program::Cpu(_) => Ok(()),
             Program::Cuda(p) => p.bind_lane(lane),
         }
     }

@@ -84,9 +84,11 @@ pub fn backend_of(device: &str) -> crate::session::Backend {
 /// turns. With `reserve` on the GPU (`--reserve`) the memory is taken now,
 /// as one device reservation in equal chunks that every admitted job's
 /// blocks are made of (lane sizes are whole chunks); keep it as long as
-/// the lanes. Otherwise the lanes keep the books only: programs take their
-/// blocks from the driver as admission allows (on the CPU executors keep
-/// tensors in their own buffers).
+/// the lanes. Without it the GPU's lanes keep the books only: programs
+/// take their blocks from the driver as admission allows. On the CPU the
+/// lanes own one host buffer of `bytes` standing in for device memory (an
+/// anonymous mapping, touched as used): every admitted job's variables and
+/// its lane's arena live in it (`lanes::LaneTurn::memory`).
 pub fn lanes_for(
     bytes: u64,
     max_lanes: usize,
@@ -123,7 +125,15 @@ pub fn lanes_for(
         }
         _ => None,
     };
-    let lanes = SharedLanes::accounting_only(cfg).map_err(SharedError::from)?;
+    let lanes = match backend {
+        // The CPU's stand-in for device memory: one host buffer of
+        // `bytes` (an anonymous mapping, touched as used) in which every
+        // admitted job's variables and its lane's arena live.
+        crate::session::Backend::Cpu => SharedLanes::new(cfg)?,
+        crate::session::Backend::Cuda => {
+            SharedLanes::accounting_only(cfg).map_err(SharedError::from)?
+        }
+    };
     Ok((lanes, reservation))
 }
 

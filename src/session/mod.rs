@@ -16,6 +16,7 @@ use lanes_adaptor::{
 };
 
 use crate::compile::{self, PlanError};
+use crate::exec::cpu::CpuMemory;
 pub use crate::exec::Backend;
 use crate::exec::ExecError;
 use crate::exec::Program;
@@ -239,7 +240,21 @@ impl Session {
         if !loaded.program.is_resident() {
             return Ok(0);
         }
-        let copied = loaded.program.evict()?;
+        let copied = if loaded.program.needs_memory() {
+            // The variables are in the lanes' reservation: read them out in
+            // the job's turn.
+            let mut turn = self.lease.as_ref().and_then(Lease::turn);
+            let mem = turn.as_mut().and_then(LaneTurn::memory);
+            let loaded = self
+                .loaded
+                .as_mut()
+                .ok_or(SessionError::NoGraph { session })?;
+            loaded
+                .program
+                .evict_in(mem.as_ref().map(|m| &*m.persistent))?
+        } else {
+            loaded.program.evict()?
+        };
         self.lease = None; // releases the lane memory
         self.switches.0 += 1;
         tracing::info!(session = %session, copied, "evicted to host memory");
@@ -467,13 +482,19 @@ impl Session {
         let session = self.id;
         // A lane runs one iteration at a time (its jobs share its ephemeral
         // memory on the GPU): hold the lane's turn for this one.
-        let turn = self.lease.as_ref().and_then(Lease::turn);
+        let mut turn = self.lease.as_ref().and_then(Lease::turn);
+        let key = turn.as_ref().map(LaneTurn::key);
         let loaded = self.loaded()?;
-        loaded.program.bind_lane(turn.as_ref().map(LaneTurn::key))?;
+        loaded.program.bind_lane(key)?;
+        // With a reservation (CPU), the job's memory in it for this turn.
+        let mem = turn.as_mut().and_then(LaneTurn::memory).map(|m| CpuMemory {
+            persistent: m.persistent,
+            arena: m.arena,
+        });
         let t0 = std::time::Instant::now();
         let (out, report) = loaded
             .program
-            .run_switching(&fed, fetches, Strategy::Pipelined)?;
+            .run_in(mem, &fed, fetches, Strategy::Pipelined)?;
         drop(turn);
         if let Some(pool) = &self.pool {
             fed.into_values().for_each(|t| pool.give(t));
@@ -501,7 +522,15 @@ impl Session {
                 reason: "the graph has no such variable".into(),
             });
         }
-        let values = loaded.program.read_variables(names)?;
+        let values = if loaded.program.needs_memory() {
+            let mut turn = self.lease.as_ref().and_then(Lease::turn);
+            let mem = turn.as_mut().and_then(LaneTurn::memory);
+            self.loaded()?
+                .program
+                .read_variables_in(mem.as_ref().map(|m| &*m.persistent), names)?
+        } else {
+            loaded.program.read_variables(names)?
+        };
         Ok(values
             .into_iter()
             .map(|(n, t)| NamedTensor::new(n, t))
@@ -534,9 +563,16 @@ impl Session {
             }
         }
         let count = values.len() as u64;
-        loaded
-            .program
-            .write_variables(values.into_iter().map(|v| (v.name, v.tensor)).collect())?;
+        let values = values.into_iter().map(|v| (v.name, v.tensor)).collect();
+        if loaded.program.needs_memory() {
+            let mut turn = self.lease.as_ref().and_then(Lease::turn);
+            let mut mem = turn.as_mut().and_then(LaneTurn::memory);
+            self.loaded()?
+                .program
+                .write_variables_in(mem.as_mut().map(|m| &mut *m.persistent), values)?;
+        } else {
+            loaded.program.write_variables(values)?;
+        }
         Ok(count)
     }
 
@@ -626,5 +662,54 @@ mod tests {
             reason: "r".into(),
         });
         assert_eq!(e.code(), ErrorCode::Exec);
+    }
+
+    /// On the CPU with lanes that own memory, the job's variables live in
+    /// the reservation (the program keeps none of its own) and every path —
+    /// run, read, write, evict, return — works there.
+    #[test]
+    fn cpu_jobs_live_in_the_reservation() {
+        use crate::lanes::LanesConfig;
+        let lanes = SharedLanes::new(LanesConfig::new(1 << 20)).unwrap();
+        let mut s = session().with_lanes(Some(lanes.clone()));
+        let (g, vars) = graph();
+        s.load(g, vars, &GraphLimits::default()).unwrap();
+        let x = || vec![NamedTensor::new("x", Tensor::full([2, 3], 1.0))];
+        let y = s.run(x(), &["y".to_string()]).unwrap();
+        assert_eq!(y[0].f32s().unwrap(), &[1.5; 8]);
+        let program = &s.loaded.as_ref().unwrap().program;
+        assert!(program.needs_memory());
+        let Program::Cpu(cpu) = program else {
+            panic!("a CPU program")
+        };
+        assert_eq!((cpu.own_persistent_bytes(), cpu.arena_bytes()), (0, 0));
+        // w's twelve 0.5s are in the job's persistent region.
+        let job = JobId(1);
+        let held = lanes
+            .with_persistent(job, |b| bytemuck::cast_slice::<u8, f32>(&b[..48]).to_vec())
+            .unwrap();
+        assert_eq!(held, vec![0.5; 12]);
+        // Written and read where they live.
+        s.write_variables(vec![NamedTensor::new("w", Tensor::full([3, 4], 2.0))])
+            .unwrap();
+        let w = s.read_variables(&["w".to_string()]).unwrap();
+        assert_eq!(w[0].tensor.f32s().unwrap(), &[2.0; 12]);
+        assert_eq!(
+            s.run(x(), &["y".to_string()]).unwrap()[0].f32s().unwrap(),
+            &[6.0; 8]
+        );
+        // Evicted: the memory goes back to the lanes; the next run returns.
+        s.evict().unwrap();
+        assert!(lanes.placement(job).is_none());
+        assert_eq!(
+            s.read_variables(&[]).unwrap()[0].tensor.f32s().unwrap(),
+            &[2.0; 12]
+        );
+        assert_eq!(
+            s.run(x(), &["y".to_string()]).unwrap()[0].f32s().unwrap(),
+            &[6.0; 8]
+        );
+        assert!(lanes.placement(job).is_some());
+        assert_eq!(s.switches(), (1, 1));
     }
 }

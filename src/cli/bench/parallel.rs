@@ -11,8 +11,8 @@
 //! measures that path). Each job's thread runs `--iters` iterations back to
 //! back; throughput is iterations per second of wall time over all jobs. On
 //! the GPU each case reports the device memory its programs hold: their own
-//! blocks plus the lanes' shared blocks; on the CPU the bytes of the lanes'
-//! shared ephemeral buffers.
+//! blocks plus the lanes' shared blocks; with a reservation (on the CPU
+//! always) its size and what the jobs use of it.
 
 use std::time::Instant;
 
@@ -145,12 +145,7 @@ fn run_case(
         Device::Cuda => Some(lanes::exec::cuda::lane_block_bytes()),
         Device::Cpu => None,
     };
-    // On the CPU: the lanes' shared ephemeral buffers (the programs run in
-    // them, holding none of their own).
-    let host_shared = match a.device {
-        Device::Cpu => Some(lanes::exec::cpu::lane_buffer_bytes()),
-        Device::Cuda => None,
-    };
+
     progress(
         &format!("{}: {} iterations per job", case.name, a.iters),
         since,
@@ -179,8 +174,19 @@ fn run_case(
             .collect::<anyhow::Result<Vec<f64>>>()
     })?;
     let wall = t0.elapsed().as_secs_f64();
-    let reserved = reservation.as_ref().map(|r| (r.size(), r.free_bytes()));
-    let lanes_text = lanes.snapshot().to_string();
+    // The reservation and what the lanes use of it: on the GPU the chunks
+    // mapped (with `--reserve`), on the CPU (always a reservation, every
+    // job's variables and its lane's arena in it) `sum P + max T` per lane.
+    let snapshot = lanes.snapshot();
+    let reserved = match (&reservation, a.device) {
+        (Some(r), _) => Some((r.size(), r.size() - r.free_bytes())),
+        (None, Device::Cpu) => Some((
+            snapshot.capacity,
+            snapshot.lanes.iter().map(|l| l.used).sum(),
+        )),
+        (None, Device::Cuda) => None,
+    };
+    let lanes_text = snapshot.to_string();
     drop(sessions);
     drop(reservation);
     let iterations = (a.iters * case.jobs) as f64;
@@ -193,16 +199,15 @@ fn run_case(
         "per_job_s": per_job,
         "iterations_per_s": iterations / wall,
         "wall_ms_per_iteration": wall * 1e3 / iterations,
-        "reservation": reserved.map(|(size, free)| serde_json::json!({
+        "reservation": reserved.map(|(size, in_use)| serde_json::json!({
             "bytes": size,
-            "in_use": size - free,
+            "in_use": in_use,
         })),
         "device_bytes": {
             "programs_own": own,
             "lanes_shared": shared,
             "total": own.zip(shared).map(|(o, s)| o + s),
         },
-        "host_lane_buffers_bytes": host_shared,
         "lanes": lanes_text,
     }))
 }

@@ -5,13 +5,12 @@
 //! multiples of its alignment (256 bytes), the buffer is made of 8-byte
 //! words.
 //!
-//! - **Whose buffer.** A program alone uses its own. Under the service a
-//!   program runs in its lane's buffer ([`Arena::bind_lane`]): the
-//!   programs of one lane run one iteration at a time, so they share one
-//!   buffer as large as the largest T among them, and a lane holds
-//!   `sum P + max T` bytes, not `sum (P + T)` — as the lane manager counts
-//!   and as the CUDA executor maps. A lane's buffer lives while a program
-//!   is bound to it.
+//! - **Whose buffer.** A program alone uses its own. Under a service
+//!   whose lanes own a reservation, each iteration runs in the arena its
+//!   lane's turn hands in ([`Arena::hold_given`]): the lane's programs
+//!   take turns, so they share one arena as large as the largest T among
+//!   them, and a lane holds `sum P + max T` bytes — as the lane manager
+//!   counts and as the CUDA executor maps.
 //! - **Feeds** stay where the caller holds them (a Run hands them in); their
 //!   slots in the buffer are left unused. Variables and constants are
 //!   persistent, not in the buffer.
@@ -26,16 +25,13 @@
 //!   iteration; an output the plan lets die early is copied out right
 //!   after its op ran (`program::run_iteration`), so fetching never grows
 //!   the buffer past the T the job was admitted with.
-//! - The buffer is allocated at the first iteration, and again after an
-//!   eviction (which gives it up) or when a lane gets a program with a
-//!   larger T — never per iteration in the steady state.
+//! - The own buffer is allocated at the first iteration and again after
+//!   an eviction (which gives it up) — never per iteration in the steady
+//!   state.
 //! - **Scratch.** In-place ops (optimizer steps, running statistics) write
 //!   the variables where they are; the old values their kernels read as
 //!   inputs are copied into a second buffer of the arena, grown to the
 //!   largest update during the first iteration.
-
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
 use lanes_adaptor::{DType, Tensor, TensorData, TensorType, ValidGraph};
 
@@ -54,56 +50,6 @@ pub(super) struct Span {
     pub len: usize,
 }
 
-/// A lane's buffer, shared by the arenas bound to it.
-type LaneBuffer = Arc<Mutex<Vec<u64>>>;
-
-/// Each lane's buffer by lane key, while some arena is bound to it.
-type LaneBuffers = HashMap<u64, Weak<Mutex<Vec<u64>>>>;
-static LANES: Mutex<Option<LaneBuffers>> = Mutex::new(None);
-
-/// The buffer of `lane`: the one its programs use now, or a new empty one.
-fn lane_buffer(lane: u64) -> LaneBuffer {
-    let mut lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
-    let lanes = lanes.get_or_insert_with(HashMap::new);
-    if let Some(b) = lanes.get(&lane).and_then(Weak::upgrade) {
-        return b;
-    }
-    let b: LaneBuffer = Arc::new(Mutex::new(Vec::new()));
-    lanes.insert(lane, Arc::downgrade(&b));
-    lanes.retain(|_, w| w.strong_count() > 0);
-    b
-}
-
-/// Bytes of the buffer of `lane`, while it is alive.
-#[cfg(test)]
-pub(super) fn lane_bytes(lane: u64) -> Option<usize> {
-    let lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
-    let b = lanes.as_ref()?.get(&lane)?.upgrade()?;
-    let n = b.lock().unwrap_or_else(PoisonError::into_inner).len() * WORD;
-    Some(n)
-}
-
-/// Bytes of the lanes' shared buffers alive now.
-pub fn lane_buffer_bytes() -> u64 {
-    let lanes = LANES.lock().unwrap_or_else(PoisonError::into_inner);
-    lanes.as_ref().map_or(0, |m| {
-        m.values()
-            .filter_map(Weak::upgrade)
-            .map(|b| (b.lock().unwrap_or_else(PoisonError::into_inner).len() * WORD) as u64)
-            .sum()
-    })
-}
-
-/// Where an arena's tensors are.
-#[derive(Debug)]
-enum Store {
-    /// The program's own buffer (empty before the first iteration and
-    /// after an eviction).
-    Own(Vec<u64>),
-    /// Its lane's buffer.
-    Lane { key: u64, buffer: LaneBuffer },
-}
-
 /// The ephemeral tensors of a program at the offsets of its memory plan.
 #[derive(Debug)]
 pub(super) struct Arena {
@@ -112,48 +58,20 @@ pub(super) struct Arena {
     /// Per node, per output slot: where it lives (read only for outputs of
     /// ops: sources — feeds, variables, constants — are not in the buffer).
     spans: Vec<Vec<Span>>,
-    store: Store,
+    /// The program's own buffer (empty before the first iteration, after
+    /// an eviction, and while it runs in memory handed in).
+    own: Vec<u64>,
     /// Old values of the variables an in-place op updates (see
     /// `program::update_in_place`), as large as the largest update.
     scratch: Vec<u64>,
-}
-
-/// The buffer during an iteration: the program's own, or its lane's,
-/// locked (uncontended: a lane runs one iteration at a time).
-#[derive(Debug)]
-pub(super) enum Words<'a> {
-    Own(&'a mut Vec<u64>),
-    Lane(MutexGuard<'a, Vec<u64>>),
-    /// Handed in for the iteration (the lane's arena in a reservation).
-    Given(&'a mut [u64]),
-}
-
-impl std::ops::Deref for Words<'_> {
-    type Target = [u64];
-    fn deref(&self) -> &[u64] {
-        match self {
-            Words::Own(v) => v,
-            Words::Lane(g) => g,
-            Words::Given(w) => w,
-        }
-    }
-}
-
-impl std::ops::DerefMut for Words<'_> {
-    fn deref_mut(&mut self) -> &mut [u64] {
-        match self {
-            Words::Own(v) => v,
-            Words::Lane(g) => g,
-            Words::Given(w) => w,
-        }
-    }
 }
 
 /// An arena held for one iteration: the buffer (at least T bytes), the
 /// output spans and the scratch buffer, borrowed apart.
 #[derive(Debug)]
 pub(super) struct Held<'a> {
-    pub words: Words<'a>,
+    /// The program's own buffer or the arena handed in.
+    pub words: &'a mut [u64],
     pub spans: &'a [Vec<Span>],
     pub scratch: &'a mut Vec<u64>,
 }
@@ -219,7 +137,7 @@ impl Arena {
         Ok(Arena {
             planned,
             spans,
-            store: Store::Own(Vec::new()),
+            own: Vec::new(),
             scratch: Vec::new(),
         })
     }
@@ -229,68 +147,26 @@ impl Arena {
         self.planned
     }
 
-    /// Bytes of the program's own buffer held now (0 while it runs in its
-    /// lane's buffer, before its first iteration and while evicted).
+    /// Bytes of the program's own buffer held now (0 before its first
+    /// iteration, while evicted and while it runs in memory handed in).
     pub fn bytes(&self) -> usize {
-        match &self.store {
-            Store::Own(v) => v.len() * WORD,
-            Store::Lane { .. } => 0,
-        }
+        self.own.len() * WORD
     }
 
-    /// The lane whose buffer the next iterations use (`None`: the own one).
-    pub fn lane(&self) -> Option<u64> {
-        match &self.store {
-            Store::Own(_) => None,
-            Store::Lane { key, .. } => Some(*key),
-        }
-    }
-
-    /// Runs the next iterations in the buffer of `lane` (a key unique in
-    /// the process; `None`: the program's own buffer). The caller runs the
-    /// iterations of one lane one at a time (they would wait for each
-    /// other's lock otherwise). Binding gives the own buffer up.
-    pub fn bind_lane(&mut self, lane: Option<u64>) {
-        match (lane, &self.store) {
-            (Some(k), Store::Lane { key, .. }) if *key == k => {}
-            (None, Store::Own(_)) => {}
-            (Some(k), _) => {
-                self.store = Store::Lane {
-                    key: k,
-                    buffer: lane_buffer(k),
-                }
-            }
-            (None, Store::Lane { .. }) => self.store = Store::Own(Vec::new()),
-        }
-    }
-
-    /// The arena for one iteration: the buffer grown to T when it is
-    /// smaller (the first iteration, after an eviction, or a lane that got
-    /// a program with a larger T), otherwise as it is.
+    /// The arena for one iteration in the program's own buffer, grown to
+    /// T when it is smaller (the first iteration, after an eviction),
+    /// otherwise as it is.
     pub fn hold(&mut self) -> Result<Held<'_>, ExecError> {
-        let need = self.planned / WORD;
-        let words = match &mut self.store {
-            Store::Own(v) => {
-                grow(v, need)?;
-                Words::Own(v)
-            }
-            Store::Lane { buffer, .. } => {
-                // A panic during an iteration leaves only that iteration's
-                // values behind: outputs are zeroed before they are written.
-                let mut g = buffer.lock().unwrap_or_else(PoisonError::into_inner);
-                grow(&mut g, need)?;
-                Words::Lane(g)
-            }
-        };
+        grow(&mut self.own, self.planned / WORD)?;
         Ok(Held {
-            words,
+            words: &mut self.own,
             spans: &self.spans,
             scratch: &mut self.scratch,
         })
     }
 
     /// The arena for one iteration in `words`, handed in by the caller
-    /// (at least T bytes; the program's own or lane buffer is not used).
+    /// (at least T bytes; the program's own buffer is given up).
     pub fn hold_given<'a>(&'a mut self, words: &'a mut [u64]) -> Result<Held<'a>, ExecError> {
         let need = self.planned / WORD;
         if words.len() < need {
@@ -300,27 +176,25 @@ impl Arena {
                 self.planned
             )));
         }
+        // Running in memory handed in: the own buffer is not needed.
+        self.own = Vec::new();
         Ok(Held {
-            words: Words::Given(words),
+            words,
             spans: &self.spans,
             scratch: &mut self.scratch,
         })
     }
 
-    /// Gives the buffer up (the program is evicted): the own buffer is
-    /// freed, the lane's stays with the lane's other programs; the next
-    /// iteration (after the service binds the lane again) takes it back.
+    /// Gives the own buffer up (the program is evicted); the next
+    /// iteration takes it again.
     pub fn release(&mut self) {
-        self.store = Store::Own(Vec::new());
+        self.own = Vec::new();
         self.scratch = Vec::new();
     }
 
     #[cfg(test)]
-    pub fn buffer(&self) -> Option<&Vec<u64>> {
-        match &self.store {
-            Store::Own(v) => Some(v),
-            Store::Lane { .. } => None,
-        }
+    pub fn buffer(&self) -> &Vec<u64> {
+        &self.own
     }
 
     #[cfg(test)]

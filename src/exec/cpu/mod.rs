@@ -12,18 +12,16 @@
 //!
 //! Memory: every op output of an iteration lives at the offset the compile
 //! stage's memory plan gives it in one buffer of T bytes (the T the
-//! service reports; see `arena.rs`): the program's own, or under the
-//! service its lane's, shared by the lane's programs
-//! ([`CpuProgram::bind_lane`]). Allocated at the first iteration, not per
-//! iteration.
+//! service reports; see `arena.rs`), every variable and constant at its
+//! place in one buffer of P bytes (`vars.rs`): the program's own, or under
+//! a service with a reservation the memory its lane's turn hands in
+//! ([`CpuMemory`]). Nothing is allocated per iteration for either.
 
 mod arena;
 mod backward;
 mod forward;
 mod program;
 mod vars;
-
-pub use arena::lane_buffer_bytes;
 
 use std::collections::BTreeMap;
 
@@ -229,8 +227,8 @@ impl CpuProgram {
     }
 
     /// Bytes of the program's own ephemeral buffer held now: T once it
-    /// ran alone; 0 before, while evicted and while it runs in its lane's
-    /// buffer or in memory handed in.
+    /// ran alone; 0 before, while evicted and while it runs in memory
+    /// handed in.
     pub fn arena_bytes(&self) -> u64 {
         self.arena.bytes() as u64
     }
@@ -242,20 +240,6 @@ impl CpuProgram {
             Persist::Own(v) => (v.len() * 8) as u64,
             Persist::Given | Persist::Evicted => 0,
         }
-    }
-
-    /// Runs the next iterations in the ephemeral buffer of `lane` (a key
-    /// unique in the process, shared by the lane's programs, as large as
-    /// the largest T among them; `None`: the program's own buffer). The
-    /// caller runs one iteration of a lane at a time. Memory handed in
-    /// with a call ([`CpuMemory`]) takes precedence.
-    pub fn bind_lane(&mut self, lane: Option<u64>) {
-        self.arena.bind_lane(lane);
-    }
-
-    /// The lane whose buffer the next iterations use.
-    pub fn lane(&self) -> Option<u64> {
-        self.arena.lane()
     }
 
     /// Host copy bandwidth in bytes/s, measured when the host copy was taken.
@@ -514,7 +498,6 @@ impl CpuProgram {
                 out.and_then(|o| drained.map(|()| o))
             })
         };
-        drop(held);
         *persist = if to_own {
             Persist::Own(own)
         } else {

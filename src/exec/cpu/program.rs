@@ -161,7 +161,7 @@ pub(super) fn run_iteration<'p>(
                 }
                 let outputs = all_spans.get(i).map_or(&[][..], Vec::as_slice);
                 let (in_words, out_words) =
-                    arena::carve(&mut held.words, &spans, outputs).map_err(|r| bad(node, &r))?;
+                    arena::carve(held.words, &spans, outputs).map_err(|r| bad(node, &r))?;
                 let mut out_views: Vec<TensorMut<'_>> = node
                     .outputs
                     .iter()
@@ -191,7 +191,7 @@ pub(super) fn run_iteration<'p>(
                         .zip(node.outputs.get(o.slot as usize))
                         .ok_or_else(|| bad(node, "fetched output has no place"))?;
                     results[k] =
-                        Some(arena::copy_out(ty, &held.words, *span).map_err(|r| bad(node, &r))?);
+                        Some(arena::copy_out(ty, held.words, *span).map_err(|r| bad(node, &r))?);
                 }
             }
         }

@@ -1,6 +1,6 @@
 //! The CPU executor's arena: T bytes of the memory plan, allocated once,
-//! kept across iterations, never grown by fetches, and shared by the
-//! programs of a lane.
+//! kept across iterations, never grown by fetches; programs in memory
+//! handed in (a reservation's regions) as programs alone.
 
 use std::collections::BTreeMap;
 
@@ -30,7 +30,7 @@ fn feeds(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor>
 
 /// The own buffer's address and capacity.
 fn buffer(p: &CpuProgram) -> (usize, usize, usize) {
-    let b = p.arena.buffer().expect("the program's own buffer");
+    let b = p.arena.buffer();
     (b.as_ptr() as usize, b.capacity(), b.len())
 }
 
@@ -236,53 +236,6 @@ fn in_place_updates_match_copies() {
     let same: Vec<&String> = va.keys().filter(|k| va[*k] == before[*k]).collect();
     assert!(same.is_empty(), "unchanged: {same:?}");
     assert!(va.keys().any(|k| k.contains("running_mean")));
-}
-
-/// Two programs of one lane run in one buffer as large as the larger T
-/// (neither holds its own), interleaved, with the results each gets alone;
-/// the buffer goes when the last program leaves the lane.
-#[test]
-fn programs_of_a_lane_share_one_buffer() {
-    let lane = u64::MAX - 41;
-    let (v, vars, loss, inputs) = training();
-    let m = lenet().inference(2, 5).unwrap();
-    let vi = validate(m.graph, &GraphLimits::default()).unwrap();
-    let mut alone = (
-        CpuProgram::new(v.clone(), vars.clone()).unwrap(),
-        CpuProgram::new(vi.clone(), m.vars.clone()).unwrap(),
-    );
-    let mut shared = (
-        CpuProgram::new(v, vars).unwrap(),
-        CpuProgram::new(vi, m.vars).unwrap(),
-    );
-    let (ta, tb) = (shared.0.ephemeral_bytes(), shared.1.ephemeral_bytes());
-    assert_ne!(ta, tb);
-    shared.0.bind_lane(Some(lane));
-    shared.1.bind_lane(Some(lane));
-    assert_eq!(shared.1.lane(), Some(lane));
-    let fetch_a = std::slice::from_ref(&loss);
-    let fetch_b = std::slice::from_ref(&m.output);
-    for k in 0..3 {
-        let fa = feeds(&inputs, 30 + k);
-        let fb = feeds(&m.inputs, 40 + k);
-        // The smaller T first: the buffer grows when the larger one runs.
-        let want_b = alone.1.run(&fb, fetch_b).unwrap();
-        assert_eq!(shared.1.run(&fb, fetch_b).unwrap(), want_b, "step {k}");
-        let want_a = alone.0.run(&fa, fetch_a).unwrap();
-        assert_eq!(shared.0.run(&fa, fetch_a).unwrap(), want_a, "step {k}");
-        assert_eq!(super::arena::lane_bytes(lane), Some(ta.max(tb) as usize));
-        assert_eq!((shared.0.arena_bytes(), shared.1.arena_bytes()), (0, 0));
-    }
-    assert_eq!(
-        shared.0.read_variables(&[]).unwrap(),
-        alone.0.read_variables(&[]).unwrap()
-    );
-    // Evicted, a program gives the lane up until it is bound again.
-    shared.0.evict().unwrap();
-    assert_eq!(shared.0.lane(), None);
-    assert!(super::arena::lane_bytes(lane).is_some());
-    drop(shared);
-    assert_eq!(super::arena::lane_bytes(lane), None);
 }
 
 /// Programs in memory handed in (a reservation's regions, as a service
