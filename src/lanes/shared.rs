@@ -821,8 +821,11 @@ mod tests {
         };
         let mut next_job = 103u64;
         assert_eq!(lanes.snapshot().lanes.len(), 3);
-        for step in 0..3000u64 {
+        'churn: for step in 0..3000u64 {
             while progress.iter().map(|p| p.load(Ordering::Relaxed)).min() < Some(step / 4) {
+                if handles.iter().any(|h| h.is_finished()) {
+                    break 'churn; // a worker failed: its join reports it
+                }
                 thread::yield_now();
             }
             let leave = churn.len() >= 6 || (!churn.is_empty() && next() % 2 == 0);
