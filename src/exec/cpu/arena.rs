@@ -11,9 +11,10 @@
 //!   take turns, so they share one arena as large as the largest T among
 //!   them, and a lane holds `sum P + max T` bytes — as the lane manager
 //!   counts and as the CUDA executor maps.
-//! - **Feeds** stay where the caller holds them (a Run hands them in); their
-//!   slots in the buffer are left unused. Variables and constants are
-//!   persistent, not in the buffer.
+//! - **Feeds** are copied into their slots (the plan keeps a feed's slot
+//!   from the start of the iteration to its last reader), so an
+//!   iteration's inputs are in the arena too, as on the GPU. Variables and
+//!   constants are persistent, not in the buffer (`vars.rs`).
 //! - **Outputs** are zeroed before their kernel runs, as fresh buffers
 //!   would be (some kernels accumulate into their outputs: reductions,
 //!   convolution and normalisation gradients).
@@ -33,7 +34,7 @@
 //!   inputs are copied into a second buffer of the arena, grown to the
 //!   largest update during the first iteration.
 
-use lanes_adaptor::{DType, Tensor, TensorData, TensorType, ValidGraph};
+use lanes_adaptor::{DType, Op, Tensor, TensorData, TensorType, ValidGraph};
 
 use crate::compile::{self, PlanOptions};
 use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
@@ -204,11 +205,11 @@ impl Arena {
 }
 
 impl Held<'_> {
-    /// Where output `o` of an op lives; `None` for sources (feeds,
-    /// variables, constants), which are not in the buffer.
+    /// Where output `o` of an op or a feed lives; `None` for variables and
+    /// constants, which are not in the buffer.
     pub fn span(&self, graph: &ValidGraph, o: lanes_adaptor::Outlet) -> Option<Span> {
         let node = graph.graph().nodes.get(o.node.index())?;
-        if node.op.is_source() {
+        if matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
             return None;
         }
         self.spans
@@ -352,6 +353,25 @@ pub(super) fn view_mut<'a>(
         ),
     };
     Ok(TensorMut { ty, data })
+}
+
+/// Writes tensor `t` at `span` of `words` (a feed, a variable).
+pub(super) fn write(words: &mut [u64], span: Span, t: &Tensor) -> Result<(), String> {
+    let dst = words
+        .get_mut(span.start..span.start + span.len)
+        .ok_or("a tensor's range lies past the buffer")?;
+    let short = "a tensor does not fit its range";
+    match t.data() {
+        TensorData::F32(v) => bytemuck::cast_slice_mut::<u64, f32>(dst)
+            .get_mut(..v.len())
+            .ok_or(short)?
+            .copy_from_slice(v),
+        TensorData::I64(v) => bytemuck::cast_slice_mut::<u64, i64>(dst)
+            .get_mut(..v.len())
+            .ok_or(short)?
+            .copy_from_slice(v),
+    }
+    Ok(())
 }
 
 /// A copy of the tensor of type `ty` at `span` (a fetched result).

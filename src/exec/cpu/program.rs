@@ -131,11 +131,19 @@ pub(super) fn run_iteration<'p>(
         let node = &g.nodes[i];
         match &node.op {
             Op::Placeholder(_) => {
-                if !feeds.contains_key(&node.name) {
-                    return Err(ExecError::MissingFeed {
+                // Into its slot: its readers find it in the arena.
+                let feed = feeds
+                    .get(&node.name)
+                    .ok_or_else(|| ExecError::MissingFeed {
                         name: node.name.clone(),
-                    });
-                }
+                    })?;
+                let span = all_spans
+                    .get(i)
+                    .and_then(|s| s.first())
+                    .copied()
+                    .ok_or_else(|| bad(node, "the feed has no place in the arena"))?;
+                arena::write(held.words, span, feed).map_err(|r| bad(node, &r))?;
+                done[i] = true;
             }
             // Read where they are when used.
             Op::Constant(_) | Op::Variable(_) => {}

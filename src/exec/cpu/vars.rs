@@ -11,7 +11,7 @@
 //! (one per group of a switch: the copier thread hands each back once it
 //! is filled); [`Vars`] finds a tensor in whichever piece holds it.
 
-use lanes_adaptor::{NodeId, Op, Tensor, TensorData, TensorType, ValidGraph, VarValues};
+use lanes_adaptor::{NodeId, Op, Tensor, TensorType, ValidGraph, VarValues};
 
 use super::arena::{self, Span};
 use crate::compile::DEFAULT_ALIGNMENT;
@@ -120,20 +120,7 @@ impl Places {
 
 /// Writes tensor `t` at `span` of `words`.
 pub(super) fn write(words: &mut [u64], span: Span, t: &Tensor) -> Result<(), ExecError> {
-    let dst = words
-        .get_mut(span.start..span.start + span.len)
-        .ok_or_else(|| err("a tensor lies past the persistent memory".into()))?;
-    match t.data() {
-        TensorData::F32(v) => bytemuck::cast_slice_mut::<u64, f32>(dst)
-            .get_mut(..v.len())
-            .ok_or_else(|| err("a tensor does not fit its place".into()))?
-            .copy_from_slice(v),
-        TensorData::I64(v) => bytemuck::cast_slice_mut::<u64, i64>(dst)
-            .get_mut(..v.len())
-            .ok_or_else(|| err("a tensor does not fit its place".into()))?
-            .copy_from_slice(v),
-    }
-    Ok(())
+    arena::write(words, span, t).map_err(err)
 }
 
 /// A copy of the tensor of type `ty` at `span` of `words`.
