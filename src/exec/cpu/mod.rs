@@ -100,6 +100,21 @@ struct Residency {
     plans: PlanCache,
 }
 
+impl Residency {
+    /// The measured costs (zeros where nothing was measured yet).
+    fn costs(&self) -> Costs {
+        let n = self.layout.units.len();
+        let profile = self.profile.clone().unwrap_or_else(|| Profile::zeros(n));
+        Costs {
+            copy: self.copy.clone().unwrap_or_else(|| vec![0.0; n]),
+            compute: profile.compute,
+            prefix: profile.prefix,
+            copy_overhead: GROUP_OVERHEAD,
+            compute_overhead: GROUP_OVERHEAD,
+        }
+    }
+}
+
 /// Per-group cost of the copier (a channel send and wake-up), seconds.
 const GROUP_OVERHEAD: f64 = 10e-6;
 
@@ -308,16 +323,7 @@ impl CpuProgram {
 
     /// The measured costs (zeros where nothing was measured yet).
     fn costs(&self) -> Costs {
-        let res = &self.res;
-        let n = res.layout.units.len();
-        let profile = res.profile.clone().unwrap_or_else(|| Profile::zeros(n));
-        Costs {
-            copy: res.copy.clone().unwrap_or_else(|| vec![0.0; n]),
-            compute: profile.compute,
-            prefix: profile.prefix,
-            copy_overhead: GROUP_OVERHEAD,
-            compute_overhead: GROUP_OVERHEAD,
-        }
+        self.res.costs()
     }
 
     /// Runs one iteration; when the program is not resident, its variables
@@ -404,20 +410,7 @@ impl CpuProgram {
             return out.map(|o| (o, None));
         }
         // Evicted: back into the memory handed in, or a new own buffer.
-        let plan = res.plans.get(strategy, || {
-            let n_units = res.layout.units.len();
-            let profile = res
-                .profile
-                .clone()
-                .unwrap_or_else(|| Profile::zeros(n_units));
-            Costs {
-                copy: res.copy.clone().unwrap_or_else(|| vec![0.0; n_units]),
-                compute: profile.compute,
-                prefix: profile.prefix,
-                copy_overhead: GROUP_OVERHEAD,
-                compute_overhead: GROUP_OVERHEAD,
-            }
-        });
+        let plan = res.plans.get(strategy, || res.costs());
         let host = res
             .host
             .as_deref()

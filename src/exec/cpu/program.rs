@@ -270,6 +270,11 @@ impl Io<'_, '_> {
         })
     }
 
+    /// Where the variables the node updates are, in its order.
+    fn writes(&self) -> Result<Vec<Span>, ExecError> {
+        self.mutated.iter().map(|id| self.place(*id)).collect()
+    }
+
     /// The spans of the node's persistent inputs other than `skip`
     /// (shared reads) and, per input, the index of its read.
     fn reads(&self, skip: &[NodeId]) -> Result<(Vec<Span>, Vec<Option<usize>>), ExecError> {
@@ -354,11 +359,7 @@ fn update_in_place(
     out_views: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
     let node = io.node;
-    let writes: Vec<Span> = io
-        .mutated
-        .iter()
-        .map(|id| io.place(*id))
-        .collect::<Result<_, _>>()?;
+    let writes = io.writes()?;
     let total: usize = writes.iter().map(|s| s.len).sum();
     if scratch.len() < total {
         scratch.resize(total, 0);
@@ -411,11 +412,7 @@ fn update_copied(
     out_views: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
     let node = io.node;
-    let writes: Vec<Span> = io
-        .mutated
-        .iter()
-        .map(|id| io.place(*id))
-        .collect::<Result<_, _>>()?;
+    let writes = io.writes()?;
     let mut updated: Vec<Vec<u64>> = Vec::with_capacity(writes.len());
     for s in &writes {
         updated.push(vars.get(*s)?.to_vec());
