@@ -274,6 +274,17 @@ impl SharedLanes {
     /// different lanes run at the same time. `None` when the job is not
     /// admitted.
     pub fn turn(&self, job: JobId) -> Option<LaneTurn> {
+        self.take_turn(job, true)
+    }
+
+    /// [`SharedLanes::turn`] without waiting: `None` also when the turn
+    /// cannot start now (the lane runs an iteration, or a layout change
+    /// waits for older turns).
+    pub fn try_turn(&self, job: JobId) -> Option<LaneTurn> {
+        self.take_turn(job, false)
+    }
+
+    fn take_turn(&self, job: JobId, wait: bool) -> Option<LaneTurn> {
         let mut st = self.lock();
         loop {
             let placement = st.manager.placement(job)?;
@@ -288,6 +299,9 @@ impl SharedLanes {
                 let epoch = st.epoch;
                 st.turns.insert(placement.lane, ActiveTurn { epoch, span });
                 return Some(LaneTurn::new(self.clone(), placement, epoch));
+            }
+            if !wait {
+                return None;
             }
             st = self.wait_turn_over(st);
         }
@@ -409,6 +423,11 @@ impl Lease {
     /// The job's turn on its lane (see [`SharedLanes::turn`]).
     pub fn turn(&self) -> Option<LaneTurn> {
         self.lanes.turn(self.job)
+    }
+
+    /// The job's turn if it can start now (see [`SharedLanes::try_turn`]).
+    pub fn try_turn(&self) -> Option<LaneTurn> {
+        self.lanes.try_turn(self.job)
     }
 
     /// Blocks until admitted or `timeout` passes.

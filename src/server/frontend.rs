@@ -532,11 +532,15 @@ impl Frontend {
                 continue;
             }
             let t0 = Instant::now();
-            match s.evict() {
-                Ok(_) => {
+            // Never waits for a lane's iteration (CPU jobs are read out of
+            // the reservation in their lane's turn): a busy one is tried
+            // again at the next pass.
+            match s.try_evict() {
+                Ok(Some(_)) => {
                     evicted += 1;
                     tracing::debug!(session = %id, ms = t0.elapsed().as_secs_f64() * 1e3, "evicted under pressure");
                 }
+                Ok(None) => {}
                 Err(err) => tracing::warn!(session = %id, error = %err, "eviction failed"),
             }
         }

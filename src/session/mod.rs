@@ -232,18 +232,37 @@ impl Session {
     /// pipelined. Returns the bytes copied out (0 for an inference job whose
     /// host copy is current).
     pub fn evict(&mut self) -> Result<u64, SessionError> {
+        Ok(self.evict_with(true)?.unwrap_or(0))
+    }
+
+    /// [`Session::evict`] without waiting: `None` (nothing done) when the
+    /// job's variables are in the lanes' reservation and its lane's turn
+    /// cannot start now (a lane-mate runs an iteration), so the socket
+    /// thread never waits for an iteration; it tries again later.
+    pub fn try_evict(&mut self) -> Result<Option<u64>, SessionError> {
+        self.evict_with(false)
+    }
+
+    fn evict_with(&mut self, wait: bool) -> Result<Option<u64>, SessionError> {
         let session = self.id;
         let loaded = self
             .loaded
             .as_mut()
             .ok_or(SessionError::NoGraph { session })?;
         if !loaded.program.is_resident() {
-            return Ok(0);
+            return Ok(Some(0));
         }
         let copied = if loaded.program.needs_memory() {
             // The variables are in the lanes' reservation: read them out in
             // the job's turn.
-            let mut turn = self.lease.as_ref().and_then(Lease::turn);
+            let mut turn = match (&self.lease, wait) {
+                (Some(l), true) => l.turn(),
+                (Some(l), false) => match l.try_turn() {
+                    Some(t) => Some(t),
+                    None => return Ok(None),
+                },
+                (None, _) => None,
+            };
             let mem = turn.as_mut().and_then(LaneTurn::memory);
             let loaded = self
                 .loaded
@@ -258,7 +277,7 @@ impl Session {
         self.lease = None; // releases the lane memory
         self.switches.0 += 1;
         tracing::info!(session = %session, copied, "evicted to host memory");
-        Ok(copied)
+        Ok(Some(copied))
     }
 
     /// For an evicted job about to run: asks the lanes for its memory again
@@ -711,5 +730,28 @@ mod tests {
         );
         assert!(lanes.placement(job).is_some());
         assert_eq!(s.switches(), (1, 1));
+    }
+
+    /// Evicting without waiting leaves a CPU job in place while its lane
+    /// runs an iteration, and evicts it once the lane is free.
+    #[test]
+    fn try_evict_never_waits_for_the_lane() {
+        use crate::lanes::LanesConfig;
+        let lanes = SharedLanes::new(LanesConfig::new(1 << 20)).unwrap();
+        let mut s = session().with_lanes(Some(lanes.clone()));
+        let (g, vars) = graph();
+        s.load(g, vars, &GraphLimits::default()).unwrap();
+        let x = vec![NamedTensor::new("x", Tensor::full([2, 3], 1.0))];
+        s.run(x, &["y".to_string()]).unwrap();
+        let busy = lanes.turn(JobId(1)).unwrap();
+        assert_eq!(s.try_evict().unwrap(), None);
+        assert!(s.is_resident() && lanes.placement(JobId(1)).is_some());
+        drop(busy);
+        // The whole persistent buffer: P of the plan (w's 48 bytes, aligned).
+        let (p, _) = s.memory().unwrap();
+        assert_eq!(p, 256);
+        assert_eq!(s.try_evict().unwrap(), Some(p));
+        assert!(!s.is_resident() && lanes.placement(JobId(1)).is_none());
+        assert_eq!(s.try_evict().unwrap(), Some(0));
     }
 }
