@@ -683,16 +683,21 @@ mod tests {
         assert_eq!(e.code(), ErrorCode::Exec);
     }
 
+    /// A CPU session over lanes that own 1 MiB, its graph loaded.
+    fn loaded_in_a_reservation() -> (SharedLanes, Session) {
+        let lanes = SharedLanes::new(crate::lanes::LanesConfig::new(1 << 20)).unwrap();
+        let mut s = session().with_lanes(Some(lanes.clone()));
+        let (g, vars) = graph();
+        s.load(g, vars, &GraphLimits::default()).unwrap();
+        (lanes, s)
+    }
+
     /// On the CPU with lanes that own memory, the job's variables live in
     /// the reservation (the program keeps none of its own) and every path —
     /// run, read, write, evict, return — works there.
     #[test]
     fn cpu_jobs_live_in_the_reservation() {
-        use crate::lanes::LanesConfig;
-        let lanes = SharedLanes::new(LanesConfig::new(1 << 20)).unwrap();
-        let mut s = session().with_lanes(Some(lanes.clone()));
-        let (g, vars) = graph();
-        s.load(g, vars, &GraphLimits::default()).unwrap();
+        let (lanes, mut s) = loaded_in_a_reservation();
         let x = || vec![NamedTensor::new("x", Tensor::full([2, 3], 1.0))];
         let y = s.run(x(), &["y".to_string()]).unwrap();
         assert_eq!(y[0].f32s().unwrap(), &[1.5; 8]);
@@ -736,11 +741,7 @@ mod tests {
     /// runs an iteration, and evicts it once the lane is free.
     #[test]
     fn try_evict_never_waits_for_the_lane() {
-        use crate::lanes::LanesConfig;
-        let lanes = SharedLanes::new(LanesConfig::new(1 << 20)).unwrap();
-        let mut s = session().with_lanes(Some(lanes.clone()));
-        let (g, vars) = graph();
-        s.load(g, vars, &GraphLimits::default()).unwrap();
+        let (lanes, mut s) = loaded_in_a_reservation();
         let x = vec![NamedTensor::new("x", Tensor::full([2, 3], 1.0))];
         s.run(x, &["y".to_string()]).unwrap();
         let busy = lanes.turn(JobId(1)).unwrap();
