@@ -5,14 +5,12 @@
 
 use std::collections::BTreeMap;
 
-use lanes_adaptor::{
-    Node, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
-};
+use lanes_adaptor::{Node, NodeId, Op, Outlet, Tensor, TensorType, ValidGraph, VarValues};
 
 use super::arena::{self, Held, Span};
 use super::run_op;
 use super::vars::{self, Places, Vars};
-use crate::exec::{DataRef, ExecError, TensorMut, TensorRef};
+use crate::exec::{ExecError, TensorMut, TensorRef};
 
 /// Checks that `vars` holds a value of the declared type for every variable.
 pub(super) fn check_vars(graph: &ValidGraph, vars: &VarValues) -> Result<(), ExecError> {
@@ -29,15 +27,6 @@ pub(super) fn check_vars(graph: &ValidGraph, vars: &VarValues) -> Result<(), Exe
         }
     }
     Ok(())
-}
-
-/// Read-only kernel view of a tensor whose type is `ty` (checked equal to its own).
-pub(super) fn view<'a>(ty: &'a TensorType, t: &'a Tensor) -> TensorRef<'a> {
-    let data = match t.data() {
-        TensorData::F32(v) => DataRef::F32(v),
-        TensorData::I64(v) => DataRef::I64(v),
-    };
-    TensorRef { ty, data }
 }
 
 /// Called before the node at each position of the execution order (and once
@@ -182,7 +171,6 @@ pub(super) fn run_iteration<'p>(
                     node,
                     places,
                     mutated: &mutated,
-                    feeds,
                     in_words,
                 };
                 if !mutated.is_empty() && in_place_ok(&mutated) {
@@ -237,13 +225,12 @@ fn whole(w: &[u64]) -> Span {
 
 /// What an op reads: the graph, the node, where the persistent tensors
 /// are, the variables it updates (in the order of `Op::mutated_inputs`),
-/// the feeds, and its inputs' ranges of the arena.
+/// and its inputs' ranges of the arena.
 struct Io<'g, 'w> {
     graph: &'g ValidGraph,
     node: &'g Node,
     places: &'g Places,
     mutated: &'g [NodeId],
-    feeds: &'g BTreeMap<String, Tensor>,
     in_words: Vec<Option<&'w [u64]>>,
 }
 
@@ -294,8 +281,9 @@ impl Io<'_, '_> {
         Ok((reads, of_input))
     }
 
-    /// Kernel view of input `k`: in the arena, a persistent read (`read`),
-    /// the old value of an updated variable (`old`), or a feed.
+    /// Kernel view of input `k`: in the arena (feeds and op outputs), a
+    /// persistent read (`read`), or the old value of an updated variable
+    /// (`old`).
     fn input<'a>(
         &'a self,
         k: usize,
@@ -308,21 +296,17 @@ impl Io<'_, '_> {
         let ty = g
             .outlet_type(o)
             .ok_or_else(|| bad(src, "dangling outlet"))?;
-        if let Some(w) = self.in_words.get(k).copied().flatten().or(old).or(read) {
-            return arena::view(ty, w).map_err(|r| bad(src, &r));
-        }
-        match &src.op {
-            Op::Placeholder(_) => {
-                let t = self
-                    .feeds
-                    .get(&src.name)
-                    .ok_or_else(|| ExecError::MissingFeed {
-                        name: src.name.clone(),
-                    })?;
-                Ok(view(ty, t))
-            }
-            _ => Err(bad(src, "value used before it was computed")),
-        }
+        // Feeds and op outputs are in the arena, variables and constants
+        // in the persistent memory.
+        let w = self
+            .in_words
+            .get(k)
+            .copied()
+            .flatten()
+            .or(old)
+            .or(read)
+            .ok_or_else(|| bad(src, "value used before it was computed"))?;
+        arena::view(ty, w).map_err(|r| bad(src, &r))
     }
 }
 

@@ -28,6 +28,15 @@ fn feeds(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor>
     lanes_adaptor::zoo::seeded_feeds(inputs, seed, 10).unwrap()
 }
 
+/// Read-only kernel view of tensor `t` of type `ty`.
+fn view<'a>(ty: &'a TensorType, t: &'a Tensor) -> crate::exec::TensorRef<'a> {
+    let data = match t.data() {
+        lanes_adaptor::TensorData::F32(v) => crate::exec::DataRef::F32(v),
+        lanes_adaptor::TensorData::I64(v) => crate::exec::DataRef::I64(v),
+    };
+    crate::exec::TensorRef { ty, data }
+}
+
 /// The own buffer's address and capacity.
 fn buffer(p: &CpuProgram) -> (usize, usize, usize) {
     let b = p.arena.buffer();
@@ -173,7 +182,7 @@ fn fetched_intermediates_are_right() {
         .inputs
         .iter()
         .zip(&held)
-        .map(|(o, t)| program::view(g.outlet_type(*o).unwrap(), t))
+        .map(|(o, t)| view(g.outlet_type(*o).unwrap(), t))
         .collect();
     let ty = &node.outputs[out.slot as usize];
     let mut outs: Vec<Tensor> = node.outputs.iter().map(Tensor::zeros).collect();
