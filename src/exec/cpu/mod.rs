@@ -127,10 +127,9 @@ fn no_memory() -> ExecError {
     }
 }
 
-/// The first `n` words of `region`, the memory handed in for P.
-fn given(region: &mut [u64], n: usize) -> Result<&mut [u64], ExecError> {
-    let len = region.len();
-    region.get_mut(..n).ok_or_else(|| ExecError::Op {
+/// A persistent region handed in that is shorter than P (`n` words).
+fn too_short(len: usize, n: usize) -> ExecError {
+    ExecError::Op {
         node: String::new(),
         op: "persistent memory",
         reason: format!(
@@ -138,7 +137,29 @@ fn given(region: &mut [u64], n: usize) -> Result<&mut [u64], ExecError> {
             len * 8,
             n * 8
         ),
-    })
+    }
+}
+
+/// The first `n` words of `region`, the memory handed in for P.
+fn given(region: &mut [u64], n: usize) -> Result<&mut [u64], ExecError> {
+    let len = region.len();
+    region.get_mut(..n).ok_or_else(|| too_short(len, n))
+}
+
+/// The persistent buffer of `n` words: the program's own, the memory
+/// handed in (`region`), or the host copy while evicted.
+fn persistent_words<'a>(
+    persist: &'a Persist,
+    host: Option<&'a [u64]>,
+    region: Option<&'a [u64]>,
+    n: usize,
+) -> Result<&'a [u64], ExecError> {
+    match (persist, region) {
+        (Persist::Own(v), _) => Ok(v),
+        (Persist::Given, Some(p)) => p.get(..n).ok_or_else(|| too_short(p.len(), n)),
+        (Persist::Given, None) => Err(no_memory()),
+        (Persist::Evicted, _) => host.ok_or_else(no_memory),
+    }
 }
 
 /// The hook that hands the iteration each group's piece of the persistent
@@ -278,13 +299,11 @@ impl CpuProgram {
     /// [`CpuProgram::evict`] of a program whose variables live in
     /// `persistent` (handed in: see [`CpuMemory`]).
     pub fn evict_in(&mut self, persistent: Option<&[u64]>) -> Result<u64, ExecError> {
+        if !self.is_resident() {
+            return Ok(0);
+        }
         let n = self.places.words();
-        let words: &[u64] = match (&self.persist, persistent) {
-            (Persist::Evicted, _) => return Ok(0),
-            (Persist::Own(v), _) => v,
-            (Persist::Given, Some(p)) => p.get(..n).ok_or_else(no_memory)?,
-            (Persist::Given, None) => return Err(no_memory()),
-        };
+        let words = persistent_words(&self.persist, None, persistent, n)?;
         let res = &mut self.res;
         let mut copied = 0;
         if res.dirty || res.host.is_none() {
@@ -349,18 +368,15 @@ impl CpuProgram {
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
         let n = self.places.words();
-        let (region, arena_words) = match mem {
+        let (mut region, arena_words) = match mem {
             Some(m) => (Some(given(m.persistent, n)?), Some(m.arena)),
             None => (None, None),
         };
         // Own variables move into the memory handed in.
-        if let (Persist::Own(own), Some(dst)) = (&self.persist, region.as_deref()) {
-            if own.len() != dst.len() {
-                return Err(no_memory());
-            }
-        }
-        let mut region = region;
         if let (Persist::Own(own), Some(dst)) = (&self.persist, region.as_deref_mut()) {
+            if own.len() != dst.len() {
+                return Err(too_short(dst.len(), own.len()));
+            }
             dst.copy_from_slice(own);
             self.persist = Persist::Given;
         }
@@ -540,13 +556,12 @@ impl CpuProgram {
 
     /// The persistent buffer wherever it is now.
     fn words<'a>(&'a self, persistent: Option<&'a [u64]>) -> Result<&'a [u64], ExecError> {
-        let n = self.places.words();
-        match (&self.persist, persistent) {
-            (Persist::Own(v), _) => Ok(v),
-            (Persist::Given, Some(p)) => p.get(..n).ok_or_else(no_memory),
-            (Persist::Given, None) => Err(no_memory()),
-            (Persist::Evicted, _) => self.res.host.as_deref().ok_or_else(no_memory),
-        }
+        persistent_words(
+            &self.persist,
+            self.res.host.as_deref(),
+            persistent,
+            self.places.words(),
+        )
     }
 
     /// Overwrites variables; each must exist and keep its type.
@@ -591,7 +606,7 @@ impl CpuProgram {
             }
             (Persist::Given, Some(p)) => {
                 self.res.dirty = true;
-                p.get_mut(..n).ok_or_else(no_memory)?
+                given(p, n)?
             }
             (Persist::Given, None) => return Err(no_memory()),
             (Persist::Evicted, _) => self.res.host.as_deref_mut().ok_or_else(no_memory)?,
