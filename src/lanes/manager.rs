@@ -308,12 +308,10 @@ impl LaneManager {
             || self.queue.iter().any(|w| w.job == job)
     }
 
-    /// Admits `job` with persistent bytes `p` and ephemeral bytes `t` now,
-    /// or queues it until it fits. Refuses a job that could never fit.
-    pub fn admit(&mut self, job: JobId, p: u64, t: u64) -> Result<Admission, AdmitError> {
-        if self.knows(job) {
-            return Err(AdmitError::Duplicate { job });
-        }
+    /// (P, T) of a job as the lanes hold them (rounded up to the
+    /// alignment; a job of no bytes takes one unit), or `TooLarge` when
+    /// they could never fit in the reservation.
+    pub fn sizes(&self, job: JobId, p: u64, t: u64) -> Result<(u64, u64), AdmitError> {
         let too_large = |needed| AdmitError::TooLarge {
             job,
             needed,
@@ -330,6 +328,16 @@ impl LaneManager {
         if need > self.cfg.capacity {
             return Err(too_large(need));
         }
+        Ok((p, t))
+    }
+
+    /// Admits `job` with persistent bytes `p` and ephemeral bytes `t` now,
+    /// or queues it until it fits. Refuses a job that could never fit.
+    pub fn admit(&mut self, job: JobId, p: u64, t: u64) -> Result<Admission, AdmitError> {
+        if self.knows(job) {
+            return Err(AdmitError::Duplicate { job });
+        }
+        let (p, t) = self.sizes(job, p, t)?;
         if let Some((placement, moves)) = self.try_place(job, p, t) {
             return Ok(Admission::Admitted { placement, moves });
         }

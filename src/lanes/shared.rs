@@ -231,9 +231,10 @@ impl SharedLanes {
         Ok(r)
     }
 
-    /// The size and division of the reservation.
-    pub fn config(&self) -> LanesConfig {
-        *self.lock().manager.config()
+    /// (P, T) as the lanes would hold them for `job`, or `TooLarge` when
+    /// they could never fit (see `LaneManager::sizes`).
+    pub fn sizes(&self, job: JobId, p: u64, t: u64) -> Result<(u64, u64), AdmitError> {
+        self.lock().manager.sizes(job, p, t)
     }
 
     /// Current placement of `job` in the books, if admitted (its bytes may

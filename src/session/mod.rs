@@ -339,16 +339,8 @@ impl Session {
         if need <= t {
             return Ok(());
         }
-        let cfg = lanes.config();
-        let up = |b: u64| b.checked_next_multiple_of(cfg.alignment.max(1));
-        let total = up(p).zip(up(need)).and_then(|(p, t)| p.checked_add(t));
-        if total.is_none_or(|n| n > cfg.capacity) {
-            return Err(SessionError::Memory(AdmitError::TooLarge {
-                job: JobId(session.0),
-                needed: total.unwrap_or(u64::MAX),
-                available: cfg.capacity,
-            }));
-        }
+        // Refused as admission would refuse it, before anything changes.
+        lanes.sizes(JobId(session.0), p, need)?;
         tracing::info!(
             %session,
             before = t,

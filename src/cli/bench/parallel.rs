@@ -145,7 +145,6 @@ fn run_case(
         Device::Cuda => Some(lanes::exec::cuda::lane_block_bytes()),
         Device::Cpu => None,
     };
-
     progress(
         &format!("{}: {} iterations per job", case.name, a.iters),
         since,
