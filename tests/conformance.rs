@@ -91,6 +91,7 @@ impl Case {
                 conv_tf32: false,
                 matmul_tf32: false,
                 cuda_graph: true,
+                urgency: 0,
             },
             prebuilt: None,
         }

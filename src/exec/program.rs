@@ -29,9 +29,27 @@ pub enum Program {
 impl Program {
     /// Builds the program for `backend` (see `CpuProgram::new`, `CudaProgram::new`).
     pub fn new(backend: Backend, graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
+        Self::with_urgency(backend, graph, vars, 0)
+    }
+
+    /// [`Program::new`] whose GPU work has `urgency` (see
+    /// `CudaOptions::urgency`; the CPU backend's lanes are threads and
+    /// ignore it).
+    pub fn with_urgency(
+        backend: Backend,
+        graph: ValidGraph,
+        vars: VarValues,
+        urgency: u8,
+    ) -> Result<Self, ExecError> {
         Ok(match backend {
             Backend::Cpu => Program::Cpu(CpuProgram::new(graph, vars)?),
-            Backend::Cuda => Program::Cuda(Box::new(CudaProgram::new(graph, vars)?)),
+            Backend::Cuda => {
+                let options = super::cuda::CudaOptions {
+                    urgency,
+                    ..Default::default()
+                };
+                Program::Cuda(Box::new(CudaProgram::with_options(graph, vars, options)?))
+            }
         })
     }
 

@@ -62,6 +62,12 @@ pub struct CudaOptions {
     /// (addresses never change, so the graph stays valid); falls back to
     /// launching op by op if capture fails.
     pub cuda_graph: bool,
+    /// How urgent the program's work is to the GPU: its streams get the
+    /// device's least priority raised by this many levels (clamped to the
+    /// greatest), so that when lanes run at once the block scheduler
+    /// starts an urgent lane's blocks before a less urgent lane's waiting
+    /// ones. 0 (the default) is CUDA's default priority.
+    pub urgency: u8,
 }
 
 impl Default for CudaOptions {
@@ -70,8 +76,25 @@ impl Default for CudaOptions {
             conv_tf32: true,
             matmul_tf32: false,
             cuda_graph: true,
+            urgency: 0,
         }
     }
+}
+
+/// A stream of `urgency` levels above the device's least priority.
+fn stream_of(
+    ctx: &Arc<cudarc::driver::CudaContext>,
+    urgency: u8,
+) -> Result<Arc<CudaStream>, ExecError> {
+    if urgency == 0 {
+        return ctx.new_stream().map_err(|e| dev_err("stream", e));
+    }
+    // (least, greatest); a greater priority is a smaller number.
+    let (least, greatest) = cudarc::driver::result::stream::get_priority_range()
+        .map_err(|e| dev_err("stream priority range", e))?;
+    let priority = least.saturating_sub(i32::from(urgency)).max(greatest);
+    ctx.new_stream_with_priority(priority)
+        .map_err(|e| dev_err("stream", e))
 }
 
 /// Where one tensor lives in the arena.
@@ -482,7 +505,7 @@ impl CudaProgram {
             .map_err(|e| dev_err("host to device copy", e))?;
         }
         let e2 = self.event(copy, true)?;
-        copy.synchronize().map_err(|e| dev_err("copy stream", e))?;
+        wait_idle(copy)?;
         let whole = f64::from(e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?) / 1e3;
         let units = f64::from(e1.elapsed_ms(&e2).map_err(|e| dev_err("event", e))?) / 1e3;
         let bw = if whole > 0.0 {
@@ -651,10 +674,12 @@ impl CudaProgram {
             wait_until(usize::MAX)?;
             launched
         };
-        let r: Result<Vec<Tensor>, ExecError> =
-            launched.and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
+        // Wait before copying to pageable memory (see `wait_idle`).
+        let r: Result<Vec<Tensor>, ExecError> = launched
+            .and_then(|()| self.sync())
+            .and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
         self.sync()?;
-        copy.synchronize().map_err(|e| dev_err("copy stream", e))?;
+        wait_idle(copy)?;
         self.res.resident = true;
         self.res.dirty = self.res.updates;
         if !replayed
@@ -700,6 +725,37 @@ impl std::fmt::Debug for CudaProgram {
 // cuDNN allows a handle to move between threads when calls do not overlap.
 unsafe impl Send for CudaProgram {}
 
+/// How long [`wait_idle`] polls without sleeping.
+const WAIT_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+/// Its pause between polls after that.
+const WAIT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Waits until the work queued on `stream` so far has finished, by polling
+/// an event rather than blocking inside the driver. A thread that waits in
+/// `cuStreamSynchronize` or in a copy to pageable memory holds a driver
+/// lock (shared) that calls such as `cuCtxGetLimit` take exclusively; the
+/// cuDNN and cuBLAS set-up of a job being loaded makes such calls, and a
+/// training lane waiting in the driver back to back starved that load for
+/// as long as the training ran (seen on the H100: 17 s and more). Polling
+/// holds the lock only for each short query.
+pub(super) fn wait_idle(stream: &CudaStream) -> Result<(), ExecError> {
+    let done = stream
+        .record_event(None)
+        .map_err(|e| dev_err("record event", e))?;
+    let t0 = std::time::Instant::now();
+    while !done
+        .try_is_complete()
+        .map_err(|e| dev_err("stream synchronize", e))?
+    {
+        if t0.elapsed() < WAIT_SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(WAIT_POLL);
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn dev_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
     ExecError::NoDevice {
         reason: format!("{what}: {e:?}"),
@@ -735,7 +791,7 @@ impl CudaProgram {
         }
         let gpu = gpu()?;
         gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        let stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
+        let stream = stream_of(&gpu.ctx, options.urgency)?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("cuBLAS", e))?;
         let math = if options.matmul_tf32 {
             cudarc::cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
@@ -748,7 +804,7 @@ impl CudaProgram {
             .result()
             .map_err(|e| dev_err("cuBLAS math mode", e))?;
         let cudnn = Cudnn::new(stream.clone()).map_err(|e| dev_err("cuDNN", e))?;
-        let copy_stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
+        let copy_stream = stream_of(&gpu.ctx, options.urgency)?;
 
         // Layout: the persistent tensors first, in first-use order (so a
         // group of units is one contiguous copy); then the ephemeral region
@@ -989,9 +1045,7 @@ impl CudaProgram {
     }
 
     pub(super) fn sync(&self) -> Result<(), ExecError> {
-        self.stream
-            .synchronize()
-            .map_err(|e| dev_err("stream synchronize", e))
+        wait_idle(&self.stream)
     }
 
     /// Runs one iteration: feeds by placeholder name, fetches by `"node"` or
@@ -1021,9 +1075,10 @@ impl CudaProgram {
         if self.res.updates {
             self.res.dirty = true;
         }
-        let r = outs.iter().map(|&o| self.download(o)).collect();
+        // Wait here, not inside the copies to pageable memory below (see
+        // `wait_idle`).
         self.sync()?;
-        r
+        outs.iter().map(|&o| self.download(o)).collect()
     }
 
     /// Runs one iteration op by op with a timing event after every node and
@@ -1246,6 +1301,7 @@ impl CudaProgram {
                 let e0 = self.event(&self.stream, true)?;
                 g.launch().map_err(|e| dev_err("graph launch", e))?;
                 let e1 = self.event(&self.stream, true)?;
+                self.sync()?;
                 let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?;
                 self.res.graph_secs = Some(f64::from(ms) / 1e3);
                 self.res.plans.invalidate();
