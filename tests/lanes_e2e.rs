@@ -523,6 +523,73 @@ mod service {
         srv.shutdown().unwrap();
     }
 
+    /// Jobs that wait for memory are admitted in the policy's order: under
+    /// `priority` an inference job that queued after a training job gets
+    /// the memory first when it frees up; under `fifo` the training job.
+    #[test]
+    fn waiting_jobs_are_admitted_in_the_policys_order() {
+        use lanes::server::PolicyChoice;
+        let hidden = 512;
+        let (p, t) = server::admission_sizes(&util::device(), &mlp(hidden, 0).0, false).unwrap();
+        for (policy, first) in [(PolicyChoice::Priority, 3u64), (PolicyChoice::Fifo, 2)] {
+            // Room for one job only.
+            let srv = server::start(ServerConfig {
+                endpoint: "tcp://127.0.0.1:*".into(),
+                workers: 2,
+                memory_bytes: Some(p + t + p / 2),
+                device: util::device(),
+                evict_idle: false,
+                policy,
+                ..ServerConfig::default()
+            })
+            .unwrap();
+            let mut c = client(srv.endpoint());
+            let load = |c: &mut Client, spec: SessionSpec| {
+                let sid = match c.request(&Request::OpenSession(spec)).unwrap() {
+                    Reply::SessionOpened { session } => session,
+                    other => panic!("unexpected reply {other:?}"),
+                };
+                let (graph, variables, _) = graph_and_vars(hidden, 0);
+                match c
+                    .request(&Request::LoadGraph {
+                        session: sid,
+                        graph,
+                        variables,
+                    })
+                    .unwrap()
+                {
+                    Reply::GraphLoaded { waiting, .. } => (sid, waiting.is_some()),
+                    other => panic!("unexpected reply {other:?}"),
+                }
+            };
+            let (holder, waits) = load(&mut c, SessionSpec::training("holder"));
+            assert!(!waits);
+            let (training, waits) = load(&mut c, SessionSpec::training("training"));
+            assert!(waits);
+            let (inference, waits) = load(&mut c, SessionSpec::inference("inference"));
+            assert!(waits);
+            assert_eq!((training.0, inference.0), (2, 3));
+            c.close_in(holder).unwrap();
+            // The lanes now hold exactly one of the two.
+            let t0 = Instant::now();
+            let lanes = loop {
+                let lanes = c.status().unwrap().lanes.unwrap();
+                if lanes.contains("1 job(s)") || t0.elapsed() > Duration::from_secs(10) {
+                    break lanes;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            let other = 5 - first;
+            assert!(
+                lanes.contains(&format!("job {first} "))
+                    && lanes.contains("queue: 1 waiting")
+                    && lanes.contains(&format!("      job {other}")),
+                "{policy}: expected job {first} admitted, job {other} waiting:\n{lanes}"
+            );
+            srv.shutdown().unwrap();
+        }
+    }
+
     /// Fetching intermediates the memory plan lets die early: right values;
     /// on the CPU the job keeps the T it was admitted with (copies taken as
     /// the ops run), on the GPU the re-planned T is admitted again first

@@ -199,3 +199,36 @@ proptest! {
         }
     }
 }
+
+/// Admission follows the policy: a long job holds the memory, a long and a
+/// short job wait for it (the long one submitted first); when memory frees
+/// up, fifo admits the earlier job, srtf the shorter one and priority the
+/// inference job.
+#[test]
+fn admission_order_follows_the_policy() {
+    let job = |id, submit, kind, iterations| TraceJob {
+        id,
+        submit: ms(submit),
+        kind,
+        iterations,
+        iteration: ms(10),
+        persistent_bytes: 60,
+        ephemeral_bytes: 40,
+        priority: 0,
+    };
+    let trace = vec![
+        job(1, 0, JobKind::Training, 10),
+        job(2, 1, JobKind::Training, 50),
+        job(3, 2, JobKind::Inference, 2),
+    ];
+    let admitted = |name: &str| -> Vec<JobId> {
+        let run = run(&trace, by_name(name).unwrap().as_mut(), 1, 100);
+        let mut o: Vec<_> = run.outcomes.iter().map(|o| (o.admitted, o.id)).collect();
+        o.sort();
+        o.into_iter().map(|(_, id)| id).collect()
+    };
+    assert_eq!(admitted("fifo"), vec![1, 2, 3]);
+    assert_eq!(admitted("fair"), vec![1, 2, 3]);
+    assert_eq!(admitted("srtf"), vec![1, 3, 2]);
+    assert_eq!(admitted("priority"), vec![1, 3, 2]);
+}

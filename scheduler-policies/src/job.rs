@@ -94,6 +94,23 @@ impl JobSpec {
         self.iteration_hint = Some(hint);
         self
     }
+
+    /// Its iterations, as a job that has run none: unknown totals count as
+    /// `u64::MAX / 2` (as [`JobView::remaining_iterations`]).
+    pub fn total_iterations(&self) -> u64 {
+        if self.expected_iterations == 0 {
+            u64::MAX / 2
+        } else {
+            self.expected_iterations
+        }
+    }
+
+    /// SRTF's estimate of its whole work in nanoseconds: iterations ×
+    /// hinted iteration time (zero without a hint), saturating.
+    pub fn work_nanos(&self) -> u128 {
+        u128::from(self.total_iterations())
+            * self.iteration_hint.unwrap_or(Duration::ZERO).as_nanos()
+    }
 }
 
 /// One job in the snapshot handed to [`crate::Policy::pick`].

@@ -10,7 +10,9 @@
 //!   (called only at iteration boundaries, so preemption never happens
 //!   mid-iteration);
 //! - [`Policy::place`]: into which lane a new job is admitted, among the lanes
-//!   where the safety condition `sum P + max T <= C` holds.
+//!   where the safety condition `sum P + max T <= C` holds;
+//! - [`Policy::admission_rank`]: in which order jobs waiting for memory are
+//!   admitted once memory is freed.
 //!
 //! ```
 //! use lanes_policies::{by_name, Event, JobKind, JobSpec, JobTable};
@@ -61,7 +63,20 @@ pub trait Policy: std::fmt::Debug + Send {
     fn place(&mut self, job: &JobSpec, lanes: &[LaneView], _now: Duration) -> Option<LaneId> {
         first_fit(job, lanes)
     }
+
+    /// Where a job that waits for memory stands in the admission queue:
+    /// whenever memory is freed, the waiting jobs are tried smallest rank
+    /// first (ties in arrival order) and each one that fits is admitted.
+    /// The rank depends on the job's declaration alone, so the simulator
+    /// and the service order their queues alike. Defaults to arrival order.
+    fn admission_rank(&self, _job: &JobSpec) -> AdmissionRank {
+        AdmissionRank::default()
+    }
 }
+
+/// A waiting job's place in the admission queue (see
+/// [`Policy::admission_rank`]): compared as a tuple, smaller first.
+pub type AdmissionRank = (u128, u64);
 
 /// Names accepted by [`by_name`], in the order `--policy all` reports them.
 pub const POLICY_NAMES: [&str; 5] = ["fifo", "srtf", "fair", "pack", "priority"];

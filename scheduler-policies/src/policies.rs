@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::job::{JobId, JobKind, JobSpec, JobView, LaneId};
 use crate::placement::{best_fit, LaneView};
-use crate::Policy;
+use crate::{AdmissionRank, Policy};
 
 /// The waiting job of `lane` with the smallest key.
 fn pick_min<K: Ord>(lane: LaneId, jobs: &[JobView], key: impl Fn(&JobView) -> K) -> Option<JobId> {
@@ -53,6 +53,15 @@ impl Policy for Srtf {
     }
     fn pick(&mut self, lane: LaneId, jobs: &[JobView], _now: Duration) -> Option<JobId> {
         pick_min(lane, jobs, |j| (j.remaining_work_nanos(), j.seq))
+    }
+    /// The least work first (iterations × hint); jobs without a hint after
+    /// those with one, fewest iterations first (unknown counts last).
+    fn admission_rank(&self, job: &JobSpec) -> AdmissionRank {
+        let work = match job.iteration_hint {
+            Some(_) => job.work_nanos(),
+            None => u128::MAX,
+        };
+        (work, job.total_iterations())
     }
 }
 
@@ -106,6 +115,14 @@ impl Policy for PriorityPolicy {
             (j.kind != JobKind::Inference, Reverse(j.priority), j.seq)
         })
     }
+    /// Inference first, then higher `priority`.
+    fn admission_rank(&self, job: &JobSpec) -> AdmissionRank {
+        let below = i64::from(i32::MAX) - i64::from(job.priority);
+        (
+            u128::from(job.kind != JobKind::Inference),
+            u64::try_from(below).unwrap_or(0),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -138,6 +155,35 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
+    }
+    #[test]
+    fn admission_order_follows_the_policy() {
+        let train = |id, n| JobSpec::new(id, JobKind::Training, n);
+        let infer = |id, n| JobSpec::new(id, JobKind::Inference, n);
+        let order = |name: &str, jobs: &[JobSpec]| -> Vec<JobId> {
+            let p = by_name(name).unwrap();
+            let mut v: Vec<_> = jobs.iter().collect();
+            v.sort_by_key(|j| p.admission_rank(j));
+            v.iter().map(|j| j.id).collect()
+        };
+        let jobs = [
+            train(1, 100).with_hint(ms(10)),
+            train(2, 5).with_hint(ms(10)),
+            infer(3, 0),
+            train(4, 50).with_hint(ms(1)).with_priority(3),
+        ];
+        // Arrival order (a stable sort over equal ranks).
+        for name in ["fifo", "fair", "pack"] {
+            assert_eq!(order(name, &jobs), vec![1, 2, 3, 4], "{name}");
+        }
+        // Least work: 50 ms each for 2 and 4 (fewer iterations first),
+        // then 1 s (1); no hint last (3).
+        assert_eq!(order("srtf", &jobs), vec![2, 4, 1, 3]);
+        // Inference first, then higher priority.
+        assert_eq!(order("priority", &jobs), vec![3, 4, 1, 2]);
+        // Without hints (as in the service): fewest iterations first.
+        let plain = [train(1, 100), train(2, 5), train(3, 0)];
+        assert_eq!(order("srtf", &plain), vec![2, 1, 3]);
     }
 
     fn run_iter(t: &mut JobTable, id: JobId, d: Duration) {

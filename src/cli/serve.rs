@@ -66,6 +66,11 @@ pub struct Args {
     /// their feeds (their Runs then carry the feeds over the socket).
     #[arg(long)]
     pub no_shared_memory: bool,
+    /// On the GPU, give every lane's streams CUDA's default priority
+    /// instead of the one the policy ranks its job at (under `priority`:
+    /// inference lanes before training lanes); for comparison.
+    #[arg(long)]
+    pub no_stream_priority: bool,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -141,6 +146,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         evict_training: args.evict_training,
         feed_pool_bytes: server::DEFAULT_FEED_POOL_BYTES,
         shared_memory: !args.no_shared_memory,
+        stream_priority: !args.no_stream_priority,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();

@@ -23,7 +23,8 @@
 //!
 //! **Release** takes a job out of its lane; the persistent regions after
 //! it slide down (relocations reported); an empty lane closes. Then the
-//! queue is scanned in arrival order and every job that now fits (by
+//! queue is scanned in its order (the policy's admission rank, then
+//! arrival; see [`LaneManager::admit_ranked`]) and every job that now fits (by
 //! steps 1–4) is admitted. Hence the invariant the property tests check:
 //! a queued job never fits even after re-partitioning.
 //!
@@ -39,6 +40,7 @@ use std::collections::VecDeque;
 use std::fmt;
 
 use super::size::ByteSize;
+pub use lanes_policies::AdmissionRank;
 
 /// Largest reservation the manager accepts: sums of sizes it forms (at
 /// most twice the capacity) then never overflow.
@@ -249,6 +251,8 @@ pub(super) struct Waiting {
     pub(super) job: JobId,
     pub(super) p: u64,
     pub(super) t: u64,
+    /// Its place in the queue (smaller first, then arrival).
+    pub(super) rank: AdmissionRank,
 }
 
 /// Lanes inside one reservation, and the admission queue.
@@ -334,6 +338,20 @@ impl LaneManager {
     /// Admits `job` with persistent bytes `p` and ephemeral bytes `t` now,
     /// or queues it until it fits. Refuses a job that could never fit.
     pub fn admit(&mut self, job: JobId, p: u64, t: u64) -> Result<Admission, AdmitError> {
+        self.admit_ranked(job, p, t, AdmissionRank::default())
+    }
+
+    /// [`LaneManager::admit`] for a job that, if it has to wait, stands at
+    /// `rank` in the queue: the queue is kept in (rank, arrival) order and
+    /// tried in that order when memory is freed (the scheduling policy's
+    /// admission order, `lanes_policies::Policy::admission_rank`).
+    pub fn admit_ranked(
+        &mut self,
+        job: JobId,
+        p: u64,
+        t: u64,
+        rank: AdmissionRank,
+    ) -> Result<Admission, AdmitError> {
         if self.knows(job) {
             return Err(AdmitError::Duplicate { job });
         }
@@ -342,11 +360,9 @@ impl LaneManager {
             return Ok(Admission::Admitted { placement, moves });
         }
         let reason = self.reason(p, t);
-        self.queue.push_back(Waiting { job, p, t });
-        Ok(Admission::Queued {
-            position: self.queue.len() - 1,
-            reason,
-        })
+        let position = self.queue.partition_point(|w| w.rank <= rank);
+        self.queue.insert(position, Waiting { job, p, t, rank });
+        Ok(Admission::Queued { position, reason })
     }
 
     /// Takes `job` out of its lane (or the queue) and admits every waiting
@@ -423,7 +439,7 @@ impl LaneManager {
             .map(|l| (l.start, l.end()))
     }
 
-    /// Jobs waiting in the admission queue, in arrival order.
+    /// Jobs waiting in the admission queue, in queue order.
     pub fn waiting_jobs(&self) -> Vec<JobId> {
         self.queue.iter().map(|w| w.job).collect()
     }

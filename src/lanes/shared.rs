@@ -46,7 +46,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::manager::{
-    Admission, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, Released,
+    Admission, AdmissionRank, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement,
+    Released,
 };
 use super::reservation::{Reservation, ReserveError};
 use super::snapshot::LanesSnapshot;
@@ -193,8 +194,20 @@ impl SharedLanes {
 
     /// Admits `job` now or queues it. The lease releases it on drop.
     pub fn admit(&self, job: JobId, p: u64, t: u64) -> Result<(Lease, Admission), AdmitError> {
+        self.admit_ranked(job, p, t, AdmissionRank::default())
+    }
+
+    /// [`SharedLanes::admit`] at `rank` in the queue if it has to wait (see
+    /// [`LaneManager::admit_ranked`]).
+    pub fn admit_ranked(
+        &self,
+        job: JobId,
+        p: u64,
+        t: u64,
+        rank: AdmissionRank,
+    ) -> Result<(Lease, Admission), AdmitError> {
         let mut st = self.lock();
-        let a = st.manager.admit(job, p, t)?;
+        let a = st.manager.admit_ranked(job, p, t, rank)?;
         if let Admission::Admitted { moves, .. } = &a {
             st.relayout(moves);
         }

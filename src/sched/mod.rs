@@ -175,6 +175,11 @@ impl<R> Scheduler<R> {
             .filter(|l| lanes.iter().any(|v| v.id == *l && v.fits(spec)))
     }
 
+    /// The policy's rank for a job waiting for memory (smaller first).
+    pub fn admission_rank(&self, spec: &JobSpec) -> lanes_policies::AdmissionRank {
+        self.policy.admission_rank(spec)
+    }
+
     fn event(&mut self, ev: Event, now: Duration) -> Result<(), SchedError> {
         self.table.apply(&ev, now)?;
         self.policy.observe(&ev, now);

@@ -393,7 +393,13 @@ impl Frontend {
                     Session::new(session, spec.clone())
                         .with_lanes(self.lanes.clone())
                         .with_pool(self.pool.clone())
-                        .with_backend(super::backend_of(&self.config.device)),
+                        .with_backend(super::backend_of(&self.config.device))
+                        .with_admission_rank(self.config.policy.admission_rank(&spec))
+                        .with_urgency(if self.config.stream_priority {
+                            self.config.policy.urgency(spec.kind, spec.priority)
+                        } else {
+                            0
+                        }),
                 )),
                 spec,
                 last_seen: Instant::now(),

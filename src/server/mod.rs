@@ -37,7 +37,7 @@ use lanes_adaptor::Limits;
 
 pub use dispatch::{Dispatcher, FifoQueue, ReadyQueue, Work, WorkItem};
 pub use memory::{resolve_memory, MemoryChoice, MemoryChoiceError};
-pub use policy_queue::{PolicyChoice, PolicyQueue, UnknownPolicy};
+pub use policy_queue::{PolicyChoice, PolicyQueue, UnknownPolicy, MAX_URGENCY};
 
 /// Where iterations run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -240,6 +240,10 @@ pub struct ServerConfig {
     /// Attach the shared-memory segments local jobs offer for their feeds
     /// (see `lanes_adaptor::wire::shm`); off, their Runs use the socket.
     pub shared_memory: bool,
+    /// On the GPU, give each job's streams the priority its policy ranks
+    /// it at ([`PolicyChoice::urgency`]); off, every lane's streams have
+    /// CUDA's default priority (`--no-stream-priority`, for comparison).
+    pub stream_priority: bool,
 }
 
 /// Default of [`ServerConfig::feed_pool_bytes`]: room for a few
@@ -263,6 +267,7 @@ impl Default for ServerConfig {
             evict_training: false,
             feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
             shared_memory: true,
+            stream_priority: true,
         }
     }
 }

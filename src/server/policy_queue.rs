@@ -33,7 +33,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use lanes_adaptor::wire::{JobKind as WireKind, SessionId};
+use lanes_adaptor::wire::{JobKind as WireKind, SessionId, SessionSpec};
 use lanes_policies::{JobKind, JobSpec, Policy};
 
 use super::dispatch::{ReadyQueue, Work, WorkItem};
@@ -76,6 +76,35 @@ impl PolicyChoice {
         }
     }
 
+    /// How urgent a job's GPU work is under this policy, in levels above
+    /// the least (the job's streams get that priority; see
+    /// `CudaOptions::urgency`). Only `priority` ranks jobs across lanes
+    /// this way: inference above every training job, and a training job
+    /// of positive priority that many levels above the least (at most
+    /// [`MAX_URGENCY`] − 1); under the other policies every lane has the
+    /// same priority and the GPU shares its time between them.
+    pub fn urgency(self, kind: WireKind, priority: i32) -> u8 {
+        match (self, kind) {
+            (PolicyChoice::Priority, WireKind::Inference) => MAX_URGENCY,
+            (PolicyChoice::Priority, WireKind::Training) => {
+                priority.clamp(0, i32::from(MAX_URGENCY) - 1) as u8
+            }
+            _ => 0,
+        }
+    }
+
+    /// Where a job of `spec` waits in the lanes' admission queue under this
+    /// policy (`Policy::admission_rank`, as the simulator ranks it).
+    pub fn admission_rank(self, spec: &SessionSpec) -> lanes_policies::AdmissionRank {
+        let kind = match spec.kind {
+            WireKind::Training => JobKind::Training,
+            WireKind::Inference => JobKind::Inference,
+        };
+        let job = JobSpec::new(0, kind, spec.expected_iterations.unwrap_or(0))
+            .with_priority(spec.priority);
+        self.build().admission_rank(&job)
+    }
+
     /// A fresh instance of the policy.
     pub fn build(self) -> Box<dyn Policy> {
         match self {
@@ -93,6 +122,11 @@ impl fmt::Display for PolicyChoice {
         f.write_str(self.name())
     }
 }
+
+/// Levels of stream priority the service uses above the least (a GPU has
+/// 6 on Hopper: CUDA's priorities 0 to -5; higher levels are clamped to
+/// the device's greatest).
+pub const MAX_URGENCY: u8 = 5;
 
 /// `--policy` names that are not a policy.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -379,6 +413,27 @@ mod tests {
         let it = q.pop(&HashSet::new())?;
         q.finished(it.session, took);
         Some((it.session.0, it.request_id))
+    }
+
+    #[test]
+    fn only_priority_ranks_streams_across_lanes() {
+        use PolicyChoice::*;
+        assert_eq!(Priority.urgency(WireKind::Inference, 0), MAX_URGENCY);
+        assert_eq!(Priority.urgency(WireKind::Inference, -7), MAX_URGENCY);
+        assert_eq!(Priority.urgency(WireKind::Training, 0), 0);
+        assert_eq!(Priority.urgency(WireKind::Training, -3), 0);
+        assert_eq!(Priority.urgency(WireKind::Training, 2), 2);
+        // A training job never reaches inference's level.
+        assert_eq!(Priority.urgency(WireKind::Training, 99), MAX_URGENCY - 1);
+        for p in [Fifo, Srtf, Fair, Pack] {
+            assert_eq!(p.urgency(WireKind::Inference, 5), 0, "{p}");
+            assert_eq!(p.urgency(WireKind::Training, 5), 0, "{p}");
+        }
+        // Admission order: priority puts inference first, fifo arrival only.
+        let inf = SessionSpec::inference("i");
+        let train = SessionSpec::training("t");
+        assert!(Priority.admission_rank(&inf) < Priority.admission_rank(&train));
+        assert_eq!(Fifo.admission_rank(&inf), Fifo.admission_rank(&train));
     }
 
     #[test]

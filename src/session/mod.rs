@@ -119,6 +119,11 @@ pub struct Session {
     /// Where the feeds' storage goes after a run (the service decodes the
     /// next request's tensors into it).
     pool: Option<BufferPool>,
+    /// How urgent the job's GPU work is (see `CudaOptions::urgency`).
+    urgency: u8,
+    /// Its place in the lanes' admission queue when it has to wait (the
+    /// policy's `admission_rank`).
+    rank: crate::lanes::AdmissionRank,
 }
 
 /// The (P, T) a job of `valid` asks the lanes for on `backend`: the memory
@@ -155,7 +160,23 @@ impl Session {
             backend: Backend::Cpu,
             switches: (0, 0),
             pool: None,
+            urgency: 0,
+            rank: Default::default(),
         }
+    }
+
+    /// Waits for memory at `rank` in the lanes' admission queue (smaller
+    /// first; see `lanes_policies::Policy::admission_rank`).
+    pub fn with_admission_rank(mut self, rank: crate::lanes::AdmissionRank) -> Self {
+        self.rank = rank;
+        self
+    }
+
+    /// Gives the job's GPU streams `urgency` levels above the least
+    /// priority (see `CudaOptions::urgency`).
+    pub fn with_urgency(mut self, urgency: u8) -> Self {
+        self.urgency = urgency;
+        self
     }
 
     /// Gives the feeds' storage to `pool` after each run.
@@ -290,7 +311,7 @@ impl Session {
         let (Some(lanes), Some((p, t))) = (&self.lanes, self.memory) else {
             return Ok(false);
         };
-        let (lease, admission) = lanes.admit(JobId(self.id.0), p, t)?;
+        let (lease, admission) = lanes.admit_ranked(JobId(self.id.0), p, t, self.rank)?;
         let queued = matches!(admission, Admission::Queued { .. });
         if let Admission::Queued { reason, .. } = &admission {
             tracing::info!(session = %self.id, %reason, "evicted job waits for memory");
@@ -420,13 +441,13 @@ impl Session {
         let plan = compile::plan(&valid)?;
         let (p, t) = admission_sizes(self.backend, &valid, &plan)?;
         let lease = match &self.lanes {
-            Some(lanes) => Some(lanes.admit(JobId(self.id.0), p, t)?),
+            Some(lanes) => Some(lanes.admit_ranked(JobId(self.id.0), p, t, self.rank)?),
             None => None,
         };
         if let Some((_, Admission::Queued { reason, .. })) = &lease {
             tracing::info!(session = %self.id, %reason, "waiting for memory");
         }
-        let mut program = Program::new(self.backend, valid, values)?;
+        let mut program = Program::with_urgency(self.backend, valid, values, self.urgency)?;
         if self.spec.kind == JobKind::Inference {
             // Admitted: warm up in the lane's memory, in the lane's turn.
             let turn = lease.as_ref().and_then(|(l, _)| l.turn());

@@ -5,8 +5,9 @@
 //! Model (documented in `docs/scheduling.md`):
 //! - `lanes` equal lanes share `memory` bytes; a job is admitted into a lane
 //!   chosen by [`Policy::place`] only if the safety condition holds; jobs
-//!   that fit nowhere wait and are retried, in submission order, whenever a
-//!   job leaves.
+//!   that fit nowhere wait and are retried whenever a job leaves, in the
+//!   policy's admission order ([`Policy::admission_rank`], ties in
+//!   submission order).
 //! - Inside a lane one iteration runs at a time; lanes run in parallel without
 //!   slowing each other down.
 //! - A job's next iteration is ready as soon as its previous one finished (the
@@ -18,7 +19,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use lanes_policies::{Event, JobId, JobTable, LaneId, LaneView, Policy, PolicyError};
+use lanes_policies::{
+    AdmissionRank, Event, JobId, JobTable, LaneId, LaneView, Policy, PolicyError,
+};
 
 use super::trace::TraceJob;
 
@@ -177,7 +180,9 @@ pub fn simulate(
     let mut done = vec![0u64; trace.len()];
     let mut outcome: Vec<Option<JobOutcome>> = vec![None; trace.len()];
     let mut admitted_at: Vec<(Duration, LaneId)> = vec![(Duration::ZERO, 0); trace.len()];
-    let mut pending: Vec<usize> = Vec::new();
+    // Jobs waiting for memory: (admission rank, submission position, index),
+    // kept sorted (the policy's admission order, ties by submission).
+    let mut pending: Vec<(AdmissionRank, usize, usize)> = Vec::new();
     let mut schedule: Vec<Segment> = Vec::new();
     let mut open_segment: Vec<Option<usize>> = vec![None; cfg.lanes];
     let mut busy = Duration::ZERO;
@@ -242,17 +247,21 @@ pub fn simulate(
         }
 
         // 2. Submissions.
+        let before = pending.len();
         while let Some(&i) = order.get(next) {
             if trace[i].submit != now {
                 break;
             }
-            pending.push(i);
+            pending.push((policy.admission_rank(&trace[i].spec()), next, i));
             next += 1;
         }
+        if pending.len() > before {
+            pending.sort_unstable_by_key(|&(rank, seq, _)| (rank, seq));
+        }
 
-        // 3. Admission, submission order.
+        // 3. Admission, in the policy's admission order.
         let mut still = Vec::with_capacity(pending.len());
-        for &i in &pending {
+        for &(rank, seq, i) in &pending {
             let spec = trace[i].spec();
             let views: Vec<LaneView> = lanes
                 .iter()
@@ -271,7 +280,7 @@ pub fn simulate(
                 })
                 .collect();
             match policy.place(&spec, &views, now) {
-                None => still.push(i),
+                None => still.push((rank, seq, i)),
                 Some(l) => {
                     let view = views.get(l).ok_or_else(|| {
                         contract(format!(

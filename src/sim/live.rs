@@ -20,7 +20,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
-use lanes_policies::{JobId, LaneId, LaneView, Policy};
+use lanes_policies::{AdmissionRank, JobId, LaneId, LaneView, Policy};
 
 use super::engine::{JobOutcome, SimRun};
 use super::trace::TraceJob;
@@ -267,7 +267,10 @@ fn scheduler_loop(
     let mut sched: Scheduler<Sender<()>> = Scheduler::new(policy);
     let mut members: Vec<Vec<usize>> = vec![Vec::new(); lanes.len()];
     let mut idle = vec![true; lanes.len()];
-    let mut waiting: Vec<(usize, Sender<LaneId>)> = Vec::new();
+    // Jobs waiting for memory, in the policy's admission order (ties in
+    // arrival order): (rank, arrival, trace index, reply).
+    let mut waiting: Vec<(AdmissionRank, u64, usize, Sender<LaneId>)> = Vec::new();
+    let mut arrivals = 0u64;
     let mut busy = Duration::ZERO;
     let scaled = |d: Duration| Duration::from_secs_f64(d.as_secs_f64() * time_scale);
     let mut left = 0usize;
@@ -278,7 +281,12 @@ fn scheduler_loop(
         let Ok(msg) = inbox.recv() else { break };
         let now = start.elapsed();
         match msg {
-            Msg::Arrive { index, admitted } => waiting.push((index, admitted)),
+            Msg::Arrive { index, admitted } => {
+                let key = (sched.admission_rank(&trace[index].spec()), arrivals);
+                arrivals += 1;
+                let at = waiting.partition_point(|w| (w.0, w.1) < key);
+                waiting.insert(at, (key.0, key.1, index, admitted));
+            }
             Msg::Run { job, done } => {
                 if sched.submit(job, done, now).is_err() {
                     tracing::warn!(job, "run for a job that is not scheduled");
@@ -299,9 +307,9 @@ fn scheduler_loop(
                 let _ = sched.finish(job, took, now);
             }
         }
-        // Admission, in arrival order.
+        // Admission, in the policy's admission order.
         let mut still = Vec::new();
-        for (i, admitted) in waiting.drain(..) {
+        for (rank, seq, i, admitted) in waiting.drain(..) {
             let spec = trace[i].spec();
             let views: Vec<LaneView> = members
                 .iter()
@@ -323,7 +331,7 @@ fn scheduler_loop(
                     members[lane].push(i);
                     let _ = admitted.send(lane);
                 }
-                _ => still.push((i, admitted)),
+                _ => still.push((rank, seq, i, admitted)),
             }
         }
         waiting = still;

@@ -262,3 +262,32 @@ fn releasing_a_waiting_job_cancels_it() {
         "{text}"
     );
 }
+
+/// Freed memory goes to the waiting jobs in rank order, not arrival order:
+/// the job that arrived last but ranks first is admitted, the others wait.
+#[test]
+fn waiting_jobs_are_admitted_in_rank_order() {
+    let mut m = mgr(100, 1);
+    admitted(m.admit(JobId(1), 60, 40).unwrap());
+    // Each needs 60 (P + T); only one fits once job 1 leaves.
+    for (job, rank) in [(2, (5, 0)), (3, (9, 0)), (4, (1, 0))] {
+        match m.admit_ranked(JobId(job), 30, 30, rank).unwrap() {
+            Admission::Queued { .. } => {}
+            other => panic!("job {job} admitted: {other:?}"),
+        }
+    }
+    // Queue order is the rank's: 4, 2, 3.
+    assert_eq!(m.waiting_jobs(), vec![JobId(4), JobId(2), JobId(3)]);
+    let r = m.release(JobId(1)).unwrap();
+    assert_eq!(
+        r.admitted.iter().map(|p| p.job).collect::<Vec<_>>(),
+        vec![JobId(4)]
+    );
+    assert_eq!(m.waiting_jobs(), vec![JobId(2), JobId(3)]);
+    // Equal ranks keep arrival order.
+    match m.admit_ranked(JobId(5), 30, 30, (5, 0)).unwrap() {
+        Admission::Queued { position, .. } => assert_eq!(position, 1),
+        other => panic!("job 5 admitted: {other:?}"),
+    }
+    assert_eq!(m.waiting_jobs(), vec![JobId(2), JobId(5), JobId(3)]);
+}
