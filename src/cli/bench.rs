@@ -20,11 +20,14 @@ use anyhow::{bail, Context};
 use lanes_adaptor::Optimizer;
 use serde_json::{json, Value};
 
+mod child;
+pub mod colocate;
 mod isolate;
 pub mod models;
 pub mod pack;
 pub mod parallel;
 mod paths;
+pub mod sweep;
 pub mod switch;
 mod workload;
 
@@ -53,6 +56,14 @@ enum What {
     /// ephemeral memory, taking turns), two jobs in two lanes; throughput
     /// and device memory.
     Lanes(parallel::LanesArgs),
+    /// Inference beside training through a real `lanes serve` (a child
+    /// process): latency alone and beside training, training throughput,
+    /// and how soon a job that arrives while training runs answers.
+    Colocate(colocate::ColocateArgs),
+    /// A hyper-parameter sweep: N training jobs of one model with
+    /// different learning rates through a real `lanes serve`, together and
+    /// one after another; makespan and per-job completion times.
+    Sweep(sweep::SweepArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -65,6 +76,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Switch(a) => switch::switch(a),
         What::Pack(a) => pack::pack(a),
         What::Lanes(a) => parallel::lanes(a),
+        What::Colocate(a) => colocate::colocate(a),
+        What::Sweep(a) => sweep::sweep(a),
     }
 }
 

@@ -1,0 +1,132 @@
+//! A real `lanes serve` as a child process of a benchmark (this binary,
+//! started with `serve`), and the client helpers the benchmarks that drive
+//! it share (`bench colocate`, `bench sweep`).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use lanes::server::PolicyChoice;
+use lanes_adaptor::wire::{Reply, Request, SessionId};
+use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec};
+
+use super::paths::{progress, Device};
+
+/// How the child service is started.
+#[derive(Debug, Clone)]
+pub struct ServeOpts {
+    pub device: Device,
+    pub policy: PolicyChoice,
+    /// Where its log goes (default: this process's stderr).
+    pub log: Option<PathBuf>,
+    /// More `lanes serve` arguments.
+    pub args: Vec<String>,
+}
+
+/// The `lanes serve` child; killed when dropped.
+#[derive(Debug)]
+pub struct Service {
+    child: Child,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How long the child may take to answer its first Hello (the GPU service
+/// opens the device and reserves its memory first).
+const READY_WITHIN: Duration = Duration::from_secs(120);
+
+impl Service {
+    /// Starts `lanes serve` on `endpoint` and waits until it answers.
+    pub fn start(o: &ServeOpts, endpoint: &str, since: Instant) -> anyhow::Result<Service> {
+        let exe = std::env::current_exe().context("locating the lanes binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve")
+            .arg("--endpoint")
+            .arg(endpoint)
+            .arg("--device")
+            .arg(o.device.name())
+            .arg("--policy")
+            .arg(o.policy.name())
+            .arg("--max-nodes")
+            .arg(limits().max_nodes.to_string())
+            .args(&o.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if let Some(path) = &o.log {
+            let f = std::fs::File::create(path)
+                .with_context(|| format!("creating the service log {}", path.display()))?;
+            cmd.stderr(f);
+        }
+        progress(
+            &format!(
+                "starting lanes serve on {endpoint} (--device {} --policy {} {})",
+                o.device.name(),
+                o.policy.name(),
+                o.args.join(" ")
+            ),
+            since,
+        );
+        let mut service = Service {
+            child: cmd.spawn().context("starting lanes serve")?,
+        };
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            if let Some(status) = service.child.try_wait()? {
+                bail!("lanes serve exited at start-up ({status}); see its log");
+            }
+            match connect(endpoint, "lanes-bench-probe", Duration::from_secs(2)) {
+                Ok(_) => return Ok(service),
+                Err(e) if Instant::now() > deadline => {
+                    return Err(e.context(format!(
+                        "lanes serve did not answer within {} s",
+                        READY_WITHIN.as_secs()
+                    )))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    }
+}
+
+/// A loopback endpoint on a port free now.
+pub fn free_endpoint() -> anyhow::Result<String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(format!("tcp://127.0.0.1:{}", l.local_addr()?.port()))
+}
+
+/// Message limits of the benchmarks' clients and services: the large
+/// graphs cross the wire in one header frame.
+pub fn limits() -> Limits {
+    Limits {
+        max_nodes: 1 << 20,
+        ..Limits::default()
+    }
+}
+
+pub fn connect(endpoint: &str, name: &str, timeout: Duration) -> anyhow::Result<Client> {
+    Client::connect_with(
+        endpoint,
+        ClientOptions {
+            timeout,
+            limits: limits(),
+            name: name.into(),
+            ..ClientOptions::default()
+        },
+    )
+    .with_context(|| format!("connecting to lanes serve at {endpoint}"))
+}
+
+/// Opens a session and keeps it open (a dropped `Session` handle would
+/// close it).
+pub fn open(client: &mut Client, spec: SessionSpec) -> anyhow::Result<SessionId> {
+    match client.request(&Request::OpenSession(spec))? {
+        Reply::SessionOpened { session } => Ok(session),
+        other => bail!("unexpected reply to OpenSession: {other:?}"),
+    }
+}
