@@ -1,0 +1,306 @@
+//! Inference beside training through a real service: a training job keeps
+//! Runs back to back (several in flight) while an inference job arrives.
+//!
+//! - Whatever the policy, the arriving job is loaded and answers its first
+//!   Run while training goes on, within a bound of its own load time and
+//!   the training's iterations (on the GPU a load once waited for the
+//!   training to end: a driver lock starved by the training lane's waits).
+//! - Under `priority`, with both jobs in one lane (they take turns), no
+//!   inference Run waits behind more than one training iteration; under
+//!   `fifo` the same inference job waits for the training job's queue.
+//!
+//! CPU backend in CI; `LANES_TEST_DEVICE=cuda` runs it on the GPU machine.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod util;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lanes::server::PolicyChoice;
+use lanes_adaptor::wire::{Reply, Request, SessionId};
+use lanes_adaptor::zoo::seeded_feeds;
+use lanes_adaptor::{
+    Arch, Client, ClientOptions, Graph, Optimizer, SessionSpec, Tensor, VarValues,
+};
+
+/// Runs the training job keeps in flight.
+const AHEAD: usize = 4;
+/// The training job stops by itself after this long (a stalled arrival
+/// shows as a wait this long).
+const TRAIN_FOR: Duration = Duration::from_secs(60);
+
+fn client(endpoint: &str) -> Client {
+    Client::connect_with(
+        endpoint,
+        ClientOptions {
+            timeout: Duration::from_secs(120),
+            name: "colocate-test".into(),
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn open(c: &mut Client, spec: SessionSpec) -> SessionId {
+    match c.request(&Request::OpenSession(spec)).unwrap() {
+        Reply::SessionOpened { session } => session,
+        other => panic!("unexpected reply {other:?}"),
+    }
+}
+
+struct Job {
+    graph: Graph,
+    vars: VarValues,
+    feeds: BTreeMap<String, Tensor>,
+    fetch: String,
+}
+
+impl Job {
+    fn feeds(&self) -> Vec<(String, Tensor)> {
+        self.feeds
+            .iter()
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect()
+    }
+}
+
+/// An MLP training step heavy enough to take milliseconds on the CPU.
+fn training_job() -> Job {
+    let arch = Arch::Mlp {
+        inputs: 256,
+        hidden: vec![1024, 1024],
+        classes: 10,
+    };
+    let (t, inputs) = arch
+        .training(128, 3, &Optimizer::sgd_momentum(0.01, 0.9, 0.0))
+        .unwrap();
+    Job {
+        graph: t.graph,
+        vars: t.vars,
+        feeds: seeded_feeds(&inputs, 5, 10).unwrap(),
+        fetch: t.loss,
+    }
+}
+
+fn inference_job() -> Job {
+    let arch = Arch::Mlp {
+        inputs: 64,
+        hidden: vec![128],
+        classes: 10,
+    };
+    let m = arch.inference(8, 4).unwrap();
+    Job {
+        feeds: seeded_feeds(&m.inputs, 9, 10).unwrap(),
+        graph: m.graph,
+        vars: m.vars,
+        fetch: m.output,
+    }
+}
+
+/// The training job on its own connection: `AHEAD` Runs in flight until
+/// stopped (or `TRAIN_FOR` passed); completion times recorded.
+struct Trainer {
+    stop: Arc<AtomicBool>,
+    done: Arc<Mutex<Vec<Instant>>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Trainer {
+    fn start(endpoint: &str) -> Trainer {
+        let endpoint = endpoint.to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(Mutex::new(Vec::new()));
+        let (s, d) = (Arc::clone(&stop), Arc::clone(&done));
+        let thread = std::thread::spawn(move || {
+            let job = training_job();
+            let mut c = client(&endpoint);
+            let id = open(&mut c, SessionSpec::training("train"));
+            c.load_in(id, &job.graph, job.vars.clone()).unwrap();
+            let fetch = [job.fetch.as_str()];
+            let mut pending = std::collections::VecDeque::new();
+            for _ in 0..AHEAD {
+                pending.push_back(c.submit_run_in(id, job.feeds(), &fetch).unwrap());
+            }
+            let t0 = Instant::now();
+            while !s.load(Ordering::SeqCst) && t0.elapsed() < TRAIN_FOR {
+                let first = pending.pop_front().unwrap();
+                c.wait_run(first).unwrap();
+                d.lock().unwrap().push(Instant::now());
+                pending.push_back(c.submit_run_in(id, job.feeds(), &fetch).unwrap());
+            }
+            for p in pending {
+                c.wait_run(p).unwrap();
+            }
+            c.close_in(id).unwrap();
+        });
+        Trainer { stop, done, thread }
+    }
+
+    fn steps(&self) -> usize {
+        self.done.lock().unwrap().len()
+    }
+
+    fn wait_for_steps(&self, n: usize) {
+        let t0 = Instant::now();
+        while self.steps() < n {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "training made no progress"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Longest time between two completions so far (an iteration's time,
+    /// with Runs in flight).
+    fn longest_step(&self) -> Duration {
+        let d = self.done.lock().unwrap();
+        d.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default()
+    }
+
+    fn completed_after(&self, t: Instant) -> usize {
+        self.done.lock().unwrap().iter().filter(|x| **x > t).count()
+    }
+
+    fn finish(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.join().unwrap();
+    }
+}
+
+fn serve(policy: PolicyChoice, max_lanes: usize) -> lanes::server::ServerHandle {
+    util::start_with(|c| {
+        c.policy = policy;
+        c.memory_bytes = Some(512 << 20);
+        c.max_lanes = max_lanes;
+        c.workers = 2;
+    })
+}
+
+/// Load and first Run of the inference job; returns (load + first run,
+/// first run alone).
+fn arrive(c: &mut Client, job: &Job, name: &str) -> (SessionId, Duration) {
+    let t0 = Instant::now();
+    let id = open(c, SessionSpec::inference(name));
+    c.load_in(id, &job.graph, job.vars.clone()).unwrap();
+    c.run_in(id, job.feeds(), &[job.fetch.as_str()]).unwrap();
+    (id, t0.elapsed())
+}
+
+#[test]
+fn an_arriving_job_loads_and_answers_while_training_runs() {
+    for policy in [PolicyChoice::Fifo, PolicyChoice::Priority] {
+        let server = serve(policy, 8);
+        let job = inference_job();
+        let mut c = client(server.endpoint());
+        // Its own load and first Run on an idle service.
+        let (alone_id, alone) = arrive(&mut c, &job, "alone");
+        c.close_in(alone_id).unwrap();
+
+        let trainer = Trainer::start(server.endpoint());
+        trainer.wait_for_steps(3);
+        let (id, took) = arrive(&mut c, &job, "arriving");
+        let arrived = Instant::now();
+        let step = trainer.longest_step();
+        // Training went on meanwhile and after.
+        trainer.wait_for_steps(trainer.steps() + 2);
+        assert!(trainer.completed_after(arrived) >= 1);
+        trainer.finish();
+        c.close_in(id).unwrap();
+        let bound = 3 * (alone + step) + Duration::from_secs(2);
+        assert!(
+            took <= bound,
+            "{policy}: the arriving job answered after {took:?} (alone {alone:?}, a training step {step:?})"
+        );
+        server.shutdown().unwrap();
+    }
+}
+
+/// Latencies of `n` inference Runs, one every `gap`, beside the trainer.
+fn paced_runs(c: &mut Client, id: SessionId, job: &Job, n: usize, gap: Duration) -> Vec<Duration> {
+    (0..n)
+        .map(|_| {
+            std::thread::sleep(gap);
+            let t0 = Instant::now();
+            c.run_in(id, job.feeds(), &[job.fetch.as_str()]).unwrap();
+            t0.elapsed()
+        })
+        .collect()
+}
+
+#[test]
+fn under_priority_inference_waits_behind_at_most_one_training_iteration() {
+    // One lane: the two jobs take turns, so a Run of one waits for the
+    // other's iteration in progress, and the policy decides who goes next.
+    let server = serve(PolicyChoice::Priority, 1);
+    let job = inference_job();
+    let mut c = client(server.endpoint());
+    let id = open(&mut c, SessionSpec::inference("urgent"));
+    c.load_in(id, &job.graph, job.vars.clone()).unwrap();
+    let alone = paced_runs(&mut c, id, &job, 5, Duration::ZERO);
+    let alone_max = alone.into_iter().max().unwrap();
+
+    let trainer = Trainer::start(server.endpoint());
+    trainer.wait_for_steps(3);
+    let beside = paced_runs(&mut c, id, &job, 20, Duration::from_millis(3));
+    let step = trainer.longest_step();
+    trainer.finish();
+    let worst = beside.into_iter().max().unwrap();
+    // One training iteration in progress, then this Run (twice each, and a
+    // margin, for a loaded CI machine); `AHEAD` queued training Runs would
+    // be several iterations.
+    let bound = 2 * (step + alone_max) + Duration::from_millis(100);
+    assert!(
+        worst <= bound,
+        "an inference Run took {worst:?}; a training step takes up to {step:?}, the Run alone {alone_max:?}"
+    );
+    server.shutdown().unwrap();
+}
+
+/// The contrast: under `fifo` the job that arrived first keeps its lane
+/// while it has Runs queued, so an inference Run waits for the training
+/// job's whole queue; priority is what lets it through. Checked by the
+/// order of the replies, not by time (a GPU runs this small training step
+/// in well under a millisecond).
+#[test]
+fn under_fifo_inference_waits_for_the_training_queue() {
+    const QUEUED: usize = 40;
+    let server = serve(PolicyChoice::Fifo, 1);
+    let train = training_job();
+    let job = inference_job();
+    // The training job arrives (and joins the policy) first.
+    let mut t = client(server.endpoint());
+    let tid = open(&mut t, SessionSpec::training("first"));
+    t.load_in(tid, &train.graph, train.vars.clone()).unwrap();
+    let mut c = client(server.endpoint());
+    let id = open(&mut c, SessionSpec::inference("late"));
+    c.load_in(id, &job.graph, job.vars.clone()).unwrap();
+    let fetch = [train.fetch.as_str()];
+    let runs: Vec<_> = (0..QUEUED)
+        .map(|_| t.submit_run_in(tid, train.feeds(), &fetch).unwrap())
+        .collect();
+    let mut runs = runs.into_iter();
+    t.wait_run(runs.next().unwrap()).unwrap();
+    // Training is running with its queue full: the inference Run arrives.
+    let waiter = std::thread::spawn(move || {
+        runs.map(|r| {
+            t.wait_run(r).unwrap();
+            Instant::now()
+        })
+        .collect::<Vec<_>>()
+    });
+    c.run_in(id, job.feeds(), &[job.fetch.as_str()]).unwrap();
+    let answered = Instant::now();
+    let training = waiter.join().unwrap();
+    let before = training.iter().filter(|t| **t <= answered).count();
+    assert!(
+        before + 2 >= training.len(),
+        "under fifo the inference Run was answered after {before} of {} queued training Runs",
+        training.len()
+    );
+    server.shutdown().unwrap();
+}
