@@ -147,29 +147,26 @@ fn bad_offers_and_unknown_segments_get_typed_errors() {
         peer.call(wire::encode_request(2, &load).unwrap()).message,
         Reply::GraphLoaded { .. }
     ));
+    let hello = Request::Hello {
+        client: "raw".into(),
+    };
+    let desk = match peer.call(wire::encode_request(3, &hello).unwrap()).message {
+        Reply::Hello { desk, .. } => {
+            desk.expect("a service that attaches shared memory names its desk")
+        }
+        other => panic!("{other:?}"),
+    };
     let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
     let good = seg.offer();
-    // A wrong token, a descriptor that is no memfd, one that does not exist,
-    // a segment larger than it is, another connection's session.
-    let stdin_like = std::fs::File::open("/proc/self/exe").unwrap();
-    use std::os::fd::AsRawFd;
+    // An offer whose descriptor was never handed over (whatever token it
+    // names: the service opens no file a peer names), then one handed over
+    // but offered as longer than it is.
     for (i, bad) in [
         SegmentOffer {
             token: [9; TOKEN_BYTES],
             ..good
         },
-        SegmentOffer {
-            fd: stdin_like.as_raw_fd(),
-            ..good
-        },
-        SegmentOffer {
-            fd: 1 << 20,
-            ..good
-        },
-        SegmentOffer {
-            bytes: good.bytes * 2,
-            ..good
-        },
+        good,
     ]
     .into_iter()
     .enumerate()
@@ -177,6 +174,15 @@ fn bad_offers_and_unknown_segments_get_typed_errors() {
         let r = offer_reply(&peer, 10 + i as u64, session, bad);
         assert_eq!(error_code(&r), ErrorCode::SharedMemory, "offer {i}: {r:?}");
     }
+    seg.hand_over(&desk).unwrap();
+    let longer = SegmentOffer {
+        bytes: good.bytes * 2,
+        ..good
+    };
+    let r = offer_reply(&peer, 12, session, longer);
+    assert_eq!(error_code(&r), ErrorCode::SharedMemory, "{r:?}");
+    // The descriptor went with that refused offer: hand it over again.
+    seg.hand_over(&desk).unwrap();
     let r = offer_reply(&peer, 20, SessionId(session.0 + 100), good);
     assert_eq!(error_code(&r), ErrorCode::UnknownSession);
     // A Run naming a segment that was never attached.
@@ -195,6 +201,11 @@ fn bad_offers_and_unknown_segments_get_typed_errors() {
         offer_reply(&peer, 22, session, good),
         Reply::MemoryShared { segment: 1, .. }
     ));
+    // A token attaches once: offered again (by anyone), nothing is found.
+    assert_eq!(
+        error_code(&offer_reply(&peer, 26, session, good)),
+        ErrorCode::SharedMemory
+    );
     let frames = wire::encode_request_into(23, &run, Some(&mut seg)).unwrap();
     let via_shared = match peer.call(frames).message {
         Reply::RunDone { outputs } => outputs,

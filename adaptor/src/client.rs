@@ -21,7 +21,7 @@
 
 use crate::graph::{Graph, VarValues};
 use crate::tensor::Tensor;
-use crate::wire::shm::OwnedSegment;
+use crate::wire::shm::{OwnedSegment, SharedMemoryError};
 use crate::wire::{
     self, BufferPool, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId,
     SessionSpec, StatusReport, WireError,
@@ -144,6 +144,8 @@ struct SharedFeeds {
     /// False once the service refused a segment, or never for remote
     /// services: every Run then goes through the socket.
     usable: bool,
+    /// The service's desk for the segments' descriptors (from its Hello).
+    desk: Option<String>,
     next_id: u32,
     by_session: HashMap<SessionId, Vec<ClientSegment>>,
 }
@@ -261,6 +263,7 @@ impl Client {
                 server,
                 version,
                 limits,
+                desk,
             } => {
                 if version != wire::PROTOCOL_VERSION {
                     return Err(ClientError::Version {
@@ -270,6 +273,8 @@ impl Client {
                 }
                 client.server = server;
                 client.server_limits = limits;
+                client.shared.usable &= desk.is_some();
+                client.shared.desk = desk;
                 Ok(client)
             }
             other => Err(unexpected(hello.name(), &other)),
@@ -474,7 +479,14 @@ impl Client {
             }
         };
         let bytes = need.next_multiple_of(SEGMENT_GRANULE);
-        let seg = match OwnedSegment::create(id, bytes) {
+        let made = OwnedSegment::create(id, bytes).and_then(|seg| {
+            match &self.shared.desk {
+                Some(desk) => seg.hand_over(desk)?,
+                None => return Err(SharedMemoryError::NotHandedOver),
+            }
+            Ok(seg)
+        });
+        let seg = match made {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "no shared-memory segment; feeds go through the socket");

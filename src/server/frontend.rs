@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lanes_adaptor::wire::shm::{AttachedSegment, SegmentLookup, SegmentOffer};
+use lanes_adaptor::wire::shm::{
+    AttachedSegment, FdDesk, SegmentLookup, SegmentOffer, SharedMemoryError,
+};
 use lanes_adaptor::wire::{
     self, BufferPool, Envelope, ErrorCode, ErrorReply, JobKind, Reply, Request, SessionId,
     SessionSpec, SessionState, SessionStatus, StatusReport,
@@ -80,6 +82,10 @@ struct Frontend {
     /// The device memory behind them (GPU); released when the service
     /// stops.
     _reservation: Option<crate::exec::cuda::DeviceReservation>,
+    /// Where local jobs hand over their shared-memory segments'
+    /// descriptors (`None` with `--no-shared-memory`, or where it could not
+    /// be bound: jobs then send feeds through the socket).
+    desk: Option<FdDesk>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -136,6 +142,13 @@ pub(super) fn spawn(
         );
     }
     let pool = (config.feed_pool_bytes > 0).then(|| BufferPool::new(config.feed_pool_bytes));
+    let desk = if config.shared_memory {
+        FdDesk::bind()
+            .map_err(|e| tracing::warn!(error = %e, "no shared-memory desk; feeds go through the socket"))
+            .ok()
+    } else {
+        None
+    };
     let fe = Frontend {
         pool,
         config,
@@ -149,6 +162,7 @@ pub(super) fn spawn(
         workers,
         lanes,
         _reservation: reservation,
+        desk,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -312,6 +326,7 @@ impl Frontend {
                     server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
                     version: wire::PROTOCOL_VERSION,
                     limits: self.config.limits,
+                    desk: self.desk.as_ref().map(|d| d.name().to_string()),
                 }
             }
             Request::OpenSession(spec) => self.open(&peer, spec),
@@ -414,34 +429,41 @@ impl Frontend {
     }
 
     /// Attaches a job's shared-memory segment to its session (replacing
-    /// one of the same id).
+    /// one of the same id): the descriptor the peer handed to the desk
+    /// under the offer's token, never a file the peer names.
     fn share(&mut self, peer: &[u8], session: SessionId, offer: &SegmentOffer) -> Reply {
-        if !self.config.shared_memory {
+        if let Err(e) = self.owned(peer, session) {
+            return Reply::Error(e);
+        }
+        let Some(desk) = self.desk.as_mut() else {
             return Reply::error(
                 ErrorCode::SharedMemory,
                 "this service does not attach shared memory (--no-shared-memory)",
             );
-        }
+        };
         // A segment holds one Run's feeds: no larger than the largest
         // message the service accepts.
         let limits = &self.config.limits;
         let limit = (limits.max_frame_bytes as u64).saturating_mul(limits.max_frames as u64);
-        let entry = match self.owned(peer, session) {
-            Ok(e) => e,
-            Err(e) => return Reply::Error(e),
-        };
-        if entry.segments.len() >= MAX_SEGMENTS_PER_SESSION
-            && !entry.segments.contains_key(&offer.segment)
-        {
+        let full = self.sessions.get(&session).is_some_and(|e| {
+            e.segments.len() >= MAX_SEGMENTS_PER_SESSION && !e.segments.contains_key(&offer.segment)
+        });
+        if full {
             return Reply::error(
                 ErrorCode::SharedMemory,
                 format!("session {session} already has {MAX_SEGMENTS_PER_SESSION} segments"),
             );
         }
-        match AttachedSegment::open(offer, limit) {
+        let attached = desk
+            .take(&offer.token)
+            .ok_or(SharedMemoryError::NotHandedOver)
+            .and_then(|file| AttachedSegment::attach(file, offer, limit));
+        match attached {
             Ok(seg) => {
-                tracing::debug!(%session, segment = offer.segment, bytes = offer.bytes, pid = offer.pid, "shared memory attached");
-                entry.segments.insert(offer.segment, seg);
+                tracing::debug!(%session, segment = offer.segment, bytes = offer.bytes, "shared memory attached");
+                if let Some(entry) = self.sessions.get_mut(&session) {
+                    entry.segments.insert(offer.segment, seg);
+                }
                 Reply::MemoryShared {
                     session,
                     segment: offer.segment,

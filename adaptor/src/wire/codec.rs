@@ -83,6 +83,7 @@ enum ReplyBody {
         server: String,
         version: u32,
         limits: Limits,
+        desk: Option<String>,
     },
     SessionOpened {
         session: SessionId,
@@ -415,11 +416,13 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
             server,
             version,
             limits,
+            desk,
         } => (
             ReplyBody::Hello {
                 server: server.clone(),
                 version: *version,
                 limits: *limits,
+                desk: desk.clone(),
             },
             Vec::new(),
         ),
@@ -855,10 +858,12 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
                     server,
                     version,
                     limits,
+                    desk,
                 } => Reply::Hello {
                     server,
                     version,
                     limits,
+                    desk,
                 },
                 ReplyBody::SessionOpened { session } => Reply::SessionOpened { session },
                 ReplyBody::GraphLoaded {

@@ -241,6 +241,10 @@ pub enum Reply {
         server: String,
         version: u32,
         limits: Limits,
+        /// The abstract Unix socket to which a job on this host hands its
+        /// shared-memory segments' descriptors (`shm::OwnedSegment::hand_over`);
+        /// `None` when the service attaches no shared memory.
+        desk: Option<String>,
     },
     SessionOpened {
         session: SessionId,

@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,8 +162,6 @@ mod tests {
                 session: SessionId(2),
                 offer: shm::SegmentOffer {
                     segment: 5,
-                    pid: 77,
-                    fd: 9,
                     bytes: 1 << 21,
                     token: [3; shm::TOKEN_BYTES],
                 },
@@ -201,6 +199,7 @@ mod tests {
                 server: "s".into(),
                 version: PROTOCOL_VERSION,
                 limits: l,
+                desk: Some("lanes-desk-1".into()),
             },
         ] {
             let frames = encode_reply(u64::MAX, &rep).unwrap();
@@ -317,7 +316,10 @@ mod tests {
         let frames = encode_request_into(8, &req, Some(&mut seg)).unwrap();
         // Only the header crosses the socket.
         assert_eq!(frames.len(), 1);
-        let attached = shm::AttachedSegment::open(&seg.offer(), 1 << 20).unwrap();
+        let mut desk = shm::FdDesk::bind().unwrap();
+        seg.hand_over(desk.name()).unwrap();
+        let file = desk.take(&seg.offer().token).unwrap();
+        let attached = shm::AttachedSegment::attach(file, &seg.offer(), 1 << 20).unwrap();
         let found = OneSegment(SessionId(3), 4, attached.bytes());
         let env = decode_request_with(&frames, &l, None, &found).unwrap();
         assert_eq!(env.message, req);

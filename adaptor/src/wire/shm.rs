@@ -4,9 +4,19 @@
 //! frame, into and out of the kernel, into the service's tensor). A job on
 //! the same host can instead write them once into a segment it shares with
 //! the service: a sealed `memfd` (Linux) that the client maps read-write and
-//! the service maps read-only through `/proc/<pid>/fd/<fd>`. The Run header
-//! then names the segment and each feed's offset, and the service copies
-//! the values straight from the mapping into the Run's tensors.
+//! the service maps read-only. The client hands the segment's descriptor to
+//! the service itself, over a Unix socket of the service's (the *desk*, an
+//! abstract socket named in the Hello reply) with `SCM_RIGHTS`, together
+//! with the segment's random token; the ShareMemory request then names the
+//! token. The Run header names the segment and each feed's offset, and the
+//! service copies the values straight from the mapping into the Run's
+//! tensors.
+//!
+//! Who may share what: the service never opens a file a peer names; it maps
+//! only descriptors a peer handed over, which that peer could already read.
+//! A token is 16 random bytes known to the client that made it, so no peer
+//! can attach another's descriptor. A peer on another host cannot reach
+//! the desk (an abstract Unix socket of this host's network namespace).
 //!
 //! Safety of the service against its clients:
 //! - the segment must be a memfd sealed against shrinking (`F_SEAL_SHRINK`),
@@ -31,19 +41,25 @@ pub const TOKEN_BYTES: usize = 16;
 /// Feed offsets in a segment are multiples of this.
 pub const FEED_ALIGN: usize = 64;
 
-/// What a client tells the service about a segment it made.
+/// What a client tells the service about a segment whose descriptor it
+/// handed to the service's desk ([`OwnedSegment::hand_over`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentOffer {
     /// The client's name for the segment, unique within its session.
     pub segment: u32,
-    /// Process id of the client, and the segment's descriptor in it.
-    pub pid: u32,
-    pub fd: i32,
     /// Length of the segment in bytes (header included).
     pub bytes: u64,
-    /// What the segment's first bytes hold.
+    /// The segment's token: what its first bytes hold, and the key its
+    /// descriptor was handed over under.
     pub token: [u8; TOKEN_BYTES],
 }
+
+/// Descriptors the desk keeps for offers still to come, at most.
+pub const DESK_PENDING: usize = 256;
+/// How long the desk keeps a descriptor no offer has claimed.
+pub const DESK_KEEP: std::time::Duration = std::time::Duration::from_secs(30);
+/// Connections the desk accepted whose descriptor has not arrived yet, at most.
+const DESK_WAITING: usize = 64;
 
 /// Why a segment could not be made or attached.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +81,8 @@ pub enum SharedMemoryError {
     Size { bytes: u64, limit: u64 },
     #[error("the segment's first bytes are not the offered token")]
     Token,
+    #[error("no descriptor was handed over with this segment's token")]
+    NotHandedOver,
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SharedMemoryError {
@@ -171,22 +189,48 @@ impl OwnedSegment {
         self.map.is_empty()
     }
 
-    /// What the service needs to attach this segment.
+    /// What the service needs to attach this segment, once its descriptor
+    /// was handed over ([`OwnedSegment::hand_over`]).
     pub fn offer(&self) -> SegmentOffer {
-        #[cfg(target_os = "linux")]
-        let fd = {
-            use std::os::fd::AsRawFd;
-            self.memfd.as_file().as_raw_fd()
-        };
-        #[cfg(not(target_os = "linux"))]
-        let fd = -1;
         SegmentOffer {
             segment: self.id,
-            pid: std::process::id(),
-            fd,
             bytes: self.map.len() as u64,
             token: self.token,
         }
+    }
+
+    /// Hands the segment's descriptor to the service's desk (the abstract
+    /// Unix socket `desk` its Hello reply named), under the segment's token.
+    #[cfg(target_os = "linux")]
+    pub fn hand_over(&self, desk: &str) -> Result<(), SharedMemoryError> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
+        use std::os::fd::AsRawFd;
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(desk.as_bytes())
+            .map_err(io(format!("the desk name {desk:?}")))?;
+        let stream = std::os::unix::net::UnixStream::connect_addr(&addr)
+            .map_err(io(format!("connecting to the service's desk {desk:?}")))?;
+        let fds = [self.memfd.as_file().as_raw_fd()];
+        let iov = [std::io::IoSlice::new(&self.token)];
+        let sent = sendmsg::<UnixAddr>(
+            stream.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(|e| io("handing the descriptor over")(e.into()))?;
+        if sent != TOKEN_BYTES {
+            return Err(io("handing the descriptor over")(std::io::Error::other(
+                "short write",
+            )));
+        }
+        Ok(())
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn hand_over(&self, _desk: &str) -> Result<(), SharedMemoryError> {
+        Err(SharedMemoryError::Unsupported)
     }
 
     /// The whole segment, header included (callers write past the header).
@@ -195,24 +239,198 @@ impl OwnedSegment {
     }
 }
 
-/// A token no other segment is likely to start with (not a secret: reading
-/// another process's descriptor already needs its user's rights).
+/// A segment's token: 16 bytes from a cryptographically secure generator
+/// (the key under which its descriptor waits at the desk, so it must not
+/// be guessable).
 fn token() -> [u8; TOKEN_BYTES] {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNT: AtomicU64 = AtomicU64::new(0);
+    use rand::RngCore;
     let mut out = [0u8; TOKEN_BYTES];
-    for (i, chunk) in out.chunks_mut(8).enumerate() {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(COUNT.fetch_add(1, Ordering::Relaxed));
-        h.write_u32(std::process::id());
-        h.write_usize(i);
-        if let Ok(d) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-            h.write_u128(d.as_nanos());
-        }
-        chunk.copy_from_slice(&h.finish().to_le_bytes()[..chunk.len()]);
-    }
+    rand::thread_rng().fill_bytes(&mut out);
     out
+}
+
+/// The service's end of the hand-over: an abstract Unix socket that
+/// accepts a segment's token with its descriptor (`SCM_RIGHTS`), and the
+/// descriptors received until an offer claims them ([`FdDesk::take`]).
+/// Non-blocking throughout: the service's socket thread drives it. Bounded:
+/// at most [`DESK_PENDING`] descriptors kept, each at most [`DESK_KEEP`].
+#[cfg(target_os = "linux")]
+pub struct FdDesk {
+    name: String,
+    listener: std::os::unix::net::UnixListener,
+    /// Accepted connections whose message has not arrived yet.
+    waiting: Vec<(std::os::unix::net::UnixStream, std::time::Instant)>,
+    pending: std::collections::HashMap<[u8; TOKEN_BYTES], (std::fs::File, std::time::Instant)>,
+}
+
+#[cfg(target_os = "linux")]
+impl std::fmt::Debug for FdDesk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdDesk")
+            .field("name", &self.name)
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl FdDesk {
+    /// A desk under a fresh abstract name.
+    pub fn bind() -> Result<Self, SharedMemoryError> {
+        use std::os::linux::net::SocketAddrExt;
+        let name = format!("lanes-desk-{}-{}", std::process::id(), hex(&token()));
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(io("naming the desk"))?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr)
+            .map_err(io(format!("binding the desk {name:?}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(io("making the desk non-blocking"))?;
+        Ok(FdDesk {
+            name,
+            listener,
+            waiting: Vec::new(),
+            pending: std::collections::HashMap::new(),
+        })
+    }
+
+    /// The abstract name clients connect to.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The descriptor handed over under `token`, if any (taken: a token
+    /// attaches once).
+    pub fn take(&mut self, token: &[u8; TOKEN_BYTES]) -> Option<std::fs::File> {
+        self.collect();
+        self.pending.remove(token).map(|(f, _)| f)
+    }
+
+    /// Descriptors kept now.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Accepts what has arrived, reads the messages that are complete,
+    /// forgets what is too old, and keeps within the bounds.
+    fn collect(&mut self) {
+        let now = std::time::Instant::now();
+        while self.waiting.len() < DESK_WAITING {
+            match self.listener.accept() {
+                Ok((s, _)) if s.set_nonblocking(true).is_ok() => self.waiting.push((s, now)),
+                Ok(_) => {}
+                Err(_) => break, // WouldBlock, or a transient error: next time
+            }
+        }
+        let waiting = std::mem::take(&mut self.waiting);
+        for (stream, since) in waiting {
+            match receive(&stream) {
+                Received::Descriptor(token, file) => {
+                    self.pending.insert(token, (file, now));
+                }
+                Received::NotYet if now.duration_since(since) < DESK_KEEP => {
+                    self.waiting.push((stream, since));
+                }
+                Received::NotYet | Received::Refused => {}
+            }
+        }
+        self.pending
+            .retain(|_, (_, at)| now.duration_since(*at) < DESK_KEEP);
+        while self.pending.len() > DESK_PENDING {
+            let oldest = self
+                .pending
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(k, _)| *k);
+            match oldest {
+                Some(k) => {
+                    self.pending.remove(&k);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+/// Shared memory needs Linux: elsewhere no desk can be bound.
+#[cfg(not(target_os = "linux"))]
+#[derive(Debug)]
+pub struct FdDesk;
+
+#[cfg(not(target_os = "linux"))]
+impl FdDesk {
+    pub fn bind() -> Result<Self, SharedMemoryError> {
+        Err(SharedMemoryError::Unsupported)
+    }
+    pub fn name(&self) -> &str {
+        ""
+    }
+    pub fn take(&mut self, _token: &[u8; TOKEN_BYTES]) -> Option<std::fs::File> {
+        None
+    }
+    pub fn pending(&self) -> usize {
+        0
+    }
+}
+
+#[cfg(target_os = "linux")]
+enum Received {
+    Descriptor([u8; TOKEN_BYTES], std::fs::File),
+    NotYet,
+    Refused,
+}
+
+/// One hand-over message: exactly a token and one descriptor.
+#[cfg(target_os = "linux")]
+fn receive(stream: &std::os::unix::net::UnixStream) -> Received {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, UnixAddr};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let mut token = [0u8; TOKEN_BYTES];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let (bytes, mut fds) = {
+        let mut iov = [std::io::IoSliceMut::new(&mut token)];
+        let msg = match recvmsg::<UnixAddr>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+        ) {
+            Ok(m) => m,
+            Err(nix::errno::Errno::EAGAIN) => return Received::NotYet,
+            Err(_) => return Received::Refused,
+        };
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        if let Ok(cmsgs) = msg.cmsgs() {
+            for c in cmsgs {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    // SAFETY: the kernel installed these descriptors in this
+                    // process for this message just now; nothing else owns
+                    // them, and each is wrapped exactly once (closed on drop).
+                    #[allow(unsafe_code)]
+                    fds.extend(
+                        raw.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+        }
+        let truncated = msg
+            .flags
+            .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
+        (if truncated { 0 } else { msg.bytes }, fds)
+    };
+    if bytes != TOKEN_BYTES || fds.len() != 1 {
+        return Received::Refused; // every descriptor received is closed here
+    }
+    match fds.pop() {
+        Some(fd) => Received::Descriptor(token, std::fs::File::from(fd)),
+        None => Received::Refused,
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// The service's view of a client's segment: mapped read-only.
@@ -229,11 +447,15 @@ impl std::fmt::Debug for AttachedSegment {
 }
 
 impl AttachedSegment {
-    /// Opens the segment an offer describes, if it is a memfd sealed
-    /// against shrinking, at least as long as offered, at most `limit`
-    /// bytes, and starts with the offered token.
+    /// Maps the descriptor handed over for an offer, if it is a memfd
+    /// sealed against shrinking, at least as long as offered, at most
+    /// `limit` bytes, and starts with the offered token.
     #[cfg(target_os = "linux")]
-    pub fn open(offer: &SegmentOffer, limit: u64) -> Result<Self, SharedMemoryError> {
+    pub fn attach(
+        file: std::fs::File,
+        offer: &SegmentOffer,
+        limit: u64,
+    ) -> Result<Self, SharedMemoryError> {
         use memfd::{FileSeal, Memfd};
         if offer.bytes < SEGMENT_HEADER as u64 || offer.bytes > limit {
             return Err(SharedMemoryError::Size {
@@ -241,37 +463,23 @@ impl AttachedSegment {
                 limit,
             });
         }
-        let path = format!("/proc/{}/fd/{}", offer.pid, offer.fd);
-        // Only regular files (a memfd is one): opening a FIFO could block
-        // the service and a device could react to being opened. Checked
-        // before opening, opened non-blocking (the descriptor may be
-        // swapped in between) and checked again on what was opened.
-        let regular = |m: std::fs::Metadata| m.file_type().is_file();
-        let meta = std::fs::metadata(&path).map_err(io(format!("looking at {path}")))?;
-        if !regular(meta) {
-            return Err(SharedMemoryError::NotMemfd { path });
-        }
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(&path)
-            .map_err(io(format!("opening {path}")))?;
-        if !file.metadata().is_ok_and(regular) {
-            return Err(SharedMemoryError::NotMemfd { path });
+        let what = format!("segment {}", offer.segment);
+        // A memfd is a regular file; a socket, a pipe or a device is not.
+        if !file.metadata().is_ok_and(|m| m.file_type().is_file()) {
+            return Err(SharedMemoryError::NotMemfd { path: what });
         }
         let memfd = Memfd::try_from_file(file)
-            .map_err(|_| SharedMemoryError::NotMemfd { path: path.clone() })?;
+            .map_err(|_| SharedMemoryError::NotMemfd { path: what.clone() })?;
         let seals = memfd
             .seals()
-            .map_err(memfd_io(format!("reading the seals of {path}")))?;
+            .map_err(memfd_io(format!("reading the seals of {what}")))?;
         if !seals.contains(&FileSeal::SealShrink) {
             return Err(SharedMemoryError::NotSealed);
         }
         let actual = memfd
             .as_file()
             .metadata()
-            .map_err(io(format!("reading the size of {path}")))?
+            .map_err(io(format!("reading the size of {what}")))?
             .len();
         if actual < offer.bytes {
             return Err(SharedMemoryError::Short {
@@ -289,7 +497,7 @@ impl AttachedSegment {
         // gives them no meaning beyond the feeds of that owner's own Run.
         #[allow(unsafe_code)]
         let map = unsafe { memmap2::MmapOptions::new().len(len).map(memfd.as_file()) }
-            .map_err(io(format!("mapping {path}")))?;
+            .map_err(io(format!("mapping {what}")))?;
         if map[..TOKEN_BYTES] != offer.token {
             return Err(SharedMemoryError::Token);
         }
@@ -297,7 +505,11 @@ impl AttachedSegment {
     }
 
     #[cfg(not(target_os = "linux"))]
-    pub fn open(_offer: &SegmentOffer, _limit: u64) -> Result<Self, SharedMemoryError> {
+    pub fn attach(
+        _file: std::fs::File,
+        _offer: &SegmentOffer,
+        _limit: u64,
+    ) -> Result<Self, SharedMemoryError> {
         Err(SharedMemoryError::Unsupported)
     }
 
@@ -337,14 +549,30 @@ mod tests {
         assert!(layout([usize::MAX]).is_none());
     }
 
+    /// Hands `seg` over to `desk` and attaches what the desk received.
+    #[cfg(target_os = "linux")]
+    fn through_desk(
+        desk: &mut FdDesk,
+        seg: &OwnedSegment,
+        offer: &SegmentOffer,
+        limit: u64,
+    ) -> Result<AttachedSegment, SharedMemoryError> {
+        seg.hand_over(desk.name()).unwrap();
+        let file = desk
+            .take(&seg.offer().token)
+            .ok_or(SharedMemoryError::NotHandedOver)?;
+        AttachedSegment::attach(file, offer, limit)
+    }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn a_segment_attaches_and_shows_what_its_owner_wrote() {
+        let mut desk = FdDesk::bind().unwrap();
         let mut seg = OwnedSegment::create(3, 4096).unwrap();
         seg.bytes_mut()[SEGMENT_HEADER..SEGMENT_HEADER + 4].copy_from_slice(&[1, 2, 3, 4]);
         let offer = seg.offer();
         assert_eq!((offer.segment, offer.bytes), (3, 4096));
-        let at = AttachedSegment::open(&offer, 1 << 20).unwrap();
+        let at = through_desk(&mut desk, &seg, &offer, 1 << 20).unwrap();
         assert_eq!(
             &at.bytes()[SEGMENT_HEADER..SEGMENT_HEADER + 4],
             &[1, 2, 3, 4]
@@ -352,19 +580,26 @@ mod tests {
         // Later writes are seen through the service's mapping.
         seg.bytes_mut()[SEGMENT_HEADER] = 9;
         assert_eq!(at.bytes()[SEGMENT_HEADER], 9);
+        // A token attaches once; an unknown token finds nothing.
+        assert!(desk.take(&offer.token).is_none());
+        assert!(desk.take(&[5; TOKEN_BYTES]).is_none());
+        assert_eq!(desk.pending(), 0);
     }
 
     #[cfg(target_os = "linux")]
     #[test]
     fn offers_that_do_not_match_their_segment_are_refused() {
+        let mut desk = FdDesk::bind().unwrap();
         let seg = OwnedSegment::create(1, 4096).unwrap();
         let good = seg.offer();
         let wrong_token = SegmentOffer {
             token: [7; TOKEN_BYTES],
             ..good
         };
+        // The descriptor is found under the segment's token, but its first
+        // bytes are not the offered token.
         assert!(matches!(
-            AttachedSegment::open(&wrong_token, 1 << 20),
+            through_desk(&mut desk, &seg, &wrong_token, 1 << 20),
             Err(SharedMemoryError::Token)
         ));
         let longer = SegmentOffer {
@@ -372,50 +607,23 @@ mod tests {
             ..good
         };
         assert!(matches!(
-            AttachedSegment::open(&longer, 1 << 20),
+            through_desk(&mut desk, &seg, &longer, 1 << 20),
             Err(SharedMemoryError::Short { .. })
         ));
         assert!(matches!(
-            AttachedSegment::open(&good, 1024),
+            through_desk(&mut desk, &seg, &good, 1024),
             Err(SharedMemoryError::Size { .. })
         ));
-        let no_fd = SegmentOffer {
-            fd: 1 << 20,
-            ..good
-        };
+        // An ordinary file is not a memfd, a socket is not a regular file.
+        let plain = std::fs::File::open("/proc/self/exe").unwrap();
         assert!(matches!(
-            AttachedSegment::open(&no_fd, 1 << 20),
-            Err(SharedMemoryError::Io { .. })
-        ));
-        // An ordinary file (this test binary's stdin may be anything; use a
-        // file we open) is not a memfd.
-        let f = std::fs::File::open("/proc/self/exe").unwrap();
-        use std::os::fd::AsRawFd;
-        let plain = SegmentOffer {
-            fd: f.as_raw_fd(),
-            ..good
-        };
-        assert!(matches!(
-            AttachedSegment::open(&plain, 1 << 20),
+            AttachedSegment::attach(plain, &good, 1 << 20),
             Err(SharedMemoryError::NotMemfd { .. })
         ));
-    }
-
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn a_socket_is_refused_without_opening_it() {
-        // Not a regular file (opening a FIFO with no writer would block).
         let (reader, _writer) = std::os::unix::net::UnixStream::pair().unwrap();
-        use std::os::fd::AsRawFd;
-        let offer = SegmentOffer {
-            segment: 0,
-            pid: std::process::id(),
-            fd: reader.as_raw_fd(),
-            bytes: 4096,
-            token: [0; TOKEN_BYTES],
-        };
+        let sock = std::fs::File::from(std::os::fd::OwnedFd::from(reader));
         assert!(matches!(
-            AttachedSegment::open(&offer, 1 << 20),
+            AttachedSegment::attach(sock, &good, 1 << 20),
             Err(SharedMemoryError::NotMemfd { .. })
         ));
     }
@@ -428,17 +636,32 @@ mod tests {
             .create("unsealed")
             .unwrap();
         fd.as_file().set_len(4096).unwrap();
-        use std::os::fd::AsRawFd;
         let offer = SegmentOffer {
             segment: 0,
-            pid: std::process::id(),
-            fd: fd.as_file().as_raw_fd(),
             bytes: 4096,
             token: [0; TOKEN_BYTES],
         };
         assert!(matches!(
-            AttachedSegment::open(&offer, 1 << 20),
+            AttachedSegment::attach(fd.into_file(), &offer, 1 << 20),
             Err(SharedMemoryError::NotSealed)
         ));
+    }
+
+    /// Messages that are not exactly a token and one descriptor are
+    /// dropped (their descriptors closed); the desk keeps serving.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_desk_drops_malformed_hand_overs() {
+        use std::io::Write;
+        use std::os::linux::net::SocketAddrExt;
+        let mut desk = FdDesk::bind().unwrap();
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(desk.name()).unwrap();
+        // Bytes without a descriptor, and a connection that sends nothing.
+        let mut s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        s.write_all(&[1; TOKEN_BYTES]).unwrap();
+        let _silent = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+        assert!(desk.take(&[1; TOKEN_BYTES]).is_none());
+        let seg = OwnedSegment::create(2, 4096).unwrap();
+        assert!(through_desk(&mut desk, &seg, &seg.offer(), 1 << 20).is_ok());
     }
 }
