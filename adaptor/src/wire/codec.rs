@@ -660,27 +660,52 @@ fn take_shared(
             ),
         });
     }
+    // Every range first, checked inside the segment, pairwise disjoint and
+    // under distinct names: only then is anything copied, so a Run copies
+    // at most the segment's bytes however many feeds it lists.
+    let mut ranges = Vec::with_capacity(metas.len());
+    for (m, &at) in metas.iter().zip(offsets) {
+        let len = checked_len(m, limits)?;
+        let range = usize::try_from(at)
+            .ok()
+            .filter(|a| *a >= shm::SEGMENT_HEADER)
+            .and_then(|a| Some(a..a.checked_add(len)?))
+            .filter(|r| r.end <= seg.len());
+        let Some(range) = range else {
+            return Err(WireError::SharedMemory {
+                reason: format!(
+                    "feed `{}` ({len} bytes at offset {at}) is outside the segment's {} data bytes",
+                    m.name,
+                    seg.len().saturating_sub(shm::SEGMENT_HEADER)
+                ),
+            });
+        };
+        ranges.push(range);
+    }
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| (ranges[i].start, ranges[i].end));
+    for w in order.windows(2) {
+        let (a, b) = (&ranges[w[0]], &ranges[w[1]]);
+        if b.start < a.end && !a.is_empty() && !b.is_empty() {
+            return Err(WireError::SharedMemory {
+                reason: format!(
+                    "feeds `{}` and `{}` overlap in the segment",
+                    metas[w[0]].name, metas[w[1]].name
+                ),
+            });
+        }
+    }
+    let mut names: Vec<&str> = metas.iter().map(|m| m.name.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(WireError::SharedMemory {
+            reason: format!("feed `{}` is listed twice", w[0]),
+        });
+    }
     metas
         .into_iter()
-        .zip(offsets)
-        .map(|(m, &at)| {
-            let len = checked_len(&m, limits)?;
-            let range = usize::try_from(at)
-                .ok()
-                .filter(|a| *a >= shm::SEGMENT_HEADER)
-                .and_then(|a| Some(a..a.checked_add(len)?))
-                .filter(|r| r.end <= seg.len());
-            let Some(range) = range else {
-                return Err(WireError::SharedMemory {
-                    reason: format!(
-                        "feed `{}` ({len} bytes at offset {at}) is outside the segment's {} data bytes",
-                        m.name,
-                        seg.len().saturating_sub(shm::SEGMENT_HEADER)
-                    ),
-                });
-            };
-            named_from(m, &seg[range], pool)
-        })
+        .zip(ranges)
+        .map(|(m, range)| named_from(m, &seg[range], pool))
         .collect()
 }
 
@@ -900,4 +925,43 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
         request_id,
         message,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn meta(name: &str, n: usize) -> TensorMeta {
+        TensorMeta {
+            name: name.into(),
+            ty: TensorType::f32([n]),
+        }
+    }
+
+    /// Shared feeds are checked as a whole before any is copied: feeds
+    /// that overlap (a few bytes of header naming one range many times
+    /// would copy it that many times) or share a name are refused.
+    #[test]
+    fn shared_feeds_must_be_disjoint_and_distinct() {
+        let seg = vec![0u8; shm::SEGMENT_HEADER + 1024];
+        let l = Limits::default();
+        let at = shm::SEGMENT_HEADER as u64;
+        let ok = take_shared(
+            vec![meta("a", 64), meta("b", 64)],
+            &[at, at + 256],
+            &seg,
+            &l,
+            None,
+        );
+        assert_eq!(ok.unwrap().len(), 2);
+        for (metas, offsets) in [
+            (vec![meta("a", 64), meta("b", 64)], vec![at, at]),
+            (vec![meta("a", 64), meta("b", 64)], vec![at, at + 128]),
+            (vec![meta("a", 8), meta("a", 8)], vec![at, at + 512]),
+        ] {
+            let e = take_shared(metas, &offsets, &seg, &l, None).unwrap_err();
+            assert!(matches!(e, WireError::SharedMemory { .. }), "{e}");
+        }
+    }
 }
