@@ -446,3 +446,37 @@ fn runs_submitted_ahead_answer_in_order() {
     let out_a = session.wait_run(a).unwrap();
     assert_close(out_a[0].f32s().unwrap(), &want(10));
 }
+
+/// One connection cannot take every session slot: past its own limit it
+/// is refused with `Overloaded`, while another connection still opens
+/// sessions; closing one of its sessions frees a slot.
+#[test]
+fn one_client_cannot_take_every_session_slot() {
+    use lanes_adaptor::wire::{Reply, Request};
+    let service = start_with(|c| {
+        c.max_sessions = 100;
+        c.max_sessions_per_client = 5;
+    });
+    let ep = service.endpoint().to_string();
+    let open =
+        |c: &mut Client, name: &str| c.request(&Request::OpenSession(SessionSpec::inference(name)));
+    let mut hog = Client::connect(&ep).unwrap();
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        match open(&mut hog, &format!("hog{i}")).unwrap() {
+            Reply::SessionOpened { session } => ids.push(session),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(code(open(&mut hog, "one too many")), ErrorCode::Overloaded);
+    let mut bystander = Client::connect(&ep).unwrap();
+    assert!(matches!(
+        open(&mut bystander, "bystander").unwrap(),
+        Reply::SessionOpened { .. }
+    ));
+    hog.close_in(ids[0]).unwrap();
+    assert!(matches!(
+        open(&mut hog, "after a close").unwrap(),
+        Reply::SessionOpened { .. }
+    ));
+}

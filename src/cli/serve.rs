@@ -53,6 +53,10 @@ pub struct Args {
     /// Most open sessions.
     #[arg(long, default_value_t = 4096)]
     pub max_sessions: usize,
+    /// Most open sessions of one client connection (one client cannot
+    /// take every slot).
+    #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_CLIENT)]
+    pub max_sessions_per_client: usize,
     /// Never evict idle jobs to host memory under memory pressure (by
     /// default idle inference jobs are evicted, least recently used first,
     /// and brought back pipelined by their next Run; nothing is evicted
@@ -120,6 +124,9 @@ pub fn init_tracing(default: &str) {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     init_tracing("info");
+    if args.max_sessions_per_client == 0 {
+        anyhow::bail!("--max-sessions-per-client must be at least 1");
+    }
     if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
         anyhow::bail!("--idle-timeout must be a positive number of seconds");
     }
@@ -136,6 +143,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         workers: args.workers.unwrap_or(ServerConfig::default().workers),
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
+        max_sessions_per_client: args.max_sessions_per_client,
         device,
         memory_bytes,
         max_lanes: args.max_lanes,

@@ -397,6 +397,19 @@ impl Frontend {
                 ),
             );
         }
+        let mine = self
+            .sessions
+            .values()
+            .filter(|e| e.owner.as_slice() == peer)
+            .count();
+        if mine >= self.config.max_sessions_per_client {
+            return Reply::error(
+                ErrorCode::Overloaded,
+                format!(
+                    "this connection already has {mine} sessions open, its limit (--max-sessions-per-client)"
+                ),
+            );
+        }
         let session = SessionId(self.next_session);
         self.next_session += 1;
         tracing::info!(%session, name = %spec.name, kind = %spec.kind, priority = spec.priority, "session opened");

@@ -214,6 +214,9 @@ pub struct ServerConfig {
     pub idle_timeout: Duration,
     /// Most open sessions; more are refused with `Overloaded`.
     pub max_sessions: usize,
+    /// Most open sessions of one connection (peer); more are refused with
+    /// `Overloaded`, so that one client cannot take every slot.
+    pub max_sessions_per_client: usize,
     /// Device name reported by Status (see [`resolve_device`]).
     pub device: String,
     /// The memory the lanes share (`--memory`, resolved by
@@ -246,6 +249,10 @@ pub struct ServerConfig {
     pub stream_priority: bool,
 }
 
+/// Default of [`ServerConfig::max_sessions_per_client`]: well under the
+/// global cap, enough for a process that packs many models.
+pub const DEFAULT_SESSIONS_PER_CLIENT: usize = 64;
+
 /// Default of [`ServerConfig::feed_pool_bytes`]: room for a few
 /// iterations' worth of large feeds (a ResNet-50 batch of 32 is 19.3 MB).
 pub const DEFAULT_FEED_POOL_BYTES: usize = 256 << 20;
@@ -258,6 +265,7 @@ impl Default for ServerConfig {
             workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
             idle_timeout: Duration::from_secs(300),
             max_sessions: 4096,
+            max_sessions_per_client: DEFAULT_SESSIONS_PER_CLIENT,
             device: "cpu".into(),
             memory_bytes: None,
             max_lanes: crate::lanes::LanesConfig::new(0).max_lanes,
