@@ -269,9 +269,9 @@ fn releasing_a_waiting_job_cancels_it() {
 fn waiting_jobs_are_admitted_in_rank_order() {
     let mut m = mgr(100, 1);
     admitted(m.admit(JobId(1), 60, 40).unwrap());
-    // Each needs 60 (P + T); only one fits once job 1 leaves.
+    // Each needs 70 (P + T), two 110: only one fits once job 1 leaves.
     for (job, rank) in [(2, (5, 0)), (3, (9, 0)), (4, (1, 0))] {
-        match m.admit_ranked(JobId(job), 30, 30, rank).unwrap() {
+        match m.admit_ranked(JobId(job), 40, 30, rank).unwrap() {
             Admission::Queued { .. } => {}
             other => panic!("job {job} admitted: {other:?}"),
         }
@@ -285,7 +285,7 @@ fn waiting_jobs_are_admitted_in_rank_order() {
     );
     assert_eq!(m.waiting_jobs(), vec![JobId(2), JobId(3)]);
     // Equal ranks keep arrival order.
-    match m.admit_ranked(JobId(5), 30, 30, (5, 0)).unwrap() {
+    match m.admit_ranked(JobId(5), 40, 30, (5, 0)).unwrap() {
         Admission::Queued { position, .. } => assert_eq!(position, 1),
         other => panic!("job 5 admitted: {other:?}"),
     }
