@@ -13,14 +13,23 @@ use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec};
 
 use super::paths::{progress, Device};
 
-/// How the child service is started.
-#[derive(Debug, Clone)]
+/// How the child service is started (flattened into the arguments of the
+/// benchmarks that drive one).
+#[derive(Debug, Clone, clap::Args)]
 pub struct ServeOpts {
+    #[arg(long, value_enum, default_value_t = Device::Cuda)]
     pub device: Device,
+    /// The service's `--policy`.
+    #[arg(long, value_enum, default_value_t = PolicyChoice::Priority)]
     pub policy: PolicyChoice,
-    /// Where its log goes (default: this process's stderr).
+    /// The service's endpoint (default: a free loopback port).
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// Where the service's log goes (default: this process's stderr).
+    #[arg(long = "serve-log")]
     pub log: Option<PathBuf>,
-    /// More `lanes serve` arguments.
+    /// More arguments for `lanes serve`, e.g. `--serve-arg=--max-lanes=2`.
+    #[arg(long = "serve-arg", allow_hyphen_values = true)]
     pub args: Vec<String>,
 }
 
@@ -42,8 +51,18 @@ impl Drop for Service {
 const READY_WITHIN: Duration = Duration::from_secs(120);
 
 impl Service {
-    /// Starts `lanes serve` on `endpoint` and waits until it answers.
-    pub fn start(o: &ServeOpts, endpoint: &str, since: Instant) -> anyhow::Result<Service> {
+    /// Starts `lanes serve` (on `o.endpoint`, or a free loopback port) and
+    /// waits until it answers; returns it with its endpoint.
+    pub fn start(o: &ServeOpts, since: Instant) -> anyhow::Result<(Service, String)> {
+        let endpoint = match &o.endpoint {
+            Some(e) => e.clone(),
+            None => free_endpoint()?,
+        };
+        let service = Self::start_on(o, &endpoint, since)?;
+        Ok((service, endpoint))
+    }
+
+    fn start_on(o: &ServeOpts, endpoint: &str, since: Instant) -> anyhow::Result<Service> {
         let exe = std::env::current_exe().context("locating the lanes binary")?;
         let mut cmd = Command::new(exe);
         cmd.arg("serve")

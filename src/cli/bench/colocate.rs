@@ -27,22 +27,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use lanes::server::PolicyChoice;
 use lanes_adaptor::wire::SessionId;
 use lanes_adaptor::{Client, Optimizer, SessionSpec, Tensor};
 use serde_json::{json, Value};
 
-use super::child::{connect, free_endpoint, open, ServeOpts, Service};
-use super::paths::{progress, Device};
+use super::child::{connect, open, ServeOpts, Service};
+use super::paths::progress;
 use super::workload::{self, Workload};
 
 #[derive(Debug, clap::Args)]
 pub struct ColocateArgs {
-    #[arg(long, value_enum, default_value_t = Device::Cuda)]
-    device: Device,
-    /// The service's `--policy`.
-    #[arg(long, value_enum, default_value_t = PolicyChoice::Priority)]
-    policy: PolicyChoice,
+    #[command(flatten)]
+    serve: ServeOpts,
     /// Training model (see `bench train --help`).
     #[arg(long, default_value = "resnet50")]
     train_model: String,
@@ -69,15 +65,6 @@ pub struct ColocateArgs {
     /// Seconds over which training's solo throughput is measured.
     #[arg(long, default_value_t = 5.0)]
     train_window: f64,
-    /// The service's endpoint (default: a free loopback port).
-    #[arg(long)]
-    endpoint: Option<String>,
-    /// Where the service's log goes (default: this process's stderr).
-    #[arg(long)]
-    serve_log: Option<std::path::PathBuf>,
-    /// More arguments for `lanes serve`, e.g. `--serve-arg=--memory=40GiB`.
-    #[arg(long = "serve-arg", allow_hyphen_values = true)]
-    serve_args: Vec<String>,
 }
 
 fn feeds_of(feeds: &BTreeMap<String, Tensor>) -> Vec<(String, Tensor)> {
@@ -250,20 +237,7 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
     let opt = Optimizer::sgd_momentum(0.01, 0.9, 0.0);
     let train = workload::training(&a.train_model, a.train_batch, a.seq, &opt)?;
     let infer = workload::inference(&a.infer_model, a.infer_batch, a.seq)?;
-    let endpoint = match &a.endpoint {
-        Some(e) => e.clone(),
-        None => free_endpoint()?,
-    };
-    let _service = Service::start(
-        &ServeOpts {
-            device: a.device,
-            policy: a.policy,
-            log: a.serve_log.clone(),
-            args: a.serve_args.clone(),
-        },
-        &endpoint,
-        since,
-    )?;
+    let (_service, endpoint) = Service::start(&a.serve, since)?;
 
     // 1. Training alone.
     let trainer = Trainer::start(endpoint.clone(), train, since)?;
@@ -356,10 +330,10 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
     let arrival_bound_ms = load_ms + train_step_ms + first_run_ms;
     let out = json!({
         "bench": "colocate",
-        "device": a.device.name(),
-        "policy": a.policy.name(),
+        "device": a.serve.device.name(),
+        "policy": a.serve.policy.name(),
         "endpoint": endpoint,
-        "serve_args": a.serve_args,
+        "serve_args": a.serve.args,
         "training": {
             "model": a.train_model,
             "batch": a.train_batch,

@@ -17,21 +17,19 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use lanes::server::PolicyChoice;
 use lanes_adaptor::{Optimizer, SessionSpec, Tensor};
 use serde_json::{json, Value};
 
-use super::child::{connect, free_endpoint, open, ServeOpts, Service};
-use super::paths::{progress, Device};
+use super::child::{connect, open, ServeOpts, Service};
+use super::paths::progress;
 use super::workload::{self, Workload};
 
 #[derive(Debug, clap::Args)]
 pub struct SweepArgs {
-    #[arg(long, value_enum, default_value_t = Device::Cuda)]
-    device: Device,
-    /// The service's `--policy`.
-    #[arg(long, value_enum, default_value_t = PolicyChoice::Fair)]
-    policy: PolicyChoice,
+    /// The service (`--policy` defaults to `priority`; a sweep of training
+    /// jobs is usually run under `fair`, `srtf` or `fifo`).
+    #[command(flatten)]
+    serve: ServeOpts,
     /// Model of every job (see `bench train --help`).
     #[arg(long, default_value = "resnet18_cifar")]
     model: String,
@@ -55,15 +53,6 @@ pub struct SweepArgs {
     /// Skip the one-after-another run.
     #[arg(long)]
     together_only: bool,
-    /// The service's endpoint (default: a free loopback port).
-    #[arg(long)]
-    endpoint: Option<String>,
-    /// Where the service's log goes (default: this process's stderr).
-    #[arg(long)]
-    serve_log: Option<std::path::PathBuf>,
-    /// More arguments for `lanes serve`, e.g. `--serve-arg=--max-lanes=2`.
-    #[arg(long = "serve-arg", allow_hyphen_values = true)]
-    serve_args: Vec<String>,
 }
 
 /// The learning rates, geometric from `min` to `max`.
@@ -166,20 +155,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
             )
         })
         .collect::<anyhow::Result<_>>()?;
-    let endpoint = match &a.endpoint {
-        Some(e) => e.clone(),
-        None => free_endpoint()?,
-    };
-    let _service = Service::start(
-        &ServeOpts {
-            device: a.device,
-            policy: a.policy,
-            log: a.serve_log.clone(),
-            args: a.serve_args.clone(),
-        },
-        &endpoint,
-        since,
-    )?;
+    let (_service, endpoint) = Service::start(&a.serve, since)?;
 
     progress(
         &format!("{} jobs together, {} steps each", a.jobs, a.steps),
@@ -242,9 +218,9 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
     };
     let out = json!({
         "bench": "sweep",
-        "device": a.device.name(),
-        "policy": a.policy.name(),
-        "serve_args": a.serve_args,
+        "device": a.serve.device.name(),
+        "policy": a.serve.policy.name(),
+        "serve_args": a.serve.args,
         "model": a.model,
         "batch": a.batch,
         "jobs": a.jobs,
