@@ -296,9 +296,10 @@ pub fn plan_outlets(
         .enumerate()
         .map(|(i, s)| (s.outlet, i))
         .collect();
+    let index: HashMap<Outlet, usize> = index;
     let mut fetched: Vec<Outlet> = fetched
         .into_iter()
-        .filter(|o| slots.iter().any(|s| s.outlet == *o))
+        .filter(|o| index.contains_key(o))
         .collect();
     fetched.sort();
     Ok(MemoryPlan {

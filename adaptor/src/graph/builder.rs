@@ -8,7 +8,7 @@ use super::infer::infer;
 use super::op::{Conv2dAttrs, Op, Pool2dAttrs};
 use super::{Graph, GraphError, Node, NodeId, Outlet, VarValues};
 use crate::tensor::{Tensor, TensorType};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// Builds a [`Graph`] and the initial values of its variables.
 #[derive(Debug, Default)]
@@ -16,6 +16,10 @@ pub struct GraphBuilder {
     nodes: Vec<Node>,
     vars: VarValues,
     names: HashSet<String>,
+    /// Per base name, the first suffix that may be free: every `{base}_{i}`
+    /// below it is taken (names are freed only by `set_name`, which lowers
+    /// it), so a fresh name costs O(1) instead of a scan of all suffixes.
+    next_suffix: HashMap<String, usize>,
     scopes: Vec<String>,
     error: Option<GraphError>,
 }
@@ -77,13 +81,13 @@ impl GraphBuilder {
         if !self.names.contains(&name) {
             return name;
         }
-        let mut i = 1;
+        let next = self.next_suffix.entry(name.clone()).or_insert(1);
         loop {
-            let cand = format!("{name}_{i}");
+            let cand = format!("{name}_{next}");
+            *next += 1;
             if !self.names.contains(&cand) {
                 return cand;
             }
-            i += 1;
         }
     }
 
@@ -112,6 +116,15 @@ impl GraphBuilder {
         }
         let old = std::mem::replace(&mut self.nodes[o.node.index()].name, name.to_string());
         self.names.remove(&old);
+        // `{base}_{i}` is free again: a fresh name of that base may take it.
+        if let Some((base, i)) = old
+            .rsplit_once('_')
+            .and_then(|(b, i)| Some((b, i.parse::<usize>().ok()?)))
+        {
+            if let Some(next) = self.next_suffix.get_mut(base) {
+                *next = (*next).min(i.max(1));
+            }
+        }
         self.names.insert(name.to_string());
         if let Some(v) = self.vars.remove(&old) {
             self.vars.insert(name.to_string(), v);
@@ -409,6 +422,7 @@ impl GraphBuilder {
             nodes: graph.nodes,
             vars,
             names,
+            next_suffix: HashMap::new(),
             scopes: Vec::new(),
             error: None,
         }
@@ -445,6 +459,26 @@ impl GraphBuilder {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// Fresh names take the lowest free suffix, also one freed by a
+    /// rename, as a scan from 1 would.
+    #[test]
+    fn fresh_names_take_the_lowest_free_suffix() {
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([2]));
+        let r: Vec<Outlet> = (0..3).map(|_| g.relu(x)).collect();
+        let fresh = |g: &mut GraphBuilder| {
+            let o = g.relu(x);
+            g.nodes[o.node.index()].name.clone()
+        };
+        assert_eq!(g.nodes[r[2].node.index()].name, "relu_2");
+        g.set_name(r[1], "renamed");
+        assert_eq!(fresh(&mut g), "relu_1");
+        assert_eq!(fresh(&mut g), "relu_3");
+        g.set_name(r[0], "relu_9");
+        assert_eq!(fresh(&mut g), "relu");
+        assert_eq!(fresh(&mut g), "relu_4");
+    }
 
     #[test]
     fn first_error_names_node_and_op() {
