@@ -480,3 +480,53 @@ fn one_client_cannot_take_every_session_slot() {
         Reply::SessionOpened { .. }
     ));
 }
+
+/// A client that vanishes without closing its sessions (its connection
+/// closes, as when its process is killed) has them reclaimed within
+/// seconds, with Runs in flight or idle, long before the idle timeout.
+#[test]
+fn a_vanished_client_is_reclaimed_within_seconds() {
+    use lanes_adaptor::wire::{self, NamedTensor, Reply, Request};
+    let service = start_with(|c| c.idle_timeout = Duration::from_secs(300));
+    let ep = service.endpoint().to_string();
+    let mut watcher = Client::connect(&ep).unwrap();
+    for in_flight in [0u64, 4] {
+        let peer = RawPeer::connect(&ep);
+        let open = Request::OpenSession(SessionSpec::training("doomed"));
+        let session = match peer.call(wire::encode_request(1, &open).unwrap()).message {
+            Reply::SessionOpened { session } => session,
+            other => panic!("{other:?}"),
+        };
+        let (graph, vars) = linear_relu(3);
+        let load = Request::LoadGraph {
+            session,
+            graph,
+            variables: vars
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        };
+        assert!(matches!(
+            peer.call(wire::encode_request(2, &load).unwrap()).message,
+            Reply::GraphLoaded { .. }
+        ));
+        for i in 0..in_flight {
+            let run = Request::Run {
+                session,
+                feeds: vec![NamedTensor::new("x", x_for(i))],
+                fetches: vec!["y".into()],
+            };
+            peer.send(wire::encode_request(10 + i, &run).unwrap());
+        }
+        assert_eq!(watcher.status().unwrap().sessions.len(), 1);
+        let gone = Instant::now();
+        drop(peer);
+        while !watcher.status().unwrap().sessions.is_empty() {
+            assert!(
+                gone.elapsed() < Duration::from_secs(5),
+                "a vanished client's session ({in_flight} Runs in flight) was not reclaimed within 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}

@@ -27,6 +27,16 @@ const MAX_NAME_BYTES: usize = 256;
 const BATCH: usize = 256;
 /// How long the loop sleeps in poll when idle (bounds shutdown latency).
 const POLL_MS: i64 = 50;
+/// How often clients whose sessions were quiet that long are pinged: a
+/// client that is gone (its connection closed, or silent past the
+/// heartbeat timeout) is noticed at the next ping and its sessions are
+/// reclaimed (within about [`PING_EVERY`] + [`HEARTBEAT_TIMEOUT_MS`]).
+const PING_EVERY: Duration = Duration::from_secs(1);
+/// ZeroMQ heartbeats on the service's connections (ZMTP PING/PONG, answered
+/// by the peer's I/O thread even while its application is busy): a
+/// connection with no traffic for this long is closed.
+const HEARTBEAT_IVL_MS: i32 = 1000;
+const HEARTBEAT_TIMEOUT_MS: i32 = 3000;
 
 /// One open session as the socket thread sees it.
 #[derive(Debug)]
@@ -97,6 +107,11 @@ pub(super) fn spawn(
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER)?;
     router.set_linger(500)?;
+    // Sending to a peer that is gone fails (EHOSTUNREACH) instead of being
+    // dropped silently: that is how a dead client is noticed.
+    router.set_router_mandatory(true)?;
+    router.set_heartbeat_ivl(HEARTBEAT_IVL_MS)?;
+    router.set_heartbeat_timeout(HEARTBEAT_TIMEOUT_MS)?;
     // Hard cap enforced by ZeroMQ (the connection is dropped above it);
     // frames between the frame limit and this cap get a FrameTooLarge reply.
     let cap = config.limits.max_frame_bytes.saturating_mul(2).max(1 << 20);
@@ -197,6 +212,7 @@ impl Frontend {
         let reap_every =
             (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let mut last_reap = Instant::now();
+        let mut last_ping = Instant::now();
         let result = loop {
             if self.stop.load(Ordering::SeqCst) {
                 break Ok(());
@@ -227,6 +243,12 @@ impl Frontend {
                 self.reap();
                 last_reap = Instant::now();
             }
+            if last_ping.elapsed() >= PING_EVERY {
+                if let Err(e) = self.ping_quiet_clients() {
+                    break Err(e.into());
+                }
+                last_ping = Instant::now();
+            }
         };
         self.dispatcher.shutdown();
         for w in std::mem::take(&mut self.workers) {
@@ -249,16 +271,18 @@ impl Frontend {
             if frames.len() < 3 {
                 continue;
             }
-            let mut sid = [0u8; 8];
-            if frames[0].len() == 8 {
-                sid.copy_from_slice(&frames[0]);
-                let sid = SessionId(u64::from_le_bytes(sid));
-                if let Some(e) = self.sessions.get_mut(&sid) {
+            let sid = <[u8; 8]>::try_from(&frames[0][..])
+                .ok()
+                .map(|b| SessionId(u64::from_le_bytes(b)));
+            frames.remove(0);
+            let peer = frames[0].to_vec();
+            // A reply that reached its client shows the client is there; one
+            // to a client that is gone reclaims its sessions.
+            if self.deliver(&peer, frames)? {
+                if let Some(e) = sid.and_then(|s| self.sessions.get_mut(&s)) {
                     e.last_seen = Instant::now();
                 }
             }
-            frames.remove(0);
-            self.router.send_multipart(frames, 0)?;
         }
         Ok(())
     }
@@ -274,14 +298,78 @@ impl Frontend {
         Ok(())
     }
 
-    fn send(&self, peer: &[u8], frames: Vec<Vec<u8>>) -> Result<(), zmq::Error> {
+    fn send(&mut self, peer: &[u8], frames: Vec<Vec<u8>>) -> Result<(), zmq::Error> {
         let mut out = Vec::with_capacity(frames.len() + 1);
         out.push(peer.to_vec());
         out.extend(frames);
-        self.router.send_multipart(out, 0)
+        self.deliver(peer, out).map(|_| ())
     }
 
-    fn reply(&self, peer: &[u8], request_id: u64, reply: &Reply) -> Result<(), zmq::Error> {
+    /// Sends `frames` (the peer's routing id first) without blocking.
+    /// `Ok(true)`: sent. `Ok(false)`: not sent, because the peer is gone
+    /// (its sessions are reclaimed now) or its queue is full (the message is
+    /// dropped, as ZeroMQ's ROUTER drops it by default).
+    fn deliver<T: Into<zmq::Message>>(
+        &mut self,
+        peer: &[u8],
+        frames: Vec<T>,
+    ) -> Result<bool, zmq::Error> {
+        match self.router.send_multipart(frames, zmq::DONTWAIT) {
+            Ok(()) => Ok(true),
+            Err(zmq::Error::EHOSTUNREACH) => {
+                self.peer_gone(peer);
+                Ok(false)
+            }
+            Err(zmq::Error::EAGAIN) => {
+                tracing::warn!(peer = %hex(peer), "a client does not read its replies: one dropped");
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Pings every client whose sessions have been quiet for [`PING_EVERY`]:
+    /// a ping to a client that is gone fails and reclaims its sessions.
+    fn ping_quiet_clients(&mut self) -> Result<(), zmq::Error> {
+        // Clients waiting for a reply are not pinged: the reply shows
+        // whether they are still there.
+        let mut quiet: Vec<Vec<u8>> = self
+            .sessions
+            .iter()
+            .filter(|(id, e)| e.last_seen.elapsed() >= PING_EVERY && self.dispatcher.is_idle(**id))
+            .map(|(_, e)| e.owner.clone())
+            .collect();
+        quiet.sort();
+        quiet.dedup();
+        if quiet.is_empty() {
+            return Ok(());
+        }
+        let ping = wire::encode_reply(0, &Reply::Ping).map_err(|_| zmq::Error::EPROTO)?;
+        for peer in quiet {
+            self.send(&peer, ping.clone())?;
+        }
+        Ok(())
+    }
+
+    /// Reclaims every session of a client that is gone: its queued requests
+    /// are dropped, a running one finishes, and its memory is returned.
+    fn peer_gone(&mut self, peer: &[u8]) {
+        let ids: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, e)| e.owner.as_slice() == peer)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if let Some(e) = self.sessions.remove(&id) {
+                let dropped = self.dispatcher.cancel(id);
+                tracing::info!(session = %id, name = %e.spec.name, dropped, "client gone: session reclaimed");
+            }
+        }
+        self.dispatcher.wake();
+    }
+
+    fn reply(&mut self, peer: &[u8], request_id: u64, reply: &Reply) -> Result<(), zmq::Error> {
         let frames = wire::encode_reply(request_id, reply).unwrap_or_else(|e| {
             wire::encode_error(request_id, ErrorCode::Internal, &e.to_string())
         });

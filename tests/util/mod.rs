@@ -78,12 +78,18 @@ impl RawPeer {
         Some(self.socket.recv_multipart(0).unwrap())
     }
 
-    /// The next reply, decoded.
+    /// The next reply, decoded (the service's pings skipped, as clients
+    /// skip them).
     pub fn recv(&self) -> Envelope<Reply> {
-        let frames = self
-            .recv_raw(Duration::from_secs(10))
-            .expect("a reply within 10 s");
-        wire::decode_reply(&frames, &Limits::default()).expect("a decodable reply")
+        loop {
+            let frames = self
+                .recv_raw(Duration::from_secs(10))
+                .expect("a reply within 10 s");
+            let env = wire::decode_reply(&frames, &Limits::default()).expect("a decodable reply");
+            if env.message != Reply::Ping {
+                return env;
+            }
+        }
     }
 
     /// Sends frames and returns the decoded reply.

@@ -114,6 +114,7 @@ enum ReplyBody {
         session: SessionId,
         segment: u32,
     },
+    Ping,
 }
 
 /// A decoded message: its request id and value.
@@ -467,6 +468,7 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
         }
         Reply::Status(s) => (ReplyBody::Status(s.clone()), Vec::new()),
         Reply::Error(e) => (ReplyBody::Error(e.clone()), Vec::new()),
+        Reply::Ping => (ReplyBody::Ping, Vec::new()),
         Reply::MemoryShared { session, segment } => (
             ReplyBody::MemoryShared {
                 session: *session,
@@ -913,6 +915,7 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
                 ReplyBody::MemoryShared { session, segment } => {
                     Reply::MemoryShared { session, segment }
                 }
+                ReplyBody::Ping => Reply::Ping,
                 ReplyBody::RunDone { .. } | ReplyBody::Variables { .. } => {
                     return Err(wrap(WireError::Malformed {
                         reason: "unreachable reply body".into(),

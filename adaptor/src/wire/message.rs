@@ -280,6 +280,9 @@ pub enum Reply {
         session: SessionId,
         segment: u32,
     },
+    /// Unrequested, with request id 0: the service checks that a client
+    /// whose sessions are quiet is still connected (clients skip it).
+    Ping,
 }
 
 impl Reply {
@@ -302,6 +305,7 @@ impl Reply {
             Reply::Status(_) => "status",
             Reply::Error(_) => "error",
             Reply::MemoryShared { .. } => "memory_shared",
+            Reply::Ping => "ping",
         }
     }
 }

@@ -201,6 +201,7 @@ mod tests {
                 limits: l,
                 desk: Some("lanes-desk-1".into()),
             },
+            Reply::Ping,
         ] {
             let frames = encode_reply(u64::MAX, &rep).unwrap();
             let env = decode_reply(&frames, &l).unwrap();
