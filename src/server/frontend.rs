@@ -96,6 +96,8 @@ struct Frontend {
     /// descriptors (`None` with `--no-shared-memory`, or where it could not
     /// be bound: jobs then send feeds through the socket).
     desk: Option<FdDesk>,
+    /// Warnings about bad messages, at most one a second.
+    bad_messages: Throttle,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -178,6 +180,7 @@ pub(super) fn spawn(
         lanes,
         _reservation: reservation,
         desk,
+        bad_messages: Throttle::default(),
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -394,7 +397,9 @@ impl Frontend {
         let env = match decoded {
             Ok(env) => env,
             Err(e) => {
-                tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %e, "bad message");
+                if let Some(suppressed) = self.bad_messages.allow() {
+                    tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %wire::bounded_text(&e.to_string()), suppressed, "bad message");
+                }
                 let id = e.request_id.unwrap_or(0);
                 return self.send(
                     &peer,
@@ -755,6 +760,34 @@ impl Frontend {
                 self.dispatcher.wake();
             }
         }
+    }
+}
+
+/// At most one log line per [`Throttle::EVERY`]: a peer sending a flood of
+/// bad messages gets one warning a second, each counting those it stands
+/// for.
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    const EVERY: Duration = Duration::from_secs(1);
+
+    /// `Some(n)` when a line may be logged now (`n` lines were suppressed
+    /// since the last one), `None` when this one is suppressed.
+    fn allow(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Self::EVERY)
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
     }
 }
 

@@ -467,7 +467,13 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
             (ReplyBody::SessionClosed { session: *session }, Vec::new())
         }
         Reply::Status(s) => (ReplyBody::Status(s.clone()), Vec::new()),
-        Reply::Error(e) => (ReplyBody::Error(e.clone()), Vec::new()),
+        Reply::Error(e) => (
+            ReplyBody::Error(ErrorReply {
+                code: e.code,
+                message: bounded_text(&e.message),
+            }),
+            Vec::new(),
+        ),
         Reply::Ping => (ReplyBody::Ping, Vec::new()),
         Reply::MemoryShared { session, segment } => (
             ReplyBody::MemoryShared {
@@ -482,6 +488,23 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
 
 /// An error reply's frames. Never fails: a message that cannot be encoded
 /// is replaced by a fixed one.
+/// Longest error text a reply carries (bytes); longer ones are cut.
+pub const MAX_ERROR_TEXT: usize = 4096;
+
+/// `text` cut to at most [`MAX_ERROR_TEXT`] bytes (at a character
+/// boundary), saying how much was cut: an error about a huge graph (say, a
+/// million outputs listed) stays a small reply.
+pub fn bounded_text(text: &str) -> String {
+    if text.len() <= MAX_ERROR_TEXT {
+        return text.to_string();
+    }
+    let mut end = MAX_ERROR_TEXT - 64;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} more bytes cut)", &text[..end], text.len() - end)
+}
+
 pub fn encode_error(request_id: u64, code: ErrorCode, message: &str) -> Vec<Vec<u8>> {
     let reply = Reply::error(code, message);
     encode_reply(request_id, &reply).unwrap_or_else(|_| {
@@ -940,6 +963,21 @@ mod tests {
             name: name.into(),
             ty: TensorType::f32([n]),
         }
+    }
+
+    #[test]
+    fn error_texts_are_bounded() {
+        let long = "é".repeat(10_000);
+        let frames = encode_error(3, ErrorCode::InvalidGraph, &long);
+        let env = decode_reply(&frames, &Limits::default()).unwrap();
+        match env.message {
+            Reply::Error(e) => {
+                assert!(e.message.len() <= MAX_ERROR_TEXT, "{}", e.message.len());
+                assert!(e.message.ends_with("more bytes cut)"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(bounded_text("short"), "short");
     }
 
     /// Shared feeds are checked as a whole before any is copied: feeds

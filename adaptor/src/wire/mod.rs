@@ -18,9 +18,10 @@ mod pool;
 pub mod shm;
 
 pub use codec::{
-    decode_reply, decode_reply_in, decode_request, decode_request_in, decode_request_with,
-    encode_error, encode_reply, encode_request, encode_request_into, peek_request_id, tensor_frame,
-    tensor_from_frame, tensor_from_frame_in, Envelope, MAGIC, PREFIX_BYTES,
+    bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
+    decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
+    peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in, Envelope, MAGIC,
+    MAX_ERROR_TEXT, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
@@ -367,8 +368,11 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
-        /// Random bytes and corrupted valid messages decode to errors, never panics.
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
+            std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000)
+        ))]
+        /// Random bytes and corrupted valid messages decode to errors, never
+        /// panics: 10,000 cases in CI; `PROPTEST_CASES=1000000` for a long run.
         #[test]
         fn decoding_never_panics(
             junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
