@@ -1,6 +1,6 @@
 //! The socket thread: ROUTER socket, session table, idle reaping.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -55,6 +55,9 @@ struct Entry {
     /// Shared-memory segments its Runs may carry feeds in, by the client's
     /// segment id; unmapped when the session goes.
     segments: HashMap<u32, AttachedSegment>,
+    /// Its graph's placeholders once loaded: Runs' feeds are checked
+    /// against them before being copied.
+    feed_types: crate::session::FeedTypes,
 }
 
 /// Most shared-memory segments one session may attach.
@@ -73,6 +76,17 @@ impl SegmentLookup for PeerSegments<'_> {
             return None;
         }
         e.segments.get(&segment).map(AttachedSegment::bytes)
+    }
+
+    fn feed_types(
+        &self,
+        session: SessionId,
+    ) -> Option<&BTreeMap<String, lanes_adaptor::TensorType>> {
+        let e = self.sessions.get(&session)?;
+        if e.owner != self.peer {
+            return None;
+        }
+        e.feed_types.get()
     }
 }
 
@@ -506,12 +520,14 @@ impl Frontend {
         let session = SessionId(self.next_session);
         self.next_session += 1;
         tracing::info!(%session, name = %spec.name, kind = %spec.kind, priority = spec.priority, "session opened");
+        let feed_types = crate::session::FeedTypes::default();
         self.sessions.insert(
             session,
             Entry {
                 owner: peer.to_vec(),
                 state: Arc::new(Mutex::new(
                     Session::new(session, spec.clone())
+                        .with_feed_types(Arc::clone(&feed_types))
                         .with_lanes(self.lanes.clone())
                         .with_pool(self.pool.clone())
                         .with_backend(super::backend_of(&self.config.device))
@@ -529,6 +545,7 @@ impl Frontend {
                 resident: true,
                 switches: (0, 0),
                 segments: HashMap::new(),
+                feed_types,
             },
         );
         Reply::SessionOpened { session }

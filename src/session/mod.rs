@@ -124,7 +124,13 @@ pub struct Session {
     /// Its place in the lanes' admission queue when it has to wait (the
     /// policy's `admission_rank`).
     rank: crate::lanes::AdmissionRank,
+    /// Where the loaded graph's placeholders are published for the
+    /// service's decoder (Runs' feeds are checked before being copied).
+    feed_types: Option<FeedTypes>,
 }
+
+/// A session's placeholders by name, set once its graph is loaded.
+pub type FeedTypes = std::sync::Arc<std::sync::OnceLock<BTreeMap<String, TensorType>>>;
 
 /// The (P, T) a job of `valid` asks the lanes for on `backend`: the memory
 /// plan's, and on the GPU T also holds the cuDNN and cuBLAS workspaces
@@ -162,7 +168,14 @@ impl Session {
             pool: None,
             urgency: 0,
             rank: Default::default(),
+            feed_types: None,
         }
+    }
+
+    /// Publishes the loaded graph's placeholders in `cell`.
+    pub fn with_feed_types(mut self, cell: FeedTypes) -> Self {
+        self.feed_types = Some(cell);
+        self
     }
 
     /// Waits for memory at `rank` in the lanes' admission queue (smaller
@@ -456,6 +469,9 @@ impl Session {
         }
         self.lease = lease.map(|(l, _)| l);
         self.memory = Some((p, t));
+        if let Some(cell) = &self.feed_types {
+            let _ = cell.set(placeholders.clone());
+        }
         self.loaded = Some(Loaded {
             program,
             placeholders,

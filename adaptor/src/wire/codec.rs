@@ -734,6 +734,37 @@ fn take_shared(
         .collect()
 }
 
+/// A Run's feeds against the session's placeholders, when known: each a
+/// placeholder of that type, none twice. Checked from the header alone,
+/// before any tensor is copied, so a Run of feeds the graph does not take
+/// costs no more than its frames.
+fn check_feeds(
+    metas: &[TensorMeta],
+    types: Option<&std::collections::BTreeMap<String, TensorType>>,
+) -> Result<(), WireError> {
+    let Some(types) = types else {
+        return Ok(());
+    };
+    let mut seen = std::collections::HashSet::with_capacity(metas.len());
+    for m in metas {
+        let bad = |reason: String| WireError::Feed {
+            name: m.name.clone(),
+            reason,
+        };
+        match types.get(&m.name) {
+            None => return Err(bad("the graph has no such placeholder".into())),
+            Some(t) if *t != m.ty => {
+                return Err(bad(format!("expected {t}, got {}", m.ty)));
+            }
+            Some(_) => {}
+        }
+        if !seen.insert(m.name.as_str()) {
+            return Err(bad("fed twice".into()));
+        }
+    }
+    Ok(())
+}
+
 fn no_tensors<F>(frames: &[F]) -> Result<(), WireError> {
     if frames.is_empty() {
         Ok(())
@@ -810,11 +841,14 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             feeds,
             fetches,
             shared: None,
-        } => Request::Run {
-            session,
-            feeds: take_tensors(feeds, rest, limits, pool).map_err(wrap)?,
-            fetches,
-        },
+        } => {
+            check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
+            Request::Run {
+                session,
+                feeds: take_tensors(feeds, rest, limits, pool).map_err(wrap)?,
+                fetches,
+            }
+        }
         RequestBody::Run {
             session,
             feeds,
@@ -822,6 +856,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             shared: Some(shared),
         } => {
             no_tensors(rest).map_err(wrap)?;
+            check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             let seg = segments.segment(session, shared.segment).ok_or_else(|| {
                 wrap(WireError::SharedMemory {
                     reason: format!(
@@ -962,6 +997,24 @@ mod tests {
         TensorMeta {
             name: name.into(),
             ty: TensorType::f32([n]),
+        }
+    }
+
+    /// A Run's feeds are checked against the session's placeholders from
+    /// the header alone: unknown names, wrong types and repeats are BadFeed.
+    #[test]
+    fn feeds_are_checked_against_the_placeholders() {
+        let types: std::collections::BTreeMap<String, TensorType> =
+            [("x".to_string(), TensorType::f32([4]))].into();
+        assert!(check_feeds(&[meta("x", 4)], Some(&types)).is_ok());
+        assert!(check_feeds(&[meta("nope", 4)], None).is_ok());
+        for metas in [
+            vec![meta("nope", 4)],
+            vec![meta("x", 5)],
+            vec![meta("x", 4), meta("x", 4)],
+        ] {
+            let e = check_feeds(&metas, Some(&types)).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::BadFeed, "{e}");
         }
     }
 

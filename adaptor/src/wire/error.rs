@@ -169,6 +169,10 @@ pub enum WireError {
     Encode { reason: String },
     #[error("shared memory: {reason}")]
     SharedMemory { reason: String },
+    /// A Run's feed that the session's graph does not take (checked
+    /// before its bytes are copied).
+    #[error("feed `{name}`: {reason}")]
+    Feed { name: String, reason: String },
 }
 
 impl WireError {
@@ -188,6 +192,7 @@ impl WireError {
             | WireError::TensorBytes { .. } => ErrorCode::Truncated,
             WireError::TensorTooLarge { .. } => ErrorCode::TensorTooLarge,
             WireError::SharedMemory { .. } => ErrorCode::SharedMemory,
+            WireError::Feed { .. } => ErrorCode::BadFeed,
         }
     }
 }

@@ -519,10 +519,20 @@ impl AttachedSegment {
     }
 }
 
-/// How the decoder finds the segments a Run names: by session and segment
-/// id, only those of the connection the request came from.
+/// What the decoder may ask the service about the sessions of the
+/// connection a request came from: the segments a Run names (by session and
+/// segment id), and the feeds a session's graph takes, so that a Run's
+/// feeds are checked before any of their bytes is copied.
 pub trait SegmentLookup {
     fn segment(&self, session: super::SessionId, segment: u32) -> Option<&[u8]>;
+    /// The placeholders of the session's loaded graph, by name (`None`
+    /// before a graph is loaded, or when the caller does not know).
+    fn feed_types(
+        &self,
+        _session: super::SessionId,
+    ) -> Option<&std::collections::BTreeMap<String, crate::TensorType>> {
+        None
+    }
 }
 
 /// No segments attached (clients, and services that never attach any).
