@@ -216,3 +216,21 @@ fn the_gpu_memory_is_reserved_unless_no_reserve() {
         "conflicting flags are a usage error"
     );
 }
+
+/// Without authentication the service refuses to be reachable from other
+/// hosts unless told so explicitly.
+#[test]
+fn a_remote_endpoint_needs_an_explicit_opt_in() {
+    let out = Command::new(util::lanes_bin())
+        .args(["serve", "--device", "cpu", "--memory", "none"])
+        .args(["--endpoint", "tcp://0.0.0.0:0"])
+        .output()
+        .expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("does not authenticate")
+            && stderr.contains("--allow-unauthenticated-remote"),
+        "{stderr}"
+    );
+}

@@ -172,8 +172,12 @@ impl SharedFeeds {
     }
 }
 
-/// Whether `endpoint` reaches a service on this host.
-fn is_local(endpoint: &str) -> bool {
+/// Whether `endpoint` is on this host: `ipc://`, or `tcp://` to a
+/// loopback address or `localhost` (`inproc://` too: same process).
+pub fn is_local(endpoint: &str) -> bool {
+    if endpoint.starts_with("inproc://") {
+        return true;
+    }
     if endpoint.starts_with("ipc://") {
         return true;
     }

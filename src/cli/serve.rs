@@ -70,6 +70,12 @@ pub struct Args {
     /// their feeds (their Runs then carry the feeds over the socket).
     #[arg(long)]
     pub no_shared_memory: bool,
+    /// Bind an endpoint other than loopback or `ipc://` although the
+    /// service does not authenticate its peers: anyone who reaches the
+    /// address may open sessions and use the device (see the security
+    /// section of docs/protocol.md).
+    #[arg(long)]
+    pub allow_unauthenticated_remote: bool,
     /// On the GPU, give every lane's streams CUDA's default priority
     /// instead of the one the policy ranks its job at (under `priority`:
     /// inference lanes before training lanes); for comparison.
@@ -124,6 +130,17 @@ pub fn init_tracing(default: &str) {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     init_tracing("info");
+    if !lanes_adaptor::client::is_local(&args.endpoint) {
+        if !args.allow_unauthenticated_remote {
+            anyhow::bail!(
+                "{} is reachable from other hosts, and this service does not authenticate its peers: \
+                 bind a loopback address (tcp://127.0.0.1:PORT) or ipc://PATH, or pass \
+                 --allow-unauthenticated-remote on a network you trust (docs/protocol.md, security)",
+                args.endpoint
+            );
+        }
+        tracing::warn!(endpoint = %args.endpoint, "serving peers on other hosts without authentication");
+    }
     if args.max_sessions_per_client == 0 {
         anyhow::bail!("--max-sessions-per-client must be at least 1");
     }
