@@ -486,30 +486,13 @@ fn one_client_cannot_take_every_session_slot() {
 /// seconds, with Runs in flight or idle, long before the idle timeout.
 #[test]
 fn a_vanished_client_is_reclaimed_within_seconds() {
-    use lanes_adaptor::wire::{self, NamedTensor, Reply, Request};
+    use lanes_adaptor::wire::{self, NamedTensor, Request};
     let service = start_with(|c| c.idle_timeout = Duration::from_secs(300));
     let ep = service.endpoint().to_string();
     let mut watcher = Client::connect(&ep).unwrap();
     for in_flight in [0u64, 4] {
         let peer = RawPeer::connect(&ep);
-        let open = Request::OpenSession(SessionSpec::training("doomed"));
-        let session = match peer.call(wire::encode_request(1, &open).unwrap()).message {
-            Reply::SessionOpened { session } => session,
-            other => panic!("{other:?}"),
-        };
-        let (graph, vars) = linear_relu(3);
-        let load = Request::LoadGraph {
-            session,
-            graph,
-            variables: vars
-                .into_iter()
-                .map(|(n, t)| NamedTensor::new(n, t))
-                .collect(),
-        };
-        assert!(matches!(
-            peer.call(wire::encode_request(2, &load).unwrap()).message,
-            Reply::GraphLoaded { .. }
-        ));
+        let session = peer.open_and_load(SessionSpec::training("doomed"), linear_relu(3));
         for i in 0..in_flight {
             let run = Request::Run {
                 session,

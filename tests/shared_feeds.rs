@@ -129,24 +129,7 @@ fn offer_reply(peer: &RawPeer, id: u64, session: SessionId, offer: SegmentOffer)
 fn bad_offers_and_unknown_segments_get_typed_errors() {
     let service = start();
     let peer = RawPeer::connect(service.endpoint());
-    let open = Request::OpenSession(SessionSpec::inference("raw"));
-    let session = match peer.call(wire::encode_request(1, &open).unwrap()).message {
-        Reply::SessionOpened { session } => session,
-        other => panic!("{other:?}"),
-    };
-    let (graph, vars) = wide(3);
-    let load = Request::LoadGraph {
-        session,
-        graph,
-        variables: vars
-            .into_iter()
-            .map(|(n, t)| NamedTensor::new(n, t))
-            .collect(),
-    };
-    assert!(matches!(
-        peer.call(wire::encode_request(2, &load).unwrap()).message,
-        Reply::GraphLoaded { .. }
-    ));
+    let session = peer.open_and_load(SessionSpec::inference("raw"), wide(3));
     let hello = Request::Hello {
         client: "raw".into(),
     };

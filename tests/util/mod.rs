@@ -97,6 +97,35 @@ impl RawPeer {
         self.send(frames);
         self.recv()
     }
+
+    /// Opens a session of `spec` (request 1) and loads `graph` with its
+    /// variables into it (request 2).
+    pub fn open_and_load(
+        &self,
+        spec: lanes_adaptor::SessionSpec,
+        (graph, vars): (Graph, VarValues),
+    ) -> lanes_adaptor::wire::SessionId {
+        use lanes_adaptor::wire::{NamedTensor, Request};
+        let session = match self
+            .call(wire::encode_request(1, &Request::OpenSession(spec)).unwrap())
+            .message
+        {
+            Reply::SessionOpened { session } => session,
+            other => panic!("{other:?}"),
+        };
+        let load = Request::LoadGraph {
+            session,
+            graph,
+            variables: vars
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        };
+        match self.call(wire::encode_request(2, &load).unwrap()).message {
+            Reply::GraphLoaded { .. } => session,
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 /// The code of an error reply (panics on any other reply).
