@@ -173,11 +173,8 @@ impl SharedFeeds {
 }
 
 /// Whether `endpoint` is on this host: `ipc://`, or `tcp://` to a
-/// loopback address or `localhost` (`inproc://` too: same process).
+/// loopback address or `localhost`.
 pub fn is_local(endpoint: &str) -> bool {
-    if endpoint.starts_with("inproc://") {
-        return true;
-    }
     if endpoint.starts_with("ipc://") {
         return true;
     }
