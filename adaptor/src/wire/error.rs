@@ -187,6 +187,9 @@ impl WireError {
             WireError::VersionMismatch { .. } => ErrorCode::VersionMismatch,
             WireError::TooManyFrames { .. } => ErrorCode::TooManyFrames,
             WireError::FrameTooLarge { .. } => ErrorCode::FrameTooLarge,
+            // More frames than announced is a malformed message, fewer a
+            // truncated one (as docs/protocol.md states).
+            WireError::FrameCount { expected, got } if got > expected => ErrorCode::Malformed,
             WireError::TruncatedHeader { .. }
             | WireError::FrameCount { .. }
             | WireError::TensorBytes { .. } => ErrorCode::Truncated,

@@ -238,6 +238,10 @@ mod tests {
             }
         );
         assert_eq!(e.error.code(), ErrorCode::Truncated);
+        // An extra tensor frame.
+        let mut frames = encode_request(6, &run()).unwrap();
+        frames.push(frames[1].clone());
+        assert_eq!(err(&frames).error.code(), ErrorCode::Malformed);
         // Short tensor frame.
         let mut frames = encode_request(6, &run()).unwrap();
         frames[1].truncate(10);
