@@ -90,8 +90,10 @@ impl fmt::Debug for WorkItem {
 /// must never return an item whose session is in `busy`.
 pub trait ReadyQueue: Send + fmt::Debug {
     fn push(&mut self, item: WorkItem);
-    /// Removes and returns the next item to run, if any is eligible.
-    fn pop(&mut self, busy: &HashSet<SessionId>) -> Option<WorkItem>;
+    /// Removes and returns the next item to run, if any is eligible; a
+    /// LoadGraph only when `loads` (the dispatcher bounds how many run at
+    /// once).
+    fn pop(&mut self, busy: &HashSet<SessionId>, loads: bool) -> Option<WorkItem>;
     /// Removes every queued item of a session (closed or reclaimed).
     fn remove_session(&mut self, session: SessionId) -> Vec<WorkItem>;
     /// Items queued in all.
@@ -123,8 +125,10 @@ impl ReadyQueue for FifoQueue {
     fn push(&mut self, item: WorkItem) {
         self.items.push_back(item);
     }
-    fn pop(&mut self, busy: &HashSet<SessionId>) -> Option<WorkItem> {
-        let pos = self.items.iter().position(|i| !busy.contains(&i.session))?;
+    fn pop(&mut self, busy: &HashSet<SessionId>, loads: bool) -> Option<WorkItem> {
+        let pos = self.items.iter().position(|i| {
+            !busy.contains(&i.session) && (loads || !matches!(i.work, Work::Load { .. }))
+        })?;
         self.items.remove(pos)
     }
     fn remove_session(&mut self, session: SessionId) -> Vec<WorkItem> {
@@ -152,6 +156,11 @@ struct State {
     shutdown: bool,
     /// Sessions whose job waits for memory here are skipped like busy ones.
     gate: Option<crate::lanes::SharedLanes>,
+    /// Sessions running a LoadGraph now, and how many may at once: a few
+    /// huge graphs being loaded never take every worker from the Runs of
+    /// other sessions.
+    loading: HashSet<SessionId>,
+    max_loads: usize,
 }
 
 /// The queue shared by the socket thread and the workers (a mutex and a
@@ -170,6 +179,8 @@ impl Dispatcher {
                 busy: HashSet::new(),
                 shutdown: false,
                 gate: None,
+                loading: HashSet::new(),
+                max_loads: usize::MAX,
             }),
             ready: Condvar::new(),
         })
@@ -194,7 +205,12 @@ impl Dispatcher {
                 return None;
             }
             let State {
-                queue, busy, gate, ..
+                queue,
+                busy,
+                gate,
+                loading,
+                max_loads,
+                ..
             } = &mut *st;
             // Held back besides busy sessions: jobs waiting for memory, and
             // jobs whose lane runs an item now (a lane runs one iteration
@@ -216,12 +232,21 @@ impl Dispatcher {
                     .collect();
                 &skip
             };
-            if let Some(item) = queue.pop(busy_or_waiting) {
+            if let Some(item) = queue.pop(busy_or_waiting, loading.len() < *max_loads) {
                 busy.insert(item.session);
+                if matches!(item.work, Work::Load { .. }) {
+                    loading.insert(item.session);
+                }
                 return Some(item);
             }
             st = self.ready.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
+    }
+
+    /// At most `n` (at least 1) LoadGraph requests run at once; the other
+    /// workers stay for Runs (a service with `w` workers uses `w - 1`).
+    pub fn limit_loads(&self, n: usize) {
+        self.lock().max_loads = n.max(1);
     }
 
     /// Holds back the items of sessions whose job waits in `lanes`'
@@ -246,6 +271,7 @@ impl Dispatcher {
         let mut st = self.lock();
         st.queue.finished(session, took);
         st.busy.remove(&session);
+        st.loading.remove(&session);
         drop(st);
         self.ready.notify_all();
     }
@@ -419,6 +445,45 @@ mod tests {
             Dispatcher::new(Box::new(FifoQueue::default())).policy(),
             "fifo-requests"
         );
+    }
+
+    /// With loads limited to one at a time, a second LoadGraph waits while
+    /// another session's Run goes ahead of it.
+    #[test]
+    fn loads_leave_workers_for_runs() {
+        for queue in [
+            Box::new(FifoQueue::default()) as Box<dyn ReadyQueue>,
+            Box::new(crate::server::policy_queue::PolicyQueue::of(
+                crate::server::policy_queue::PolicyChoice::Fifo,
+            )),
+        ] {
+            let d = Dispatcher::new(queue);
+            d.limit_loads(1);
+            let load = |s, id| {
+                let mut i = item(s, id);
+                i.work = Work::Load {
+                    graph: lanes_adaptor::Graph { nodes: vec![] },
+                    variables: vec![],
+                };
+                i
+            };
+            let run = |s, id| {
+                let mut i = item(s, id);
+                i.work = Work::Run {
+                    feeds: vec![],
+                    fetches: vec![],
+                };
+                i
+            };
+            d.submit(load(1, 1));
+            d.submit(load(2, 2));
+            d.submit(run(3, 3));
+            assert_eq!(d.next().unwrap().request_id, 1);
+            // Session 2's load waits for session 1's; session 3's Run goes.
+            assert_eq!(d.next().unwrap().request_id, 3);
+            d.done(SessionId(1), Duration::ZERO);
+            assert_eq!(d.next().unwrap().request_id, 2);
+        }
     }
 
     #[test]

@@ -145,6 +145,8 @@ pub(super) fn spawn(
     pull.bind(REPLIES)?;
 
     let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
+    // Loading graphs never takes the last worker from the Runs.
+    dispatcher.limit_loads(config.workers.saturating_sub(1));
     let (lanes, reservation) = match config.memory_bytes {
         Some(bytes) => {
             // Admission under the safety condition, the queue, the lanes'

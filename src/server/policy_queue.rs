@@ -299,9 +299,18 @@ impl ReadyQueue for PolicyQueue {
         self.release(sid);
     }
 
-    fn pop(&mut self, busy: &HashSet<SessionId>) -> Option<WorkItem> {
-        // Control items first, first-come.
-        if let Some(pos) = self.control.iter().position(|s| !busy.contains(s)) {
+    fn pop(&mut self, busy: &HashSet<SessionId>, loads: bool) -> Option<WorkItem> {
+        // Control items first, first-come (a LoadGraph only when `loads`).
+        let sessions = &self.sessions;
+        let eligible = |s: &SessionId| {
+            !busy.contains(s)
+                && (loads
+                    || !sessions
+                        .get(s)
+                        .and_then(|q| q.control.as_ref())
+                        .is_some_and(|i| matches!(i.work, Work::Load { .. })))
+        };
+        if let Some(pos) = self.control.iter().position(eligible) {
             let sid = self.control.remove(pos)?;
             let q = self.sessions.get_mut(&sid)?;
             let item = q.control.take()?;
@@ -410,7 +419,7 @@ mod tests {
 
     /// Pops one item, "runs" it for `took` and reports it finished.
     fn serve(q: &mut PolicyQueue, took: Duration) -> Option<(u64, u64)> {
-        let it = q.pop(&HashSet::new())?;
+        let it = q.pop(&HashSet::new(), true)?;
         q.finished(it.session, took);
         Some((it.session.0, it.request_id))
     }
@@ -517,9 +526,12 @@ mod tests {
         q.push(item(2, 3, WireKind::Inference, 10, run()));
         // Session 2 waits for memory: training runs although inference waits.
         let held: HashSet<_> = [SessionId(2)].into();
-        let it = q.pop(&held).unwrap();
+        let it = q.pop(&held, true).unwrap();
         assert_eq!(it.request_id, 1);
-        assert!(q.pop(&held).is_none(), "session 1 runs, session 2 is held");
+        assert!(
+            q.pop(&held, true).is_none(),
+            "session 1 runs, session 2 is held"
+        );
         // Session 2 closes: its queued items come back, its job is gone.
         let gone = q.remove_session(SessionId(2));
         assert_eq!(gone.len(), 2);
