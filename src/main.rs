@@ -30,9 +30,12 @@ enum Command {
     Bench(cli::bench::Args),
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the command; an error is printed as its message and causes, never
+/// with a stack trace (a user's mistake is not a crash, whatever
+/// `RUST_BACKTRACE` says), and the exit status is 1.
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Serve(a) => cli::serve::run(a),
         Command::Demo(a) => cli::demo::run(a),
         Command::Status(a) => cli::status::run(a),
@@ -40,5 +43,15 @@ fn main() -> anyhow::Result<()> {
         Command::Trace(a) => cli::trace::run(a),
         Command::Replay(a) => cli::replay::run(a),
         Command::Bench(a) => cli::bench::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
     }
 }
