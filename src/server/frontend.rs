@@ -257,6 +257,9 @@ impl Frontend {
                     break Err(e.into());
                 }
             }
+            if let Some(desk) = self.desk.as_mut() {
+                desk.poll();
+            }
             self.relieve_pressure();
             if last_reap.elapsed() >= reap_every {
                 self.reap();

@@ -58,8 +58,11 @@ pub struct SegmentOffer {
 pub const DESK_PENDING: usize = 256;
 /// How long the desk keeps a descriptor no offer has claimed.
 pub const DESK_KEEP: std::time::Duration = std::time::Duration::from_secs(30);
-/// Connections the desk accepted whose descriptor has not arrived yet, at most.
+/// Connections the desk accepted whose descriptor has not arrived yet, at
+/// most (the oldest is dropped beyond), and how long one may stay silent: a
+/// client sends its token and descriptor right after connecting.
 const DESK_WAITING: usize = 64;
+const DESK_SILENT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Why a segment could not be made or attached.
 #[derive(Debug, thiserror::Error)]
@@ -302,8 +305,18 @@ impl FdDesk {
     /// The descriptor handed over under `token`, if any (taken: a token
     /// attaches once).
     pub fn take(&mut self, token: &[u8; TOKEN_BYTES]) -> Option<std::fs::File> {
-        self.collect();
-        self.pending.remove(token).map(|(f, _)| f)
+        // Behind a pile of other connections the one with this token may
+        // not be accepted in one round: go on while rounds accept any.
+        for _ in 0..16 {
+            let accepted = self.collect();
+            if let Some((f, _)) = self.pending.remove(token) {
+                return Some(f);
+            }
+            if accepted == 0 {
+                break;
+            }
+        }
+        None
     }
 
     /// Descriptors kept now.
@@ -311,14 +324,26 @@ impl FdDesk {
         self.pending.len()
     }
 
+    /// Accepts and reads what has arrived (call it often: the service's
+    /// socket thread does, each time round its loop, so that connecting
+    /// clients never wait on a full backlog).
+    pub fn poll(&mut self) {
+        self.collect();
+    }
+
     /// Accepts what has arrived, reads the messages that are complete,
-    /// forgets what is too old, and keeps within the bounds.
-    fn collect(&mut self) {
+    /// forgets what is too old, and keeps within the bounds. Returns how
+    /// many connections it accepted.
+    fn collect(&mut self) -> usize {
         let now = std::time::Instant::now();
-        while self.waiting.len() < DESK_WAITING {
+        let mut accepted = 0;
+        for _ in 0..DESK_WAITING {
             match self.listener.accept() {
-                Ok((s, _)) if s.set_nonblocking(true).is_ok() => self.waiting.push((s, now)),
-                Ok(_) => {}
+                Ok((s, _)) if s.set_nonblocking(true).is_ok() => {
+                    self.waiting.push((s, now));
+                    accepted += 1;
+                }
+                Ok(_) => accepted += 1,
                 Err(_) => break, // WouldBlock, or a transient error: next time
             }
         }
@@ -328,11 +353,15 @@ impl FdDesk {
                 Received::Descriptor(token, file) => {
                     self.pending.insert(token, (file, now));
                 }
-                Received::NotYet if now.duration_since(since) < DESK_KEEP => {
+                Received::NotYet if now.duration_since(since) < DESK_SILENT => {
                     self.waiting.push((stream, since));
                 }
                 Received::NotYet | Received::Refused => {}
             }
+        }
+        if self.waiting.len() > DESK_WAITING {
+            let extra = self.waiting.len() - DESK_WAITING;
+            self.waiting.drain(..extra); // the oldest connections
         }
         self.pending
             .retain(|_, (_, at)| now.duration_since(*at) < DESK_KEEP);
@@ -349,6 +378,7 @@ impl FdDesk {
                 None => break,
             }
         }
+        accepted
     }
 }
 
@@ -371,6 +401,7 @@ impl FdDesk {
     pub fn pending(&self) -> usize {
         0
     }
+    pub fn poll(&mut self) {}
 }
 
 #[cfg(target_os = "linux")]
@@ -673,5 +704,11 @@ mod tests {
         assert!(desk.take(&[1; TOKEN_BYTES]).is_none());
         let seg = OwnedSegment::create(2, 4096).unwrap();
         assert!(through_desk(&mut desk, &seg, &seg.offer(), 1 << 20).is_ok());
+        // A pile of silent connections does not keep a hand-over out.
+        let pile: Vec<_> = (0..100)
+            .map(|_| std::os::unix::net::UnixStream::connect_addr(&addr).unwrap())
+            .collect();
+        assert!(through_desk(&mut desk, &seg, &seg.offer(), 1 << 20).is_ok());
+        drop(pile);
     }
 }
