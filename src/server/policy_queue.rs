@@ -96,12 +96,7 @@ impl PolicyChoice {
     /// Where a job of `spec` waits in the lanes' admission queue under this
     /// policy (`Policy::admission_rank`, as the simulator ranks it).
     pub fn admission_rank(self, spec: &SessionSpec) -> lanes_policies::AdmissionRank {
-        let kind = match spec.kind {
-            WireKind::Training => JobKind::Training,
-            WireKind::Inference => JobKind::Inference,
-        };
-        let job = JobSpec::new(0, kind, spec.expected_iterations.unwrap_or(0))
-            .with_priority(spec.priority);
+        let job = job_spec(0, spec.kind, spec.expected_iterations, spec.priority);
         self.build().admission_rank(&job)
     }
 
@@ -190,13 +185,14 @@ impl fmt::Debug for PolicyQueue {
 /// not tied to memory lanes).
 const LANE: usize = 0;
 
-fn job_spec(item: &WorkItem) -> JobSpec {
-    let kind = match item.kind {
+/// What a policy knows of a job: its kind, expected iterations and
+/// priority as the session declared them.
+fn job_spec(id: u64, kind: WireKind, expected: Option<u64>, priority: i32) -> JobSpec {
+    let kind = match kind {
         WireKind::Training => JobKind::Training,
         WireKind::Inference => JobKind::Inference,
     };
-    JobSpec::new(item.session.0, kind, item.expected_iterations.unwrap_or(0))
-        .with_priority(item.priority)
+    JobSpec::new(id, kind, expected.unwrap_or(0)).with_priority(priority)
 }
 
 impl PolicyQueue {
@@ -277,7 +273,12 @@ impl ReadyQueue for PolicyQueue {
     fn push(&mut self, item: WorkItem) {
         let sid = item.session;
         if !self.sessions.contains_key(&sid) {
-            let spec = job_spec(&item);
+            let spec = job_spec(
+                item.session.0,
+                item.kind,
+                item.expected_iterations,
+                item.priority,
+            );
             let at = self.since_epoch(item.enqueued);
             if let Err(e) = self.sched.add_job(spec, LANE, at) {
                 tracing::error!(session = %sid, error = %e, "job could not join the policy");
