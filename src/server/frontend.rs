@@ -352,14 +352,15 @@ impl Frontend {
 
     /// Pings every client whose sessions have been quiet for [`PING_EVERY`]:
     /// a ping to a client that is gone fails and reclaims its sessions.
+    /// Clients waiting for a long Run are pinged too: a client killed with
+    /// Runs queued is reclaimed within seconds, not when its running Run's
+    /// reply finally fails.
     fn ping_quiet_clients(&mut self) -> Result<(), zmq::Error> {
-        // Clients waiting for a reply are not pinged: the reply shows
-        // whether they are still there.
         let mut quiet: Vec<Vec<u8>> = self
             .sessions
-            .iter()
-            .filter(|(id, e)| e.last_seen.elapsed() >= PING_EVERY && self.dispatcher.is_idle(**id))
-            .map(|(_, e)| e.owner.clone())
+            .values()
+            .filter(|e| e.last_seen.elapsed() >= PING_EVERY)
+            .map(|e| e.owner.clone())
             .collect();
         quiet.sort();
         quiet.dedup();
