@@ -740,3 +740,70 @@ fn bad_message_warnings_are_throttled() {
     );
     assert!(log.contains("suppressed"), "{log}");
 }
+
+/// A Run's fetched outputs must fit in the memory its job was admitted
+/// with (P + T): one output fetched many times (each a copy in the reply)
+/// is refused with `FetchTooLarge` before the iteration runs, and the same
+/// output fetched a few times is served. Under `--memory` and without.
+#[test]
+fn fetches_beyond_the_admitted_memory_are_refused() {
+    for memory in [Some(64 << 20), None] {
+        let service = start_with(|c| c.memory_bytes = memory);
+        let peer = RawPeer::connect(service.endpoint());
+        let open = Request::OpenSession(SessionSpec::inference("fetcher"));
+        let session = match peer.call(wire::encode_request(1, &open).unwrap()).message {
+            Reply::SessionOpened { session } => session,
+            other => panic!("{other:?}"),
+        };
+        // One 1 MiB output: P + T is a few MiB.
+        let (graph, vars) = {
+            let mut g = GraphBuilder::new();
+            let x = g.placeholder("x", TensorType::f32([1 << 18]));
+            let y = g.relu(x);
+            g.set_name(y, "y");
+            g.finish().unwrap()
+        };
+        let load = Request::LoadGraph {
+            session,
+            graph,
+            variables: vars
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        };
+        let (p, t) = match peer.call(wire::encode_request(2, &load).unwrap()).message {
+            Reply::GraphLoaded {
+                persistent_bytes,
+                ephemeral_bytes,
+                ..
+            } => (persistent_bytes, ephemeral_bytes),
+            other => panic!("{other:?}"),
+        };
+        let fits = ((p + t) >> 20).max(1) as usize;
+        let run = |fetches: usize| Request::Run {
+            session,
+            feeds: vec![NamedTensor::new("x", Tensor::full([1 << 18], 2.0))],
+            fetches: vec!["y".into(); fetches],
+        };
+        match peer
+            .call(wire::encode_request(3, &run(fits)).unwrap())
+            .message
+        {
+            Reply::RunDone { outputs } => assert_eq!(outputs.len(), fits),
+            other => panic!("{memory:?}: {other:?}"),
+        }
+        // 1,000 copies of 1 MiB: 1,000 MiB of reply for a job of a few MiB.
+        let r = peer.call(wire::encode_request(4, &run(1000)).unwrap());
+        assert_eq!(
+            (r.request_id, error_code(&r.message)),
+            (4, ErrorCode::FetchTooLarge),
+            "{memory:?}"
+        );
+        let r = peer.call(wire::encode_request(5, &run(1)).unwrap());
+        assert!(
+            matches!(r.message, Reply::RunDone { .. }),
+            "{:?}",
+            r.message
+        );
+    }
+}
