@@ -807,3 +807,144 @@ fn fetches_beyond_the_admitted_memory_are_refused() {
         );
     }
 }
+
+/// One connection may have at most `max_requests_per_client` requests
+/// queued or running: a client sending many long Runs at once has the rest
+/// refused with `Overloaded`, and a bystander is served meanwhile.
+#[test]
+fn requests_in_flight_per_client_are_limited() {
+    let service = start_with(|c| c.max_requests_per_client = 3);
+    let ep = service.endpoint().to_string();
+    let hog = RawPeer::connect(&ep);
+    let session = hog.open_and_load(SessionSpec::training("hog"), heavy());
+    let x = Tensor::from_f32([512, 512], values(4, 512 * 512)).unwrap();
+    let run = Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", x)],
+        fetches: vec!["y".into()],
+    };
+    const SENT: u64 = 10;
+    for i in 0..SENT {
+        hog.send(wire::encode_request(100 + i, &run).unwrap());
+    }
+    let mut bystander = Client::connect(&ep).unwrap();
+    let mut s = bystander
+        .open_session(SessionSpec::inference("bystander"))
+        .unwrap();
+    let (graph, vars) = linear_relu(2);
+    s.load(&graph, vars).unwrap();
+    s.run(vec![("x", x_for(3))], &["y"]).unwrap();
+    let (mut done, mut refused) = (0, 0);
+    for _ in 0..SENT {
+        match hog.recv().message {
+            Reply::RunDone { .. } => done += 1,
+            Reply::Error(e) if e.code == ErrorCode::Overloaded => refused += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(done >= 3, "{done} done, {refused} refused");
+    assert!(refused >= 1, "{done} done, {refused} refused");
+}
+
+/// Memory of `lanes serve` under a hostile load stays within the bound
+/// docs/protocol.md states as a formula of its limits (with slack for the
+/// program itself): four connections each flood Runs (more than they may
+/// have in flight, never reading a reply), Status requests, frames above
+/// the frame limit and garbage, while half their jobs wait for memory.
+#[test]
+fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
+    const F: u64 = MIB; // --max-frame
+    const N: u64 = 4; // --max-frames: a header and three 1 MiB feeds
+    const H: u64 = 256 << 10; // --max-header
+    const M: u64 = 8 * MIB; // --memory
+    const S: u64 = 4; // --max-sessions
+    const R: u64 = 1; // --max-requests-per-client
+    const W: u64 = 1; // --workers
+    const C: u64 = 4; // connections
+    const POOL: u64 = 256 * MIB; // the feed pool (ServerConfig default)
+    let serve = Serve::start(&[
+        "--memory",
+        "8MiB",
+        "--max-frame",
+        "1MiB",
+        "--max-frames",
+        "4",
+        "--max-header",
+        "256KiB",
+        "--max-tensor",
+        "1MiB",
+        "--max-sessions",
+        "4",
+        "--max-sessions-per-client",
+        "1",
+        "--max-requests-per-client",
+        "1",
+    ]);
+    std::thread::sleep(Duration::from_millis(200));
+    let base = serve.memory("VmRSS");
+    let elems = (F / 4) as usize;
+    let peers: Vec<(RawPeer, SessionId)> = (0..C)
+        .map(|_| {
+            let peer = RawPeer::connect(&serve.endpoint);
+            let s = peer.open_and_load(SessionSpec::inference("flood"), many_inputs(3, elems));
+            (peer, s)
+        })
+        .collect();
+    for (peer, session) in &peers {
+        let run = Request::Run {
+            session: *session,
+            feeds: (0..3)
+                .map(|i| NamedTensor::new(format!("x{i}"), Tensor::full([elems], 1.0)))
+                .collect(),
+            fetches: vec!["y".into()],
+        };
+        let frames = wire::encode_request(7, &run).unwrap();
+        for _ in 0..100 {
+            peer.send(frames.clone());
+            peer.send(wire::encode_request(8, &Request::Status).unwrap());
+            peer.send(vec![b"garbage".to_vec()]);
+        }
+        let oversized = Request::Run {
+            session: *session,
+            feeds: vec![NamedTensor::new("x0", Tensor::full([elems * 3 / 2], 1.0))],
+            fetches: vec!["y".into()],
+        };
+        for _ in 0..20 {
+            peer.send(wire::encode_request(9, &oversized).unwrap());
+        }
+    }
+    // Until the service has taken everything in and gone quiet.
+    let mut last = 0;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = serve.memory("VmRSS");
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let peak = serve.memory("VmHWM");
+    // docs/protocol.md, "Worst-case memory of the service".
+    let message = N * 2 * F;
+    let decoded = N * F + 4 * H;
+    let reply = M.max(S * 1024).max(4096);
+    let per_connection = (8 + 1) * message + R * decoded + (R + 16) * reply;
+    let bound = M + POOL + S * (M + MIB) + W * 2 * M + 2 * message + C * per_connection;
+    let slack = 64 * MIB;
+    println!(
+        "peak {} MiB, started at {} MiB, bound {} MiB + slack",
+        peak / MIB,
+        base / MIB,
+        (base + bound) / MIB
+    );
+    assert!(
+        peak <= base + bound + slack,
+        "peak {} MiB above the stated bound {} MiB",
+        peak / MIB,
+        (base + bound + slack) / MIB
+    );
+    let mut serve = serve;
+    assert!(serve.is_running());
+    let status = serve.status();
+    println!("{status}");
+}

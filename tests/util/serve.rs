@@ -19,7 +19,7 @@ pub struct Serve {
 
 impl Serve {
     /// Starts `lanes serve` on a free loopback port with one worker and
-    /// `args` (later flags win), and waits for its "serving on" line.
+    /// `args`, and waits for its "serving on" line.
     pub fn start(args: &[&str]) -> Serve {
         let mut child = Command::new(super::lanes_bin())
             .args(["serve", "--device", serve_device(), "--workers", "1"])
