@@ -11,95 +11,18 @@
 
 mod util;
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use util::serve::Serve;
+
+use std::process::Command;
 use std::sync::Mutex;
 
 fn device() -> &'static str {
-    match std::env::var("LANES_TEST_DEVICE").as_deref() {
-        Ok("cuda") => "cuda",
-        _ => "cpu",
-    }
+    util::serve::serve_device()
 }
 
 /// One service at a time: on the GPU each holds a context, and with
 /// `--reserve` most of the device.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// A `lanes serve` child process, killed when dropped.
-struct Serve {
-    child: Child,
-    endpoint: String,
-}
-
-impl Serve {
-    /// Starts `lanes serve` on a free loopback port with `args` and waits
-    /// for its "serving on" line.
-    fn start(args: &[&str]) -> Serve {
-        let mut child = Command::new(util::lanes_bin())
-            .args(["serve", "--device", device(), "--workers", "1"])
-            .args(["--endpoint", "tcp://127.0.0.1:*"])
-            .args(args)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("lanes runs");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("piped stdout"))
-            .read_line(&mut line)
-            .expect("stdout readable");
-        let Some(endpoint) = line
-            .strip_prefix("lanes serving on ")
-            .and_then(|rest| rest.split_whitespace().next())
-        else {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("lanes exits");
-            panic!(
-                "lanes serve {args:?} did not start: {line:?}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        Serve {
-            endpoint: endpoint.to_string(),
-            child,
-        }
-    }
-
-    /// `lanes status` against it: stdout.
-    fn status(&self) -> String {
-        let out = Command::new(util::lanes_bin())
-            .args(["status", "--endpoint", &self.endpoint])
-            .output()
-            .expect("lanes runs");
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "lanes status failed:\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        stdout
-    }
-
-    /// Stops it; its stderr (the log).
-    fn stop(mut self) -> String {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let mut log = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            let _ = e.read_to_string(&mut log);
-        }
-        log
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The GiB figure of `lanes status`'s `memory X GiB` (None for `unset`).
 fn status_memory_gib(status: &str) -> Option<f64> {

@@ -57,6 +57,11 @@ pub struct Args {
     /// take every slot).
     #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_CLIENT)]
     pub max_sessions_per_client: usize,
+    /// Most requests of one client connection queued or running at once
+    /// (more are refused with Overloaded; bounds what a client can make
+    /// the service hold, see docs/protocol.md).
+    #[arg(long, default_value_t = server::DEFAULT_REQUESTS_PER_CLIENT)]
+    pub max_requests_per_client: usize,
     /// Never evict idle jobs to host memory under memory pressure (by
     /// default idle inference jobs are evicted, least recently used first,
     /// and brought back pipelined by their next Run; nothing is evicted
@@ -144,6 +149,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_sessions_per_client == 0 {
         anyhow::bail!("--max-sessions-per-client must be at least 1");
     }
+    if args.max_requests_per_client == 0 {
+        anyhow::bail!("--max-requests-per-client must be at least 1");
+    }
     if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
         anyhow::bail!("--idle-timeout must be a positive number of seconds");
     }
@@ -161,6 +169,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
         max_sessions_per_client: args.max_sessions_per_client,
+        max_requests_per_client: args.max_requests_per_client,
         device,
         memory_bytes,
         max_lanes: args.max_lanes,

@@ -37,6 +37,15 @@ const PING_EVERY: Duration = Duration::from_secs(1);
 /// connection with no traffic for this long is closed.
 const HEARTBEAT_IVL_MS: i32 = 1000;
 const HEARTBEAT_TIMEOUT_MS: i32 = 3000;
+/// Messages ZeroMQ holds per connection before the socket thread reads
+/// them (`ZMQ_RCVHWM`); beyond, it stops reading that connection (the
+/// sender waits), so a flooding peer costs at most this many messages of
+/// buffering.
+pub(crate) const RECV_HWM: i32 = 8;
+/// Replies (and pings) ZeroMQ holds per connection beyond its requests in
+/// flight (`ZMQ_SNDHWM` is `max_requests_per_client` + this): a client
+/// that does not read its replies has further ones dropped.
+pub(crate) const SEND_HWM_EXTRA: usize = 16;
 
 /// One open session as the socket thread sees it.
 #[derive(Debug)]
@@ -112,6 +121,8 @@ struct Frontend {
     desk: Option<FdDesk>,
     /// Warnings about bad messages, at most one a second.
     bad_messages: Throttle,
+    /// Warnings about replies dropped for clients that do not read them.
+    dropped_replies: Throttle,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -128,6 +139,11 @@ pub(super) fn spawn(
     router.set_router_mandatory(true)?;
     router.set_heartbeat_ivl(HEARTBEAT_IVL_MS)?;
     router.set_heartbeat_timeout(HEARTBEAT_TIMEOUT_MS)?;
+    router.set_rcvhwm(RECV_HWM)?;
+    let send_hwm = config
+        .max_requests_per_client
+        .saturating_add(SEND_HWM_EXTRA);
+    router.set_sndhwm(i32::try_from(send_hwm).unwrap_or(i32::MAX))?;
     // Hard cap enforced by ZeroMQ (the connection is dropped above it);
     // frames between the frame limit and this cap get a FrameTooLarge reply.
     let cap = config.limits.max_frame_bytes.saturating_mul(2).max(1 << 20);
@@ -197,6 +213,7 @@ pub(super) fn spawn(
         _reservation: reservation,
         desk,
         bad_messages: Throttle::default(),
+        dropped_replies: Throttle::default(),
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -343,7 +360,9 @@ impl Frontend {
                 Ok(false)
             }
             Err(zmq::Error::EAGAIN) => {
-                tracing::warn!(peer = %hex(peer), "a client does not read its replies: one dropped");
+                if let Some(suppressed) = self.dropped_replies.allow() {
+                    tracing::warn!(peer = %hex(peer), suppressed, "a client does not read its replies: one dropped");
+                }
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -352,14 +371,15 @@ impl Frontend {
 
     /// Pings every client whose sessions have been quiet for [`PING_EVERY`]:
     /// a ping to a client that is gone fails and reclaims its sessions.
+    /// Clients waiting for a long Run are pinged too: a client killed with
+    /// Runs queued is reclaimed within seconds, not when its running Run's
+    /// reply finally fails.
     fn ping_quiet_clients(&mut self) -> Result<(), zmq::Error> {
-        // Clients waiting for a reply are not pinged: the reply shows
-        // whether they are still there.
         let mut quiet: Vec<Vec<u8>> = self
             .sessions
-            .iter()
-            .filter(|(id, e)| e.last_seen.elapsed() >= PING_EVERY && self.dispatcher.is_idle(**id))
-            .map(|(_, e)| e.owner.clone())
+            .values()
+            .filter(|e| e.last_seen.elapsed() >= PING_EVERY)
+            .map(|e| e.owner.clone())
             .collect();
         quiet.sort();
         quiet.dedup();
@@ -614,6 +634,26 @@ impl Frontend {
         session: SessionId,
         work: Work,
     ) -> Result<(), zmq::Error> {
+        if let Err(e) = self.owned(&peer, session) {
+            return self.reply(&peer, request_id, &Reply::Error(e));
+        }
+        let in_flight: usize = self
+            .sessions
+            .iter()
+            .filter(|(_, e)| e.owner == peer)
+            .map(|(id, _)| {
+                let (queued, running) = self.dispatcher.session_load(*id);
+                queued + usize::from(running)
+            })
+            .sum();
+        let limit = self.config.max_requests_per_client;
+        if in_flight >= limit {
+            let e = Reply::error(
+                ErrorCode::Overloaded,
+                format!("this connection already has {in_flight} requests queued or running, its limit (--max-requests-per-client {limit})"),
+            );
+            return self.reply(&peer, request_id, &e);
+        }
         let entry = match self.owned(&peer, session) {
             Ok(e) => e,
             Err(e) => return self.reply(&peer, request_id, &Reply::Error(e)),

@@ -217,6 +217,11 @@ pub struct ServerConfig {
     /// Most open sessions of one connection (peer); more are refused with
     /// `Overloaded`, so that one client cannot take every slot.
     pub max_sessions_per_client: usize,
+    /// Most requests of one connection queued or running at once (Loads,
+    /// Runs, variable reads and writes); more are refused with
+    /// `Overloaded`. Also sizes the connection's reply queue (see
+    /// `docs/protocol.md`, worst-case memory).
+    pub max_requests_per_client: usize,
     /// Device name reported by Status (see [`resolve_device`]).
     pub device: String,
     /// The memory the lanes share (`--memory`, resolved by
@@ -253,6 +258,11 @@ pub struct ServerConfig {
 /// global cap, enough for a process that packs many models.
 pub const DEFAULT_SESSIONS_PER_CLIENT: usize = 64;
 
+/// Default of [`ServerConfig::max_requests_per_client`]: a client keeps
+/// at most 4 Runs in flight per session (`lanes_adaptor::Client`), so this
+/// is room for 16 busy sessions.
+pub const DEFAULT_REQUESTS_PER_CLIENT: usize = 64;
+
 /// Default of [`ServerConfig::feed_pool_bytes`]: room for a few
 /// iterations' worth of large feeds (a ResNet-50 batch of 32 is 19.3 MB).
 pub const DEFAULT_FEED_POOL_BYTES: usize = 256 << 20;
@@ -266,6 +276,7 @@ impl Default for ServerConfig {
             idle_timeout: Duration::from_secs(300),
             max_sessions: 4096,
             max_sessions_per_client: DEFAULT_SESSIONS_PER_CLIENT,
+            max_requests_per_client: DEFAULT_REQUESTS_PER_CLIENT,
             device: "cpu".into(),
             memory_bytes: None,
             max_lanes: crate::lanes::LanesConfig::new(0).max_lanes,

@@ -36,6 +36,13 @@ pub enum SessionError {
     Feed { name: String, reason: String },
     #[error("fetch `{key}` names no output of the graph")]
     Fetch { key: String },
+    /// The fetched outputs (repeats counted) take more bytes than the job
+    /// was admitted with: the reply would cost the service more memory than
+    /// the job is allowed.
+    #[error(
+        "the fetches take {bytes} bytes, more than the {limit} bytes (P + T) the job was admitted with"
+    )]
+    FetchTooLarge { bytes: u64, limit: u64 },
     #[error("variable `{name}`: {reason}")]
     Variable { name: String, reason: String },
     #[error(transparent)]
@@ -60,6 +67,7 @@ impl SessionError {
             SessionError::AlreadyLoaded { .. } => ErrorCode::GraphAlreadyLoaded,
             SessionError::Feed { .. } => ErrorCode::BadFeed,
             SessionError::Fetch { .. } => ErrorCode::UnknownFetch,
+            SessionError::FetchTooLarge { .. } => ErrorCode::FetchTooLarge,
             SessionError::Variable { .. } => ErrorCode::BadVariable,
             SessionError::Exec(e) => exec_code(e),
             SessionError::Plan(PlanError::TensorTooLarge { .. } | PlanError::TotalOverflow)
@@ -387,6 +395,27 @@ impl Session {
         Ok(())
     }
 
+    /// The fetched outputs' bytes (each fetch counted, repeats included:
+    /// the reply carries one copy per fetch) must fit in the memory the job
+    /// was admitted with, P + T: so a Run's reply never costs the service
+    /// more host memory than the job's own share.
+    fn check_fetch_bytes(&mut self, fetches: &[String]) -> Result<(), SessionError> {
+        let Some((p, t)) = self.memory else {
+            return Ok(());
+        };
+        let limit = p.saturating_add(t);
+        let graph = self.loaded()?.program.graph().graph();
+        let bytes = fetches
+            .iter()
+            .filter_map(|k| graph.outlet_type(graph.resolve(k)?))
+            .map(|ty| ty.checked_bytes().map_or(u64::MAX, |b| b as u64))
+            .fold(0u64, u64::saturating_add);
+        if bytes > limit {
+            return Err(SessionError::FetchTooLarge { bytes, limit });
+        }
+        Ok(())
+    }
+
     /// Iterations run so far.
     pub fn iterations(&self) -> u64 {
         self.iterations
@@ -521,6 +550,7 @@ impl Session {
             return Err(SessionError::Fetch { key: bad.clone() });
         }
         self.grow_for(fetches)?;
+        self.check_fetch_bytes(fetches)?;
         let loaded = self.loaded()?;
         let returning = !loaded.program.is_resident();
         if returning {

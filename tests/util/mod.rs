@@ -4,6 +4,8 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod serve;
+
 use std::time::Duration;
 
 use lanes::server::{self, ServerConfig, ServerHandle};

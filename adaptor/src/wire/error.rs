@@ -54,6 +54,10 @@ pub enum ErrorCode {
     /// A shared-memory segment could not be attached, or a Run names one
     /// that is not attached or reads outside it.
     SharedMemory,
+    /// A Run's fetched outputs take more bytes than the memory its job was
+    /// admitted with (P + T): the reply would cost the service more than
+    /// the job is allowed.
+    FetchTooLarge,
     /// A code this client does not know (sent by a newer service).
     Unknown(u16),
 }
@@ -83,6 +87,7 @@ impl ErrorCode {
             ErrorCode::Internal => 22,
             ErrorCode::MemoryTooLarge => 23,
             ErrorCode::SharedMemory => 24,
+            ErrorCode::FetchTooLarge => 25,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -112,6 +117,7 @@ impl From<u16> for ErrorCode {
             22 => ErrorCode::Internal,
             23 => ErrorCode::MemoryTooLarge,
             24 => ErrorCode::SharedMemory,
+            25 => ErrorCode::FetchTooLarge,
             other => ErrorCode::Unknown(other),
         }
     }
