@@ -686,6 +686,19 @@ fn named_from(
     }
 }
 
+/// A Run's reply carries one frame per fetch after its header: more
+/// fetches than `max_frames − 1` could never be answered, and each costs
+/// the service a look-up in the graph, so they are refused from the header.
+fn check_fetch_count(fetches: &[String], limits: &Limits) -> Result<(), WireError> {
+    if fetches.len() >= limits.max_frames {
+        return Err(WireError::TooManyFrames {
+            frames: fetches.len() + 1,
+            limit: limits.max_frames,
+        });
+    }
+    Ok(())
+}
+
 /// Reads feeds from a shared segment at `offsets`, checking each range
 /// against the segment and the tensor limit.
 fn take_shared(
@@ -861,6 +874,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             fetches,
             shared: None,
         } => {
+            check_fetch_count(&fetches, limits).map_err(wrap)?;
             check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             Request::Run {
                 session,
@@ -875,6 +889,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             shared: Some(shared),
         } => {
             no_tensors(rest).map_err(wrap)?;
+            check_fetch_count(&fetches, limits).map_err(wrap)?;
             check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             let seg = segments.segment(session, shared.segment).ok_or_else(|| {
                 wrap(WireError::SharedMemory {
