@@ -899,7 +899,7 @@ fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
             fetches: vec!["y".into()],
         };
         let frames = wire::encode_request(7, &run).unwrap();
-        for _ in 0..100 {
+        for _ in 0..60 {
             peer.send(frames.clone());
             peer.send(wire::encode_request(8, &Request::Status).unwrap());
             peer.send(vec![b"garbage".to_vec()]);
