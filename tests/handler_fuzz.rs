@@ -1,7 +1,8 @@
 //! Structured fuzz of the service's request handling: well-formed but
 //! hostile request sequences from two connections (sessions opened and
 //! closed out of order, Runs on unknown or other connections' sessions,
-//! bad graphs, bad feeds and fetches, forged shared-memory offers, garbage)
+//! bad graphs, bad feeds and fetches, forged shared-memory offers, answers
+//! to challenges never sent, garbage)
 //! against one real service through a real socket. Each request is checked
 //! against a model of the session table: it is answered, with the reply or
 //! the typed error the model expects; after each sequence the service's
@@ -17,6 +18,7 @@ mod util;
 
 use std::time::{Duration, Instant};
 
+use lanes_adaptor::wire::auth::AUTH_BYTES;
 use lanes_adaptor::wire::shm::{SegmentOffer, TOKEN_BYTES};
 use lanes_adaptor::wire::{self, NamedTensor, Reply, Request, SessionId};
 use lanes_adaptor::{ErrorCode, NodeId, Outlet, SessionSpec, Tensor, TensorType};
@@ -66,13 +68,17 @@ enum FetchCase {
 #[derive(Debug, Clone)]
 enum Op {
     Hello,
-    Open { name_len: usize },
+    Open {
+        name_len: usize,
+    },
     Close(Target),
     Load(Target, GraphCase),
     Run(Target, FeedCase, FetchCase),
     Read(Target, bool),
     Write(Target, bool),
     Offer(Target, [u8; TOKEN_BYTES]),
+    /// An answer to a challenge this service never sent (it has no key).
+    Authenticate([u8; AUTH_BYTES], [u8; AUTH_BYTES]),
     Status,
     Garbage(Vec<u8>),
 }
@@ -115,6 +121,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (target(), any::<bool>()).prop_map(|(t, ok)| Op::Read(t, ok)),
         1 => (target(), any::<bool>()).prop_map(|(t, ok)| Op::Write(t, ok)),
         1 => (target(), any::<[u8; TOKEN_BYTES]>()).prop_map(|(t, k)| Op::Offer(t, k)),
+        1 => (any::<[u8; AUTH_BYTES]>(), any::<[u8; AUTH_BYTES]>())
+            .prop_map(|(n, p)| Op::Authenticate(n, p)),
         1 => Just(Op::Status),
         1 => proptest::collection::vec(any::<u8>(), 0..64).prop_map(Op::Garbage),
     ]
@@ -246,6 +254,13 @@ fn step(
             Expect::Ok("hello"),
         ),
         Op::Status => (Some(Request::Status), Expect::Ok("status")),
+        Op::Authenticate(nonce, proof) => (
+            Some(Request::Authenticate {
+                nonce: *nonce,
+                proof: *proof,
+            }),
+            Expect::Err(ErrorCode::BadRequest),
+        ),
         Op::Garbage(bytes) => {
             let mut frame = bytes.clone();
             if frame.first() == Some(&b'L') {

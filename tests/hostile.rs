@@ -899,7 +899,7 @@ fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
             fetches: vec!["y".into()],
         };
         let frames = wire::encode_request(7, &run).unwrap();
-        for _ in 0..100 {
+        for _ in 0..60 {
             peer.send(frames.clone());
             peer.send(wire::encode_request(8, &Request::Status).unwrap());
             peer.send(vec![b"garbage".to_vec()]);
@@ -947,4 +947,31 @@ fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
     assert!(serve.is_running());
     let status = serve.status();
     println!("{status}");
+}
+
+/// A Run naming more fetches than its reply could carry frames (each a
+/// look-up in the graph) is refused from its header with `TooManyFrames`.
+#[test]
+fn more_fetches_than_a_reply_can_carry_are_refused() {
+    let service = start_with(|c| c.limits.max_frames = 64);
+    let peer = RawPeer::connect(service.endpoint());
+    let session = peer.open_and_load(SessionSpec::inference("fetcher"), huge(1000, false));
+    let run = |n: usize| Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", Tensor::full([4], 1.0))],
+        fetches: vec!["y".into(); n],
+    };
+    let r = peer.call(wire::encode_request(3, &run(64)).unwrap());
+    assert_eq!(
+        (r.request_id, error_code(&r.message)),
+        (3, ErrorCode::TooManyFrames)
+    );
+    // Fewer are served (as many as P + T allows: 16 bytes each).
+    match peer
+        .call(wire::encode_request(4, &run(20)).unwrap())
+        .message
+    {
+        Reply::RunDone { outputs } => assert_eq!(outputs.len(), 20),
+        other => panic!("{other:?}"),
+    }
 }

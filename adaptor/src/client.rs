@@ -21,6 +21,7 @@
 
 use crate::graph::{Graph, VarValues};
 use crate::tensor::Tensor;
+use crate::wire::auth::{self, AuthKey, AUTH_BYTES};
 use crate::wire::shm::{OwnedSegment, SharedMemoryError};
 use crate::wire::{
     self, BufferPool, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId,
@@ -56,6 +57,11 @@ pub enum ClientError {
     },
     #[error("the session was already closed")]
     Closed,
+    /// The service authenticates its peers and this client has no key,
+    /// could not read it, or the service did not prove it holds the same
+    /// key.
+    #[error("authentication: {reason}")]
+    Auth { reason: String },
 }
 
 impl ClientError {
@@ -83,7 +89,15 @@ pub struct ClientOptions {
     /// [`crate::wire::shm`]). Falls back to the socket by itself when the
     /// service cannot attach the segment.
     pub shared_memory: bool,
+    /// The pre-shared key for a service that authenticates its peers
+    /// (`lanes serve --auth-key-file`). `None`: the key in the file
+    /// `LANES_AUTH_KEY_FILE` names, when that is set.
+    pub auth_key: Option<AuthKey>,
 }
+
+/// The environment variable naming the key file a client uses when its
+/// options give no key.
+pub const AUTH_KEY_FILE_ENV: &str = "LANES_AUTH_KEY_FILE";
 
 impl Default for ClientOptions {
     fn default() -> Self {
@@ -92,6 +106,7 @@ impl Default for ClientOptions {
             limits: Limits::default(),
             name: format!("lanes-adaptor/{}", env!("CARGO_PKG_VERSION")),
             shared_memory: true,
+            auth_key: None,
         }
     }
 }
@@ -265,12 +280,16 @@ impl Client {
                 version,
                 limits,
                 desk,
+                challenge,
             } => {
                 if version != wire::PROTOCOL_VERSION {
                     return Err(ClientError::Version {
                         server: version,
                         client: wire::PROTOCOL_VERSION,
                     });
+                }
+                if let Some(challenge) = challenge {
+                    client.authenticate(&challenge)?;
                 }
                 client.server = server;
                 client.server_limits = limits;
@@ -279,6 +298,49 @@ impl Client {
                 Ok(client)
             }
             other => Err(unexpected(hello.name(), &other)),
+        }
+    }
+
+    /// Answers the Hello's challenge with the key (the options', else the
+    /// one in `LANES_AUTH_KEY_FILE`) and checks the service's proof.
+    fn authenticate(&mut self, challenge: &[u8; AUTH_BYTES]) -> Result<(), ClientError> {
+        let key = match self.options.auth_key.clone() {
+            Some(k) => k,
+            None => match std::env::var_os(AUTH_KEY_FILE_ENV) {
+                Some(path) => AuthKey::from_file(std::path::Path::new(&path)).map_err(|e| {
+                    ClientError::Auth {
+                        reason: e.to_string(),
+                    }
+                })?,
+                None => {
+                    return Err(ClientError::Auth {
+                        reason: format!(
+                            "the service requires a key: set ClientOptions::auth_key or {AUTH_KEY_FILE_ENV}"
+                        ),
+                    })
+                }
+            },
+        };
+        let nonce = auth::random_bytes();
+        let req = Request::Authenticate {
+            nonce,
+            proof: key.client_proof(challenge, &nonce),
+        };
+        match self.request(&req) {
+            Ok(Reply::Authenticated { proof }) if key.check_service(challenge, &nonce, &proof) => {
+                Ok(())
+            }
+            Ok(Reply::Authenticated { .. }) => Err(ClientError::Auth {
+                reason: "the service's proof does not match this key".into(),
+            }),
+            Ok(other) => Err(unexpected(req.name(), &other)),
+            Err(ClientError::Service {
+                code: ErrorCode::Unauthenticated,
+                message,
+            }) => Err(ClientError::Auth {
+                reason: format!("the service refused the key: {message}"),
+            }),
+            Err(e) => Err(e),
         }
     }
 

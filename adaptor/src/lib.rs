@@ -22,5 +22,6 @@ pub use graph::{
 };
 pub use optim::{training_graph, training_graph_from, Optimizer, TrainError, TrainingGraph};
 pub use tensor::{DType, Shape, Tensor, TensorData, TensorError, TensorType};
+pub use wire::auth::AuthKey;
 pub use wire::{ErrorCode, JobKind, Limits, SessionId, SessionSpec, WireError};
 pub use zoo::{Arch, ModelGraph, ZooError};

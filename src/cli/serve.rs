@@ -75,12 +75,18 @@ pub struct Args {
     /// their feeds (their Runs then carry the feeds over the socket).
     #[arg(long)]
     pub no_shared_memory: bool,
-    /// Bind an endpoint other than loopback or `ipc://` although the
-    /// service does not authenticate its peers: anyone who reaches the
-    /// address may open sessions and use the device (see the security
-    /// section of docs/protocol.md).
+    /// Bind an endpoint other than loopback or `ipc://` without
+    /// `--auth-key-file`: anyone who reaches the address may open sessions
+    /// and use the device (see the security section of docs/protocol.md).
     #[arg(long)]
     pub allow_unauthenticated_remote: bool,
+    /// Authenticate peers with the pre-shared key in this file (at least
+    /// 16 bytes, surrounding whitespace trimmed; e.g. `head -c 32
+    /// /dev/urandom | base64 > key`): a connection must prove it holds the
+    /// key before any other request. Clients read it from
+    /// `LANES_AUTH_KEY_FILE`. Authenticates, does not encrypt.
+    #[arg(long, value_name = "FILE")]
+    pub auth_key_file: Option<std::path::PathBuf>,
     /// On the GPU, give every lane's streams CUDA's default priority
     /// instead of the one the policy ranks its job at (under `priority`:
     /// inference lanes before training lanes); for comparison.
@@ -135,11 +141,15 @@ pub fn init_tracing(default: &str) {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     init_tracing("info");
-    if !lanes_adaptor::client::is_local(&args.endpoint) {
+    let auth_key = match &args.auth_key_file {
+        Some(path) => Some(lanes_adaptor::AuthKey::from_file(path)?),
+        None => None,
+    };
+    if !lanes_adaptor::client::is_local(&args.endpoint) && auth_key.is_none() {
         if !args.allow_unauthenticated_remote {
             anyhow::bail!(
-                "{} is reachable from other hosts, and this service does not authenticate its peers: \
-                 bind a loopback address (tcp://127.0.0.1:PORT) or ipc://PATH, or pass \
+                "{} is reachable from other hosts, and without --auth-key-file this service does not authenticate its peers: \
+                 bind a loopback address (tcp://127.0.0.1:PORT) or ipc://PATH, give --auth-key-file, or pass \
                  --allow-unauthenticated-remote on a network you trust (docs/protocol.md, security)",
                 args.endpoint
             );
@@ -181,6 +191,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         feed_pool_bytes: server::DEFAULT_FEED_POOL_BYTES,
         shared_memory: !args.no_shared_memory,
         stream_priority: !args.no_stream_priority,
+        auth_key,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();

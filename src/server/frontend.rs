@@ -14,6 +14,7 @@ use lanes_adaptor::wire::{
     SessionSpec, SessionState, SessionStatus, StatusReport,
 };
 
+use super::auth::Gate;
 use super::dispatch::{Dispatcher, Work, WorkItem};
 use super::policy_queue::PolicyQueue;
 use super::worker::{self, REPLIES};
@@ -69,6 +70,10 @@ struct Entry {
     feed_types: crate::session::FeedTypes,
 }
 
+/// Largest message a connection that has not authenticated may send (a
+/// Hello or an Authenticate, one frame).
+const HANDSHAKE_BYTES: usize = 4096;
+
 /// Most shared-memory segments one session may attach.
 const MAX_SEGMENTS_PER_SESSION: usize = 8;
 
@@ -123,6 +128,9 @@ struct Frontend {
     bad_messages: Throttle,
     /// Warnings about replies dropped for clients that do not read them.
     dropped_replies: Throttle,
+    /// Which connections have authenticated, when the service
+    /// authenticates its peers (`--auth-key-file`).
+    gate: Option<Gate>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -198,6 +206,10 @@ pub(super) fn spawn(
     } else {
         None
     };
+    let gate = config.auth_key.clone().map(Gate::new);
+    if gate.is_some() {
+        tracing::info!("peers must authenticate (pre-shared key; traffic is not encrypted)");
+    }
     let fe = Frontend {
         pool,
         config,
@@ -214,6 +226,7 @@ pub(super) fn spawn(
         desk,
         bad_messages: Throttle::default(),
         dropped_replies: Throttle::default(),
+        gate,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -381,6 +394,15 @@ impl Frontend {
             .filter(|e| e.last_seen.elapsed() >= PING_EVERY)
             .map(|e| e.owner.clone())
             .collect();
+        // Authenticated connections without sessions too: one that is gone
+        // is forgotten.
+        if let Some(gate) = &self.gate {
+            quiet.extend(
+                gate.authenticated()
+                    .filter(|p| !self.sessions.values().any(|e| &e.owner == *p))
+                    .cloned(),
+            );
+        }
         quiet.sort();
         quiet.dedup();
         if quiet.is_empty() {
@@ -396,6 +418,9 @@ impl Frontend {
     /// Reclaims every session of a client that is gone: its queued requests
     /// are dropped, a running one finishes, and its memory is returned.
     fn peer_gone(&mut self, peer: &[u8]) {
+        if let Some(gate) = self.gate.as_mut() {
+            gate.forget(peer);
+        }
         let ids: Vec<SessionId> = self
             .sessions
             .iter()
@@ -420,6 +445,20 @@ impl Frontend {
 
     fn handle(&mut self, peer: Vec<u8>, frames: Vec<zmq::Message>) -> Result<(), zmq::Error> {
         let t0 = Instant::now();
+        // A connection that has not authenticated may only say Hello and
+        // Authenticate: one small frame. Anything else is refused before it
+        // is decoded.
+        let unauthenticated = self
+            .gate
+            .as_ref()
+            .is_some_and(|g| !g.is_authenticated(&peer));
+        if unauthenticated && (frames.len() != 1 || frames[0].len() > HANDSHAKE_BYTES) {
+            let id = frames
+                .first()
+                .and_then(|f| wire::peek_request_id(f))
+                .unwrap_or(0);
+            return self.refuse_unauthenticated(&peer, id);
+        }
         let segments = PeerSegments {
             sessions: &self.sessions,
             peer: &peer,
@@ -451,6 +490,14 @@ impl Frontend {
             message,
         } = env;
         tracing::debug!(peer = %hex(&peer), request = message.name(), request_id, "request");
+        if unauthenticated
+            && !matches!(
+                message,
+                Request::Hello { .. } | Request::Authenticate { .. }
+            )
+        {
+            return self.refuse_unauthenticated(&peer, request_id);
+        }
         let reply = match message {
             Request::Hello { client } => {
                 tracing::debug!(peer = %hex(&peer), %client, "hello");
@@ -459,8 +506,27 @@ impl Frontend {
                     version: wire::PROTOCOL_VERSION,
                     limits: self.config.limits,
                     desk: self.desk.as_ref().map(|d| d.name().to_string()),
+                    challenge: self.gate.as_mut().map(|g| g.challenge(&peer)),
                 }
             }
+            Request::Authenticate { nonce, proof } => match self.gate.as_mut() {
+                None => Reply::error(
+                    ErrorCode::BadRequest,
+                    "this service does not authenticate its peers",
+                ),
+                Some(gate) => match gate.authenticate(&peer, &nonce, &proof) {
+                    Ok(proof) => {
+                        tracing::debug!(peer = %hex(&peer), "authenticated");
+                        Reply::Authenticated { proof }
+                    }
+                    Err(e) => {
+                        if let Some(suppressed) = self.bad_messages.allow() {
+                            tracing::warn!(peer = %hex(&peer), reason = %e, suppressed, "authentication refused");
+                        }
+                        Reply::error(ErrorCode::Unauthenticated, e.to_string())
+                    }
+                },
+            },
             Request::OpenSession(spec) => self.open(&peer, spec),
             Request::ShareMemory { session, offer } => self.share(&peer, session, &offer),
             Request::Status => Reply::Status(self.status()),
@@ -497,6 +563,16 @@ impl Frontend {
             }
         };
         self.reply(&peer, request_id, &reply)
+    }
+
+    /// Answers a request of a connection that has not authenticated.
+    fn refuse_unauthenticated(&mut self, peer: &[u8], request_id: u64) -> Result<(), zmq::Error> {
+        let frames = wire::encode_error(
+            request_id,
+            ErrorCode::Unauthenticated,
+            "this service authenticates its peers: send Hello, then Authenticate with the key",
+        );
+        self.send(peer, frames)
     }
 
     /// The session if `peer` opened it; else an UnknownSession reply.

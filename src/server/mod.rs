@@ -21,6 +21,7 @@
 //! typed, and a panic inside an executor is caught and answered as
 //! [`ErrorCode::Internal`](lanes_adaptor::ErrorCode::Internal).
 
+mod auth;
 pub mod dispatch;
 mod frontend;
 pub mod memory;
@@ -252,6 +253,11 @@ pub struct ServerConfig {
     /// it at ([`PolicyChoice::urgency`]); off, every lane's streams have
     /// CUDA's default priority (`--no-stream-priority`, for comparison).
     pub stream_priority: bool,
+    /// Authenticate peers with this pre-shared key (`--auth-key-file`):
+    /// a connection must answer its Hello's challenge before any other
+    /// request (`lanes_adaptor::wire::auth`); `None`: every peer that
+    /// reaches the endpoint is served.
+    pub auth_key: Option<lanes_adaptor::AuthKey>,
 }
 
 /// Default of [`ServerConfig::max_sessions_per_client`]: well under the
@@ -287,6 +293,7 @@ impl Default for ServerConfig {
             feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
             shared_memory: true,
             stream_priority: true,
+            auth_key: None,
         }
     }
 }

@@ -18,12 +18,18 @@ pub struct Serve {
 }
 
 impl Serve {
-    /// Starts `lanes serve` on a free loopback port with one worker and
-    /// `args`, and waits for its "serving on" line.
+    /// Starts `lanes serve` with `args` (by default on a free loopback
+    /// port, with one worker) and waits for its "serving on" line.
     pub fn start(args: &[&str]) -> Serve {
-        let mut child = Command::new(super::lanes_bin())
-            .args(["serve", "--device", serve_device(), "--workers", "1"])
-            .args(["--endpoint", "tcp://127.0.0.1:*"])
+        let mut cmd = Command::new(super::lanes_bin());
+        cmd.args(["serve", "--device", serve_device()]);
+        if !args.contains(&"--workers") {
+            cmd.args(["--workers", "1"]);
+        }
+        if !args.contains(&"--endpoint") {
+            cmd.args(["--endpoint", "tcp://127.0.0.1:*"]);
+        }
+        let mut child = cmd
             .args(args)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")

@@ -6,6 +6,7 @@
 //! Frames 1.. are the raw little-endian values of the tensors the body
 //! announces (name and type in the body, values in the frame, in order).
 
+use super::auth::AUTH_BYTES;
 use super::error::{DecodeError, ErrorCode, WireError};
 use super::message::{
     ErrorReply, NamedTensor, Reply, Request, SessionId, SessionSpec, StatusReport,
@@ -68,6 +69,10 @@ enum RequestBody<'a> {
         session: SessionId,
         offer: SegmentOffer,
     },
+    Authenticate {
+        nonce: [u8; AUTH_BYTES],
+        proof: [u8; AUTH_BYTES],
+    },
 }
 
 /// Where in which segment a Run's feeds are (one offset per feed, in order).
@@ -84,6 +89,7 @@ enum ReplyBody {
         version: u32,
         limits: Limits,
         desk: Option<String>,
+        challenge: Option<[u8; AUTH_BYTES]>,
     },
     SessionOpened {
         session: SessionId,
@@ -115,6 +121,9 @@ enum ReplyBody {
         segment: u32,
     },
     Ping,
+    Authenticated {
+        proof: [u8; AUTH_BYTES],
+    },
 }
 
 /// A decoded message: its request id and value.
@@ -356,6 +365,13 @@ pub fn encode_request_into(
             (RequestBody::CloseSession { session: *session }, Vec::new())
         }
         Request::Status => (RequestBody::Status, Vec::new()),
+        Request::Authenticate { nonce, proof } => (
+            RequestBody::Authenticate {
+                nonce: *nonce,
+                proof: *proof,
+            },
+            Vec::new(),
+        ),
         Request::ShareMemory { session, offer } => (
             RequestBody::ShareMemory {
                 session: *session,
@@ -418,12 +434,14 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
             version,
             limits,
             desk,
+            challenge,
         } => (
             ReplyBody::Hello {
                 server: server.clone(),
                 version: *version,
                 limits: *limits,
                 desk: desk.clone(),
+                challenge: *challenge,
             },
             Vec::new(),
         ),
@@ -475,6 +493,7 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
             Vec::new(),
         ),
         Reply::Ping => (ReplyBody::Ping, Vec::new()),
+        Reply::Authenticated { proof } => (ReplyBody::Authenticated { proof: *proof }, Vec::new()),
         Reply::MemoryShared { session, segment } => (
             ReplyBody::MemoryShared {
                 session: *session,
@@ -667,6 +686,19 @@ fn named_from(
     }
 }
 
+/// A Run's reply carries one frame per fetch after its header: more
+/// fetches than `max_frames − 1` could never be answered, and each costs
+/// the service a look-up in the graph, so they are refused from the header.
+fn check_fetch_count(fetches: &[String], limits: &Limits) -> Result<(), WireError> {
+    if fetches.len() >= limits.max_frames {
+        return Err(WireError::TooManyFrames {
+            frames: fetches.len() + 1,
+            limit: limits.max_frames,
+        });
+    }
+    Ok(())
+}
+
 /// Reads feeds from a shared segment at `offsets`, checking each range
 /// against the segment and the tensor limit.
 fn take_shared(
@@ -842,6 +874,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             fetches,
             shared: None,
         } => {
+            check_fetch_count(&fetches, limits).map_err(wrap)?;
             check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             Request::Run {
                 session,
@@ -856,6 +889,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             shared: Some(shared),
         } => {
             no_tensors(rest).map_err(wrap)?;
+            check_fetch_count(&fetches, limits).map_err(wrap)?;
             check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             let seg = segments.segment(session, shared.segment).ok_or_else(|| {
                 wrap(WireError::SharedMemory {
@@ -886,6 +920,10 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
         RequestBody::Status => {
             no_tensors(rest).map_err(wrap)?;
             Request::Status
+        }
+        RequestBody::Authenticate { nonce, proof } => {
+            no_tensors(rest).map_err(wrap)?;
+            Request::Authenticate { nonce, proof }
         }
         RequestBody::ShareMemory { session, offer } => {
             no_tensors(rest).map_err(wrap)?;
@@ -944,11 +982,13 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
                     version,
                     limits,
                     desk,
+                    challenge,
                 } => Reply::Hello {
                     server,
                     version,
                     limits,
                     desk,
+                    challenge,
                 },
                 ReplyBody::SessionOpened { session } => Reply::SessionOpened { session },
                 ReplyBody::GraphLoaded {
@@ -974,6 +1014,7 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
                     Reply::MemoryShared { session, segment }
                 }
                 ReplyBody::Ping => Reply::Ping,
+                ReplyBody::Authenticated { proof } => Reply::Authenticated { proof },
                 ReplyBody::RunDone { .. } | ReplyBody::Variables { .. } => {
                     return Err(wrap(WireError::Malformed {
                         reason: "unreachable reply body".into(),

@@ -58,6 +58,9 @@ pub enum ErrorCode {
     /// admitted with (P + T): the reply would cost the service more than
     /// the job is allowed.
     FetchTooLarge,
+    /// The service authenticates its peers and this connection has not
+    /// authenticated (or its proof was wrong).
+    Unauthenticated,
     /// A code this client does not know (sent by a newer service).
     Unknown(u16),
 }
@@ -88,6 +91,7 @@ impl ErrorCode {
             ErrorCode::MemoryTooLarge => 23,
             ErrorCode::SharedMemory => 24,
             ErrorCode::FetchTooLarge => 25,
+            ErrorCode::Unauthenticated => 26,
             ErrorCode::Unknown(c) => c,
         }
     }
@@ -118,6 +122,7 @@ impl From<u16> for ErrorCode {
             23 => ErrorCode::MemoryTooLarge,
             24 => ErrorCode::SharedMemory,
             25 => ErrorCode::FetchTooLarge,
+            26 => ErrorCode::Unauthenticated,
             other => ErrorCode::Unknown(other),
         }
     }

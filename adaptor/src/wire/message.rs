@@ -127,6 +127,13 @@ pub enum Request {
         session: SessionId,
         offer: super::shm::SegmentOffer,
     },
+    /// The answer to a Hello's challenge (services that authenticate
+    /// peers, see [`super::auth`]): the client's nonce and its proof of the
+    /// key.
+    Authenticate {
+        nonce: [u8; super::auth::AUTH_BYTES],
+        proof: [u8; super::auth::AUTH_BYTES],
+    },
 }
 
 impl Request {
@@ -142,6 +149,7 @@ impl Request {
             Request::CloseSession { .. } => "close_session",
             Request::Status => "status",
             Request::ShareMemory { .. } => "share_memory",
+            Request::Authenticate { .. } => "authenticate",
         }
     }
     /// The session a request addresses, if any.
@@ -153,7 +161,10 @@ impl Request {
             | Request::WriteVariables { session, .. }
             | Request::CloseSession { session }
             | Request::ShareMemory { session, .. } => Some(*session),
-            Request::Hello { .. } | Request::OpenSession(_) | Request::Status => None,
+            Request::Hello { .. }
+            | Request::OpenSession(_)
+            | Request::Status
+            | Request::Authenticate { .. } => None,
         }
     }
 }
@@ -245,6 +256,10 @@ pub enum Reply {
         /// shared-memory segments' descriptors (`shm::OwnedSegment::hand_over`);
         /// `None` when the service attaches no shared memory.
         desk: Option<String>,
+        /// Set when the service authenticates its peers: a fresh random
+        /// challenge the client answers with [`Request::Authenticate`]
+        /// before any other request (see [`super::auth`]).
+        challenge: Option<[u8; super::auth::AUTH_BYTES]>,
     },
     SessionOpened {
         session: SessionId,
@@ -283,6 +298,10 @@ pub enum Reply {
     /// Unrequested, with request id 0: the service checks that a client
     /// whose sessions are quiet is still connected (clients skip it).
     Ping,
+    /// The client's proof was good: the service's own proof of the key.
+    Authenticated {
+        proof: [u8; super::auth::AUTH_BYTES],
+    },
 }
 
 impl Reply {
@@ -306,6 +325,7 @@ impl Reply {
             Reply::Error(_) => "error",
             Reply::MemoryShared { .. } => "memory_shared",
             Reply::Ping => "ping",
+            Reply::Authenticated { .. } => "authenticated",
         }
     }
 }

@@ -11,6 +11,7 @@
 //! tensor. Every failure is a [`WireError`] with a stable [`ErrorCode`].
 //! The byte layout is documented in `docs/protocol.md`.
 
+pub mod auth;
 mod codec;
 mod error;
 mod message;
@@ -35,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,6 +168,10 @@ mod tests {
                     token: [3; shm::TOKEN_BYTES],
                 },
             },
+            Request::Authenticate {
+                nonce: [7; auth::AUTH_BYTES],
+                proof: [9; auth::AUTH_BYTES],
+            },
         ] {
             let frames = encode_request(42, &req).unwrap();
             let env = decode_request(&frames, &l).unwrap();
@@ -201,8 +206,12 @@ mod tests {
                 version: PROTOCOL_VERSION,
                 limits: l,
                 desk: Some("lanes-desk-1".into()),
+                challenge: Some([1; auth::AUTH_BYTES]),
             },
             Reply::Ping,
+            Reply::Authenticated {
+                proof: [2; auth::AUTH_BYTES],
+            },
         ] {
             let frames = encode_reply(u64::MAX, &rep).unwrap();
             let env = decode_reply(&frames, &l).unwrap();

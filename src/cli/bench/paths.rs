@@ -305,6 +305,7 @@ pub fn service(
                 limits,
                 name: "lanes-bench".into(),
                 shared_memory: t.shared_memory,
+                ..ClientOptions::default()
             },
         )
         .with_context(|| format!("connecting to the embedded service at {bound}"))?;

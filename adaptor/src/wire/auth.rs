@@ -1,0 +1,198 @@
+//! Pre-shared-key authentication of a connection, by challenge and
+//! response at Hello (HMAC-SHA-256, `hmac` and `sha2` crates).
+//!
+//! The service's Hello reply carries a fresh random 32-byte challenge
+//! (per Hello, per connection). The client answers with
+//! `Authenticate { nonce, proof }`: its own random nonce, and
+//! `HMAC(key, "lanes-auth client" ‖ challenge ‖ nonce)`. The service checks
+//! the proof in constant time (one try per challenge) and answers
+//! `Authenticated { proof: HMAC(key, "lanes-auth service" ‖ challenge ‖
+//! nonce) }`, which the client checks in turn: each side shows the other it
+//! holds the key, the key never crosses the wire, and a proof is good for
+//! one challenge only. Nothing is encrypted (see docs/protocol.md).
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Bytes of a challenge, a nonce and a proof.
+pub const AUTH_BYTES: usize = 32;
+
+/// Fewest bytes a key may have.
+pub const MIN_KEY_BYTES: usize = 16;
+
+/// Why a key could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthKeyError {
+    #[error("cannot read the key file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the key in {path} has {bytes} bytes, fewer than {MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > {path}`)")]
+    Short { path: String, bytes: usize },
+}
+
+/// A pre-shared key. Its bytes are never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuthKey(Vec<u8>);
+
+impl std::fmt::Debug for AuthKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AuthKey({} bytes)", self.0.len())
+    }
+}
+
+impl AuthKey {
+    /// The key from bytes (at least [`MIN_KEY_BYTES`]).
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Option<AuthKey> {
+        let bytes = bytes.into();
+        (bytes.len() >= MIN_KEY_BYTES).then_some(AuthKey(bytes))
+    }
+
+    /// The key in a file: its contents with surrounding whitespace trimmed
+    /// (so `base64` output with its newline works), at least
+    /// [`MIN_KEY_BYTES`] bytes.
+    pub fn from_file(path: &std::path::Path) -> Result<AuthKey, AuthKeyError> {
+        let shown = path.display().to_string();
+        let raw = std::fs::read(path).map_err(|source| AuthKeyError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let start = raw
+            .iter()
+            .position(|b| !b.is_ascii_whitespace())
+            .unwrap_or(raw.len());
+        let end = raw
+            .iter()
+            .rposition(|b| !b.is_ascii_whitespace())
+            .map_or(start, |e| e + 1);
+        let bytes = raw.get(start..end).unwrap_or_default().to_vec();
+        let len = bytes.len();
+        AuthKey::new(bytes).ok_or(AuthKeyError::Short {
+            path: shown,
+            bytes: len,
+        })
+    }
+
+    fn mac(
+        &self,
+        role: &[u8],
+        challenge: &[u8; AUTH_BYTES],
+        nonce: &[u8; AUTH_BYTES],
+    ) -> Hmac<Sha256> {
+        // HMAC takes keys of any length: this cannot fail.
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
+            .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+        mac.update(b"lanes-auth ");
+        mac.update(role);
+        mac.update(challenge);
+        mac.update(nonce);
+        mac
+    }
+
+    /// The client's proof for a challenge and its nonce.
+    pub fn client_proof(
+        &self,
+        challenge: &[u8; AUTH_BYTES],
+        nonce: &[u8; AUTH_BYTES],
+    ) -> [u8; AUTH_BYTES] {
+        self.mac(b"client", challenge, nonce)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// The service's proof for a challenge and the client's nonce.
+    pub fn service_proof(
+        &self,
+        challenge: &[u8; AUTH_BYTES],
+        nonce: &[u8; AUTH_BYTES],
+    ) -> [u8; AUTH_BYTES] {
+        self.mac(b"service", challenge, nonce)
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Whether `proof` is the client's proof (compared in constant time).
+    pub fn check_client(
+        &self,
+        challenge: &[u8; AUTH_BYTES],
+        nonce: &[u8; AUTH_BYTES],
+        proof: &[u8; AUTH_BYTES],
+    ) -> bool {
+        self.mac(b"client", challenge, nonce)
+            .verify_slice(proof)
+            .is_ok()
+    }
+
+    /// Whether `proof` is the service's proof (compared in constant time).
+    pub fn check_service(
+        &self,
+        challenge: &[u8; AUTH_BYTES],
+        nonce: &[u8; AUTH_BYTES],
+        proof: &[u8; AUTH_BYTES],
+    ) -> bool {
+        self.mac(b"service", challenge, nonce)
+            .verify_slice(proof)
+            .is_ok()
+    }
+}
+
+/// 32 bytes from a cryptographically secure generator (a challenge or a
+/// nonce).
+pub fn random_bytes() -> [u8; AUTH_BYTES] {
+    use rand::RngCore;
+    let mut out = [0u8; AUTH_BYTES];
+    rand::thread_rng().fill_bytes(&mut out);
+    out
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_check_only_with_the_same_key_challenge_nonce_and_role() {
+        let key = AuthKey::new(*b"0123456789abcdef0123").unwrap();
+        let other = AuthKey::new(*b"0123456789abcdef0124").unwrap();
+        let (c, n) = (random_bytes(), random_bytes());
+        let p = key.client_proof(&c, &n);
+        assert!(key.check_client(&c, &n, &p));
+        assert!(!other.check_client(&c, &n, &p));
+        assert!(!key.check_client(&random_bytes(), &n, &p));
+        assert!(!key.check_client(&c, &random_bytes(), &p));
+        // A client proof is not a service proof (no reflection).
+        assert!(!key.check_service(&c, &n, &p));
+        assert!(key.check_service(&c, &n, &key.service_proof(&c, &n)));
+        let mut bad = p;
+        bad[31] ^= 1;
+        assert!(!key.check_client(&c, &n, &bad));
+        assert_ne!(random_bytes(), random_bytes());
+    }
+
+    #[test]
+    fn keys_are_read_trimmed_and_short_ones_refused() {
+        let dir = std::env::temp_dir().join(format!("lanes-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("key");
+        std::fs::write(&path, b"  c2VjcmV0IGtleSBvZiB0aGUgdGVzdA==\n").unwrap();
+        let key = AuthKey::from_file(&path).unwrap();
+        assert_eq!(
+            key,
+            AuthKey::new(*b"c2VjcmV0IGtleSBvZiB0aGUgdGVzdA==").unwrap()
+        );
+        assert_eq!(format!("{key:?}"), "AuthKey(32 bytes)");
+        std::fs::write(&path, b"short\n").unwrap();
+        assert!(matches!(
+            AuthKey::from_file(&path),
+            Err(AuthKeyError::Short { bytes: 5, .. })
+        ));
+        assert!(matches!(
+            AuthKey::from_file(&dir.join("missing")),
+            Err(AuthKeyError::Read { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

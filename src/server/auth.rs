@@ -1,0 +1,206 @@
+//! Which connections have authenticated (`lanes serve --auth-key-file`):
+//! the challenge each Hello got, and whether its answer was good. The
+//! proofs themselves are `lanes_adaptor::wire::auth`'s.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use lanes_adaptor::wire::auth::{self, AuthKey, AUTH_BYTES};
+
+/// Most connections with a challenge outstanding; a new Hello beyond it
+/// drops the oldest challenge (that connection must say Hello again).
+pub(super) const MAX_PENDING: usize = 1024;
+/// How long a challenge stays good.
+pub(super) const CHALLENGE_TTL: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+struct PeerAuth {
+    /// The challenge of its last Hello, until answered (one try).
+    challenge: Option<([u8; AUTH_BYTES], Instant)>,
+    authenticated: bool,
+}
+
+/// The authentication state of the service's connections, by routing id.
+/// Bounded: at most [`MAX_PENDING`] unanswered challenges; an
+/// authenticated connection is forgotten when it is gone.
+#[derive(Debug)]
+pub(super) struct Gate {
+    key: AuthKey,
+    peers: HashMap<Vec<u8>, PeerAuth>,
+}
+
+/// Why an Authenticate was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(super) enum Refused {
+    #[error("no challenge outstanding on this connection: send Hello first")]
+    NoChallenge,
+    #[error("the challenge expired: send Hello again")]
+    Expired,
+    #[error("wrong proof: this connection does not hold the service's key")]
+    WrongProof,
+}
+
+impl Gate {
+    pub(super) fn new(key: AuthKey) -> Self {
+        Gate {
+            key,
+            peers: HashMap::new(),
+        }
+    }
+
+    pub(super) fn is_authenticated(&self, peer: &[u8]) -> bool {
+        self.peers.get(peer).is_some_and(|p| p.authenticated)
+    }
+
+    /// A fresh challenge for `peer`'s Hello; the connection is not
+    /// authenticated until it answers it.
+    pub(super) fn challenge(&mut self, peer: &[u8]) -> [u8; AUTH_BYTES] {
+        let now = Instant::now();
+        self.peers.retain(|_, p| {
+            if p.challenge
+                .is_some_and(|(_, t)| now.duration_since(t) > CHALLENGE_TTL)
+            {
+                p.challenge = None;
+            }
+            p.authenticated || p.challenge.is_some()
+        });
+        let pending = self
+            .peers
+            .values()
+            .filter(|p| p.challenge.is_some())
+            .count();
+        if pending >= MAX_PENDING && !self.peers.contains_key(peer) {
+            let oldest = self
+                .peers
+                .iter()
+                .filter_map(|(id, p)| Some((p.challenge?.1, id.clone())))
+                .min();
+            if let Some((_, id)) = oldest {
+                if let Some(p) = self.peers.get_mut(&id) {
+                    p.challenge = None;
+                    if !p.authenticated {
+                        self.peers.remove(&id);
+                    }
+                }
+            }
+        }
+        let challenge = auth::random_bytes();
+        self.peers.insert(
+            peer.to_vec(),
+            PeerAuth {
+                challenge: Some((challenge, now)),
+                authenticated: false,
+            },
+        );
+        challenge
+    }
+
+    /// Checks `peer`'s answer to its challenge (which it uses up): the
+    /// service's proof when it holds the key.
+    pub(super) fn authenticate(
+        &mut self,
+        peer: &[u8],
+        nonce: &[u8; AUTH_BYTES],
+        proof: &[u8; AUTH_BYTES],
+    ) -> Result<[u8; AUTH_BYTES], Refused> {
+        let p = self.peers.get_mut(peer).ok_or(Refused::NoChallenge)?;
+        let (challenge, at) = p.challenge.take().ok_or(Refused::NoChallenge)?;
+        if at.elapsed() > CHALLENGE_TTL {
+            return Err(Refused::Expired);
+        }
+        if !self.key.check_client(&challenge, nonce, proof) {
+            if !p.authenticated {
+                self.peers.remove(peer);
+            }
+            return Err(Refused::WrongProof);
+        }
+        p.authenticated = true;
+        Ok(self.key.service_proof(&challenge, nonce))
+    }
+
+    /// Forgets a connection that is gone.
+    pub(super) fn forget(&mut self, peer: &[u8]) {
+        self.peers.remove(peer);
+    }
+
+    /// Authenticated connections (pinged while quiet, so that one that is
+    /// gone is forgotten).
+    pub(super) fn authenticated(&self) -> impl Iterator<Item = &Vec<u8>> {
+        self.peers
+            .iter()
+            .filter(|(_, p)| p.authenticated)
+            .map(|(id, _)| id)
+    }
+
+    /// Connections known (authenticated or with a challenge outstanding).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.peers.len()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn key() -> AuthKey {
+        AuthKey::new(*b"a key of the service, 32 bytes..").unwrap()
+    }
+
+    #[test]
+    fn a_good_answer_authenticates_once_and_a_bad_one_never() {
+        let mut gate = Gate::new(key());
+        let nonce = auth::random_bytes();
+        assert_eq!(
+            gate.authenticate(b"p", &nonce, &[0; AUTH_BYTES]),
+            Err(Refused::NoChallenge)
+        );
+        let c = gate.challenge(b"p");
+        let proof = key().client_proof(&c, &nonce);
+        let theirs = gate.authenticate(b"p", &nonce, &proof).unwrap();
+        assert!(key().check_service(&c, &nonce, &theirs));
+        assert!(gate.is_authenticated(b"p"));
+        assert!(!gate.is_authenticated(b"q"));
+        // The challenge is used up: the same answer again is refused.
+        assert_eq!(
+            gate.authenticate(b"p", &nonce, &proof),
+            Err(Refused::NoChallenge)
+        );
+        // Another connection cannot use that answer, nor a wrong key's.
+        let c2 = gate.challenge(b"q");
+        assert_eq!(
+            gate.authenticate(b"q", &nonce, &proof),
+            Err(Refused::WrongProof)
+        );
+        assert!(!gate.is_authenticated(b"q"));
+        let wrong = AuthKey::new(*b"not the key of the service......").unwrap();
+        gate.challenge(b"q");
+        assert_ne!(c2, [0; AUTH_BYTES]);
+        assert_eq!(
+            gate.authenticate(b"q", &nonce, &wrong.client_proof(&c2, &nonce)),
+            Err(Refused::WrongProof)
+        );
+        // A new Hello starts over.
+        gate.challenge(b"p");
+        assert!(!gate.is_authenticated(b"p"));
+        gate.forget(b"p");
+        assert_eq!(gate.authenticated().count(), 0);
+    }
+
+    #[test]
+    fn outstanding_challenges_are_bounded() {
+        let mut gate = Gate::new(key());
+        for i in 0..(MAX_PENDING + 100) as u32 {
+            gate.challenge(&i.to_le_bytes());
+        }
+        assert!(gate.len() <= MAX_PENDING + 1, "{}", gate.len());
+        // The newest still answer.
+        let last = (MAX_PENDING as u32 + 99).to_le_bytes();
+        let c = gate.challenge(&last);
+        let n = auth::random_bytes();
+        assert!(gate
+            .authenticate(&last, &n, &key().client_proof(&c, &n))
+            .is_ok());
+    }
+}
