@@ -862,7 +862,11 @@ fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
     const W: u64 = 1; // --workers
     const C: u64 = 4; // connections
     const POOL: u64 = 256 * MIB; // the feed pool (ServerConfig default)
+                                 // On the CPU whatever LANES_TEST_DEVICE says: the bound is on the
+                                 // service's host memory, and 8 MiB is below one GPU reservation chunk.
     let serve = Serve::start(&[
+        "--device",
+        "cpu",
         "--memory",
         "8MiB",
         "--max-frame",

@@ -22,7 +22,10 @@ impl Serve {
     /// port, with one worker) and waits for its "serving on" line.
     pub fn start(args: &[&str]) -> Serve {
         let mut cmd = Command::new(super::lanes_bin());
-        cmd.args(["serve", "--device", serve_device()]);
+        cmd.arg("serve");
+        if !args.contains(&"--device") {
+            cmd.args(["--device", serve_device()]);
+        }
         if !args.contains(&"--workers") {
             cmd.args(["--workers", "1"]);
         }

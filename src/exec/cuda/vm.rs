@@ -160,7 +160,10 @@ impl DeviceReservation {
         if n == 0 {
             return Err(dev_err(
                 "reservation",
-                format!("{bytes} bytes is less than one mapping granule ({gran} bytes)"),
+                format!(
+                    "{bytes} bytes is less than one reservation chunk ({chunk} bytes): \
+                     give --memory at least that"
+                ),
             ));
         }
         let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
