@@ -17,7 +17,7 @@
 //!   asks the policy for its next iteration (lane order).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Duration;
 
 use lanes_policies::{
@@ -26,6 +26,7 @@ use lanes_policies::{
 };
 
 use super::trace::TraceJob;
+use super::waiting::Waiting;
 
 /// Lane layout of a simulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,9 +199,23 @@ pub fn simulate_with(
     let mut order: Vec<usize> = (0..trace.len()).collect();
     order.sort_by_key(|&i| (trace[i].submit, i));
     let mut engine = Engine::new(trace, policy, cfg.lanes, capacity, opts.schedule);
-    // Jobs waiting for memory, in the policy's admission order (ties by
-    // submission).
-    let mut pending: BTreeMap<(AdmissionRank, usize), usize> = BTreeMap::new();
+    // Every job's place in the admission order: the policy's rank, ties in
+    // submission order (the rank depends on the declaration alone).
+    let mut ranked: Vec<(AdmissionRank, usize)> = order
+        .iter()
+        .enumerate()
+        .map(|(pos, &i)| (engine.policy.admission_rank(&trace[i].spec()), pos))
+        .collect();
+    ranked.sort_unstable();
+    let by_slot: Vec<usize> = ranked.iter().map(|&(_, pos)| order[pos]).collect();
+    let mut slot_of = vec![0usize; trace.len()];
+    for (slot, &i) in by_slot.iter().enumerate() {
+        slot_of[i] = slot;
+    }
+    drop(ranked);
+    let ephemeral: Vec<u64> = by_slot.iter().map(|&i| trace[i].ephemeral_bytes).collect();
+    let mut waiting = Waiting::new(&ephemeral);
+    drop(ephemeral);
     let mut next = 0usize;
     while engine.finished < trace.len() {
         let t_arrival = order.get(next).map(|&i| trace[i].submit);
@@ -232,9 +247,12 @@ pub fn simulate_with(
             if trace[i].submit != now {
                 break;
             }
-            let key = (engine.policy.admission_rank(&trace[i].spec()), next);
-            pending.insert(key, i);
-            fresh.push(key);
+            waiting.insert(
+                slot_of[i],
+                trace[i].persistent_bytes,
+                trace[i].ephemeral_bytes,
+            );
+            fresh.push(slot_of[i]);
             next += 1;
         }
 
@@ -242,18 +260,22 @@ pub fn simulate_with(
         //    two completions, so a job that did not fit still does not:
         //    everyone is tried after memory was freed, otherwise only the
         //    new submissions.
-        let tried: Vec<(AdmissionRank, usize)> = if freed {
-            pending.keys().copied().collect()
-        } else {
+        if freed || !fresh.is_empty() {
             fresh.sort_unstable();
-            fresh
-        };
-        if !tried.is_empty() {
+            let mut fresh = fresh.into_iter();
             let mut views: Vec<LaneView> = engine.views();
-            for key in tried {
-                let Some(&i) = pending.get(&key) else {
-                    continue;
+            let mut from = 0usize;
+            loop {
+                let slot = if freed {
+                    waiting.next(from, &views)
+                } else {
+                    fresh.next()
                 };
+                let Some(slot) = slot else {
+                    break;
+                };
+                from = slot + 1;
+                let i = by_slot[slot];
                 let spec = trace[i].spec();
                 if !views.iter().any(|v| v.fits(&spec)) {
                     continue;
@@ -274,7 +296,7 @@ pub fn simulate_with(
                         spec.id
                     )));
                 }
-                pending.remove(&key);
+                waiting.remove(slot);
                 engine.admit(i, spec, l, now)?;
                 views[l] = engine.lanes[l].view(l);
             }

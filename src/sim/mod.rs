@@ -18,6 +18,7 @@ mod reference;
 pub mod remote;
 pub mod report;
 pub mod trace;
+mod waiting;
 
 pub use engine::{
     simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun,
