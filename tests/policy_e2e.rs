@@ -380,3 +380,60 @@ fn a_trace_replays_against_the_service_and_tracks_the_simulator() {
         sim.avg_jct_s
     );
 }
+
+/// `lanes replay --zoo`: every trace job runs a real zoo model (here
+/// ResNet-18 for CIFAR at batch 1 on the CPU backend), no calibration; the
+/// as-run trace carries the iteration times the service measured.
+#[test]
+fn a_trace_replays_as_real_zoo_models() {
+    use lanes::sim::TraceJob;
+    use lanes::sim::{replay_remote, service_policy, Calibration, CostCurve, RemoteConfig};
+    use lanes_policies::JobKind;
+    let service = start_with(|c| {
+        c.workers = 1;
+        c.policy = PolicyChoice::Fifo;
+    });
+    let job = |id, submit_ms, kind, iterations| TraceJob {
+        id,
+        submit: Duration::from_millis(submit_ms),
+        kind,
+        iterations,
+        iteration: Duration::from_millis(10),
+        persistent_bytes: 0,
+        ephemeral_bytes: 0,
+        priority: 0,
+    };
+    let trace = vec![
+        job(1, 0, JobKind::Training, 2),
+        job(2, 5, JobKind::Inference, 3),
+    ];
+    let cfg = RemoteConfig {
+        time_scale: 1.0,
+        batch: 1,
+        zoo: Some("resnet18_cifar".into()),
+        ..RemoteConfig::new(service.endpoint())
+    };
+    let policy = service_policy(service.endpoint(), Duration::from_secs(5)).unwrap();
+    let none = Calibration {
+        training: CostCurve { points: vec![] },
+        inference: CostCurve { points: vec![] },
+    };
+    let r = replay_remote(&trace, policy, &cfg, &none).unwrap();
+    assert_eq!(r.run.outcomes.len(), 2);
+    assert_eq!(r.depths, vec![0, 0]);
+    for (o, a) in r.run.outcomes.iter().zip(&r.as_run) {
+        assert!(
+            a.iteration > Duration::ZERO,
+            "job {} has a measured time",
+            a.id
+        );
+        assert!(o.finish >= o.submit + o.service, "job {}: {o:?}", o.id);
+    }
+    // An unknown model is a typed error before anything is sent.
+    let bad = RemoteConfig {
+        zoo: Some("alexnet".into()),
+        ..cfg.clone()
+    };
+    let err = replay_remote(&trace, policy, &bad, &none).unwrap_err();
+    assert!(err.to_string().contains("alexnet"), "{err}");
+}

@@ -72,6 +72,36 @@ pub trait Policy: std::fmt::Debug + Send {
     fn admission_rank(&self, _job: &JobSpec) -> AdmissionRank {
         AdmissionRank::default()
     }
+
+    /// How this policy's `pick` evolves while a lane runs, so that a
+    /// simulator may skip the decisions whose answer is known in advance
+    /// (see [`PickDynamics`]). Defaults to
+    /// [`PickDynamics::EveryIteration`]: ask at every iteration boundary.
+    fn dynamics(&self) -> PickDynamics {
+        PickDynamics::EveryIteration
+    }
+}
+
+/// What a caller may assume about a policy's successive `pick`s in one lane
+/// while no job joins or leaves that lane and every iteration of a job
+/// takes the same time. The trace simulator uses it to turn a job's whole
+/// run between two decisions into one event; a policy that promises more
+/// than it keeps makes the simulation differ from one that asks at every
+/// iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickDynamics {
+    /// No promise: the caller asks at every iteration boundary (and shows
+    /// the policy every event through [`Policy::observe`]).
+    EveryIteration,
+    /// The pick in a lane depends only on that lane's waiting jobs, not on
+    /// the time, and the job picked stays the pick after it ran any number
+    /// of its iterations: it runs until it finishes or a job joins the
+    /// lane (FIFO, SRTF with a constant iteration time, priority).
+    Sticky,
+    /// The pick in a lane is exactly the waiting job of that lane with the
+    /// least `(attained, seq)` (fair sharing): the order of iterations is
+    /// then known in closed form.
+    LeastAttained,
 }
 
 /// A waiting job's place in the admission queue (see

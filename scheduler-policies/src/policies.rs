@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::job::{JobId, JobKind, JobSpec, JobView, LaneId};
 use crate::placement::{best_fit, LaneView};
-use crate::{AdmissionRank, Policy};
+use crate::{AdmissionRank, PickDynamics, Policy};
 
 /// The waiting job of `lane` with the smallest key.
 fn pick_min<K: Ord>(lane: LaneId, jobs: &[JobView], key: impl Fn(&JobView) -> K) -> Option<JobId> {
@@ -32,6 +32,9 @@ fn pick_min<K: Ord>(lane: LaneId, jobs: &[JobView], key: impl Fn(&JobView) -> K)
 pub struct Fifo;
 
 impl Policy for Fifo {
+    fn dynamics(&self) -> PickDynamics {
+        PickDynamics::Sticky
+    }
     fn name(&self) -> &'static str {
         "fifo"
     }
@@ -48,6 +51,9 @@ impl Policy for Fifo {
 pub struct Srtf;
 
 impl Policy for Srtf {
+    fn dynamics(&self) -> PickDynamics {
+        PickDynamics::Sticky
+    }
     fn name(&self) -> &'static str {
         "srtf"
     }
@@ -73,6 +79,9 @@ impl Policy for Srtf {
 pub struct Fair;
 
 impl Policy for Fair {
+    fn dynamics(&self) -> PickDynamics {
+        PickDynamics::LeastAttained
+    }
     fn name(&self) -> &'static str {
         "fair"
     }
@@ -88,6 +97,9 @@ impl Policy for Fair {
 pub struct Pack;
 
 impl Policy for Pack {
+    fn dynamics(&self) -> PickDynamics {
+        PickDynamics::Sticky
+    }
     fn name(&self) -> &'static str {
         "pack"
     }
@@ -107,6 +119,9 @@ impl Policy for Pack {
 pub struct PriorityPolicy;
 
 impl Policy for PriorityPolicy {
+    fn dynamics(&self) -> PickDynamics {
+        PickDynamics::Sticky
+    }
     fn name(&self) -> &'static str {
         "priority"
     }

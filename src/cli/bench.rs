@@ -27,6 +27,7 @@ pub mod models;
 pub mod pack;
 pub mod parallel;
 mod paths;
+pub mod sim;
 pub mod sweep;
 pub mod switch;
 mod workload;
@@ -64,6 +65,9 @@ enum What {
     /// different learning rates through a real `lanes serve`, together and
     /// one after another; makespan and per-job completion times.
     Sweep(sweep::SweepArgs),
+    /// Speed of the trace simulator: a large (generated or given) trace
+    /// under every policy; seconds per policy and peak memory.
+    Sim(sim::SimArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -78,6 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Lanes(a) => parallel::lanes(a),
         What::Colocate(a) => colocate::colocate(a),
         What::Sweep(a) => sweep::sweep(a),
+        What::Sim(a) => sim::sim(a),
     }
 }
 

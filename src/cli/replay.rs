@@ -28,7 +28,7 @@ use anyhow::Context;
 use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
     calibrate, load_trace, parse_size, replay_live, replay_remote, service_policy, simulate, table,
-    Calibration, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
+    Calibration, CostCurve, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
 };
 use lanes_policies::{by_name, POLICY_NAMES};
 
@@ -61,9 +61,15 @@ pub struct Args {
     /// Width of the replayed MLPs' layers.
     #[arg(long, default_value_t = 128)]
     pub width: usize,
-    /// Batch of the replayed MLPs.
+    /// Batch of the replayed MLPs (or zoo models).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
+    /// Against a service: run every job as this zoo model instead of an MLP
+    /// calibrated to the trace's iteration time (mlp, lenet,
+    /// resnet18_cifar, resnet50, resnet152, transformer). The iteration
+    /// time is then the model's own; compare with *sim as-run*.
+    #[arg(long)]
+    pub zoo: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -137,9 +143,18 @@ fn against_service(
         pipeline: args.pipeline,
         width: args.width,
         batch: args.batch,
+        zoo: args.zoo.clone(),
         ..RemoteConfig::new(endpoint)
     };
-    let calibration = calibrate(&cfg).context("calibrating the models on the service")?;
+    let calibration = if cfg.zoo.is_some() {
+        // Zoo models run as they are: nothing to size.
+        Calibration {
+            training: CostCurve { points: Vec::new() },
+            inference: CostCurve { points: Vec::new() },
+        }
+    } else {
+        calibrate(&cfg).context("calibrating the models on the service")?
+    };
     let r = replay_remote(trace, policy, &cfg, &calibration)?;
     let simulated = sim_summary(trace, policy, memory, 1)?;
     let as_run = sim_summary(&r.as_run, policy, memory, 1)?;
@@ -173,6 +188,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.endpoint == "embedded" || args.lanes == 1,
         "--lanes applies to the embedded replay only; a service replay runs one worker (one lane)"
+    );
+    anyhow::ensure!(
+        args.endpoint != "embedded" || args.zoo.is_none(),
+        "--zoo runs real models and needs a service: --endpoint serve or an address"
     );
     let mut out = Vec::new();
     match args.endpoint.as_str() {

@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use lanes::sim::{load_trace, parse_size, plot_jct_cdf, simulate, table, SimConfig, Summary};
+use lanes::sim::{
+    load_trace, parse_size, plot_jct_cdf, simulate_with, table, SimConfig, SimOptions, Summary,
+};
 use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
@@ -44,7 +46,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut runs = Vec::new();
     for name in names {
         let mut policy = by_name(name)?;
-        runs.push(simulate(&trace, policy.as_mut(), cfg)?);
+        // Only the outcomes are reported: no schedule, so memory stays O(jobs).
+        runs.push(simulate_with(
+            &trace,
+            policy.as_mut(),
+            cfg,
+            SimOptions { schedule: false },
+        )?);
     }
     let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
     if args.json {

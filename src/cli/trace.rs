@@ -1,11 +1,13 @@
 //! `lanes trace gen`: write a synthetic job trace (distributions in
-//! docs/scheduling.md).
+//! docs/scheduling.md); `lanes trace import`: turn a cluster trace's job
+//! table into one.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use lanes::sim::{generate, write_trace, GenConfig};
+use lanes::sim::import::{MemoryUnit, TimeUnit};
+use lanes::sim::{generate, import_jobs, read_profiles, write_trace, GenConfig, Mapping, TraceJob};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -17,6 +19,42 @@ pub struct Args {
 pub enum TraceCommand {
     /// Generate a synthetic trace.
     Gen(GenArgs),
+    /// Import a cluster trace's job table (CSV) with a column mapping and a
+    /// model-profile table (see docs/scheduling.md).
+    Import(ImportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ImportArgs {
+    /// The job table (CSV with a header line).
+    #[arg(long)]
+    pub jobs: PathBuf,
+    /// Model profiles: CSV `model,iter_ms,persistent_bytes,ephemeral_bytes`.
+    #[arg(long)]
+    pub profiles: PathBuf,
+    /// Column mapping as a TOML file (`[columns]`, `[units]`, `[kinds]`, `model`).
+    #[arg(long)]
+    pub mapping: Option<PathBuf>,
+    /// One column, `field=column` (fields: id, submit, duration,
+    /// iterations, gpus, memory, kind, priority, model); repeatable, and
+    /// overrides the mapping file.
+    #[arg(long = "map", value_name = "FIELD=COLUMN")]
+    pub map: Vec<String>,
+    /// Unit of the submit column: us, ms, s, min or h.
+    #[arg(long)]
+    pub submit_unit: Option<String>,
+    /// Unit of the duration column: us, ms, s, min or h.
+    #[arg(long)]
+    pub duration_unit: Option<String>,
+    /// Unit of the memory column: B, KiB, MiB or GiB.
+    #[arg(long)]
+    pub memory_unit: Option<String>,
+    /// Profile of jobs that name no model.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Output trace; `-` for standard output.
+    #[arg(long, default_value = "-")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -41,7 +79,66 @@ pub struct GenArgs {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         TraceCommand::Gen(g) => gen(g),
+        TraceCommand::Import(i) => import(i),
     }
+}
+
+fn import(a: ImportArgs) -> anyhow::Result<()> {
+    let mut mapping = match &a.mapping {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Mapping::from_toml(&text).with_context(|| format!("{}", path.display()))?
+        }
+        None => Mapping::default(),
+    };
+    for m in &a.map {
+        mapping.set(m)?;
+    }
+    if let Some(u) = &a.submit_unit {
+        mapping.units.submit = u.parse::<TimeUnit>()?;
+    }
+    if let Some(u) = &a.duration_unit {
+        mapping.units.duration = u.parse::<TimeUnit>()?;
+    }
+    if let Some(u) = &a.memory_unit {
+        mapping.units.memory = u.parse::<MemoryUnit>()?;
+    }
+    if a.model.is_some() {
+        mapping.model.clone_from(&a.model);
+    }
+    let open = |path: &PathBuf| {
+        std::fs::File::open(path)
+            .map(std::io::BufReader::new)
+            .with_context(|| format!("opening {}", path.display()))
+    };
+    let profiles =
+        read_profiles(open(&a.profiles)?).with_context(|| format!("{}", a.profiles.display()))?;
+    let (jobs, stats) = import_jobs(open(&a.jobs)?, &mapping, &profiles)
+        .with_context(|| format!("{}", a.jobs.display()))?;
+    write_jobs(&a.out, &jobs)?;
+    eprintln!(
+        "read {} jobs: kept {}, left out {} asking for more than one GPU and {} asking for none",
+        stats.read, stats.kept, stats.multi_gpu, stats.no_gpu
+    );
+    Ok(())
+}
+
+fn write_jobs(out: &PathBuf, jobs: &[TraceJob]) -> anyhow::Result<()> {
+    if out.as_os_str() == "-" {
+        let stdout = std::io::stdout();
+        let mut lock = stdout.lock();
+        write_trace(&mut lock, jobs)?;
+        lock.flush()?;
+    } else {
+        let file =
+            std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+        let mut w = std::io::BufWriter::new(file);
+        write_trace(&mut w, jobs)?;
+        w.flush()?;
+        eprintln!("wrote {} jobs to {}", jobs.len(), out.display());
+    }
+    Ok(())
 }
 
 fn gen(g: GenArgs) -> anyhow::Result<()> {
@@ -59,18 +156,5 @@ fn gen(g: GenArgs) -> anyhow::Result<()> {
         mean_interarrival_s: g.mean_interarrival,
         inference_fraction: g.inference_fraction,
     });
-    if g.out.as_os_str() == "-" {
-        let stdout = std::io::stdout();
-        let mut lock = stdout.lock();
-        write_trace(&mut lock, &jobs)?;
-        lock.flush()?;
-    } else {
-        let file = std::fs::File::create(&g.out)
-            .with_context(|| format!("creating {}", g.out.display()))?;
-        let mut w = std::io::BufWriter::new(file);
-        write_trace(&mut w, &jobs)?;
-        w.flush()?;
-        eprintln!("wrote {} jobs to {}", jobs.len(), g.out.display());
-    }
-    Ok(())
+    write_jobs(&g.out, &jobs)
 }

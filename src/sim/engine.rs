@@ -16,14 +16,17 @@
 //!   then submissions (trace order), then admission, then every idle lane
 //!   asks the policy for its next iteration (lane order).
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Duration;
 
 use lanes_policies::{
-    AdmissionRank, Event, JobId, JobTable, LaneId, LaneView, Policy, PolicyError,
+    AdmissionRank, Event, JobId, JobSpec, JobTable, LaneId, LaneView, PickDynamics, Policy,
+    PolicyError,
 };
 
 use super::trace::TraceJob;
+use super::waiting::Waiting;
 
 /// Lane layout of a simulation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +69,12 @@ pub enum SimError {
         policy: &'static str,
         /// How many.
         jobs: usize,
+    },
+    /// A job's iterations take no time (the simulator needs time to pass).
+    #[error("job {job} has a zero iteration time")]
+    ZeroIteration {
+        /// The job.
+        job: JobId,
     },
     /// The job table refused an event (a simulator bug).
     #[error(transparent)]
@@ -132,17 +141,43 @@ pub struct SimRun {
     pub busy: Duration,
 }
 
-struct LaneState {
-    capacity: u64,
-    members: Vec<usize>,
-    running: Option<(usize, Duration)>,
+/// What a simulation records besides each job's outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Record every run of iterations in [`SimRun::schedule`]. Its size
+    /// grows with the number of runs (under fair sharing, with the number
+    /// of iterations), so leave it off for cluster-scale traces.
+    pub schedule: bool,
 }
 
-/// Run `trace` under `policy`.
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { schedule: true }
+    }
+}
+
+/// Run `trace` under `policy`, recording the schedule.
 pub fn simulate(
     trace: &[TraceJob],
     policy: &mut dyn Policy,
     cfg: SimConfig,
+) -> Result<SimRun, SimError> {
+    simulate_with(trace, policy, cfg, SimOptions::default())
+}
+
+/// Run `trace` under `policy`.
+///
+/// Event-driven: a lane's run between two decisions is one event. When the
+/// policy promises how its picks evolve ([`Policy::dynamics`]), a job runs
+/// all its iterations up to the next decision point in one step (the
+/// lane's next completion, or the first iteration boundary after a job
+/// joins the lane); otherwise the policy is asked at every iteration
+/// boundary. Either way the result is the one of asking at every boundary.
+pub fn simulate_with(
+    trace: &[TraceJob],
+    policy: &mut dyn Policy,
+    cfg: SimConfig,
+    opts: SimOptions,
 ) -> Result<SimRun, SimError> {
     if cfg.lanes == 0 {
         return Err(SimError::NoLanes);
@@ -157,205 +192,611 @@ pub fn simulate(
                 capacity,
             });
         }
+        if j.iteration.is_zero() {
+            return Err(SimError::ZeroIteration { job: j.id });
+        }
     }
-    let name = policy.name();
-    let contract = |detail: String| SimError::PolicyContract {
-        policy: name,
-        detail,
-    };
-
-    // Submission order: by time, then trace order.
     let mut order: Vec<usize> = (0..trace.len()).collect();
     order.sort_by_key(|&i| (trace[i].submit, i));
-    let by_id: HashMap<JobId, usize> = trace.iter().enumerate().map(|(i, j)| (j.id, i)).collect();
-
-    let mut lanes: Vec<LaneState> = (0..cfg.lanes)
-        .map(|_| LaneState {
-            capacity,
-            members: Vec::new(),
-            running: None,
-        })
+    let mut engine = Engine::new(trace, policy, cfg.lanes, capacity, opts.schedule);
+    // Every job's place in the admission order: the policy's rank, ties in
+    // submission order (the rank depends on the declaration alone).
+    let mut ranked: Vec<(AdmissionRank, usize)> = order
+        .iter()
+        .enumerate()
+        .map(|(pos, &i)| (engine.policy.admission_rank(&trace[i].spec()), pos))
         .collect();
-    let mut table = JobTable::new();
-    let mut done = vec![0u64; trace.len()];
-    let mut outcome: Vec<Option<JobOutcome>> = vec![None; trace.len()];
-    let mut admitted_at: Vec<(Duration, LaneId)> = vec![(Duration::ZERO, 0); trace.len()];
-    // Jobs waiting for memory: (admission rank, submission position, index),
-    // kept sorted (the policy's admission order, ties by submission).
-    let mut pending: Vec<(AdmissionRank, usize, usize)> = Vec::new();
-    let mut schedule: Vec<Segment> = Vec::new();
-    let mut open_segment: Vec<Option<usize>> = vec![None; cfg.lanes];
-    let mut busy = Duration::ZERO;
+    ranked.sort_unstable();
+    let by_slot: Vec<usize> = ranked.iter().map(|&(_, pos)| order[pos]).collect();
+    let mut slot_of = vec![0usize; trace.len()];
+    for (slot, &i) in by_slot.iter().enumerate() {
+        slot_of[i] = slot;
+    }
+    drop(ranked);
+    let ephemeral: Vec<u64> = by_slot.iter().map(|&i| trace[i].ephemeral_bytes).collect();
+    let mut waiting = Waiting::new(&ephemeral);
+    drop(ephemeral);
     let mut next = 0usize;
-    let mut finished = 0usize;
-
-    while finished < trace.len() {
+    while engine.finished < trace.len() {
         let t_arrival = order.get(next).map(|&i| trace[i].submit);
-        let t_done = lanes
-            .iter()
-            .filter_map(|l| l.running.map(|(_, end)| end))
-            .min();
-        let now = match (t_arrival, t_done) {
+        let t_lane = engine.lanes.iter().filter_map(|l| l.end).min();
+        let now = match (t_arrival, t_lane) {
             (Some(a), Some(d)) => a.min(d),
             (Some(a), None) => a,
             (None, Some(d)) => d,
             (None, None) => {
                 return Err(SimError::Stalled {
-                    policy: name,
-                    jobs: trace.len() - finished,
+                    policy: engine.name,
+                    jobs: trace.len() - engine.finished,
                 });
             }
         };
 
-        // 1. Completions, lane order.
-        for lane in lanes.iter_mut() {
-            let Some((i, end)) = lane.running else {
-                continue;
-            };
-            if end != now {
-                continue;
-            }
-            lane.running = None;
-            let job = &trace[i];
-            apply(
-                &mut table,
-                policy,
-                Event::IterationFinished {
-                    job: job.id,
-                    duration: job.iteration,
-                },
-                now,
-            )?;
-            done[i] += 1;
-            if done[i] == job.iterations {
-                apply(&mut table, policy, Event::Finished { job: job.id }, now)?;
-                lane.members.retain(|&m| m != i);
-                let (admitted, lane_id) = admitted_at[i];
-                outcome[i] = Some(JobOutcome {
-                    id: job.id,
-                    kind: job.kind,
-                    submit: job.submit,
-                    admitted,
-                    lane: lane_id,
-                    finish: now,
-                    service: job.service(),
-                });
-                finished += 1;
-            } else {
-                apply(&mut table, policy, Event::Queued { job: job.id }, now)?;
+        // 1. Lanes whose run ends now (lane order): iterations and jobs
+        //    that finish.
+        let mut freed = false;
+        for l in 0..engine.lanes.len() {
+            if engine.lanes[l].end == Some(now) {
+                freed |= engine.complete(l, now)?;
             }
         }
 
         // 2. Submissions.
-        let before = pending.len();
+        let mut fresh = Vec::new();
         while let Some(&i) = order.get(next) {
             if trace[i].submit != now {
                 break;
             }
-            pending.push((policy.admission_rank(&trace[i].spec()), next, i));
+            waiting.insert(
+                slot_of[i],
+                trace[i].persistent_bytes,
+                trace[i].ephemeral_bytes,
+            );
+            fresh.push(slot_of[i]);
             next += 1;
         }
-        if pending.len() > before {
-            pending.sort_unstable_by_key(|&(rank, seq, _)| (rank, seq));
+
+        // 3. Admission in the policy's order. Lanes only fill up between
+        //    two completions, so a job that did not fit still does not:
+        //    everyone is tried after memory was freed, otherwise only the
+        //    new submissions.
+        if freed || !fresh.is_empty() {
+            fresh.sort_unstable();
+            let mut fresh = fresh.into_iter();
+            let mut views: Vec<LaneView> = engine.views();
+            let mut from = 0usize;
+            loop {
+                let slot = if freed {
+                    waiting.next(from, &views)
+                } else {
+                    fresh.next()
+                };
+                let Some(slot) = slot else {
+                    break;
+                };
+                from = slot + 1;
+                let i = by_slot[slot];
+                let spec = trace[i].spec();
+                if !views.iter().any(|v| v.fits(&spec)) {
+                    continue;
+                }
+                let Some(l) = engine.policy.place(&spec, &views, now) else {
+                    continue;
+                };
+                let view = views.get(l).ok_or_else(|| {
+                    engine.contract(format!(
+                        "placed job {} in lane {l} of {}",
+                        spec.id,
+                        views.len()
+                    ))
+                })?;
+                if !view.fits(&spec) {
+                    return Err(engine.contract(format!(
+                        "placed job {} in lane {l} where it does not fit",
+                        spec.id
+                    )));
+                }
+                waiting.remove(slot);
+                engine.admit(i, spec, l, now)?;
+                views[l] = engine.lanes[l].view(l);
+            }
         }
 
-        // 3. Admission, in the policy's admission order.
-        let mut still = Vec::with_capacity(pending.len());
-        for &(rank, seq, i) in &pending {
-            let spec = trace[i].spec();
-            let views: Vec<LaneView> = lanes
-                .iter()
-                .enumerate()
-                .map(|(id, l)| LaneView {
-                    id,
-                    capacity: l.capacity,
-                    persistent_sum: l.members.iter().map(|&m| trace[m].persistent_bytes).sum(),
-                    max_ephemeral: l
-                        .members
-                        .iter()
-                        .map(|&m| trace[m].ephemeral_bytes)
-                        .max()
-                        .unwrap_or(0),
-                    jobs: l.members.len(),
+        // 4. Decisions on lanes that need one (lane order).
+        for l in 0..engine.lanes.len() {
+            if engine.lanes[l].decide || (engine.every && engine.lanes[l].end.is_none()) {
+                engine.decide(l, now)?;
+            }
+        }
+    }
+    Ok(engine.finish(cfg.lanes))
+}
+
+fn nanos(d: Duration) -> u128 {
+    d.as_nanos()
+}
+
+fn dur(n: u128) -> Duration {
+    let secs = u64::try_from(n / 1_000_000_000).unwrap_or(u64::MAX);
+    // The remainder is below 10^9.
+    let sub = u32::try_from(n % 1_000_000_000).unwrap_or(0);
+    Duration::new(secs, sub)
+}
+
+/// One job of a fair lane's run: its iterations have the keys
+/// `(attained + k × iteration, seq)` for `k` in `0..remaining`, and the
+/// lane runs the keys in increasing order (least attained service, ties
+/// to the earlier arrival).
+#[derive(Debug, Clone, Copy)]
+struct FairEntry {
+    job: usize,
+    attained: u128,
+    seq: u64,
+    iteration: u128,
+    remaining: u64,
+}
+
+/// A key of the fair order: attained service before the iteration, then
+/// the job's arrival sequence number.
+type FairKey = (u128, u64);
+
+impl FairEntry {
+    /// Its iterations whose key is at most `key`.
+    fn count(&self, key: FairKey) -> u64 {
+        let (k, s) = key;
+        if self.attained > k {
+            return 0;
+        }
+        let mut last = (k - self.attained) / self.iteration;
+        if self.attained + last * self.iteration == k && self.seq > s {
+            if last == 0 {
+                return 0;
+            }
+            last -= 1;
+        }
+        u64::try_from((last + 1).min(u128::from(self.remaining))).unwrap_or(self.remaining)
+    }
+    /// The key of its last iteration.
+    fn last_key(&self) -> FairKey {
+        (
+            self.attained + u128::from(self.remaining.saturating_sub(1)) * self.iteration,
+            self.seq,
+        )
+    }
+}
+
+/// Time the lane has run once every key up to `key` ran.
+fn fair_elapsed(entries: &[FairEntry], key: FairKey) -> u128 {
+    entries
+        .iter()
+        .map(|e| u128::from(e.count(key)) * e.iteration)
+        .sum()
+}
+
+/// The first key after which the lane has run at least `delta` (the
+/// iteration boundary at or after `origin + delta`), no later than
+/// `until`, and the time run by then.
+fn fair_cut(entries: &[FairEntry], delta: u128, until: FairKey) -> (FairKey, u128) {
+    // The smallest attained value `k` whose keys reach `delta`.
+    let (mut lo, mut hi) = (0u128, until.0);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fair_elapsed(entries, (mid, u64::MAX)) >= delta {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let k = lo;
+    let mut ran = if k == 0 {
+        0
+    } else {
+        fair_elapsed(entries, (k - 1, u64::MAX))
+    };
+    // Iterations whose key has exactly the value `k`, in seq order.
+    let mut at_k: Vec<(u64, u128)> = entries
+        .iter()
+        .filter(|e| {
+            e.attained <= k
+                && (k - e.attained) % e.iteration == 0
+                && (k - e.attained) / e.iteration < u128::from(e.remaining)
+        })
+        .map(|e| (e.seq, e.iteration))
+        .collect();
+    at_k.sort_unstable();
+    for (seq, iteration) in at_k {
+        if (k, seq) > until {
+            break;
+        }
+        ran += iteration;
+        if ran >= delta {
+            return ((k, seq), ran);
+        }
+    }
+    (until, fair_elapsed(entries, until))
+}
+
+/// What a lane is doing from `origin` until its `end`.
+#[derive(Debug, Clone)]
+enum Plan {
+    /// Nothing.
+    Idle,
+    /// A job runs this many iterations back to back.
+    Run { job: usize, iterations: u64 },
+    /// Fair sharing among these jobs, every key up to `until`.
+    Fair {
+        entries: Vec<FairEntry>,
+        until: FairKey,
+    },
+}
+
+struct Lane {
+    capacity: u64,
+    members: Vec<usize>,
+    persistent_sum: u64,
+    max_ephemeral: u64,
+    plan: Plan,
+    origin: Duration,
+    /// When the plan ends (its last iteration finishes), if running.
+    end: Option<Duration>,
+    /// A decision is due at the current instant.
+    decide: bool,
+    /// The lane's last schedule segment (recording only).
+    open: Option<usize>,
+}
+
+impl Lane {
+    fn view(&self, id: LaneId) -> LaneView {
+        LaneView {
+            id,
+            capacity: self.capacity,
+            persistent_sum: self.persistent_sum,
+            max_ephemeral: self.max_ephemeral,
+            jobs: self.members.len(),
+        }
+    }
+}
+
+struct Engine<'a> {
+    trace: &'a [TraceJob],
+    policy: &'a mut dyn Policy,
+    name: &'static str,
+    mode: PickDynamics,
+    /// Ask the policy at every iteration boundary, with every event.
+    every: bool,
+    table: JobTable,
+    by_id: HashMap<JobId, usize>,
+    lanes: Vec<Lane>,
+    done: Vec<u64>,
+    admitted_at: Vec<(Duration, LaneId)>,
+    outcome: Vec<Option<JobOutcome>>,
+    finished: usize,
+    record: bool,
+    schedule: Vec<Segment>,
+}
+
+impl<'a> Engine<'a> {
+    fn new(
+        trace: &'a [TraceJob],
+        policy: &'a mut dyn Policy,
+        lanes: usize,
+        capacity: u64,
+        record: bool,
+    ) -> Self {
+        let mode = policy.dynamics();
+        Engine {
+            trace,
+            name: policy.name(),
+            every: mode == PickDynamics::EveryIteration,
+            mode,
+            policy,
+            table: JobTable::new(),
+            by_id: trace.iter().enumerate().map(|(i, j)| (j.id, i)).collect(),
+            lanes: (0..lanes)
+                .map(|_| Lane {
+                    capacity,
+                    members: Vec::new(),
+                    persistent_sum: 0,
+                    max_ephemeral: 0,
+                    plan: Plan::Idle,
+                    origin: Duration::ZERO,
+                    end: None,
+                    decide: false,
+                    open: None,
                 })
-                .collect();
-            match policy.place(&spec, &views, now) {
-                None => still.push((rank, seq, i)),
-                Some(l) => {
-                    let view = views.get(l).ok_or_else(|| {
-                        contract(format!(
-                            "placed job {} in lane {l} of {}",
-                            spec.id,
-                            views.len()
-                        ))
-                    })?;
-                    if !view.fits(&spec) {
-                        return Err(contract(format!(
-                            "placed job {} in lane {l} where it does not fit",
-                            spec.id
-                        )));
+                .collect(),
+            done: vec![0; trace.len()],
+            admitted_at: vec![(Duration::ZERO, 0); trace.len()],
+            outcome: vec![None; trace.len()],
+            finished: 0,
+            record,
+            schedule: Vec::new(),
+        }
+    }
+
+    fn contract(&self, detail: String) -> SimError {
+        SimError::PolicyContract {
+            policy: self.name,
+            detail,
+        }
+    }
+
+    fn views(&self) -> Vec<LaneView> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .map(|(id, l)| l.view(id))
+            .collect()
+    }
+
+    fn event(&mut self, ev: Event, now: Duration) -> Result<(), SimError> {
+        apply(&mut self.table, self.policy, ev, now)
+    }
+
+    /// Admit job `i` into lane `l` at `now`; the lane's run is cut at its
+    /// next iteration boundary so that the policy sees the newcomer there.
+    fn admit(&mut self, i: usize, spec: JobSpec, l: LaneId, now: Duration) -> Result<(), SimError> {
+        let trace = self.trace;
+        let job = &trace[i];
+        let lane = &mut self.lanes[l];
+        lane.members.push(i);
+        lane.persistent_sum = lane.persistent_sum.saturating_add(job.persistent_bytes);
+        lane.max_ephemeral = lane.max_ephemeral.max(job.ephemeral_bytes);
+        self.admitted_at[i] = (now, l);
+        self.event(Event::Arrived { spec, lane: l }, now)?;
+        self.event(Event::Queued { job: job.id }, now)?;
+        self.cut(l, now)
+    }
+
+    /// End lane `l`'s run at its first iteration boundary at or after
+    /// `now` (the run is in progress and ends after `now`).
+    fn cut(&mut self, l: LaneId, now: Duration) -> Result<(), SimError> {
+        let lane = &mut self.lanes[l];
+        let Some(end) = lane.end else {
+            lane.decide = true;
+            return Ok(());
+        };
+        if lane.decide || end <= now || self.every {
+            // Deciding now anyway, or every boundary is a decision already.
+            return Ok(());
+        }
+        let delta = nanos(now - lane.origin);
+        let boundary = match &mut lane.plan {
+            Plan::Idle => return Ok(()),
+            Plan::Run { job, iterations } => {
+                let d = nanos(self.trace[*job].iteration);
+                let k = delta.div_ceil(d);
+                *iterations = u64::try_from(k).unwrap_or(*iterations).min(*iterations);
+                lane.origin + dur(u128::from(*iterations) * d)
+            }
+            Plan::Fair { entries, until } => {
+                let (key, ran) = fair_cut(entries, delta, *until);
+                *until = key;
+                lane.origin + dur(ran)
+            }
+        };
+        lane.end = Some(boundary);
+        if boundary == now {
+            // The boundary is now: the iterations up to it are over and the
+            // lane decides with the newcomer at this instant.
+            self.complete(l, now)?;
+        }
+        Ok(())
+    }
+
+    /// Lane `l`'s run ended at `now`: account for its iterations, retire
+    /// the jobs that are done. Returns whether one finished.
+    fn complete(&mut self, l: LaneId, now: Duration) -> Result<bool, SimError> {
+        let plan = std::mem::replace(&mut self.lanes[l].plan, Plan::Idle);
+        let origin = self.lanes[l].origin;
+        self.lanes[l].end = None;
+        self.lanes[l].decide = true;
+        let trace = self.trace;
+        let mut ran: Vec<usize> = Vec::new();
+        match plan {
+            Plan::Idle => {}
+            Plan::Run { job, iterations } => {
+                let t = &trace[job];
+                let id = t.id;
+                if self.every {
+                    self.event(
+                        Event::IterationFinished {
+                            job: id,
+                            duration: t.iteration,
+                        },
+                        now,
+                    )?;
+                } else {
+                    let total = dur(nanos(t.iteration) * u128::from(iterations));
+                    self.table.record_iterations(id, iterations, total)?;
+                }
+                self.done[job] += iterations;
+                self.emit(l, job, origin, now, iterations);
+                ran.push(job);
+            }
+            Plan::Fair { entries, until } => {
+                if self.record {
+                    self.emit_fair(l, origin, &entries, until);
+                }
+                for e in &entries {
+                    let c = e.count(until);
+                    if c == 0 {
+                        continue;
                     }
-                    lanes[l].members.push(i);
-                    admitted_at[i] = (now, l);
-                    apply(&mut table, policy, Event::Arrived { spec, lane: l }, now)?;
-                    apply(&mut table, policy, Event::Queued { job: trace[i].id }, now)?;
+                    let total = dur(e.iteration * u128::from(c));
+                    self.table.record_iterations(trace[e.job].id, c, total)?;
+                    self.done[e.job] += c;
+                    ran.push(e.job);
                 }
             }
         }
-        pending = still;
-
-        // 4. Dispatch on idle lanes, lane order.
-        for (l, lane) in lanes.iter_mut().enumerate() {
-            if lane.running.is_some() {
+        let mut freed = false;
+        for i in ran {
+            let job = &trace[i];
+            if self.done[i] < job.iterations {
+                if self.every {
+                    self.event(Event::Queued { job: job.id }, now)?;
+                }
                 continue;
             }
-            let Some(id) = policy.pick(l, table.jobs(), now) else {
-                open_segment[l] = None;
-                continue;
-            };
-            let ok = table.get(id).is_some_and(|v| v.lane == l && v.waiting);
-            let i = match by_id.get(&id) {
-                Some(&i) if ok => i,
-                _ => {
-                    return Err(contract(format!(
-                        "picked job {id} for lane {l}, which is not waiting there"
-                    )))
-                }
-            };
-            apply(&mut table, policy, Event::Started { job: id }, now)?;
-            let d = trace[i].iteration;
-            lane.running = Some((i, now + d));
-            busy += d;
-            match open_segment[l].map(|s| &mut schedule[s]) {
-                Some(seg) if seg.job == id && seg.end == now => {
-                    seg.end = now + d;
-                    seg.iterations += 1;
-                }
-                _ => {
-                    open_segment[l] = Some(schedule.len());
-                    schedule.push(Segment {
-                        lane: l,
-                        job: id,
-                        start: now,
-                        end: now + d,
-                        iterations: 1,
-                    });
-                }
+            self.event(Event::Finished { job: job.id }, now)?;
+            let lane = &mut self.lanes[l];
+            lane.members.retain(|&m| m != i);
+            lane.persistent_sum = lane.persistent_sum.saturating_sub(job.persistent_bytes);
+            lane.max_ephemeral = lane
+                .members
+                .iter()
+                .map(|&m| trace[m].ephemeral_bytes)
+                .max()
+                .unwrap_or(0);
+            let (admitted, lane_id) = self.admitted_at[i];
+            self.outcome[i] = Some(JobOutcome {
+                id: job.id,
+                kind: job.kind,
+                submit: job.submit,
+                admitted,
+                lane: lane_id,
+                finish: now,
+                service: job.service(),
+            });
+            self.finished += 1;
+            freed = true;
+        }
+        Ok(freed)
+    }
+
+    /// Decide what lane `l` runs from `now`.
+    fn decide(&mut self, l: LaneId, now: Duration) -> Result<(), SimError> {
+        self.lanes[l].decide = false;
+        self.lanes[l].origin = now;
+        if self.lanes[l].members.is_empty() {
+            self.lanes[l].open = None;
+            return Ok(());
+        }
+        if self.mode == PickDynamics::LeastAttained {
+            let mut entries = Vec::with_capacity(self.lanes[l].members.len());
+            for &i in &self.lanes[l].members {
+                let job = &self.trace[i];
+                let seq = self
+                    .table
+                    .get(job.id)
+                    .map(|v| v.seq)
+                    .ok_or(PolicyError::UnknownJob { job: job.id })?;
+                let iteration = nanos(job.iteration);
+                entries.push(FairEntry {
+                    job: i,
+                    attained: iteration * u128::from(self.done[i]),
+                    seq,
+                    iteration,
+                    remaining: job.iterations - self.done[i],
+                });
+            }
+            // The run lasts until the first job finishes: the one whose last
+            // key comes first.
+            let until = entries
+                .iter()
+                .map(FairEntry::last_key)
+                .min()
+                .unwrap_or((0, 0));
+            let end = now + dur(fair_elapsed(&entries, until));
+            let lane = &mut self.lanes[l];
+            lane.plan = Plan::Fair { entries, until };
+            lane.end = Some(end);
+            return Ok(());
+        }
+        let Some(id) = self.policy.pick(l, self.table.jobs(), now) else {
+            self.lanes[l].open = None;
+            return Ok(());
+        };
+        let ok = self.table.get(id).is_some_and(|v| v.lane == l && v.waiting);
+        let i = match self.by_id.get(&id) {
+            Some(&i) if ok => i,
+            _ => {
+                return Err(self.contract(format!(
+                    "picked job {id} for lane {l}, which is not waiting there"
+                )))
+            }
+        };
+        let iterations = if self.every {
+            self.event(Event::Started { job: id }, now)?;
+            1
+        } else {
+            self.trace[i].iterations - self.done[i]
+        };
+        let end = now + dur(nanos(self.trace[i].iteration) * u128::from(iterations));
+        let lane = &mut self.lanes[l];
+        lane.plan = Plan::Run { job: i, iterations };
+        lane.end = Some(end);
+        Ok(())
+    }
+
+    /// Record `iterations` of job `i` in lane `l` from `start` to `end`.
+    fn emit(&mut self, l: LaneId, i: usize, start: Duration, end: Duration, iterations: u64) {
+        if !self.record || iterations == 0 {
+            return;
+        }
+        let id = self.trace[i].id;
+        match self.lanes[l].open.and_then(|s| self.schedule.get_mut(s)) {
+            Some(seg) if seg.job == id && seg.end == start => {
+                seg.end = end;
+                seg.iterations += iterations;
+            }
+            _ => {
+                self.lanes[l].open = Some(self.schedule.len());
+                self.schedule.push(Segment {
+                    lane: l,
+                    job: id,
+                    start,
+                    end,
+                    iterations,
+                });
             }
         }
     }
 
-    Ok(SimRun {
-        policy: name,
-        lanes: cfg.lanes,
-        outcomes: outcome.into_iter().flatten().collect(),
-        schedule,
-        busy,
-    })
+    /// Record a fair run iteration by iteration (in key order).
+    fn emit_fair(&mut self, l: LaneId, origin: Duration, entries: &[FairEntry], until: FairKey) {
+        let mut heap: BinaryHeap<Reverse<(FairKey, usize, u64)>> = entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.remaining > 0)
+            .map(|(n, e)| Reverse(((e.attained, e.seq), n, 0)))
+            .collect();
+        let mut t = nanos(origin);
+        while let Some(Reverse((key, n, k))) = heap.pop() {
+            if key > until {
+                break;
+            }
+            let e = entries[n];
+            self.emit(l, e.job, dur(t), dur(t + e.iteration), 1);
+            t += e.iteration;
+            if k + 1 < e.remaining {
+                heap.push(Reverse(((key.0 + e.iteration, e.seq), n, k + 1)));
+            }
+        }
+    }
+
+    fn finish(mut self, lanes: usize) -> SimRun {
+        if self.record {
+            self.schedule.sort_by_key(|s| (s.start, s.lane));
+        }
+        let busy = self
+            .trace
+            .iter()
+            .map(|j| nanos(j.iteration) * u128::from(j.iterations))
+            .sum();
+        SimRun {
+            policy: self.name,
+            lanes,
+            outcomes: self.outcome.into_iter().flatten().collect(),
+            schedule: self.schedule,
+            busy: dur(busy),
+        }
+    }
 }
 
 /// Apply an event to the table, then show it to the policy.
-fn apply(
+pub(super) fn apply(
     table: &mut JobTable,
     policy: &mut dyn Policy,
     ev: Event,

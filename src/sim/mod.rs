@@ -3,20 +3,28 @@
 //!
 //! - [`trace`]: the CSV trace format (read, write, validate) and sizes;
 //! - [`gen`]: synthetic traces with documented distributions;
-//! - [`engine`]: the simulation itself ([`simulate`]);
+//! - [`import`]: public cluster traces' job tables turned into traces;
+//! - [`engine`]: the event-driven simulation itself ([`simulate`]);
 //! - [`report`]: average / p99 JCT, makespan, queueing, utilisation, plots;
 //! - [`live`]: an in-process live replay (threads, sleeps, `sched::Scheduler`);
 //! - [`remote`]: a replay against a running `lanes serve` with zoo models.
 
 pub mod engine;
 pub mod gen;
+pub mod import;
 pub mod live;
+#[cfg(test)]
+mod reference;
 pub mod remote;
 pub mod report;
 pub mod trace;
+mod waiting;
 
-pub use engine::{simulate, JobOutcome, Segment, SimConfig, SimError, SimRun};
+pub use engine::{
+    simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun,
+};
 pub use gen::{generate, GenConfig};
+pub use import::{import_jobs, read_profiles, ImportError, ImportStats, Mapping, Profile};
 pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
 pub use remote::{
     calibrate, replay_remote, service_policy, Calibration, CostCurve, RemoteConfig, RemoteError,

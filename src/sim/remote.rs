@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use lanes_adaptor::wire::{
     self, Envelope, ErrorCode, NamedTensor, Reply, Request, SessionId, SessionSpec,
 };
+use lanes_adaptor::zoo::seeded_feeds;
 use lanes_adaptor::{Arch, Graph, Limits, Optimizer, Tensor, ZooError};
 use lanes_policies::JobKind;
 
@@ -48,7 +49,22 @@ pub struct RemoteConfig {
     pub max_depth: usize,
     /// How long to wait for any one reply.
     pub timeout: Duration,
+    /// Run every job as this zoo model ([`ZOO_MODELS`]) at `batch`
+    /// instead of an MLP sized to the trace's iteration time: the work is
+    /// real and its iteration time the model's own (compare with the
+    /// simulator on [`RemoteRun::as_run`]). No calibration is needed.
+    pub zoo: Option<String>,
 }
+
+/// Zoo models a replay can run every job as (`RemoteConfig::zoo`).
+pub const ZOO_MODELS: [&str; 6] = [
+    "mlp",
+    "lenet",
+    "resnet18_cifar",
+    "resnet50",
+    "resnet152",
+    "transformer",
+];
 
 impl RemoteConfig {
     /// Defaults for `endpoint`: scale 0.1, four Runs outstanding, width 128,
@@ -62,6 +78,7 @@ impl RemoteConfig {
             batch: 32,
             max_depth: 400,
             timeout: Duration::from_secs(120),
+            zoo: None,
         }
     }
 }
@@ -176,7 +193,8 @@ pub struct RemoteRun {
     /// The trace with each job's iteration time as the service measured it
     /// (mean service time, unscaled).
     pub as_run: Vec<TraceJob>,
-    /// Hidden layers given to each job, in trace order.
+    /// Hidden layers given to each job's MLP, in trace order (0 for zoo
+    /// models).
     pub depths: Vec<usize>,
     /// The cost lines used.
     pub calibration: Calibration,
@@ -399,6 +417,75 @@ fn model(kind: JobKind, depth: usize, cfg: &RemoteConfig, seed: u64) -> Result<M
     })
 }
 
+/// Job `seed`'s session of the zoo model `name`: the training graph (SGD)
+/// or the inference graph at `batch`, with deterministic feeds.
+fn zoo_model(name: &str, kind: JobKind, batch: usize, seed: u64) -> Result<Model, RemoteError> {
+    // The architecture and the range of its integer inputs (labels, ids).
+    let (arch, ints) = match name {
+        "mlp" => (
+            Arch::Mlp {
+                inputs: 784,
+                hidden: vec![256, 128],
+                classes: 10,
+            },
+            10,
+        ),
+        "lenet" => (
+            Arch::LeNet {
+                channels: 1,
+                image: 28,
+                classes: 10,
+            },
+            10,
+        ),
+        "resnet18_cifar" => (Arch::ResNet18Cifar { classes: 10 }, 10),
+        "resnet50" => (Arch::ResNet50, 1000),
+        "resnet152" => (Arch::ResNet152, 1000),
+        "transformer" => (
+            Arch::Transformer {
+                vocab: 1000,
+                seq: 32,
+                dim: 128,
+                heads: 4,
+                ff: 512,
+                classes: 10,
+            },
+            10,
+        ),
+        other => {
+            return Err(RemoteError::Config(format!(
+                "unknown zoo model {other:?} (one of {})",
+                ZOO_MODELS.join(", ")
+            )))
+        }
+    };
+    let batch = batch.max(1);
+    let (graph, vars, fetch, inputs) = match kind {
+        JobKind::Training => {
+            let (t, inputs) = arch.training(batch, seed, &Optimizer::sgd(0.01))?;
+            (t.graph, t.vars, t.loss, inputs)
+        }
+        JobKind::Inference => {
+            let m = arch.inference(batch, seed)?;
+            (m.graph, m.vars, m.output, m.inputs)
+        }
+    };
+    let feeds = seeded_feeds(&inputs, seed, ints)
+        .map_err(|e| RemoteError::Config(e.to_string()))?
+        .into_iter()
+        .map(|(k, v)| NamedTensor::new(k, v))
+        .collect();
+    Ok(Model {
+        graph,
+        vars: vars
+            .into_iter()
+            .map(|(k, v)| NamedTensor::new(k, v))
+            .collect(),
+        feeds,
+        fetch,
+    })
+}
+
 /// Total service time the service measured for `session` so far, and its
 /// iteration count.
 fn service_total(conn: &mut Conn, session: SessionId) -> Result<(u64, f64), RemoteError> {
@@ -501,6 +588,11 @@ pub fn replay_remote(
             JobKind::Training => &calibration.training,
             JobKind::Inference => &calibration.inference,
         };
+        if let Some(name) = &cfg.zoo {
+            depths.push(0);
+            models.push(Arc::new(zoo_model(name, j.kind, cfg.batch, j.id)?));
+            continue;
+        }
         let depth = fit.depth_for(scale(j.iteration), cfg.max_depth);
         depths.push(depth);
         models.push(Arc::new(model(j.kind, depth, cfg, j.id)?));

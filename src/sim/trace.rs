@@ -30,9 +30,10 @@ pub const HEADER: [&str; 8] = [
     "priority",
 ];
 
-/// Largest time a trace may mention (about 11.5 days), so durations never
-/// overflow when added up.
-const MAX_SECONDS: f64 = 1.0e6;
+/// Largest time a trace may mention, in seconds (about 3.2 years: long
+/// enough for a public cluster trace), so durations never overflow when
+/// added up.
+pub const MAX_SECONDS: f64 = 1.0e8;
 /// Most iterations one job may declare.
 pub const MAX_ITERATIONS: u64 = 10_000_000;
 

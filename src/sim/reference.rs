@@ -1,0 +1,379 @@
+//! The simulator as it was before it became event-driven: every iteration
+//! of every job is one step, and every step asks the policy. Kept for the
+//! tests only, as the reference the event-driven engine
+//! ([`super::engine::simulate`]) must match exactly.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use lanes_policies::{AdmissionRank, Event, JobId, JobTable, LaneId, LaneView, Policy};
+
+use super::engine::{apply, JobOutcome, Segment, SimConfig, SimError, SimRun};
+use super::trace::TraceJob;
+
+struct LaneState {
+    capacity: u64,
+    members: Vec<usize>,
+    running: Option<(usize, Duration)>,
+}
+
+/// Run `trace` under `policy`, one iteration at a time.
+pub fn simulate_reference(
+    trace: &[TraceJob],
+    policy: &mut dyn Policy,
+    cfg: SimConfig,
+) -> Result<SimRun, SimError> {
+    if cfg.lanes == 0 {
+        return Err(SimError::NoLanes);
+    }
+    let capacity = cfg.memory / cfg.lanes as u64;
+    for j in trace {
+        let need = j.persistent_bytes.saturating_add(j.ephemeral_bytes);
+        if need > capacity {
+            return Err(SimError::JobNeverFits {
+                job: j.id,
+                need,
+                capacity,
+            });
+        }
+    }
+    let name = policy.name();
+    let contract = |detail: String| SimError::PolicyContract {
+        policy: name,
+        detail,
+    };
+
+    // Submission order: by time, then trace order.
+    let mut order: Vec<usize> = (0..trace.len()).collect();
+    order.sort_by_key(|&i| (trace[i].submit, i));
+    let by_id: HashMap<JobId, usize> = trace.iter().enumerate().map(|(i, j)| (j.id, i)).collect();
+
+    let mut lanes: Vec<LaneState> = (0..cfg.lanes)
+        .map(|_| LaneState {
+            capacity,
+            members: Vec::new(),
+            running: None,
+        })
+        .collect();
+    let mut table = JobTable::new();
+    let mut done = vec![0u64; trace.len()];
+    let mut outcome: Vec<Option<JobOutcome>> = vec![None; trace.len()];
+    let mut admitted_at: Vec<(Duration, LaneId)> = vec![(Duration::ZERO, 0); trace.len()];
+    // Jobs waiting for memory: (admission rank, submission position, index),
+    // kept sorted (the policy's admission order, ties by submission).
+    let mut pending: Vec<(AdmissionRank, usize, usize)> = Vec::new();
+    let mut schedule: Vec<Segment> = Vec::new();
+    let mut open_segment: Vec<Option<usize>> = vec![None; cfg.lanes];
+    let mut busy = Duration::ZERO;
+    let mut next = 0usize;
+    let mut finished = 0usize;
+
+    while finished < trace.len() {
+        let t_arrival = order.get(next).map(|&i| trace[i].submit);
+        let t_done = lanes
+            .iter()
+            .filter_map(|l| l.running.map(|(_, end)| end))
+            .min();
+        let now = match (t_arrival, t_done) {
+            (Some(a), Some(d)) => a.min(d),
+            (Some(a), None) => a,
+            (None, Some(d)) => d,
+            (None, None) => {
+                return Err(SimError::Stalled {
+                    policy: name,
+                    jobs: trace.len() - finished,
+                });
+            }
+        };
+
+        // 1. Completions, lane order.
+        for lane in lanes.iter_mut() {
+            let Some((i, end)) = lane.running else {
+                continue;
+            };
+            if end != now {
+                continue;
+            }
+            lane.running = None;
+            let job = &trace[i];
+            apply(
+                &mut table,
+                policy,
+                Event::IterationFinished {
+                    job: job.id,
+                    duration: job.iteration,
+                },
+                now,
+            )?;
+            done[i] += 1;
+            if done[i] == job.iterations {
+                apply(&mut table, policy, Event::Finished { job: job.id }, now)?;
+                lane.members.retain(|&m| m != i);
+                let (admitted, lane_id) = admitted_at[i];
+                outcome[i] = Some(JobOutcome {
+                    id: job.id,
+                    kind: job.kind,
+                    submit: job.submit,
+                    admitted,
+                    lane: lane_id,
+                    finish: now,
+                    service: job.service(),
+                });
+                finished += 1;
+            } else {
+                apply(&mut table, policy, Event::Queued { job: job.id }, now)?;
+            }
+        }
+
+        // 2. Submissions.
+        let before = pending.len();
+        while let Some(&i) = order.get(next) {
+            if trace[i].submit != now {
+                break;
+            }
+            pending.push((policy.admission_rank(&trace[i].spec()), next, i));
+            next += 1;
+        }
+        if pending.len() > before {
+            pending.sort_unstable_by_key(|&(rank, seq, _)| (rank, seq));
+        }
+
+        // 3. Admission, in the policy's admission order.
+        let mut still = Vec::with_capacity(pending.len());
+        for &(rank, seq, i) in &pending {
+            let spec = trace[i].spec();
+            let views: Vec<LaneView> = lanes
+                .iter()
+                .enumerate()
+                .map(|(id, l)| LaneView {
+                    id,
+                    capacity: l.capacity,
+                    persistent_sum: l.members.iter().map(|&m| trace[m].persistent_bytes).sum(),
+                    max_ephemeral: l
+                        .members
+                        .iter()
+                        .map(|&m| trace[m].ephemeral_bytes)
+                        .max()
+                        .unwrap_or(0),
+                    jobs: l.members.len(),
+                })
+                .collect();
+            match policy.place(&spec, &views, now) {
+                None => still.push((rank, seq, i)),
+                Some(l) => {
+                    let view = views.get(l).ok_or_else(|| {
+                        contract(format!(
+                            "placed job {} in lane {l} of {}",
+                            spec.id,
+                            views.len()
+                        ))
+                    })?;
+                    if !view.fits(&spec) {
+                        return Err(contract(format!(
+                            "placed job {} in lane {l} where it does not fit",
+                            spec.id
+                        )));
+                    }
+                    lanes[l].members.push(i);
+                    admitted_at[i] = (now, l);
+                    apply(&mut table, policy, Event::Arrived { spec, lane: l }, now)?;
+                    apply(&mut table, policy, Event::Queued { job: trace[i].id }, now)?;
+                }
+            }
+        }
+        pending = still;
+
+        // 4. Dispatch on idle lanes, lane order.
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            if lane.running.is_some() {
+                continue;
+            }
+            let Some(id) = policy.pick(l, table.jobs(), now) else {
+                open_segment[l] = None;
+                continue;
+            };
+            let ok = table.get(id).is_some_and(|v| v.lane == l && v.waiting);
+            let i = match by_id.get(&id) {
+                Some(&i) if ok => i,
+                _ => {
+                    return Err(contract(format!(
+                        "picked job {id} for lane {l}, which is not waiting there"
+                    )))
+                }
+            };
+            apply(&mut table, policy, Event::Started { job: id }, now)?;
+            let d = trace[i].iteration;
+            lane.running = Some((i, now + d));
+            busy += d;
+            match open_segment[l].map(|s| &mut schedule[s]) {
+                Some(seg) if seg.job == id && seg.end == now => {
+                    seg.end = now + d;
+                    seg.iterations += 1;
+                }
+                _ => {
+                    open_segment[l] = Some(schedule.len());
+                    schedule.push(Segment {
+                        lane: l,
+                        job: id,
+                        start: now,
+                        end: now + d,
+                        iterations: 1,
+                    });
+                }
+            }
+        }
+    }
+
+    Ok(SimRun {
+        policy: name,
+        lanes: cfg.lanes,
+        outcomes: outcome.into_iter().flatten().collect(),
+        schedule,
+        busy,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::sim::engine::{simulate_with, SimOptions};
+    use lanes_policies::{by_name, JobId, JobKind, JobSpec, JobView, POLICY_NAMES};
+    use proptest::prelude::*;
+
+    /// A built-in policy that makes no promise about its picks, so the
+    /// engine asks it at every iteration boundary.
+    #[derive(Debug)]
+    struct NoPromise(Box<dyn Policy>);
+
+    impl Policy for NoPromise {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn pick(&mut self, lane: LaneId, jobs: &[JobView], now: Duration) -> Option<JobId> {
+            self.0.pick(lane, jobs, now)
+        }
+        fn place(&mut self, job: &JobSpec, lanes: &[LaneView], now: Duration) -> Option<LaneId> {
+            self.0.place(job, lanes, now)
+        }
+        fn admission_rank(&self, job: &JobSpec) -> AdmissionRank {
+            self.0.admission_rank(job)
+        }
+    }
+
+    /// Random small traces whose times often coincide (submissions on a
+    /// 5 ms grid, iterations of whole milliseconds), with microsecond
+    /// iteration times in some.
+    fn traces(max_jobs: usize) -> impl Strategy<Value = Vec<TraceJob>> {
+        prop::collection::vec(
+            (
+                0u64..40,
+                any::<bool>(),
+                1u64..12,
+                1u64..20,
+                any::<bool>(),
+                0i32..3,
+                0u64..60,
+                0u64..60,
+            ),
+            1..=max_jobs,
+        )
+        .prop_map(|v| {
+            v.into_iter()
+                .enumerate()
+                .map(
+                    |(i, (submit, inference, iterations, iter, odd, priority, p, t))| TraceJob {
+                        id: i as u64 + 1,
+                        submit: Duration::from_millis(submit * 5),
+                        kind: if inference {
+                            JobKind::Inference
+                        } else {
+                            JobKind::Training
+                        },
+                        iterations,
+                        iteration: if odd {
+                            Duration::from_micros(iter * 1_371)
+                        } else {
+                            Duration::from_millis(iter)
+                        },
+                        persistent_bytes: p,
+                        ephemeral_bytes: t,
+                        priority,
+                    },
+                )
+                .collect()
+        })
+    }
+
+    fn same(old: &SimRun, new: &SimRun) -> Result<(), TestCaseError> {
+        prop_assert_eq!(new.schedule_lines(), old.schedule_lines());
+        prop_assert_eq!(&new.outcomes, &old.outcomes);
+        prop_assert_eq!(new.busy, old.busy);
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256),
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn the_event_driven_engine_matches_the_reference(
+            trace in traces(14), lanes in 1usize..4, tight in any::<bool>(),
+        ) {
+            let per_lane: u64 = if tight { 120 } else { 1 << 40 };
+            let cfg = SimConfig { memory: per_lane * lanes as u64, lanes };
+            for name in POLICY_NAMES {
+                let old = simulate_reference(&trace, by_name(name).unwrap().as_mut(), cfg).unwrap();
+                let new = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: true }).unwrap();
+                same(&old, &new)?;
+                let quiet = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: false }).unwrap();
+                prop_assert_eq!(&quiet.outcomes, &old.outcomes, "{} without schedule", name);
+                prop_assert!(quiet.schedule.is_empty());
+                let mut plain = NoPromise(by_name(name).unwrap());
+                let asked = simulate_with(&trace, &mut plain, cfg, SimOptions { schedule: true }).unwrap();
+                same(&old, &asked)?;
+            }
+        }
+    }
+
+    /// Fair sharing among many jobs of different iteration times, with
+    /// arrivals cutting runs: the closed-form order matches iteration by
+    /// iteration.
+    #[test]
+    fn fair_in_closed_form_matches_on_a_busy_lane() {
+        let trace: Vec<TraceJob> = (0..60u64)
+            .map(|i| TraceJob {
+                id: i + 1,
+                submit: Duration::from_micros(i * 7_919),
+                kind: JobKind::Training,
+                iterations: 5 + (i * 37) % 90,
+                iteration: Duration::from_micros(300 + (i * 1_231) % 4_000),
+                persistent_bytes: (i * 13) % 50,
+                ephemeral_bytes: (i * 29) % 50,
+                priority: 0,
+            })
+            .collect();
+        for (lanes, per_lane) in [(1usize, 1u64 << 40), (1, 200), (3, 120)] {
+            let cfg = SimConfig {
+                memory: per_lane * lanes as u64,
+                lanes,
+            };
+            let old = simulate_reference(&trace, by_name("fair").unwrap().as_mut(), cfg).unwrap();
+            let new = simulate_with(
+                &trace,
+                by_name("fair").unwrap().as_mut(),
+                cfg,
+                SimOptions::default(),
+            )
+            .unwrap();
+            assert_eq!(
+                new.schedule_lines(),
+                old.schedule_lines(),
+                "{lanes} lanes of {per_lane}"
+            );
+            assert_eq!(new.outcomes, old.outcomes);
+        }
+    }
+}
