@@ -171,3 +171,103 @@ fn a_symbolic_batch_follows_the_option() {
         assert!(m.folded > 100, "shape arithmetic is folded: {}", m.folded);
     }
 }
+
+fn lanes(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `lanes import --check` prints the summary with the memory planner's
+/// exact P and T, runs the model and reports agreement.
+#[test]
+fn cli_import_prints_p_and_t_and_checks_references() {
+    let d = dir();
+    let model = d.join("resnet18.onnx");
+    let out = lanes(&[
+        "import",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--check",
+        d.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("input  f32[2, 3, 32, 32]"), "{stdout}");
+    assert!(stdout.contains("conv2d 6"), "{stdout}");
+    assert!(stdout.contains("output: ok"), "{stdout}");
+    // P and T are the planner's, for the graph fetching the outputs.
+    let opts = ImportOptions {
+        batch: 2,
+        ..ImportOptions::default()
+    };
+    let m = import_file(&model, &opts).unwrap();
+    let vg = validate(m.graph, &GraphLimits::default()).unwrap();
+    let plan = lanes::compile::plan_with_fetches(&vg, &["output"], Default::default()).unwrap();
+    let line = format!(
+        "memory at batch 2: P = {} B, T = {} B",
+        plan.persistent, plan.ephemeral
+    );
+    assert!(stdout.contains(&line), "{line} not in {stdout}");
+    assert!(plan.persistent >= 4 * m.vars.values().map(|t| t.numel() as u64).sum::<u64>());
+}
+
+#[test]
+fn cli_import_with_named_feeds_and_a_mismatch() {
+    let d = dir();
+    let f = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let ok = lanes(&[
+        "import",
+        &f("bert.onnx"),
+        "--batch",
+        "2",
+        "--input",
+        &format!("input_ids={}", f("bert.input_ids.npy")),
+        "--input",
+        &format!("attention_mask={}", f("bert.attention_mask.npy")),
+        "--expect",
+        &format!("pooler_output={}", f("bert.pooler_output.npy")),
+    ]);
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        ok.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(stdout.contains("pooler_output: ok"), "{stdout}");
+    // resnet18's input against resnet50's output: reported, exit status 1.
+    let bad = lanes(&[
+        "import",
+        &f("resnet18.onnx"),
+        "--batch",
+        "2",
+        "--input",
+        &format!("input={}", f("resnet18.input.npy")),
+        "--expect",
+        &format!("output={}", f("resnet50.output.npy")),
+    ]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stdout).contains("MISMATCH"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("differ from the reference"));
+}
+
+#[test]
+fn cli_import_of_an_unsupported_model_names_op_and_node() {
+    let out = lanes(&[
+        "import",
+        dir().join("unsupported_op.onnx").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Hardmax") && err.contains("the_hardmax"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -426,3 +426,6 @@ fn check_declared(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

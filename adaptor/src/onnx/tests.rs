@@ -1,0 +1,166 @@
+//! Typed errors for broken and unsupported models, and no panic on any
+//! mutation of a real file's bytes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+use proptest::prelude::*;
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = format!("{}/../tests/data/onnx/{name}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn model(name: &str) -> proto::ModelProto {
+    proto::ModelProto::decode(fixture(name).as_slice()).unwrap()
+}
+
+fn import_model(m: &proto::ModelProto) -> Result<OnnxModel, OnnxError> {
+    import(&m.encode_to_vec(), &ImportOptions::default())
+}
+
+fn node_mut<'a>(m: &'a mut proto::ModelProto, op: &str) -> &'a mut proto::NodeProto {
+    m.graph
+        .as_mut()
+        .unwrap()
+        .node
+        .iter_mut()
+        .find(|n| n.op_type.as_deref() == Some(op))
+        .unwrap()
+}
+
+#[test]
+fn the_fixture_imports_and_reencodes() {
+    let m = import_model(&model("resnet18.onnx")).unwrap();
+    assert_eq!(m.opset, 17);
+    assert_eq!(m.inputs[0].1.shape.dims(), &[1, 3, 32, 32]);
+    assert_eq!(m.outputs[0].1.shape.dims(), &[1, 10]);
+}
+
+#[test]
+fn unknown_op_and_foreign_domain_name_node_and_op() {
+    let mut m = model("resnet18.onnx");
+    let n = node_mut(&mut m, "Relu");
+    n.op_type = Some("Mish".into());
+    let want = n.name.clone().unwrap();
+    match import_model(&m).unwrap_err() {
+        OnnxError::Unsupported { node, op, .. } => {
+            assert_eq!((node, op.as_str()), (want, "Mish"));
+        }
+        e => panic!("{e}"),
+    }
+    let mut m = model("resnet18.onnx");
+    node_mut(&mut m, "Relu").domain = Some("com.microsoft".into());
+    let e = import_model(&m).unwrap_err();
+    assert!(
+        matches!(&e, OnnxError::Unsupported { op, .. } if op == "com.microsoft.Relu"),
+        "{e}"
+    );
+}
+
+#[test]
+fn old_opset_missing_input_and_bad_attributes_are_typed() {
+    let mut m = model("resnet18.onnx");
+    m.opset_import[0].version = Some(11);
+    assert!(matches!(
+        import_model(&m).unwrap_err(),
+        OnnxError::Opset { found: 11, .. }
+    ));
+
+    let mut m = model("resnet18.onnx");
+    node_mut(&mut m, "Gemm").input[0] = "nowhere".into();
+    let e = import_model(&m).unwrap_err();
+    assert!(
+        matches!(&e, OnnxError::Node { op, reason, .. } if op == "Gemm" && reason.contains("nowhere")),
+        "{e}"
+    );
+
+    // Asymmetric padding has no Lanes form: refused, naming the Conv.
+    let mut m = model("resnet18.onnx");
+    let conv = node_mut(&mut m, "Conv");
+    for a in conv.attribute.iter_mut() {
+        if a.name.as_deref() == Some("pads") {
+            a.ints = vec![1, 1, 0, 0];
+        }
+    }
+    let e = import_model(&m).unwrap_err();
+    assert!(
+        matches!(&e, OnnxError::Unsupported { op, reason, .. } if op == "Conv" && reason.contains("asymmetric")),
+        "{e}"
+    );
+
+    // Weights that do not fit the input: the Lanes shape rules refuse them.
+    let mut m = model("resnet18.onnx");
+    let conv_w = node_mut(&mut m, "Conv").input[1].clone();
+    let g = m.graph.as_mut().unwrap();
+    let w = g
+        .initializer
+        .iter_mut()
+        .find(|t| t.name.as_deref() == Some(conv_w.as_str()))
+        .unwrap();
+    w.dims[1] = 1;
+    let n: i64 = w.dims.iter().product();
+    w.raw_data = Some(vec![0u8; n as usize * 4]);
+    let e = import_model(&m).unwrap_err();
+    assert!(
+        matches!(&e, OnnxError::Node { op, .. } if op == "Conv"),
+        "{e}"
+    );
+
+    // Raw data that does not match the dims.
+    let mut m = model("resnet18.onnx");
+    m.graph.as_mut().unwrap().initializer[0].raw_data = Some(vec![0u8; 3]);
+    assert!(matches!(
+        import_model(&m).unwrap_err(),
+        OnnxError::Input { .. }
+    ));
+
+    assert!(matches!(
+        import(&[], &ImportOptions::default()).unwrap_err(),
+        OnnxError::Malformed(_)
+    ));
+}
+
+#[test]
+fn a_symbolic_inner_dimension_needs_a_size() {
+    use proto::tensor_shape_proto::dimension::Value;
+    let mut m = model("resnet18.onnx");
+    let g = m.graph.as_mut().unwrap();
+    let Some(proto::type_proto::Value::TensorType(t)) =
+        g.input[0].r#type.as_mut().unwrap().value.as_mut()
+    else {
+        panic!("tensor input");
+    };
+    t.shape.as_mut().unwrap().dim[2].value = Some(Value::DimParam("height".into()));
+    assert!(matches!(
+        import_model(&m).unwrap_err(),
+        OnnxError::Input { .. }
+    ));
+    let opts = ImportOptions {
+        dims: [("height".to_string(), 32)].into(),
+        ..ImportOptions::default()
+    };
+    assert!(import(&m.encode_to_vec(), &opts).is_ok());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+    /// Whatever bytes of a real model are changed or cut, import answers
+    /// Ok or a typed error and never panics.
+    #[test]
+    fn mutated_files_never_panic(
+        which in 0usize..2,
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        cut in proptest::option::of(any::<prop::sample::Index>()),
+    ) {
+        let mut bytes = fixture(["resnet18.onnx", "bert.onnx"][which]);
+        for (at, v) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = v;
+        }
+        if let Some(c) = cut {
+            bytes.truncate(c.index(bytes.len()));
+        }
+        let opts = ImportOptions { max_elements: 1 << 20, ..ImportOptions::default() };
+        let _ = import(&bytes, &opts);
+    }
+}
