@@ -88,7 +88,6 @@ impl Importer {
         op: &str,
         a: &Attrs<'_>,
         ins: &[In],
-        outs: &[String],
     ) -> Result<Option<Vec<Val>>, String> {
         if let ("Shape" | "Size", Some(Some((_, Val::Rt { o, .. })))) = (op, ins.first()) {
             let dims = self.g.dims(*o);
@@ -99,13 +98,19 @@ impl Importer {
             };
             return Ok(Some(vec![Val::Known { h, param: None }]));
         }
+        let keep = matches!(op, "Identity" | "Dropout");
         let mut hosts = Vec::with_capacity(ins.len());
         let mut param = None;
         for i in ins {
             match i {
                 None => hosts.push(None),
                 Some((_, Val::Known { h, param: p })) => {
-                    if param.is_none() {
+                    if p.is_some() {
+                        // A weight is never folded into something else:
+                        // the node runs on the variable.
+                        if !(keep || matches!(op, "Shape" | "Size")) {
+                            return Ok(None);
+                        }
                         param.clone_from(p);
                     }
                     hosts.push(Some(h))
@@ -116,19 +121,12 @@ impl Importer {
         let Some(res) = fold::eval(op, a, &hosts, self.limit)? else {
             return Ok(None);
         };
-        let keep = matches!(op, "Identity" | "Dropout");
         Ok(Some(
             res.into_iter()
-                .enumerate()
-                .map(|(k, h)| Val::Known {
+                .map(|h| Val::Known {
                     h,
-                    // An initializer seen through Identity stays that
-                    // variable; a value computed from one is a new variable.
-                    param: match (&param, keep) {
-                        (Some(p), true) => Some(p.clone()),
-                        (Some(_), false) => outs.get(k).cloned(),
-                        (None, _) => None,
-                    },
+                    // An initializer seen through Identity stays that variable.
+                    param: if keep { param.clone() } else { None },
                 })
                 .collect(),
         ))

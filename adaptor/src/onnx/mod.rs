@@ -1,9 +1,10 @@
 //! ONNX import: a `ModelProto` (opset 13 or later, as `torch.onnx.export`
 //! writes it) becomes a [`Graph`] and its [`VarValues`] at one batch size.
 //!
-//! - Initializers become variables (named as in the file; an initializer
-//!   reached through `Identity` stays one variable, so tied weights stay
-//!   tied); constants that feed run-time ops become `Constant` nodes.
+//! - Float initializers become variables, named as in the file, and stay
+//!   exactly those: nothing is folded into a weight (an initializer reached
+//!   through `Identity` stays the one variable, so tied weights stay tied).
+//!   Other constants that feed run-time ops become `Constant` nodes.
 //! - Everything that depends only on shapes and constants at the chosen
 //!   batch size is folded at import ([`fold`]): `Shape → Gather → Unsqueeze
 //!   → Concat → Reshape` chains, position ids, mask arithmetic.
@@ -196,13 +197,10 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
             name: name.clone(),
             reason,
         })?;
-        imp.vals.insert(
-            name.clone(),
-            Val::Known {
-                h,
-                param: Some(name),
-            },
-        );
+        // Float initializers are parameters (variables); integer and bool
+        // ones are shape data and constants.
+        let param = (h.elem() == Elem::F32).then(|| name.clone());
+        imp.vals.insert(name, Val::Known { h, param });
     }
     // Inputs that are not initializers become placeholders.
     let mut inputs = Vec::new();
@@ -284,10 +282,7 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
             }
         }
         let a = Attrs(&node.attribute);
-        let outs = match imp
-            .try_fold(&op, &a, &ins, &node.output)
-            .map_err(&node_err)?
-        {
+        let outs = match imp.try_fold(&op, &a, &ins).map_err(&node_err)? {
             Some(o) => {
                 folded += 1;
                 o

@@ -164,3 +164,28 @@ proptest! {
         let _ = import(&bytes, &opts);
     }
 }
+
+/// The variables are exactly the float initializers, with their values:
+/// nothing is folded into a weight (BERT's position and token-type lookups
+/// stay embeddings of the original tables) and tied weights stay one.
+#[test]
+fn variables_are_the_initializers() {
+    for file in ["bert.onnx", "densenet121.onnx", "mobilenet_v2.onnx"] {
+        let m = model(file);
+        let imported = import_model(&m).unwrap();
+        let inits = &m.graph.as_ref().unwrap().initializer;
+        let mut want: Vec<&str> = inits
+            .iter()
+            .filter(|t| t.data_type == Some(proto::tensor_proto::DataType::Float as i32))
+            .map(|t| t.name.as_deref().unwrap())
+            .collect();
+        want.sort_unstable();
+        let got: Vec<&str> = imported.vars.keys().map(String::as_str).collect();
+        assert_eq!(got, want, "{file}");
+        for t in inits {
+            let h = value::from_proto(t, 1 << 20).unwrap();
+            let v = &imported.vars[t.name.as_deref().unwrap()];
+            assert_eq!(v, &h.to_tensor().unwrap());
+        }
+    }
+}
