@@ -189,3 +189,54 @@ fn variables_are_the_initializers() {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+    /// Structured mutations that still decode: an attribute's integers, a
+    /// node's input wired to another value, a Constant's or initializer's
+    /// dims. Import answers Ok or a typed error and never panics.
+    #[test]
+    fn mutated_graphs_never_panic(
+        which in 0usize..4,
+        edits in proptest::collection::vec(
+            (0u8..3, any::<prop::sample::Index>(), any::<prop::sample::Index>(), -3i64..40),
+            1..4,
+        ),
+    ) {
+        let file = ["bert.onnx", "mobilenet_v2.onnx", "ops_layernorm.onnx", "ops_conv.onnx"][which];
+        let mut m = model(file);
+        let g = m.graph.as_mut().unwrap();
+        let values: Vec<String> = g.node.iter().flat_map(|n| n.output.clone()).collect();
+        for (kind, at, pick, v) in edits {
+            match kind {
+                0 => {
+                    let n = at.get_mut(&mut g.node);
+                    if let Some(a) = n.attribute.first_mut() {
+                        if a.ints.is_empty() {
+                            a.i = Some(v);
+                        } else {
+                            *pick.get_mut(&mut a.ints) = v;
+                        }
+                    }
+                }
+                1 => {
+                    let n = at.get_mut(&mut g.node);
+                    if !n.input.is_empty() {
+                        *pick.get_mut(&mut n.input) = pick.get(&values).clone();
+                    }
+                }
+                _ => {
+                    if g.initializer.is_empty() {
+                        continue;
+                    }
+                    let t = at.get_mut(&mut g.initializer);
+                    if !t.dims.is_empty() {
+                        *pick.get_mut(&mut t.dims) = v;
+                    }
+                }
+            }
+        }
+        let opts = ImportOptions { max_elements: 1 << 20, batch: 2, ..ImportOptions::default() };
+        let _ = import(&m.encode_to_vec(), &opts);
+    }
+}
