@@ -8,6 +8,8 @@
 //! - Everything that depends only on shapes and constants at the chosen
 //!   batch size is folded at import ([`fold`]): `Shape → Gather → Unsqueeze
 //!   → Concat → Reshape` chains, position ids, mask arithmetic.
+//! - The exact-GELU subgraph (`x / √2 → Erf → + 1 → x · … → · 0.5`) becomes
+//!   one `gelu` ([`fuse`]).
 //! - The rest is lowered to Lanes ops ([`lower`]). Booleans computed at run
 //!   time travel as 0/1 f32 masks.
 //! - Anything else is an [`OnnxError`] naming the node and the op: a file
@@ -20,6 +22,7 @@
 
 mod attrs;
 mod fold;
+mod fuse;
 mod lower;
 #[allow(
     clippy::all,
@@ -237,8 +240,12 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
     }
 
     // Nodes, in the file's (topological) order.
+    let fusions = fuse::find(graph);
     let mut folded = 0;
     for (idx, node) in graph.node.iter().enumerate() {
+        if fusions.skip.contains(&idx) {
+            continue;
+        }
         let op = node.op_type.clone().unwrap_or_default();
         let name = match node.name.as_deref() {
             Some(n) if !n.is_empty() => n.to_string(),
@@ -257,6 +264,19 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
             op: op.clone(),
             reason,
         };
+        if let Some(x) = fusions.gelu.get(&idx) {
+            let v =
+                imp.vals.get(x).cloned().ok_or_else(|| {
+                    node_err(format!("input `{x}` is not defined before this node"))
+                })?;
+            let outs = imp
+                .lower(&name, "Gelu", &Attrs(&[]), &[Some((x.clone(), v))])
+                .map_err(|e| e.into_onnx(&name, "Gelu"))?;
+            for (out, v) in node.output.iter().zip(outs) {
+                imp.vals.insert(out.clone(), v);
+            }
+            continue;
+        }
         let mut ins: Vec<Option<(String, Val)>> = Vec::with_capacity(node.input.len());
         for i in &node.input {
             if i.is_empty() {
