@@ -9,6 +9,7 @@
 pub mod compile;
 pub mod exec;
 pub mod lanes;
+pub mod npy;
 pub mod residency;
 pub mod sched;
 pub mod server;

@@ -28,6 +28,9 @@ enum Command {
     Replay(cli::replay::Args),
     /// Benchmarks: executor latency of reference models (JSON).
     Bench(cli::bench::Args),
+    /// Import an ONNX model: summary, exact P and T, and a check against
+    /// reference outputs on the CPU backend.
+    Import(cli::import::Args),
 }
 
 /// Runs the command; an error is printed as its message and causes, never
@@ -43,6 +46,7 @@ fn main() -> std::process::ExitCode {
         Command::Trace(a) => cli::trace::run(a),
         Command::Replay(a) => cli::replay::run(a),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Import(a) => cli::import::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -965,3 +965,85 @@ fn fetching_an_intermediate_replans() {
         "{before:?} -> {after:?}"
     );
 }
+
+/// The ops added for imported models, and the ONNX fixtures (PyTorch
+/// exports in `tests/data/onnx`) imported at batch 2.
+#[test]
+#[ignore = "needs a GPU"]
+fn imported_model_ops_and_onnx_fixtures() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mask = |rng: &mut StdRng, dims: &[usize]| {
+        let n: usize = dims.iter().product();
+        Tensor::from_f32(
+            dims.to_vec(),
+            (0..n)
+                .map(|_| f32::from(u8::from(rng.gen_bool(0.5))))
+                .collect(),
+        )
+        .unwrap()
+    };
+    let mut cases = vec![
+        unary("erf", Op::Erf, -3.0, 3.0),
+        unary("is_nan", Op::IsNan, -3.0, 3.0),
+        unary(
+            "clip",
+            Op::Clip {
+                min: -0.5,
+                max: 0.7,
+            },
+            -2.0,
+            2.0,
+        ),
+        single(
+            "where bcast",
+            Op::Where,
+            vec![
+                mask(&mut rng, &[4, 1, 6]),
+                rnd(&mut rng, &[4, 5, 6], -1.0, 1.0),
+                rnd(&mut rng, &[6], -1.0, 1.0),
+            ],
+            FP32,
+        ),
+        single(
+            "cast f32 to i64",
+            Op::Cast {
+                to: lanes_adaptor::DType::I64,
+            },
+            vec![rnd(&mut rng, &[3, 7], -50.0, 50.0)],
+            FP32,
+        ),
+        single(
+            "cast i64 to f32",
+            Op::Cast {
+                to: lanes_adaptor::DType::F32,
+            },
+            vec![ints(&mut rng, &[3, 7], 1000)],
+            FP32,
+        ),
+    ];
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx");
+    for (model, ins) in [
+        ("resnet18", &["input"][..]),
+        ("resnet50", &["input"]),
+        ("inception_v3", &["input"]),
+        ("mobilenet_v2", &["input"]),
+        ("vgg16", &["input"]),
+        ("densenet121", &["input"]),
+        ("bert", &["input_ids", "attention_mask"]),
+    ] {
+        let opts = lanes_adaptor::onnx::ImportOptions {
+            batch: 2,
+            ..Default::default()
+        };
+        let m = lanes_adaptor::onnx::import_file(dir.join(format!("{model}.onnx")), &opts).unwrap();
+        let mut c = Case::new(&format!("onnx {model}"));
+        for name in ins {
+            let t = lanes::npy::read(dir.join(format!("{model}.{name}.npy"))).unwrap();
+            c.feeds.insert(name.to_string(), t);
+        }
+        c.fetches = m.outputs.iter().map(|(n, _)| n.clone()).collect();
+        c.prebuilt = Some((m.graph, m.vars));
+        cases.push(c.tol(ACCUM));
+    }
+    run_all(cases);
+}

@@ -43,3 +43,73 @@ fn matmul_add_broadcast_relu_and_program_errors() {
         Err(ExecError::FeedType { .. })
     ));
 }
+
+/// The ops added for imported models, on hand-computed values.
+#[test]
+fn erf_clip_is_nan_where_and_cast() {
+    use lanes_adaptor::{DType, Op};
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([4]));
+    let c = g.placeholder("c", TensorType::f32([2, 1]));
+    let i = g.placeholder("i", TensorType::i64([3]));
+    let erf = g.op1(Op::Erf, &[x]);
+    let clip = g.op1(
+        Op::Clip {
+            min: -1.0,
+            max: 0.5,
+        },
+        &[x],
+    );
+    let nan = g.op1(Op::IsNan, &[x]);
+    let zero = g.scalar(0.0);
+    let pick = g.op1(Op::Where, &[c, x, zero]);
+    let to_i = g.op1(Op::Cast { to: DType::I64 }, &[x]);
+    let to_f = g.op1(Op::Cast { to: DType::F32 }, &[i]);
+    for (o, n) in [
+        (erf, "erf"),
+        (clip, "clip"),
+        (nan, "nan"),
+        (pick, "pick"),
+        (to_i, "to_i"),
+        (to_f, "to_f"),
+    ] {
+        g.set_name(o, n);
+    }
+    let (graph, vars) = g.finish().unwrap();
+    let mut p = CpuProgram::new(validate(graph, &GraphLimits::default()).unwrap(), vars).unwrap();
+    let feeds = BTreeMap::from([
+        (
+            "x".to_string(),
+            Tensor::from_f32([4], vec![0.0, 1.0, -2.7, f32::NAN]).unwrap(),
+        ),
+        (
+            "c".to_string(),
+            Tensor::from_f32([2, 1], vec![1.0, 0.0]).unwrap(),
+        ),
+        (
+            "i".to_string(),
+            Tensor::from_i64([3], vec![-3, 0, 1 << 40]).unwrap(),
+        ),
+    ]);
+    let names: Vec<String> = ["erf", "clip", "nan", "pick", "to_i", "to_f"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let out = p.run(&feeds, &names).unwrap();
+    let erf = out[0].f32s().unwrap();
+    assert_eq!(erf[0], 0.0);
+    assert!((erf[1] - 0.842_700_8).abs() < 1e-6);
+    assert!((erf[2] + 0.999_865_7).abs() < 1e-6);
+    assert!(erf[3].is_nan());
+    let clip = out[1].f32s().unwrap();
+    assert_eq!(&clip[..3], &[0.0, 0.5, -1.0]);
+    assert!(clip[3].is_nan(), "NaN passes through clip");
+    assert_eq!(out[2].f32s().unwrap(), &[0.0, 0.0, 0.0, 1.0]);
+    let pick = out[3].f32s().unwrap();
+    assert_eq!(pick.len(), 8);
+    assert_eq!(&pick[..3], &[0.0, 1.0, -2.7]);
+    assert!(pick[3].is_nan());
+    assert_eq!(&pick[4..], &[0.0; 4]);
+    assert_eq!(out[4].i64s().unwrap(), &[0, 1, -2, 0]);
+    assert_eq!(out[5].f32s().unwrap(), &[-3.0, 0.0, (1u64 << 40) as f32]);
+}

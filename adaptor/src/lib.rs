@@ -8,6 +8,8 @@ pub mod checkpoint;
 pub mod client;
 pub mod graph;
 pub mod nn;
+#[cfg(feature = "onnx")]
+pub mod onnx;
 pub mod optim;
 pub mod tensor;
 pub mod wire;

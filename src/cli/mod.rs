@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod demo;
 pub mod demo_train;
+pub mod import;
 pub mod replay;
 pub mod serve;
 pub mod simulate;

@@ -29,7 +29,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                 &inputs[1].shape,
             )?))
         }
-        Relu | Gelu | Sigmoid | Tanh | Exp | Log | Sqrt | Scale(_) => {
+        Relu | Gelu | Sigmoid | Tanh | Exp | Log | Sqrt | Scale(_) | Erf | IsNan => {
             arity(inputs, 1)?;
             f32s(inputs)?;
             one(inputs[0].clone())
@@ -422,6 +422,24 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                 ));
             }
             Ok(vec![])
+        }
+        Clip { min, max } => {
+            arity(inputs, 1)?;
+            f32s(inputs)?;
+            if min.is_nan() || max.is_nan() || min > max {
+                return Err(format!("clip bounds [{min}, {max}] are not an interval"));
+            }
+            one(inputs[0].clone())
+        }
+        Where => {
+            arity(inputs, 3)?;
+            f32s(inputs)?;
+            let ab = broadcast(&inputs[1].shape, &inputs[2].shape)?;
+            one(TensorType::f32(broadcast(&inputs[0].shape, &ab)?))
+        }
+        Cast { to } => {
+            arity(inputs, 1)?;
+            one(TensorType::new(*to, inputs[0].shape.clone()))
         }
         Assign => {
             arity(inputs, 2)?;

@@ -5,7 +5,7 @@
 //! optimizer ops update variables in place. Shape and dtype rules live in
 //! [`super::infer`].
 
-use crate::tensor::{Tensor, TensorType};
+use crate::tensor::{DType, Tensor, TensorType};
 use serde::{Deserialize, Serialize};
 
 /// Attributes of a 2-D convolution on NCHW tensors (weights OIHW, I = C / groups).
@@ -213,6 +213,20 @@ pub enum Op {
     },
     /// (target (mut), value): copies value into the variable; no outputs.
     Assign,
+
+    // ---- added for imported models (ONNX); appended so that the wire
+    // ---- indices of the ops above stay as they were --------------------------
+    /// (x) the error function.
+    Erf,
+    /// (x) -> min(max(x, min), max).
+    Clip { min: f32, max: f32 },
+    /// (cond, a, b), numpy broadcasting: a where cond != 0, else b (f32;
+    /// conditions are 0/1 f32 masks).
+    Where,
+    /// (x) -> 1 where x is NaN, else 0.
+    IsNan,
+    /// (x) -> the same values as `to` (f32 to i64 truncates toward zero).
+    Cast { to: DType },
 }
 
 impl Op {
@@ -275,6 +289,11 @@ impl Op {
             Op::SgdUpdate { .. } => "sgd_update",
             Op::AdamUpdate { .. } => "adam_update",
             Op::Assign => "assign",
+            Op::Erf => "erf",
+            Op::Clip { .. } => "clip",
+            Op::Where => "where",
+            Op::IsNan => "is_nan",
+            Op::Cast { .. } => "cast",
         }
     }
 

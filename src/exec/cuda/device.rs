@@ -37,6 +37,10 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "sgd_update",
             "adam_update",
             "step_incr",
+            "clip",
+            "where_bcast",
+            "cast_f32_i64",
+            "cast_i64_f32",
         ],
     ),
     (

@@ -269,7 +269,9 @@ impl CudaProgram {
             | Op::Exp
             | Op::Log
             | Op::Sqrt
-            | Op::Scale(_) => {
+            | Op::Scale(_)
+            | Op::Erf
+            | Op::IsNan => {
                 let (code, p): (i32, f32) = match node.op {
                     Op::Relu => (0, 0.0),
                     Op::Gelu => (1, 0.0),
@@ -279,10 +281,44 @@ impl CudaProgram {
                     Op::Log => (5, 0.0),
                     Op::Sqrt => (6, 0.0),
                     Op::Scale(f) => (7, f),
+                    Op::Erf => (8, 0.0),
+                    Op::IsNan => (9, 0.0),
                     _ => (7, 1.0),
                 };
                 self.k("unary", grid(n_out), &[&out[0], &inp[0], &n32, &code, &p])
             }
+            Op::Clip { min, max } => {
+                self.k("clip", grid(n_out), &[&out[0], &inp[0], &n32, min, max])
+            }
+            Op::Where => {
+                let o = oty[0].shape.dims();
+                let s = strided(
+                    o,
+                    &bcast_strides(ity[0].shape.dims(), o),
+                    &bcast_strides(ity[1].shape.dims(), o),
+                )
+                .ok_or_else(rank_err)?;
+                let t = strided(
+                    o,
+                    &contiguous_strides(o),
+                    &bcast_strides(ity[2].shape.dims(), o),
+                )
+                .ok_or_else(rank_err)?;
+                self.k(
+                    "where_bcast",
+                    grid(n_out),
+                    &[&out[0], &inp[0], &inp[1], &inp[2], &n32, &s, &t],
+                )
+            }
+            Op::Cast { to } => match (ity[0].dtype, *to) {
+                (DType::F32, DType::I64) => {
+                    self.k("cast_f32_i64", grid(n_out), &[&out[0], &inp[0], &n32])
+                }
+                (DType::I64, DType::F32) => {
+                    self.k("cast_i64_f32", grid(n_out), &[&out[0], &inp[0], &n32])
+                }
+                _ => self.copy(out[0], inp[0], oty[0].bytes()),
+            },
             Op::ReluGrad | Op::GeluGrad | Op::SigmoidGrad | Op::TanhGrad => {
                 let code: i32 = match node.op {
                     Op::ReluGrad => 0,

@@ -4,7 +4,7 @@ use lanes_adaptor::Op;
 use rayon::prelude::*;
 
 use super::{broadcast_strides, gather, split};
-use crate::exec::{ExecError, TensorMut, TensorRef};
+use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
 
 /// Below this many elements a kernel runs on one thread.
 const PAR_MIN: usize = 1 << 15;
@@ -37,6 +37,45 @@ pub(super) fn binary(
     Ok(())
 }
 
+/// Where: `a` where `cond` is non-zero, else `b`, all three broadcast.
+pub(super) fn select(
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let out_dims = outputs[0].dims().to_vec();
+    let y = outputs[0].f32s()?;
+    let c = expand(&inputs[0], &out_dims)?;
+    let a = expand(&inputs[1], &out_dims)?;
+    let b = expand(&inputs[2], &out_dims)?;
+    for (y, ((&c, &a), &b)) in y.iter_mut().zip(c.iter().zip(a.iter()).zip(b.iter())) {
+        *y = if c != 0.0 { a } else { b };
+    }
+    Ok(())
+}
+
+/// Cast between f32 and i64 (f32 to i64 truncates toward zero, saturating;
+/// NaN becomes 0).
+pub(super) fn cast(
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    match (&inputs[0].data, &mut outputs[0].data) {
+        (DataRef::F32(x), DataMut::F32(y)) => y.copy_from_slice(x),
+        (DataRef::I64(x), DataMut::I64(y)) => y.copy_from_slice(x),
+        (DataRef::F32(x), DataMut::I64(y)) => {
+            for (y, &x) in y.iter_mut().zip(x.iter()) {
+                *y = x as i64;
+            }
+        }
+        (DataRef::I64(x), DataMut::F32(y)) => {
+            for (y, &x) in y.iter_mut().zip(x.iter()) {
+                *y = x as f32;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The input's values broadcast to `out` (borrowed when already that shape).
 fn expand<'a>(t: &TensorRef<'a>, out: &[usize]) -> Result<std::borrow::Cow<'a, [f32]>, ExecError> {
     let v = t.f32s()?;
@@ -63,7 +102,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     }
 }
 
-/// Relu, Gelu, Sigmoid, Tanh, Exp, Log, Sqrt, Scale.
+/// Relu, Gelu, Sigmoid, Tanh, Exp, Log, Sqrt, Scale, Erf, IsNan, Clip.
 pub(super) fn unary(
     op: &Op,
     inputs: &[TensorRef<'_>],
@@ -84,6 +123,11 @@ pub(super) fn unary(
             Op::Exp => x.exp(),
             Op::Log => x.ln(),
             Op::Sqrt => x.sqrt(),
+            Op::Erf => libm::erff(x),
+            Op::IsNan => f32::from(u8::from(x.is_nan())),
+            // NaN stays NaN, as PyTorch's clamp and ONNX Clip give it.
+            Op::Clip { min, max } if !x.is_nan() => x.clamp(*min, *max),
+            Op::Clip { .. } => x,
             _ => x * factor,
         }
     };

@@ -40,7 +40,12 @@ pub(super) fn run(
         | Op::Exp
         | Op::Log
         | Op::Sqrt
-        | Op::Scale(_) => elementwise::unary(op, inputs, outputs),
+        | Op::Scale(_)
+        | Op::Erf
+        | Op::IsNan
+        | Op::Clip { .. } => elementwise::unary(op, inputs, outputs),
+        Op::Where => elementwise::select(inputs, outputs),
+        Op::Cast { .. } => elementwise::cast(inputs, outputs),
         Op::Softmax { axis } => elementwise::softmax(*axis, false, inputs, outputs),
         Op::LogSoftmax { axis } => elementwise::softmax(*axis, true, inputs, outputs),
         Op::Reshape { .. } => shape::copy(inputs, outputs),

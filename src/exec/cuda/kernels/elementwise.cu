@@ -28,6 +28,8 @@ __device__ __forceinline__ float unary_f(int op, float x, float p) {
     case 4: return expf(x);
     case 5: return logf(x);
     case 6: return sqrtf(x);
+    case 8: return erff(x);
+    case 9: return isnan(x) ? 1.0f : 0.0f;
     default: return x * p;
     }
 }
@@ -90,6 +92,46 @@ extern "C" __global__ void strided_copy32(float* out, const float* in, int n, St
 
 extern "C" __global__ void strided_copy64(long long* out, const long long* in, int n, Strided s, int ob, int ib) {
     strided_copy_impl<long long>(out, in, n, s, ob, ib);
+}
+
+// Clip: NaN stays NaN (as CPU, PyTorch clamp and ONNX Clip).
+extern "C" __global__ void clip(float* out, const float* x, int n, float lo, float hi) {
+    GRID_LOOP(i, n) {
+        float v = x[i];
+        out[i] = isnan(v) ? v : fminf(fmaxf(v, lo), hi);
+    }
+}
+
+// Where: out = c != 0 ? a : b; c and a read through s.sa and s.sb, b through
+// t.sb (t.dims = s.dims).
+extern "C" __global__ void where_bcast(float* out, const float* c, const float* a, const float* b, int n, Strided s, Strided t) {
+    GRID_LOOP(i, n) {
+        int rem = i, oc = 0, oa = 0, ob = 0;
+        for (int d = s.rank - 1; d >= 0; --d) {
+            int k = rem % s.dims[d];
+            rem /= s.dims[d];
+            oc += k * s.sa[d];
+            oa += k * s.sb[d];
+            ob += k * t.sb[d];
+        }
+        out[i] = c[oc] != 0.0f ? a[oa] : b[ob];
+    }
+}
+
+// f32 -> i64 truncates toward zero, saturating; NaN becomes 0 (as the CPU
+// backend's Rust `as`).
+extern "C" __global__ void cast_f32_i64(long long* out, const float* x, int n) {
+    GRID_LOOP(i, n) {
+        float v = x[i];
+        out[i] = isnan(v) ? 0LL
+            : v >= 9.2233720368547758e18f ? 9223372036854775807LL
+            : v <= -9.2233720368547758e18f ? (-9223372036854775807LL - 1LL)
+            : (long long)v;
+    }
+}
+
+extern "C" __global__ void cast_i64_f32(float* out, const long long* x, int n) {
+    GRID_LOOP(i, n) { out[i] = (float)x[i]; }
 }
 
 extern "C" __global__ void fill(float* out, int n, float v) {
