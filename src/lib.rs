@@ -14,3 +14,4 @@ pub mod sched;
 pub mod server;
 pub mod session;
 pub mod sim;
+pub mod size;

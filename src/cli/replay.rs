@@ -27,9 +27,10 @@ use std::time::Duration;
 use anyhow::Context;
 use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
-    calibrate, load_trace, parse_size, replay_live, replay_remote, service_policy, simulate, table,
+    calibrate, load_trace, replay_live, replay_remote, service_policy, simulate, table,
     Calibration, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
 };
+use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
@@ -48,9 +49,10 @@ pub struct Args {
     /// Wall-clock seconds per trace second.
     #[arg(long, default_value_t = 0.1)]
     pub time_scale: f64,
-    /// Device memory shared by the lanes (embedded replay and simulator).
-    #[arg(long, default_value = "16G")]
-    pub memory: String,
+    /// Device memory shared by the lanes (embedded replay and simulator):
+    /// a size such as 16GiB (= 16G; a bare K/M/G/T is binary) or 16GB.
+    #[arg(long, default_value = "16GiB")]
+    pub memory: ByteSize,
     /// Number of equal lanes (embedded replay only; a service replay is one lane).
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
@@ -169,7 +171,7 @@ fn against_service(
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
-    let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    let memory = args.memory.0;
     anyhow::ensure!(
         args.endpoint == "embedded" || args.lanes == 1,
         "--lanes applies to the embedded replay only; a service replay runs one worker (one lane)"

@@ -17,7 +17,8 @@ pub struct Args {
     /// Memory that lane admission shares among jobs: `auto` (a safe share
     /// of the device read at start-up: on the GPU 90% of its free memory
     /// less 1 GiB headroom, on the CPU half of the host's available memory),
-    /// a size (e.g. 512MiB, 8GiB), or `none`: no admission, every job is
+    /// a size (512MiB, 8GiB; a bare K/M/G/T is binary too, 8G = 8GiB, while
+    /// kB/MB/GB are powers of 1000), or `none`: no admission, every job is
     /// loaded and jobs together can run the device out of memory.
     #[arg(long, default_value = "auto")]
     pub memory: MemoryChoice,

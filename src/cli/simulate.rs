@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
-use lanes::sim::{load_trace, parse_size, plot_jct_cdf, simulate, table, SimConfig, Summary};
+use lanes::sim::{load_trace, plot_jct_cdf, simulate, table, SimConfig, Summary};
+use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
@@ -15,9 +15,10 @@ pub struct Args {
     /// fifo, srtf, fair, pack, priority, or all (side by side).
     #[arg(long, default_value = "all")]
     pub policy: String,
-    /// Device memory shared by the lanes, e.g. 16G.
-    #[arg(long, default_value = "16G")]
-    pub memory: String,
+    /// Device memory shared by the lanes: a size such as 16GiB (= 16G;
+    /// a bare K/M/G/T is binary) or 16GB (powers of 1000).
+    #[arg(long, default_value = "16GiB")]
+    pub memory: ByteSize,
     /// Number of equal lanes the memory is split into.
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
@@ -31,7 +32,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
-    let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    let memory = args.memory.0;
     let cfg = SimConfig {
         memory,
         lanes: args.lanes,
