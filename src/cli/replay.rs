@@ -226,8 +226,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         endpoint => {
-            let policy = service_policy(endpoint, Duration::from_secs(10))
-                .with_context(|| format!("asking {endpoint} for its policy"))?;
+            lanes_adaptor::check_endpoint(endpoint)
+                .context("--endpoint takes `embedded`, `serve`, or a running service's address")?;
+            let wait = Duration::from_secs(10);
+            let policy = service_policy(endpoint, wait).map_err(|e| match e {
+                lanes::sim::RemoteError::Timeout { .. } => anyhow::anyhow!(
+                    "no reply from {endpoint} within {wait:?}: is `lanes serve` running there? \
+                     (start one with `lanes serve --endpoint {endpoint}`, or replay with \
+                     `--endpoint serve` to start one in this process)"
+                ),
+                e => anyhow::Error::new(e).context(format!("asking {endpoint} for its policy")),
+            })?;
             if let Some(p) = &args.policy {
                 anyhow::ensure!(
                     p == policy,
@@ -238,15 +247,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
-    println!(
+    outln!(
         "{} jobs, time scale {} (times below in trace seconds), endpoint {}",
         trace.len(),
         args.time_scale,
         args.endpoint
-    );
+    )?;
     for c in &out {
         let mut rows = Vec::new();
         let mut sim = c.simulated.clone();
@@ -260,15 +269,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut live = c.live.clone();
         live.policy = format!("{} live", c.policy);
         rows.push(live);
-        print!("{}", table(&rows));
-        print!(
+        out!("{}", table(&rows))?;
+        out!(
             "live / simulated average JCT: {:.3}",
             c.live_over_sim_avg_jct
-        );
+        )?;
         if let Some(r) = c.live_over_sim_as_run_avg_jct {
-            print!(" (vs the as-run trace: {r:.3})");
+            out!(" (vs the as-run trace: {r:.3})")?;
         }
-        println!();
+        outln!()?;
         if let (Some(cal), Some(d)) = (&c.calibration, &c.depths) {
             let ms = |c: &lanes::sim::CostCurve| {
                 c.points
@@ -277,13 +286,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .collect::<Vec<_>>()
                     .join(" ")
             };
-            println!(
+            outln!(
                 "iteration ms by depth: training {}; inference {}\nhidden layers per job: {d:?}",
                 ms(&cal.training),
                 ms(&cal.inference),
-            );
+            )?;
         }
-        println!();
+        outln!()?;
     }
     Ok(())
 }

@@ -131,6 +131,7 @@ pub fn init_tracing(default: &str) {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     init_tracing("info");
+    lanes_adaptor::check_endpoint(&args.endpoint)?;
     if !lanes_adaptor::client::is_local(&args.endpoint) {
         if !args.allow_unauthenticated_remote {
             anyhow::bail!(
@@ -181,11 +182,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
     })
     .context("installing the Ctrl-C handler")?;
-    println!(
+    outln!(
         "lanes serving on {} (policy {})",
         handle.endpoint(),
         args.policy
-    );
+    )?;
     handle.wait()?;
     Ok(())
 }

@@ -49,20 +49,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else {
-        println!(
+        outln!(
             "{} jobs, {} lane(s) of {} bytes each",
             trace.len(),
             cfg.lanes,
             cfg.memory / cfg.lanes.max(1) as u64
-        );
-        print!("{}", table(&rows));
+        )?;
+        out!("{}", table(&rows))?;
     }
     if let Some(path) = &args.plot {
         plot_jct_cdf(&runs, path)?;
         if !args.json {
-            println!("JCT distribution written to {}", path.display());
+            outln!("JCT distribution written to {}", path.display())?;
         }
     }
     Ok(())

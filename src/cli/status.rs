@@ -24,7 +24,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let mut client = Client::connect_with(&args.endpoint, options)?;
     let s = client.status()?;
-    println!(
+    outln!(
         "{} on {} · device {} · policy {} · memory {} · {} workers · up {:.1}s · {} queued",
         s.server,
         args.endpoint,
@@ -37,8 +37,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         s.workers,
         s.uptime_ms as f64 / 1000.0,
         s.queued
-    );
-    println!(
+    )?;
+    outln!(
         "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11} {:>10}",
         "session",
         "name",
@@ -52,13 +52,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "queue (ms)",
         "run (ms)",
         "feeds"
-    );
+    )?;
     for x in &s.sessions {
         let iters = match x.spec.expected_iterations {
             Some(n) => format!("{}/{}", x.iterations, n),
             None => x.iterations.to_string(),
         };
-        println!(
+        outln!(
             "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3} {:>10}",
             x.session.to_string(),
             x.spec.name,
@@ -78,14 +78,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 "socket".to_string()
             }
-        );
+        )?;
     }
     if s.sessions.is_empty() {
-        println!("(no sessions)");
+        outln!("(no sessions)")?;
     }
     if let Some(lanes) = &s.lanes {
-        println!();
-        print!("{lanes}");
+        outln!()?;
+        out!("{lanes}")?;
     }
     Ok(())
 }

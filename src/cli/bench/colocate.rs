@@ -364,6 +364,6 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
             "training_at_least_80_percent": train_ratio >= 0.8,
         },
     });
-    println!("{out}");
+    outln!("{out}")?;
     Ok(())
 }

@@ -34,11 +34,41 @@ pub enum Device {
 }
 
 impl Device {
+    /// As a `--device` of `lanes serve`.
+    pub fn choice(self) -> DeviceChoice {
+        match self {
+            Device::Cuda => DeviceChoice::Cuda,
+            Device::Cpu => DeviceChoice::Cpu,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Device::Cuda => "cuda",
             Device::Cpu => "cpu",
         }
+    }
+}
+
+/// Resolves a bench `--device` as `lanes serve` does: `auto` (the default)
+/// is the GPU when one is usable, else the CPU with a note on stderr;
+/// `cuda` without a usable GPU is an error that says what to pass instead.
+pub fn resolve(choice: DeviceChoice) -> anyhow::Result<Device> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda => match lanes::exec::cuda::probe() {
+            Ok(_) => Ok(Device::Cuda),
+            Err(e) => bail!(
+                "--device cuda: no usable GPU ({e}); pass --device cpu, or --device auto to fall back to the CPU"
+            ),
+        },
+        DeviceChoice::Auto => match lanes::exec::cuda::probe() {
+            Ok(_) => Ok(Device::Cuda),
+            Err(e) => {
+                eprintln!("lanes bench: no usable GPU ({e}); timing on the CPU");
+                Ok(Device::Cpu)
+            }
+        },
     }
 }
 

@@ -230,7 +230,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
         "makespan_speedup": ratio("makespan_s"),
         "mean_jct_speedup": ratio("mean_jct_s"),
     });
-    println!("{out}");
+    outln!("{out}")?;
     Ok(())
 }
 
