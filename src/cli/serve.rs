@@ -82,6 +82,12 @@ pub struct Args {
     /// inference lanes before training lanes); for comparison.
     #[arg(long)]
     pub no_stream_priority: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+    /// 127.0.0.1:9400): request latency and queueing per session,
+    /// iterations, errors by code, lanes, reservation, evictions,
+    /// switch-in latency, open sessions (see docs/metrics.md).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -174,6 +180,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         feed_pool_bytes: server::DEFAULT_FEED_POOL_BYTES,
         shared_memory: !args.no_shared_memory,
         stream_priority: !args.no_stream_priority,
+        metrics: args
+            .metrics
+            .as_ref()
+            .map(|_| std::sync::Arc::new(server::metrics::Metrics::new())),
+    };
+    // The metrics endpoint first: a busy port is refused before the
+    // service takes the device.
+    let metrics_http = match (&args.metrics, &config.metrics) {
+        (Some(addr), Some(m)) => Some(server::metrics::serve_http(addr, std::sync::Arc::clone(m))?),
+        _ => None,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();
@@ -182,11 +198,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
     })
     .context("installing the Ctrl-C handler")?;
-    outln!(
-        "lanes serving on {} (policy {})",
-        handle.endpoint(),
-        args.policy
-    )?;
+    match &metrics_http {
+        Some(h) => outln!(
+            "lanes serving on {} (policy {}), metrics at http://{}/metrics",
+            handle.endpoint(),
+            args.policy,
+            h.addr()
+        )?,
+        None => outln!(
+            "lanes serving on {} (policy {})",
+            handle.endpoint(),
+            args.policy
+        )?,
+    }
     handle.wait()?;
     Ok(())
 }

@@ -24,6 +24,7 @@
 pub mod dispatch;
 mod frontend;
 pub mod memory;
+pub mod metrics;
 pub mod policy_queue;
 mod worker;
 
@@ -207,6 +208,9 @@ pub struct ServerConfig {
     /// it at ([`PolicyChoice::urgency`]); off, every lane's streams have
     /// CUDA's default priority (`--no-stream-priority`, for comparison).
     pub stream_priority: bool,
+    /// Prometheus metrics the workers and the socket thread feed
+    /// (`--metrics`; see [`metrics`]); `None`: none are kept.
+    pub metrics: Option<std::sync::Arc<metrics::Metrics>>,
 }
 
 /// Default of [`ServerConfig::max_sessions_per_client`]: well under the
@@ -236,6 +240,7 @@ impl Default for ServerConfig {
             feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
             shared_memory: true,
             stream_priority: true,
+            metrics: None,
         }
     }
 }
