@@ -60,6 +60,33 @@ pub fn report(e: &anyhow::Error) -> String {
     out
 }
 
+/// A progress bar on stderr for `len` steps of `what`; indicatif draws
+/// nothing when stderr is not a terminal (logs and CI stay clean).
+pub fn bar(len: usize, what: &str) -> indicatif::ProgressBar {
+    let style = indicatif::ProgressStyle::with_template(
+        "{prefix} [{elapsed_precise}] {bar:30} {pos}/{len} ({per_sec}, about {eta} left)",
+    )
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    indicatif::ProgressBar::with_draw_target(
+        Some(len as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    )
+    .with_style(style)
+    .with_prefix(what.to_string())
+}
+
+/// A spinner on stderr with the elapsed time, for work of unknown length
+/// (hidden when stderr is not a terminal).
+pub fn spinner(what: &str) -> indicatif::ProgressBar {
+    let style = indicatif::ProgressStyle::with_template("{spinner} {prefix} [{elapsed_precise}]")
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner());
+    let s = indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr())
+        .with_style(style)
+        .with_prefix(what.to_string());
+    s.enable_steady_tick(std::time::Duration::from_millis(200));
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,7 +30,7 @@ use lanes::sim::{
     calibrate, load_trace, replay_live, replay_remote, service_policy, simulate, table,
     Calibration, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
 };
-use lanes::size::ByteSize;
+use lanes::size::{format_size, ByteSize};
 use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
@@ -141,8 +141,14 @@ fn against_service(
         batch: args.batch,
         ..RemoteConfig::new(endpoint)
     };
+    let spin = crate::cli::spinner("calibrating the models on the service");
     let calibration = calibrate(&cfg).context("calibrating the models on the service")?;
+    spin.set_prefix(format!(
+        "replaying {} jobs under {policy} on {endpoint}",
+        trace.len()
+    ));
     let r = replay_remote(trace, policy, &cfg, &calibration)?;
+    spin.finish_and_clear();
     let simulated = sim_summary(trace, policy, memory, 1)?;
     let as_run = sim_summary(&r.as_run, policy, memory, 1)?;
     let live = Summary::of(&r.run);
@@ -169,6 +175,40 @@ fn against_service(
     })
 }
 
+/// How the service at `endpoint` differs from what the simulator models
+/// against it (one worker, so one iteration at a time; `memory` bytes):
+/// each a sentence that says how to make them match. Empty when they
+/// match or the service does not answer (the replay then reports that).
+fn mismatches(endpoint: &str, memory: u64) -> Vec<String> {
+    let options = lanes_adaptor::ClientOptions {
+        timeout: Duration::from_secs(5),
+        name: "lanes replay".into(),
+        ..lanes_adaptor::ClientOptions::default()
+    };
+    let Ok(status) =
+        lanes_adaptor::Client::connect_with(endpoint, options).and_then(|mut c| c.status())
+    else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    if status.workers != 1 {
+        out.push(format!(
+            "the service at {endpoint} runs {} workers, the simulation one (one iteration at a time): \
+             live times will not be comparable; restart it with `lanes serve --workers 1 --max-lanes 1`, \
+             or replay with `--endpoint serve`",
+            status.workers
+        ));
+    }
+    if let Some(m) = status.memory_bytes.filter(|&m| m != memory) {
+        out.push(format!(
+            "the service's lanes share {}, the simulation {}: pass `--memory {m}` to simulate the service's",
+            format_size(m),
+            format_size(memory)
+        ));
+    }
+    out
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
     let memory = args.memory.0;
@@ -181,6 +221,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "embedded" => {
             for name in policy_names(args.policy.as_deref(), "srtf") {
                 let simulated = sim_summary(&trace, &name, memory, args.lanes)?;
+                let spin = crate::cli::spinner(&format!(
+                    "replaying {} jobs under {name} (embedded)",
+                    trace.len()
+                ));
                 let cfg = LiveConfig {
                     memory,
                     lanes: args.lanes,
@@ -192,6 +236,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     cfg,
                     Arc::new(SleepWork),
                 )?);
+                spin.finish_and_clear();
                 out.push(Comparison {
                     policy: name,
                     live_over_sim_avg_jct: ratio(&live, &simulated),
@@ -237,6 +282,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 ),
                 e => anyhow::Error::new(e).context(format!("asking {endpoint} for its policy")),
             })?;
+            for w in mismatches(endpoint, memory) {
+                eprintln!("warning: {w}");
+            }
             if let Some(p) = &args.policy {
                 anyhow::ensure!(
                     p == policy,

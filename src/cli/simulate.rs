@@ -43,19 +43,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         vec![args.policy.as_str()]
     };
     let mut runs = Vec::new();
+    let bar = crate::cli::bar(names.len(), &format!("simulating {} jobs", trace.len()));
     for name in names {
         let mut policy = by_name(name)?;
         runs.push(simulate(&trace, policy.as_mut(), cfg)?);
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else {
         outln!(
-            "{} jobs, {} lane(s) of {} bytes each",
+            "{} jobs, {} lane(s) of {} each",
             trace.len(),
             cfg.lanes,
-            cfg.memory / cfg.lanes.max(1) as u64
+            lanes::size::format_size(cfg.memory / cfg.lanes.max(1) as u64)
         )?;
         out!("{}", table(&rows))?;
     }

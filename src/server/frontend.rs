@@ -227,7 +227,7 @@ impl Frontend {
             workers = self.workers.len(),
             device = %self.config.device,
             policy = %self.config.policy,
-            memory_bytes = ?self.config.memory_bytes,
+            memory = %self.config.memory_bytes.map_or_else(|| "none".to_string(), crate::size::format_size),
             idle_timeout_s = self.config.idle_timeout.as_secs_f64(),
             "lanes service ready"
         );

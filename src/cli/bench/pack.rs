@@ -134,6 +134,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     );
     let mut rng = StdRng::seed_from_u64(a.seed);
     let (mut all, mut hits, mut misses) = (Vec::new(), Vec::new(), Vec::new());
+    let bar = crate::cli::bar(a.requests, "requests");
     for _ in 0..a.requests {
         let m = rng.gen_range(0..a.models);
         let st = client.status()?;
@@ -151,7 +152,9 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         } else {
             misses.push(dt);
         }
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let st = client.status()?;
     let evictions: u64 = st.sessions.iter().map(|s| s.evictions).sum();
     let json = serde_json::json!({
