@@ -216,3 +216,67 @@ fn bench_checks_model_and_device_before_building() {
         assert!(stderr.contains("no usable GPU"), "{stderr}");
     }
 }
+
+/// `lanes replay` against a service that runs several workers and other
+/// memory than it simulates says so, with the flags that make them match.
+#[test]
+fn replay_warns_when_the_service_differs_from_the_simulation() {
+    let mut serve = Command::new(util::lanes_bin())
+        .args([
+            "serve",
+            "--device",
+            "cpu",
+            "--workers",
+            "2",
+            "--memory",
+            "1GiB",
+        ])
+        .args(["--endpoint", "tcp://127.0.0.1:*"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("lanes runs");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let endpoint = line
+        .strip_prefix("lanes serving on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{line:?}"))
+        .to_string();
+    let trace = std::env::temp_dir().join(format!("lanes-replay-warn-{}.csv", std::process::id()));
+    std::fs::write(
+        &trace,
+        "job_id,submit_s,kind,iterations,iter_ms,persistent_bytes,ephemeral_bytes,priority\n\
+         1,0,training,2,10,1MiB,1MiB,0\n2,0.1,inference,2,5,1MiB,1MiB,0\n",
+    )
+    .unwrap();
+    let out = lanes(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--endpoint",
+        &endpoint,
+        "--time-scale",
+        "0.01",
+    ]);
+    let _ = serve.kill();
+    let _ = serve.wait();
+    let _ = std::fs::remove_file(trace);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("runs 2 workers, the simulation one")
+            && stderr.contains("--workers 1 --max-lanes 1"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("share 1.00 GiB, the simulation 16.00 GiB")
+            && stderr.contains("--memory 1073741824"),
+        "{stderr}"
+    );
+}
