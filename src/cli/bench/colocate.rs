@@ -330,7 +330,7 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
     let arrival_bound_ms = load_ms + train_step_ms + first_run_ms;
     let out = json!({
         "bench": "colocate",
-        "device": a.serve.device.name(),
+        "device": super::child::device_arg(a.serve.device),
         "policy": a.serve.policy.name(),
         "endpoint": endpoint,
         "serve_args": a.serve.args,
