@@ -186,6 +186,26 @@ fn metrics_move_as_a_job_runs_and_status_reads_as_json() {
     // The scheduler's count includes the Run that failed.
     assert!(sessions[0]["iterations"].as_u64().unwrap() >= 3, "{v}");
 
+    // `--watch` off a terminal: one report after another.
+    let mut watch = Command::new(util::lanes_bin())
+        .args(["status", "--watch", "0.2", "--endpoint", &s.endpoint])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reports = 0;
+    for line in BufReader::new(watch.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if line.starts_with("lanes/") {
+            reports += 1;
+            if reports == 2 {
+                break;
+            }
+        }
+    }
+    let _ = watch.kill();
+    let _ = watch.wait();
+    assert_eq!(reports, 2, "two reports from --watch");
+
     // The session closes: its series go.
     session.close().unwrap();
     let closed = scrape_until(&url, |t| t.contains("lanes_sessions_open 0"));
