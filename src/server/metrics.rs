@@ -273,7 +273,7 @@ impl Metrics {
             let s = SessionLabels { session: gone };
             self.queue_seconds.remove(&s);
             self.iterations.remove(&s);
-            for request in ["load_graph", "run", "close", "evict"] {
+            for request in ["load_graph", "run", "read_variables", "write_variables"] {
                 self.request_seconds.remove(&RequestLabels {
                     session: gone,
                     request: request.to_string(),
@@ -444,6 +444,14 @@ mod tests {
             Duration::ZERO,
             Duration::ZERO,
             Some(ErrorCode::Internal),
+            false,
+        );
+        m.answered(
+            s,
+            "read_variables",
+            Duration::ZERO,
+            Duration::ZERO,
+            None,
             false,
         );
         let text = m.encode().unwrap();
