@@ -15,3 +15,4 @@ pub mod sched;
 pub mod server;
 pub mod session;
 pub mod sim;
+pub mod size;

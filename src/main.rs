@@ -35,7 +35,10 @@ enum Command {
 
 /// Runs the command; an error is printed as its message and causes, never
 /// with a stack trace (a user's mistake is not a crash, whatever
-/// `RUST_BACKTRACE` says), and the exit status is 1.
+/// `RUST_BACKTRACE` says), and the exit status is 1. A cause whose text the
+/// message already shows is not repeated, a closed standard output
+/// (`lanes simulate … | head -1`) ends the command quietly, and an error a
+/// child process already printed is not printed again.
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -50,11 +53,10 @@ fn main() -> std::process::ExitCode {
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) if cli::broken_pipe(&e) => std::process::ExitCode::SUCCESS,
+        Err(e) if e.is::<cli::AlreadyReported>() => std::process::ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("Error: {e}");
-            for cause in e.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
-            }
+            eprint!("{}", cli::report(&e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -11,7 +11,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use lanes::sim::{parse_size, read_trace, simulate, SimConfig};
+use lanes::sim::{read_trace, simulate, SimConfig};
+use lanes::size::parse_size;
 use lanes_policies::{by_name, POLICY_NAMES};
 
 struct Fixture {

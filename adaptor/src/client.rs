@@ -62,6 +62,52 @@ pub enum ClientError {
     /// key.
     #[error("authentication: {reason}")]
     Auth { reason: String },
+    /// The endpoint is not of a form ZeroMQ takes.
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    /// Nothing answered the handshake: most likely no service listens there.
+    #[error("no reply from {endpoint} within {timeout:?}: is `lanes serve` running there? (start one with `lanes serve --endpoint {endpoint}`)")]
+    NoService { endpoint: String, timeout: Duration },
+}
+
+/// An endpoint that is not `tcp://HOST:PORT` or `ipc://PATH`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{endpoint}` is not an endpoint: give tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555) or ipc://PATH{hint}")]
+pub struct EndpointError {
+    pub endpoint: String,
+    /// A closer guess, when there is one (`; did you mean tcp://…?`).
+    pub hint: String,
+}
+
+/// Checks that `endpoint` has a form ZeroMQ takes, `tcp://HOST:PORT`
+/// (PORT a number, or `*` when binding) or `ipc://PATH`, so that a typo is
+/// answered with the accepted forms rather than `Invalid argument`.
+pub fn check_endpoint(endpoint: &str) -> Result<(), EndpointError> {
+    let bad = |hint: String| EndpointError {
+        endpoint: endpoint.to_string(),
+        hint,
+    };
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        return if path.is_empty() {
+            Err(bad(String::new()))
+        } else {
+            Ok(())
+        };
+    }
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        let guess = if endpoint.contains("://") {
+            String::new()
+        } else {
+            format!("; did you mean tcp://{endpoint}?")
+        };
+        return Err(bad(guess));
+    };
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && (port == "*" || port.parse::<u16>().is_ok()) => {
+            Ok(())
+        }
+        _ => Err(bad(String::new())),
+    }
 }
 
 impl ClientError {
@@ -250,6 +296,7 @@ impl Client {
     /// of a process also calls [`wire::keep_freed_blocks_mapped`] (large
     /// frames then reuse mapped pages under glibc).
     pub fn connect_with(endpoint: &str, options: ClientOptions) -> Result<Client, ClientError> {
+        check_endpoint(endpoint)?;
         wire::keep_freed_blocks_mapped();
         let socket = context().socket(zmq::DEALER)?;
         let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
@@ -274,7 +321,14 @@ impl Client {
         let hello = Request::Hello {
             client: client.options.name.clone(),
         };
-        match client.request(&hello)? {
+        let reply = client.request(&hello).map_err(|e| match e {
+            ClientError::Timeout { timeout, .. } => ClientError::NoService {
+                endpoint: endpoint.to_string(),
+                timeout,
+            },
+            other => other,
+        })?;
+        match reply {
             Reply::Hello {
                 server,
                 version,
@@ -821,8 +875,40 @@ impl Drop for Session<'_> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
-    use super::is_local;
+    use super::{check_endpoint, is_local};
+
+    #[test]
+    fn endpoints_are_checked_with_the_accepted_forms_in_the_error() {
+        for e in [
+            "tcp://127.0.0.1:5555",
+            "tcp://127.0.0.1:*",
+            "tcp://[::1]:5555",
+            "tcp://gpu-box:5555",
+            "ipc:///tmp/lanes.sock",
+        ] {
+            assert_eq!(check_endpoint(e), Ok(()), "{e}");
+        }
+        for e in [
+            "localhost:5599",
+            "tcp://localhost",
+            "tcp://:5555",
+            "tcp://host:port",
+            "tcp://host:70000",
+            "ipc://",
+            "http://x:1",
+            "",
+        ] {
+            let err = check_endpoint(e).unwrap_err().to_string();
+            assert!(
+                err.contains("tcp://HOST:PORT") && err.contains("ipc://PATH"),
+                "{err}"
+            );
+        }
+        let err = check_endpoint("localhost:5599").unwrap_err().to_string();
+        assert!(err.contains("did you mean tcp://localhost:5599?"), "{err}");
+    }
 
     #[test]
     fn only_endpoints_on_this_host_are_local() {

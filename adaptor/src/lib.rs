@@ -17,7 +17,9 @@ pub mod zoo;
 
 pub use autodiff::{gradients, trainable_variables, AutodiffError};
 pub use checkpoint::CheckpointError;
-pub use client::{Client, ClientError, ClientOptions, PendingRun, Session};
+pub use client::{
+    check_endpoint, Client, ClientError, ClientOptions, EndpointError, PendingRun, Session,
+};
 pub use graph::{
     validate, Conv2dAttrs, Graph, GraphBuilder, GraphError, GraphLimits, Node, NodeId, Op, Outlet,
     Pool2dAttrs, ValidGraph, VarValues,

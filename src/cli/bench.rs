@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use lanes_adaptor::Optimizer;
 use serde_json::{json, Value};
 
@@ -32,6 +32,7 @@ pub mod sweep;
 pub mod switch;
 mod workload;
 
+use lanes::server::DeviceChoice;
 use paths::{progress, Device, Timing};
 use workload::Workload;
 
@@ -99,8 +100,10 @@ enum PathChoice {
 /// Options shared by every `bench` subcommand that times a graph.
 #[derive(Debug, clap::Args)]
 struct RunOpts {
-    #[arg(long, value_enum, default_value_t = Device::Cuda)]
-    device: Device,
+    /// Where to time: `auto` (the GPU when one is usable, else the CPU,
+    /// as `lanes serve`), `cuda` or `cpu`.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
     /// Timed iterations (after warm-up), per path.
     #[arg(long, default_value_t = 30)]
     iters: usize,
@@ -132,6 +135,17 @@ struct RunOpts {
 }
 
 impl RunOpts {
+    /// The counts that must be positive.
+    fn check(&self, batch: usize) -> anyhow::Result<()> {
+        if batch == 0 {
+            bail!("--batch must be positive");
+        }
+        if self.iters == 0 {
+            bail!("--iters must be positive");
+        }
+        Ok(())
+    }
+
     /// `--path both` in child processes: this process builds nothing.
     fn isolated(&self) -> bool {
         self.path == PathChoice::Both && !self.same_process
@@ -174,22 +188,18 @@ struct TrainArgs {
     run: RunOpts,
 }
 
-/// Fails fast, before building a large graph, when `--device cuda` has no GPU.
-fn check_device(d: Device) -> anyhow::Result<()> {
-    if d == Device::Cuda {
-        lanes::exec::cuda::probe().context("--device cuda")?;
-    }
-    Ok(())
-}
-
 fn infer(a: InferArgs) -> anyhow::Result<()> {
+    // Everything the user typed is checked before a graph is built or a
+    // child process started.
+    workload::check_model(&a.model, a.seq)?;
+    a.run.check(a.batch)?;
     // The children check the device: a probe here would hold a CUDA
     // context in this process while they run.
     if a.run.isolated() {
-        println!("{}", isolate::both()?);
+        outln!("{}", isolate::both()?)?;
         return Ok(());
     }
-    check_device(a.run.device)?;
+    let device = paths::resolve(a.run.device)?;
     let since = Instant::now();
     progress(
         &format!("building {} inference graph (batch {})", a.model, a.batch),
@@ -197,8 +207,8 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
     );
     let w = workload::inference(&a.model, a.batch, a.seq)?;
     let seq = uses_seq(&a.model).then_some(a.seq);
-    let out = bench(&w, a.batch, &a.run, seq, json!(null), since)?;
-    println!("{out}");
+    let out = bench(&w, a.batch, &a.run, device, seq, json!(null), since)?;
+    outln!("{out}")?;
     Ok(())
 }
 
@@ -206,13 +216,15 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
     if !(a.lr.is_finite() && a.lr > 0.0 && (0.0..1.0).contains(&a.momentum)) {
         bail!("--lr must be positive and --momentum in [0, 1)");
     }
+    workload::check_model(&a.model, a.seq)?;
+    a.run.check(a.batch)?;
     // The children check the device: a probe here would hold a CUDA
     // context in this process while they run.
     if a.run.isolated() {
-        println!("{}", isolate::both()?);
+        outln!("{}", isolate::both()?)?;
         return Ok(());
     }
-    check_device(a.run.device)?;
+    let device = paths::resolve(a.run.device)?;
     let since = Instant::now();
     progress(
         &format!("building {} training graph (batch {})", a.model, a.batch),
@@ -228,8 +240,8 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         "weight_decay": 0.0,
         "nesterov": false,
     });
-    let out = bench(&w, a.batch, &a.run, seq, optimizer, since)?;
-    println!("{out}");
+    let out = bench(&w, a.batch, &a.run, device, seq, optimizer, since)?;
+    outln!("{out}")?;
     Ok(())
 }
 
@@ -242,6 +254,7 @@ fn bench(
     w: &Workload,
     batch: usize,
     o: &RunOpts,
+    device: Device,
     seq: Option<usize>,
     optimizer: Value,
     since: Instant,
@@ -250,7 +263,7 @@ fn bench(
         bail!("--iters must be positive");
     }
     let timing = Timing {
-        device: o.device,
+        device,
         iters: o.iters,
         warmup: o.warmup,
         cuda_graph: !o.no_graph,
@@ -286,7 +299,7 @@ fn bench(
     // Both paths build their CUDA programs with these defaults (the executor
     // path changes only `cuda_graph`).
     let d = lanes::exec::cuda::CudaOptions::default();
-    let precision = match o.device {
+    let precision = match device {
         Device::Cuda => json!({
             "dtype": "f32",
             "conv_tf32": d.conv_tf32,
@@ -304,7 +317,7 @@ fn bench(
         "model": w.model,
         "batch": batch,
         "seq": seq,
-        "device": o.device.name(),
+        "device": device.name(),
         "gpu": gpu,
         "service_device": service_device,
         "precision": precision,

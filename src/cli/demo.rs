@@ -230,11 +230,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let service = server::start(config)?;
     let endpoint = service.endpoint().to_string();
     let jobs = jobs(&args)?;
-    println!(
+    outln!(
         "embedded lanes service on {endpoint}; {} jobs × {} iterations",
         jobs.len(),
         args.iterations
-    );
+    )?;
     let start = Instant::now();
     let handles: Vec<_> = jobs
         .into_iter()
@@ -251,12 +251,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let wall = start.elapsed();
-    println!(
+    outln!(
         "{:<10} {:<10} {:>10} {:>10} {:>10} {:>9}  last output",
-        "job", "kind", "iterations", "p50 (ms)", "p99 (ms)", "wall (s)"
-    );
+        "job",
+        "kind",
+        "iterations",
+        "p50 (ms)",
+        "p99 (ms)",
+        "wall (s)"
+    )?;
     for r in &reports {
-        println!(
+        outln!(
             "{:<10} {:<10} {:>10} {:>10.3} {:>10.3} {:>9.2}  {}",
             r.name,
             r.kind,
@@ -265,14 +270,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             r.p99.as_secs_f64() * 1e3,
             r.wall.as_secs_f64(),
             r.last
-        );
+        )?;
     }
     let total: u64 = reports.iter().map(|r| r.iterations).sum();
-    println!(
+    outln!(
         "{total} iterations in {:.2}s ({:.0} iterations/s)",
         wall.as_secs_f64(),
         total as f64 / wall.as_secs_f64().max(1e-9)
-    );
+    )?;
     super::demo_train::run(&endpoint, args.iterations as usize)?;
     service.shutdown()?;
     Ok(())

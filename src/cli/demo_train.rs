@@ -178,11 +178,11 @@ pub fn run(endpoint: &str, iterations: usize) -> Result<()> {
             Optimizer::sgd_momentum(lr, 0.9, 0.0),
         ));
     }
-    println!(
+    outln!(
         "training on UCI digits: MLP 64-64-10, batch {BATCH}, {iterations} iterations, {} train / {} held out",
         train.len(),
         test.len()
-    );
+    )?;
     let outcomes: Vec<Result<Outcome>> = std::thread::scope(|scope| {
         let handles: Vec<_> = configs
             .iter()
@@ -199,32 +199,36 @@ pub fn run(endpoint: &str, iterations: usize) -> Result<()> {
             })
             .collect()
     });
-    println!(
+    outln!(
         "{:<20} {:>11} {:>9} {:>9} {:>9}",
-        "config", "loss start", "loss end", "held-out", "seconds"
-    );
+        "config",
+        "loss start",
+        "loss end",
+        "held-out",
+        "seconds"
+    )?;
     let mut best: Option<Outcome> = None;
     for o in outcomes {
         let o = o?;
-        println!(
+        outln!(
             "{:<20} {:>11.4} {:>9.4} {:>8.1}% {:>9.2}",
             o.name,
             o.loss_start,
             o.loss_end,
             o.accuracy * 100.0,
             o.seconds
-        );
+        )?;
         if o.name.starts_with("sweep") && best.as_ref().is_none_or(|b| o.accuracy > b.accuracy) {
             best = Some(o);
         }
     }
     if let Some(b) = best {
-        println!(
+        outln!(
             "best sweep configuration: {} ({:.1}% held out, loss {:.4})",
             b.name,
             b.accuracy * 100.0,
             b.loss_end
-        );
+        )?;
     }
     Ok(())
 }

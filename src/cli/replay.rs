@@ -27,9 +27,10 @@ use std::time::Duration;
 use anyhow::Context;
 use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
-    calibrate, load_trace, parse_size, replay_live, replay_remote, service_policy, simulate, table,
+    calibrate, load_trace, replay_live, replay_remote, service_policy, simulate, table,
     Calibration, CostCurve, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
 };
+use lanes::size::{format_size, ByteSize};
 use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
@@ -48,9 +49,10 @@ pub struct Args {
     /// Wall-clock seconds per trace second.
     #[arg(long, default_value_t = 0.1)]
     pub time_scale: f64,
-    /// Device memory shared by the lanes (embedded replay and simulator).
-    #[arg(long, default_value = "16G")]
-    pub memory: String,
+    /// Device memory shared by the lanes (embedded replay and simulator):
+    /// a size such as 16GiB (= 16G; a bare K/M/G/T is binary) or 16GB.
+    #[arg(long, default_value = "16GiB")]
+    pub memory: ByteSize,
     /// Number of equal lanes (embedded replay only; a service replay is one lane).
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
@@ -146,6 +148,7 @@ fn against_service(
         zoo: args.zoo.clone(),
         ..RemoteConfig::new(endpoint)
     };
+    let spin = crate::cli::spinner("calibrating the models on the service");
     let calibration = if cfg.zoo.is_some() {
         // Zoo models run as they are: nothing to size.
         Calibration {
@@ -155,7 +158,12 @@ fn against_service(
     } else {
         calibrate(&cfg).context("calibrating the models on the service")?
     };
+    spin.set_prefix(format!(
+        "replaying {} jobs under {policy} on {endpoint}",
+        trace.len()
+    ));
     let r = replay_remote(trace, policy, &cfg, &calibration)?;
+    spin.finish_and_clear();
     let simulated = sim_summary(trace, policy, memory, 1)?;
     let as_run = sim_summary(&r.as_run, policy, memory, 1)?;
     let live = Summary::of(&r.run);
@@ -182,9 +190,43 @@ fn against_service(
     })
 }
 
+/// How the service at `endpoint` differs from what the simulator models
+/// against it (one worker, so one iteration at a time; `memory` bytes):
+/// each a sentence that says how to make them match. Empty when they
+/// match or the service does not answer (the replay then reports that).
+fn mismatches(endpoint: &str, memory: u64) -> Vec<String> {
+    let options = lanes_adaptor::ClientOptions {
+        timeout: Duration::from_secs(5),
+        name: "lanes replay".into(),
+        ..lanes_adaptor::ClientOptions::default()
+    };
+    let Ok(status) =
+        lanes_adaptor::Client::connect_with(endpoint, options).and_then(|mut c| c.status())
+    else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    if status.workers != 1 {
+        out.push(format!(
+            "the service at {endpoint} runs {} workers, the simulation one (one iteration at a time): \
+             live times will not be comparable; restart it with `lanes serve --workers 1 --max-lanes 1`, \
+             or replay with `--endpoint serve`",
+            status.workers
+        ));
+    }
+    if let Some(m) = status.memory_bytes.filter(|&m| m != memory) {
+        out.push(format!(
+            "the service's lanes share {}, the simulation {}: pass `--memory {m}` to simulate the service's",
+            format_size(m),
+            format_size(memory)
+        ));
+    }
+    out
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
-    let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    let memory = args.memory.0;
     anyhow::ensure!(
         args.endpoint == "embedded" || args.lanes == 1,
         "--lanes applies to the embedded replay only; a service replay runs one worker (one lane)"
@@ -198,6 +240,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "embedded" => {
             for name in policy_names(args.policy.as_deref(), "srtf") {
                 let simulated = sim_summary(&trace, &name, memory, args.lanes)?;
+                let spin = crate::cli::spinner(&format!(
+                    "replaying {} jobs under {name} (embedded)",
+                    trace.len()
+                ));
                 let cfg = LiveConfig {
                     memory,
                     lanes: args.lanes,
@@ -209,6 +255,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     cfg,
                     Arc::new(SleepWork),
                 )?);
+                spin.finish_and_clear();
                 out.push(Comparison {
                     policy: name,
                     live_over_sim_avg_jct: ratio(&live, &simulated),
@@ -243,8 +290,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         endpoint => {
-            let policy = service_policy(endpoint, Duration::from_secs(10))
-                .with_context(|| format!("asking {endpoint} for its policy"))?;
+            lanes_adaptor::check_endpoint(endpoint)
+                .context("--endpoint takes `embedded`, `serve`, or a running service's address")?;
+            let wait = Duration::from_secs(10);
+            let policy = service_policy(endpoint, wait).map_err(|e| match e {
+                lanes::sim::RemoteError::Timeout { .. } => anyhow::anyhow!(
+                    "no reply from {endpoint} within {wait:?}: is `lanes serve` running there? \
+                     (start one with `lanes serve --endpoint {endpoint}`, or replay with \
+                     `--endpoint serve` to start one in this process)"
+                ),
+                e => anyhow::Error::new(e).context(format!("asking {endpoint} for its policy")),
+            })?;
+            for w in mismatches(endpoint, memory) {
+                eprintln!("warning: {w}");
+            }
             if let Some(p) = &args.policy {
                 anyhow::ensure!(
                     p == policy,
@@ -255,15 +314,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
-    println!(
+    outln!(
         "{} jobs, time scale {} (times below in trace seconds), endpoint {}",
         trace.len(),
         args.time_scale,
         args.endpoint
-    );
+    )?;
     for c in &out {
         let mut rows = Vec::new();
         let mut sim = c.simulated.clone();
@@ -277,15 +336,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut live = c.live.clone();
         live.policy = format!("{} live", c.policy);
         rows.push(live);
-        print!("{}", table(&rows));
-        print!(
+        out!("{}", table(&rows))?;
+        out!(
             "live / simulated average JCT: {:.3}",
             c.live_over_sim_avg_jct
-        );
+        )?;
         if let Some(r) = c.live_over_sim_as_run_avg_jct {
-            print!(" (vs the as-run trace: {r:.3})");
+            out!(" (vs the as-run trace: {r:.3})")?;
         }
-        println!();
+        outln!()?;
         if let (Some(cal), Some(d)) = (&c.calibration, &c.depths) {
             let ms = |c: &lanes::sim::CostCurve| {
                 c.points
@@ -294,13 +353,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .collect::<Vec<_>>()
                     .join(" ")
             };
-            println!(
+            outln!(
                 "iteration ms by depth: training {}; inference {}\nhidden layers per job: {d:?}",
                 ms(&cal.training),
                 ms(&cal.inference),
-            );
+            )?;
         }
-        println!();
+        outln!()?;
     }
     Ok(())
 }

@@ -17,7 +17,8 @@ pub struct Args {
     /// Memory that lane admission shares among jobs: `auto` (a safe share
     /// of the device read at start-up: on the GPU 90% of its free memory
     /// less 1 GiB headroom, on the CPU half of the host's available memory),
-    /// a size (e.g. 512MiB, 8GiB), or `none`: no admission, every job is
+    /// a size (512MiB, 8GiB; a bare K/M/G/T is binary too, 8G = 8GiB, while
+    /// kB/MB/GB are powers of 1000), or `none`: no admission, every job is
     /// loaded and jobs together can run the device out of memory.
     #[arg(long, default_value = "auto")]
     pub memory: MemoryChoice,
@@ -92,6 +93,12 @@ pub struct Args {
     /// inference lanes before training lanes); for comparison.
     #[arg(long)]
     pub no_stream_priority: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+    /// 127.0.0.1:9400): request latency and queueing per session,
+    /// iterations, errors by code, lanes, reservation, evictions,
+    /// switch-in latency, open sessions (see docs/metrics.md).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -141,6 +148,7 @@ pub fn init_tracing(default: &str) {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     init_tracing("info");
+    lanes_adaptor::check_endpoint(&args.endpoint)?;
     let auth_key = match &args.auth_key_file {
         Some(path) => Some(lanes_adaptor::AuthKey::from_file(path)?),
         None => None,
@@ -192,6 +200,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         shared_memory: !args.no_shared_memory,
         stream_priority: !args.no_stream_priority,
         auth_key,
+        metrics: args
+            .metrics
+            .as_ref()
+            .map(|_| std::sync::Arc::new(server::metrics::Metrics::new())),
+    };
+    // The metrics endpoint first: a busy port is refused before the
+    // service takes the device.
+    let metrics_http = match (&args.metrics, &config.metrics) {
+        (Some(addr), Some(m)) => Some(server::metrics::serve_http(addr, std::sync::Arc::clone(m))?),
+        _ => None,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();
@@ -200,11 +218,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
     })
     .context("installing the Ctrl-C handler")?;
-    println!(
-        "lanes serving on {} (policy {})",
-        handle.endpoint(),
-        args.policy
-    );
+    match &metrics_http {
+        Some(h) => outln!(
+            "lanes serving on {} (policy {}), metrics at http://{}/metrics",
+            handle.endpoint(),
+            args.policy,
+            h.addr()
+        )?,
+        None => outln!(
+            "lanes serving on {} (policy {})",
+            handle.endpoint(),
+            args.policy
+        )?,
+    }
     handle.wait()?;
     Ok(())
 }

@@ -3,10 +3,8 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
-use lanes::sim::{
-    load_trace, parse_size, plot_jct_cdf, simulate_with, table, SimConfig, SimOptions, Summary,
-};
+use lanes::sim::{load_trace, plot_jct_cdf, simulate_with, table, SimConfig, SimOptions, Summary};
+use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
@@ -17,9 +15,10 @@ pub struct Args {
     /// fifo, srtf, fair, pack, priority, or all (side by side).
     #[arg(long, default_value = "all")]
     pub policy: String,
-    /// Device memory shared by the lanes, e.g. 16G.
-    #[arg(long, default_value = "16G")]
-    pub memory: String,
+    /// Device memory shared by the lanes: a size such as 16GiB (= 16G;
+    /// a bare K/M/G/T is binary) or 16GB (powers of 1000).
+    #[arg(long, default_value = "16GiB")]
+    pub memory: ByteSize,
     /// Number of equal lanes the memory is split into.
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
@@ -33,7 +32,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
-    let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    let memory = args.memory.0;
     let cfg = SimConfig {
         memory,
         lanes: args.lanes,
@@ -44,6 +43,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         vec![args.policy.as_str()]
     };
     let mut runs = Vec::new();
+    let bar = crate::cli::bar(names.len(), &format!("simulating {} jobs", trace.len()));
     for name in names {
         let mut policy = by_name(name)?;
         // Only the outcomes are reported: no schedule, so memory stays O(jobs).
@@ -53,23 +53,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             cfg,
             SimOptions { schedule: false },
         )?);
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else {
-        println!(
-            "{} jobs, {} lane(s) of {} bytes each",
+        outln!(
+            "{} jobs, {} lane(s) of {} each",
             trace.len(),
             cfg.lanes,
-            cfg.memory / cfg.lanes.max(1) as u64
-        );
-        print!("{}", table(&rows));
+            lanes::size::format_size(cfg.memory / cfg.lanes.max(1) as u64)
+        )?;
+        out!("{}", table(&rows))?;
     }
     if let Some(path) = &args.plot {
         plot_jct_cdf(&runs, path)?;
         if !args.json {
-            println!("JCT distribution written to {}", path.display());
+            outln!("JCT distribution written to {}", path.display())?;
         }
     }
     Ok(())

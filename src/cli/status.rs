@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use std::io::IsTerminal;
+
+use lanes::size::format_size;
 use lanes_adaptor::{Client, ClientOptions};
 
 #[derive(Debug, clap::Args)]
@@ -12,33 +15,70 @@ pub struct Args {
     /// Seconds to wait for the service.
     #[arg(long, default_value_t = 5.0)]
     pub timeout: f64,
+    /// Print the report as one JSON object (the protocol's `StatusReport`
+    /// with the endpoint asked).
+    #[arg(long)]
+    pub json: bool,
+    /// Ask again every SECS seconds until Ctrl-C (on a terminal the screen
+    /// is redrawn; otherwise one report after another).
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+    pub watch: Option<f64>,
 }
 
-// `queue (ms)` and `run (ms)` are the session's mean Run queueing delay
-// (arrival to dispatch) and mean measured Run duration.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let timeout = Duration::try_from_secs_f64(args.timeout)
+        .map_err(|_| anyhow::anyhow!("--timeout must be a non-negative number of seconds"))?;
     let options = ClientOptions {
-        timeout: Duration::try_from_secs_f64(args.timeout)?,
+        timeout,
         name: "lanes status".into(),
         ..ClientOptions::default()
     };
     let mut client = Client::connect_with(&args.endpoint, options)?;
+    let Some(every) = args.watch else {
+        return report(&mut client, &args);
+    };
+    let every = Duration::try_from_secs_f64(every)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("--watch takes a positive number of seconds"))?;
+    let terminal = std::io::stdout().is_terminal();
+    loop {
+        if terminal {
+            // Clear the screen and go home.
+            out!("\x1b[2J\x1b[H")?;
+        }
+        report(&mut client, &args)?;
+        if !terminal && !args.json {
+            outln!()?;
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// One report. `queue (ms)` and `run (ms)` are the session's mean Run
+/// queueing delay (arrival to dispatch) and mean measured Run duration.
+fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
     let s = client.status()?;
-    println!(
-        "{} on {} · device {} · policy {} · memory {} · {} workers · up {:.1}s · {} queued",
+    if args.json {
+        let mut v = serde_json::to_value(&s)?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert("endpoint".into(), args.endpoint.clone().into());
+        }
+        outln!("{}", serde_json::to_string(&v)?)?;
+        return Ok(());
+    }
+    outln!(
+        "{} on {} · device {} · policy {} · memory {} · {} workers · up {:.1}s · {} request(s) waiting for a worker",
         s.server,
         args.endpoint,
         s.device,
         s.policy,
-        s.memory_bytes.map_or_else(
-            || "unset".to_string(),
-            |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
-        ),
+        s.memory_bytes.map_or_else(|| "unset".to_string(), format_size),
         s.workers,
         s.uptime_ms as f64 / 1000.0,
         s.queued
-    );
-    println!(
+    )?;
+    outln!(
         "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11} {:>10}",
         "session",
         "name",
@@ -52,13 +92,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "queue (ms)",
         "run (ms)",
         "feeds"
-    );
+    )?;
     for x in &s.sessions {
         let iters = match x.spec.expected_iterations {
             Some(n) => format!("{}/{}", x.iterations, n),
             None => x.iterations.to_string(),
         };
-        println!(
+        outln!(
             "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3} {:>10}",
             x.session.to_string(),
             x.spec.name,
@@ -78,14 +118,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } else {
                 "socket".to_string()
             }
-        );
+        )?;
     }
     if s.sessions.is_empty() {
-        println!("(no sessions)");
+        outln!("(no sessions)")?;
     }
     if let Some(lanes) = &s.lanes {
-        println!();
-        print!("{lanes}");
+        outln!()?;
+        out!("{lanes}")?;
     }
     Ok(())
 }

@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::fmt;
 
-use super::size::ByteSize;
+use crate::size::ByteSize;
 pub use lanes_policies::AdmissionRank;
 
 /// Largest reservation the manager accepts: sums of sizes it forms (at

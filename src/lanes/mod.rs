@@ -19,18 +19,18 @@
 //!   release admits them.
 //! - [`AdmissionDesk`]: per session, what a non-blocking service loop needs:
 //!   plan and admit at LoadGraph, gate each Run, release on close.
-//! - [`parse_size`] / [`format_size`]: `--memory 512MiB`.
+//! - [`parse_size`] / [`format_size`]: re-exported from [`crate::size`].
 
 mod desk;
 mod manager;
 mod parked;
 mod reservation;
 mod shared;
-mod size;
 mod snapshot;
 mod turn;
 mod workers;
 
+pub use crate::size::{format_size, parse_size, ByteSize, SizeError};
 pub use desk::{AdmissionDesk, Closed, Gate, LoadError, Loaded};
 pub use manager::{
     Admission, AdmissionRank, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement,
@@ -39,7 +39,6 @@ pub use manager::{
 pub use parked::{ParkFull, Parked};
 pub use reservation::{Reservation, ReserveError};
 pub use shared::{Lease, SharedError, SharedLanes};
-pub use size::{format_size, parse_size, ByteSize, SizeError};
 pub use snapshot::{JobSnapshot, LaneSnapshot, LanesSnapshot, QueuedSnapshot};
 pub use turn::{JobMemory, LaneTurn};
 pub use workers::{LaneWorkers, WorkerError, LANE_QUEUE};

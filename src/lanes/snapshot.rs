@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use super::manager::{JobId, LaneId, LaneManager, QueueReason};
-use super::size::ByteSize;
+use crate::size::ByteSize;
 
 impl LaneManager {
     /// A copy of the state for `lanes status`, tests and the scheduler.

@@ -47,6 +47,8 @@ pub(crate) const RECV_HWM: i32 = 8;
 /// flight (`ZMQ_SNDHWM` is `max_requests_per_client` + this): a client
 /// that does not read its replies has further ones dropped.
 pub(crate) const SEND_HWM_EXTRA: usize = 16;
+/// How often the socket thread hands the metrics (`--metrics`) its view.
+const METRICS_EVERY: Duration = Duration::from_millis(500);
 
 /// One open session as the socket thread sees it.
 #[derive(Debug)]
@@ -192,10 +194,11 @@ pub(super) fn spawn(
     for i in 0..config.workers.max(1) {
         let ctx = ctx.clone();
         let d = Arc::clone(&dispatcher);
+        let metrics = config.metrics.clone();
         workers.push(
             std::thread::Builder::new()
                 .name(format!("lanes-worker-{i}"))
-                .spawn(move || worker::run(ctx, d, graph_limits))?,
+                .spawn(move || worker::run(ctx, d, graph_limits, metrics))?,
         );
     }
     let pool = (config.feed_pool_bytes > 0).then(|| BufferPool::new(config.feed_pool_bytes));
@@ -254,7 +257,7 @@ impl Frontend {
             workers = self.workers.len(),
             device = %self.config.device,
             policy = %self.config.policy,
-            memory_bytes = ?self.config.memory_bytes,
+            memory = %self.config.memory_bytes.map_or_else(|| "none".to_string(), crate::size::format_size),
             idle_timeout_s = self.config.idle_timeout.as_secs_f64(),
             "lanes service ready"
         );
@@ -262,6 +265,7 @@ impl Frontend {
             (self.config.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         let mut last_reap = Instant::now();
         let mut last_ping = Instant::now();
+        let mut last_metrics = Instant::now();
         let result = loop {
             if self.stop.load(Ordering::SeqCst) {
                 break Ok(());
@@ -294,6 +298,10 @@ impl Frontend {
             if last_reap.elapsed() >= reap_every {
                 self.reap();
                 last_reap = Instant::now();
+            }
+            if self.config.metrics.is_some() && last_metrics.elapsed() >= METRICS_EVERY {
+                self.publish_metrics();
+                last_metrics = Instant::now();
             }
             if last_ping.elapsed() >= PING_EVERY {
                 if let Err(e) = self.ping_quiet_clients() {
@@ -437,6 +445,9 @@ impl Frontend {
     }
 
     fn reply(&mut self, peer: &[u8], request_id: u64, reply: &Reply) -> Result<(), zmq::Error> {
+        if let (Reply::Error(e), Some(m)) = (reply, &self.config.metrics) {
+            m.error(e.code);
+        }
         let frames = wire::encode_reply(request_id, reply).unwrap_or_else(|e| {
             wire::encode_error(request_id, ErrorCode::Internal, &e.to_string())
         });
@@ -819,6 +830,16 @@ impl Frontend {
         if evicted > 0 {
             self.dispatcher.wake();
         }
+    }
+
+    /// Hands the metrics (`--metrics`) what `status` sees and the lanes.
+    fn publish_metrics(&mut self) {
+        let Some(m) = self.config.metrics.clone() else {
+            return;
+        };
+        let report = self.status();
+        let snapshot = self.lanes.as_ref().map(|l| l.snapshot());
+        m.publish(&report, snapshot.as_ref());
     }
 
     fn status(&mut self) -> StatusReport {

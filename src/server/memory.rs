@@ -23,7 +23,7 @@ pub enum MemoryChoice {
 
 /// Why a `--memory` value could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("cannot read `{input}` as --memory: give auto, none or a size (e.g. 512MiB, 8GiB)")]
+#[error("cannot read `{input}` as --memory: give auto, none or a size (e.g. 512MiB, 8GiB = 8G, 8GB = 8e9 bytes)")]
 pub struct MemoryChoiceError {
     pub input: String,
 }

@@ -25,10 +25,10 @@ mod auth;
 pub mod dispatch;
 mod frontend;
 pub mod memory;
+pub mod metrics;
 pub mod policy_queue;
 mod worker;
 
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -161,46 +161,7 @@ pub fn admission_sizes(
     up(p).zip(up(t)).ok_or_else(|| no("sizes overflow".into()))
 }
 
-/// A byte size such as `512MiB`, `8GiB`, `1.5GB`, `4096`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ByteSize(pub u64);
-
-/// Why a size could not be parsed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("cannot read `{input}` as a size (e.g. 512MiB, 8GiB, 1000000)")]
-pub struct SizeError {
-    pub input: String,
-}
-
-impl FromStr for ByteSize {
-    type Err = SizeError;
-    fn from_str(s: &str) -> Result<Self, SizeError> {
-        let err = || SizeError { input: s.into() };
-        let t = s.trim();
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-            "" | "b" => 1,
-            "k" | "kb" => 1000,
-            "m" | "mb" => 1_000_000,
-            "g" | "gb" => 1_000_000_000,
-            "t" | "tb" => 1_000_000_000_000,
-            "kib" => 1 << 10,
-            "mib" => 1 << 20,
-            "gib" => 1 << 30,
-            "tib" => 1 << 40,
-            _ => return Err(err()),
-        };
-        let v: f64 = num.parse().map_err(|_| err())?;
-        let bytes = v * mult as f64;
-        if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-            return Err(err());
-        }
-        Ok(ByteSize(bytes.round() as u64))
-    }
-}
+pub use crate::size::{ByteSize, SizeError};
 
 /// How to run a service.
 #[derive(Debug, Clone)]
@@ -258,6 +219,9 @@ pub struct ServerConfig {
     /// request (`lanes_adaptor::wire::auth`); `None`: every peer that
     /// reaches the endpoint is served.
     pub auth_key: Option<lanes_adaptor::AuthKey>,
+    /// Prometheus metrics the workers and the socket thread feed
+    /// (`--metrics`; see [`metrics`]); `None`: none are kept.
+    pub metrics: Option<std::sync::Arc<metrics::Metrics>>,
 }
 
 /// Default of [`ServerConfig::max_sessions_per_client`]: well under the
@@ -294,6 +258,7 @@ impl Default for ServerConfig {
             shared_memory: true,
             stream_priority: true,
             auth_key: None,
+            metrics: None,
         }
     }
 }
@@ -383,20 +348,6 @@ pub fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        let p = |s: &str| s.parse::<ByteSize>().map(|b| b.0);
-        assert_eq!(p("512MiB"), Ok(512 << 20));
-        assert_eq!(p("8GiB"), Ok(8 << 30));
-        assert_eq!(p("1.5GB"), Ok(1_500_000_000));
-        assert_eq!(p("4096"), Ok(4096));
-        assert_eq!(p(" 2 kib "), Ok(2048));
-        assert!(p("lots").is_err());
-        assert!(p("12XB").is_err());
-        assert!(p("-1GiB").is_err());
-        assert!(p("").is_err());
-    }
 
     #[test]
     fn device_resolution_never_panics() {

@@ -54,8 +54,17 @@ fn execute(session: &mut Session, work: Work, limits: &GraphLimits) -> Reply {
     })
 }
 
+/// A reply's frames and what the metrics learn from it.
+pub(crate) struct Answered {
+    pub frames: Vec<Vec<u8>>,
+    /// The code of an error reply.
+    pub error: Option<ErrorCode>,
+    /// A Run that began with the job's weights on the host.
+    pub switched_in: bool,
+}
+
 /// Runs one item, turning a panic in the executor into an Internal error.
-pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
+pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
     let WorkItem {
         session,
         request_id,
@@ -65,8 +74,10 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
     } = item;
     let what = work.name();
     let t0 = std::time::Instant::now();
+    let mut switched_in = false;
     let reply = catch_unwind(AssertUnwindSafe(|| {
         let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+        switched_in = matches!(work, Work::Run { .. }) && s.is_loaded() && !s.is_resident();
         execute(&mut s, work, limits)
     }))
     .unwrap_or_else(|_| {
@@ -77,6 +88,10 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
         )
     });
     let t_ran = std::time::Instant::now();
+    let error = match &reply {
+        Reply::Error(e) => Some(e.code),
+        _ => None,
+    };
     let frames = wire::encode_reply(request_id, &reply).unwrap_or_else(|e| {
         wire::encode_error(
             request_id,
@@ -92,7 +107,11 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Vec<Vec<u8>> {
         encode_us = t_ran.elapsed().as_micros() as u64,
         "executed"
     );
-    frames
+    Answered {
+        frames,
+        error,
+        switched_in,
+    }
 }
 
 /// A worker's loop: until the dispatcher shuts down.
@@ -100,6 +119,7 @@ pub(crate) fn run(
     ctx: zmq::Context,
     dispatcher: Arc<Dispatcher>,
     limits: GraphLimits,
+    metrics: Option<Arc<super::metrics::Metrics>>,
 ) -> Result<(), zmq::Error> {
     let push = ctx.socket(zmq::PUSH)?;
     push.set_linger(1000)?;
@@ -108,9 +128,17 @@ pub(crate) fn run(
         let session = item.session;
         let peer = item.peer.clone();
         let started = std::time::Instant::now();
+        let queued = started.saturating_duration_since(item.enqueued);
         let what = item.work.name();
-        let frames = handle(item, &limits);
+        let Answered {
+            frames,
+            error,
+            switched_in,
+        } = handle(item, &limits);
         let took = started.elapsed();
+        if let Some(m) = &metrics {
+            m.answered(session, what, queued, took, error, switched_in);
+        }
         tracing::trace!(%session, request = what, micros = took.as_micros() as u64, "done");
         let mut out: Vec<Vec<u8>> = Vec::with_capacity(frames.len() + 2);
         out.push(session.0.to_le_bytes().to_vec());

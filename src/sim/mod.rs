@@ -31,4 +31,4 @@ pub use remote::{
     RemoteRun,
 };
 pub use report::{plot_jct_cdf, table, Summary};
-pub use trace::{load_trace, parse_size, read_trace, write_trace, TraceError, TraceJob};
+pub use trace::{load_trace, read_trace, write_trace, TraceError, TraceJob};

@@ -236,18 +236,25 @@ impl Conn {
         Ok(id)
     }
 
-    /// The next reply; error replies become [`RemoteError::Service`].
+    /// The next reply; error replies become [`RemoteError::Service`]. The
+    /// service's unrequested pings (sent to clients quiet for a second) are
+    /// skipped.
     fn recv(&mut self, request: &'static str) -> Result<Envelope<Reply>, RemoteError> {
         let ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
-        if self.socket.poll(zmq::POLLIN, ms)? == 0 {
-            return Err(RemoteError::Timeout {
-                job: self.job,
-                timeout: self.timeout,
-            });
-        }
-        let frames = self.socket.recv_multipart(0)?;
-        let env = wire::decode_reply(&frames, &self.limits)
-            .map_err(|e| RemoteError::Decode(e.to_string()))?;
+        let env = loop {
+            if self.socket.poll(zmq::POLLIN, ms)? == 0 {
+                return Err(RemoteError::Timeout {
+                    job: self.job,
+                    timeout: self.timeout,
+                });
+            }
+            let frames = self.socket.recv_multipart(0)?;
+            let env = wire::decode_reply(&frames, &self.limits)
+                .map_err(|e| RemoteError::Decode(e.to_string()))?;
+            if !matches!(env.message, Reply::Ping) {
+                break env;
+            }
+        };
         if let Reply::Error(e) = &env.message {
             return Err(RemoteError::Service {
                 job: self.job,

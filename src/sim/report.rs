@@ -99,8 +99,15 @@ impl Summary {
 /// relative to the first row.
 pub fn table(rows: &[Summary]) -> String {
     let base = rows.first().map_or(0.0, |r| r.avg_jct_s);
+    // The policy column as wide as its longest name (`fifo sim as-run`).
+    let w = rows
+        .iter()
+        .map(|r| r.policy.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(14);
     let mut s = format!(
-        "{:<14} {:>5} {:>11} {:>11} {:>13} {:>12} {:>13} {:>7} {:>8}\n",
+        "{:<w$} {:>5} {:>11} {:>11} {:>13} {:>12} {:>13} {:>7} {:>8}\n",
         "policy",
         "jobs",
         "avg JCT s",
@@ -118,7 +125,7 @@ pub fn table(rows: &[Summary]) -> String {
             0.0
         };
         s.push_str(&format!(
-            "{:<14} {:>5} {:>11.2} {:>11.2} {:>13.2} {:>12.2} {:>13.2} {:>6.1}% {:>7.2}x\n",
+            "{:<w$} {:>5} {:>11.2} {:>11.2} {:>13.2} {:>12.2} {:>13.2} {:>6.1}% {:>7.2}x\n",
             r.policy,
             r.jobs,
             r.avg_jct_s,
@@ -128,6 +135,12 @@ pub fn table(rows: &[Summary]) -> String {
             r.avg_queueing_s,
             r.utilisation * 100.0,
             rel
+        ));
+    }
+    if rows.len() > 1 {
+        s.push_str(&format!(
+            "vs first: {}'s average JCT / the row's (above 1.00x: the row's jobs finish sooner)\n",
+            rows[0].policy
         ));
     }
     s
@@ -194,8 +207,22 @@ pub fn plot_jct_cdf(runs: &[SimRun], path: &Path) -> Result<(), PlotError> {
         .y_desc("fraction of jobs")
         .draw()
         .map_err(|e| err(&e))?;
+    // Okabe–Ito colours (readable on white and for colour-blind readers),
+    // and earlier lines wider, so a line drawn over an identical one
+    // leaves it visible as a border.
+    const COLOURS: [RGBColor; 7] = [
+        RGBColor(0, 114, 178),
+        RGBColor(213, 94, 0),
+        RGBColor(0, 158, 115),
+        RGBColor(204, 121, 167),
+        RGBColor(0, 0, 0),
+        RGBColor(230, 159, 0),
+        RGBColor(86, 180, 233),
+    ];
+    let count = series.len() as u32;
     for (k, (name, v)) in series.iter().enumerate() {
-        let color = Palette99::pick(k).to_rgba();
+        let color = COLOURS[k % COLOURS.len()].to_rgba();
+        let width = 2 + 2 * (count.saturating_sub(1 + k as u32));
         let n = v.len() as f64;
         let points: Vec<(f64, f64)> = v
             .iter()
@@ -203,11 +230,11 @@ pub fn plot_jct_cdf(runs: &[SimRun], path: &Path) -> Result<(), PlotError> {
             .flat_map(|(i, &x)| [(x, i as f64 / n), (x, (i + 1) as f64 / n)])
             .collect();
         chart
-            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .draw_series(LineSeries::new(points, color.stroke_width(width)))
             .map_err(|e| err(&e))?
             .label(*name)
             .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
             });
     }
     chart

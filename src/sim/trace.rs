@@ -10,7 +10,9 @@
 //! ```
 //!
 //! `submit_s` is seconds from the trace's start, `iter_ms` the duration of one
-//! iteration in milliseconds (both decimal, non-negative, finite).
+//! iteration in milliseconds (both decimal, non-negative, finite). The byte
+//! columns take plain bytes or a size with a unit (`256MiB`, `16G` = 16 GiB,
+//! `1.5GB` = 1.5e9; see [`crate::size`]).
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -212,8 +214,8 @@ pub fn read_trace(reader: impl Read) -> Result<Vec<TraceJob>, TraceError> {
             kind,
             iterations,
             iteration: seconds(line, "iter_ms", f(4), 1e-3)?,
-            persistent_bytes: integer(line, "persistent_bytes", f(5))?,
-            ephemeral_bytes: integer(line, "ephemeral_bytes", f(6))?,
+            persistent_bytes: bytes(line, "persistent_bytes", f(5))?,
+            ephemeral_bytes: bytes(line, "ephemeral_bytes", f(6))?,
             priority: integer(line, "priority", f(7))?,
         };
         if !seen.insert(id) {
@@ -256,43 +258,10 @@ pub fn write_trace(mut out: impl Write, jobs: &[TraceJob]) -> std::io::Result<()
     Ok(())
 }
 
-/// Parse a memory size: plain bytes or with a `K`, `M`, `G` or `T` suffix
-/// (binary: 1K = 1024), optionally followed by `B`/`iB`: `16G`, `512MiB`.
-pub fn parse_size(text: &str) -> Result<u64, TraceError> {
-    let t = text.trim();
-    let bad = || {
-        field_err(
-            0,
-            "size",
-            format!("{text:?} is not a size like 16G or 512M"),
-        )
-    };
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (num, mult) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m: u64 = match c.to_ascii_uppercase() {
-                'K' => 1 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'T' => 1 << 40,
-                _ => return Err(bad()),
-            };
-            (&t[..i], m)
-        }
-        _ => (t, 1),
-    };
-    let n: f64 = num.trim().parse().map_err(|_| bad())?;
-    if !n.is_finite() || n < 0.0 {
-        return Err(bad());
-    }
-    let bytes = n * mult as f64;
-    if bytes > u64::MAX as f64 / 2.0 {
-        return Err(bad());
-    }
-    Ok(bytes.round() as u64)
+/// A byte column: plain bytes or a size with a unit (`256MiB`, `1.5GB`;
+/// the one parser of [`crate::size`]).
+fn bytes(line: u64, column: &'static str, text: &str) -> Result<u64, TraceError> {
+    crate::size::parse_size(text).map_err(|e| field_err(line, column, e.to_string()))
 }
 
 #[cfg(test)]
@@ -361,13 +330,26 @@ mod tests {
     }
 
     #[test]
-    fn sizes() {
-        assert_eq!(parse_size("16G").unwrap(), 16 << 30);
-        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_size("1.5K").unwrap(), 1536);
-        assert_eq!(parse_size("1000").unwrap(), 1000);
-        assert!(parse_size("12Q").is_err());
-        assert!(parse_size("-1G").is_err());
-        assert!(parse_size("").is_err());
+    fn byte_columns_take_units() {
+        let h = HEADER.join(",");
+        let text = format!("{h}\n1,0,training,1,10,16GiB,1.5GB,0\n2,0,training,1,10,512M,4096,0\n");
+        let jobs = read_trace(text.as_bytes()).unwrap();
+        assert_eq!(jobs[0].persistent_bytes, 16 << 30);
+        assert_eq!(jobs[0].ephemeral_bytes, 1_500_000_000);
+        assert_eq!(jobs[1].persistent_bytes, 512 << 20);
+        assert_eq!(jobs[1].ephemeral_bytes, 4096);
+        let bad = format!("{h}\n1,0,training,1,10,lots,1,0\n");
+        match read_trace(bad.as_bytes()) {
+            Err(
+                e @ TraceError::Field {
+                    line: 2,
+                    column: "persistent_bytes",
+                    ..
+                },
+            ) => {
+                assert!(e.to_string().contains("`lots` is not a size"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

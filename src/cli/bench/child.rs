@@ -7,18 +7,29 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use lanes::server::PolicyChoice;
+use lanes::server::{DeviceChoice, PolicyChoice};
 use lanes_adaptor::wire::{Reply, Request, SessionId};
 use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec};
 
-use super::paths::{progress, Device};
+use super::paths::progress;
+
+/// `--device`'s value as `lanes serve` takes it.
+pub fn device_arg(d: DeviceChoice) -> &'static str {
+    match d {
+        DeviceChoice::Auto => "auto",
+        DeviceChoice::Cuda => "cuda",
+        DeviceChoice::Cpu => "cpu",
+    }
+}
 
 /// How the child service is started (flattened into the arguments of the
 /// benchmarks that drive one).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeOpts {
-    #[arg(long, value_enum, default_value_t = Device::Cuda)]
-    pub device: Device,
+    /// The service's `--device`: `auto` (the default, the GPU when one is
+    /// usable), `cuda` or `cpu`.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
     /// The service's `--policy`.
     #[arg(long, value_enum, default_value_t = PolicyChoice::Priority)]
     pub policy: PolicyChoice,
@@ -69,7 +80,7 @@ impl Service {
             .arg("--endpoint")
             .arg(endpoint)
             .arg("--device")
-            .arg(o.device.name())
+            .arg(device_arg(o.device))
             .arg("--policy")
             .arg(o.policy.name())
             .arg("--max-nodes")
@@ -85,7 +96,7 @@ impl Service {
         progress(
             &format!(
                 "starting lanes serve on {endpoint} (--device {} --policy {} {})",
-                o.device.name(),
+                device_arg(o.device),
                 o.policy.name(),
                 o.args.join(" ")
             ),

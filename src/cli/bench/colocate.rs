@@ -330,7 +330,7 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
     let arrival_bound_ms = load_ms + train_step_ms + first_run_ms;
     let out = json!({
         "bench": "colocate",
-        "device": a.serve.device.name(),
+        "device": super::child::device_arg(a.serve.device),
         "policy": a.serve.policy.name(),
         "endpoint": endpoint,
         "serve_args": a.serve.args,
@@ -364,6 +364,6 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
             "training_at_least_80_percent": train_ratio >= 0.8,
         },
     });
-    println!("{out}");
+    outln!("{out}")?;
     Ok(())
 }

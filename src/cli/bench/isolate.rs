@@ -10,7 +10,7 @@
 use std::ffi::OsString;
 use std::process::{Command, Stdio};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use serde_json::Value;
 
 /// The arguments of this invocation with every `--path X` / `--path=X`
@@ -49,7 +49,11 @@ fn child(path: &str) -> anyhow::Result<Value> {
         .output()
         .with_context(|| format!("running {} for the {path} path", exe.display()))?;
     if !out.status.success() {
-        bail!("the {path} path failed ({})", out.status);
+        return Err(crate::cli::AlreadyReported(format!(
+            "the {path} path failed ({})",
+            out.status
+        ))
+        .into());
     }
     let text = String::from_utf8(out.stdout).context("the child's report is not UTF-8")?;
     serde_json::from_str(text.trim())

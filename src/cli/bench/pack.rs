@@ -15,7 +15,7 @@ use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::paths::{progress, Device};
+use super::paths::{self, progress};
 use super::workload;
 
 #[derive(Debug, clap::Args)]
@@ -28,8 +28,9 @@ pub struct PackArgs {
     /// Sequence length for BERT and the small transformer.
     #[arg(long, default_value_t = 128)]
     seq: usize,
-    #[arg(long, value_enum, default_value_t = Device::Cuda)]
-    device: Device,
+    /// `auto` (the GPU when one is usable, else the CPU), `cuda` or `cpu`.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
     /// Sessions (models) registered.
     #[arg(long, default_value_t = 6)]
     models: usize,
@@ -61,13 +62,11 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     if a.models == 0 || a.fit == 0 || a.fit > a.models || a.requests == 0 {
         bail!("need --models ≥ --fit ≥ 1 and --requests ≥ 1");
     }
+    workload::check_model(&a.model, a.seq)?;
+    let device = server::resolve_device(paths::resolve(a.device)?.choice())?;
     let since = Instant::now();
     progress(&format!("building {} ×{}", a.model, a.models), since);
     let (w, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
-    let device = match a.device {
-        Device::Cuda => server::resolve_device(DeviceChoice::Cuda)?,
-        Device::Cpu => server::resolve_device(DeviceChoice::Cpu)?,
-    };
     // What the lanes count for one model on this device (on the GPU: the
     // workspaces in T, whole granules); room for `fit` models in one lane,
     // not for one more.
@@ -135,6 +134,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     );
     let mut rng = StdRng::seed_from_u64(a.seed);
     let (mut all, mut hits, mut misses) = (Vec::new(), Vec::new(), Vec::new());
+    let bar = crate::cli::bar(a.requests, "requests");
     for _ in 0..a.requests {
         let m = rng.gen_range(0..a.models);
         let st = client.status()?;
@@ -152,7 +152,9 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         } else {
             misses.push(dt);
         }
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let st = client.status()?;
     let evictions: u64 = st.sessions.iter().map(|s| s.evictions).sum();
     let json = serde_json::json!({
@@ -175,7 +177,7 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         "evictions": evictions,
         "reserve": a.reserve,
     });
-    println!("{json}");
+    outln!("{json}")?;
     drop(client);
     handle.shutdown().context("stopping the embedded service")?;
     Ok(())

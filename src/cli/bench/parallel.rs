@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use lanes::exec::Backend;
 use lanes::lanes::JobId;
 use lanes::server;
@@ -37,8 +37,9 @@ pub struct LanesArgs {
     /// Sequence length for BERT and the small transformer.
     #[arg(long, default_value_t = 128)]
     seq: usize,
-    #[arg(long, value_enum, default_value_t = Device::Cuda)]
-    device: Device,
+    /// `auto` (the GPU when one is usable, else the CPU), `cuda` or `cpu`.
+    #[arg(long, value_enum, default_value_t = lanes::server::DeviceChoice::Auto)]
+    device: lanes::server::DeviceChoice,
     /// Timed iterations per job (after three untimed ones).
     #[arg(long, default_value_t = 200)]
     iters: usize,
@@ -93,11 +94,12 @@ fn vars_of(w: &Workload, job: usize) -> anyhow::Result<Vec<NamedTensor>> {
 fn run_case(
     a: &LanesArgs,
     case: &Case,
+    device: Device,
     w: &Workload,
     memory: u64,
     since: Instant,
 ) -> anyhow::Result<serde_json::Value> {
-    let backend = match a.device {
+    let backend = match device {
         Device::Cuda => Backend::Cuda,
         Device::Cpu => Backend::Cpu,
     };
@@ -141,7 +143,7 @@ fn run_case(
         .collect();
     // Device memory: each program's own blocks and the lanes' shared ones.
     let own: Option<u64> = sessions.iter().map(Session::own_device_bytes).sum();
-    let shared = match a.device {
+    let shared = match device {
         Device::Cuda => Some(lanes::exec::cuda::lane_block_bytes()),
         Device::Cpu => None,
     };
@@ -177,7 +179,7 @@ fn run_case(
     // mapped (with `--reserve`), on the CPU (always a reservation, every
     // job's variables and its lane's arena in it) `sum P + max T` per lane.
     let snapshot = lanes.snapshot();
-    let reserved = match (&reservation, a.device) {
+    let reserved = match (&reservation, device) {
         (Some(r), _) => Some((r.size(), r.size() - r.free_bytes())),
         (None, Device::Cpu) => Some((
             snapshot.capacity,
@@ -215,29 +217,25 @@ pub fn lanes(a: LanesArgs) -> anyhow::Result<()> {
     if a.iters == 0 {
         bail!("need --iters ≥ 1");
     }
-    if a.device == Device::Cuda {
-        lanes::exec::cuda::probe().context("--device cuda")?;
-    }
+    super::workload::check_model(&a.model, a.seq)?;
+    let dev = super::paths::resolve(a.device)?;
     let since = Instant::now();
     progress(&format!("building {}", a.model), since);
     let (w, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
-    let device = match a.device {
-        Device::Cuda => "cuda",
-        Device::Cpu => "cpu",
-    };
+    let device = dev.name();
     let (p, t) = server::admission_sizes(device, &valid, a.reserve)?;
     // Room for two jobs in two lanes (2 (P + T)), with slack.
     let memory = 2 * (p + t) + (p + t) / 2;
     let mut cases = Vec::with_capacity(CASES.len());
     for case in &CASES {
-        cases.push(run_case(&a, case, &w, memory, since)?);
+        cases.push(run_case(&a, case, dev, &w, memory, since)?);
     }
     let rate = |k: usize| cases[k]["iterations_per_s"].as_f64().unwrap_or(0.0);
     let json = serde_json::json!({
         "bench": "lanes",
         "model": a.model,
         "batch": a.batch,
-        "device": a.device.name(),
+        "device": dev.name(),
         "iters": a.iters,
         "persistent_bytes": p,
         "ephemeral_bytes": t,
@@ -246,6 +244,6 @@ pub fn lanes(a: LanesArgs) -> anyhow::Result<()> {
         "two_lanes_over_one_job": rate(2) / rate(0).max(f64::MIN_POSITIVE),
         "one_lane_over_one_job": rate(1) / rate(0).max(f64::MIN_POSITIVE),
     });
-    println!("{json}");
+    outln!("{json}")?;
     Ok(())
 }

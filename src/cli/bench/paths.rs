@@ -34,11 +34,41 @@ pub enum Device {
 }
 
 impl Device {
+    /// As a `--device` of `lanes serve`.
+    pub fn choice(self) -> DeviceChoice {
+        match self {
+            Device::Cuda => DeviceChoice::Cuda,
+            Device::Cpu => DeviceChoice::Cpu,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Device::Cuda => "cuda",
             Device::Cpu => "cpu",
         }
+    }
+}
+
+/// Resolves a bench `--device` as `lanes serve` does: `auto` (the default)
+/// is the GPU when one is usable, else the CPU with a note on stderr;
+/// `cuda` without a usable GPU is an error that says what to pass instead.
+pub fn resolve(choice: DeviceChoice) -> anyhow::Result<Device> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda => match lanes::exec::cuda::probe() {
+            Ok(_) => Ok(Device::Cuda),
+            Err(e) => bail!(
+                "--device cuda: no usable GPU ({e}); pass --device cpu, or --device auto to fall back to the CPU"
+            ),
+        },
+        DeviceChoice::Auto => match lanes::exec::cuda::probe() {
+            Ok(_) => Ok(Device::Cuda),
+            Err(e) => {
+                eprintln!("lanes bench: no usable GPU ({e}); timing on the CPU");
+                Ok(Device::Cpu)
+            }
+        },
     }
 }
 
@@ -187,18 +217,24 @@ pub fn executor(
         ),
         since,
     );
+    let bar = crate::cli::bar(t.warmup, "executor warm-up");
     for _ in 0..t.warmup {
         prog.run(feeds, &fetch)?;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     progress(&format!("executor: timing {} iterations", t.iters), since);
     let mut times = Vec::with_capacity(t.iters);
     let mut seen = Observed::default();
+    let bar = crate::cli::bar(t.iters, "executor timing");
     for _ in 0..t.iters {
         let t0 = Instant::now();
         let out = prog.run(feeds, &fetch)?;
         times.push(ms(t0.elapsed()));
         seen.see(&out)?;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let stats = Stats::of(times)?;
     let mut m = stats.json();
     m.insert("load_ms".into(), json!(load_ms));
@@ -330,19 +366,25 @@ pub fn service(
             ),
             since,
         );
+        let bar = crate::cli::bar(t.warmup, "service warm-up");
         for _ in 0..t.warmup {
             session.run(feeds_of(), &fetch)?;
+            bar.inc(1);
         }
+        bar.finish_and_clear();
         progress(&format!("service: timing {} iterations", t.iters), since);
         let mut times = Vec::with_capacity(t.iters);
         let mut seen = Observed::default();
+        let bar = crate::cli::bar(t.iters, "service timing");
         for _ in 0..t.iters {
             let f = feeds_of();
             let t0 = Instant::now();
             let out = session.run(f, &fetch)?;
             times.push(ms(t0.elapsed()));
             seen.see(&out)?;
+            bar.inc(1);
         }
+        bar.finish_and_clear();
         // One Run in flight ahead (`Session::submit_run`): the next
         // iteration's feeds cross the wire while this one runs. The time
         // between two completions is the step interval a job sees (it
@@ -355,6 +397,7 @@ pub fn service(
         let mut intervals = Vec::with_capacity(t.iters);
         let mut pending = session.submit_run(feeds_of(), &fetch)?;
         let mut last = Instant::now();
+        let bar = crate::cli::bar(t.iters, "service, one Run ahead");
         for _ in 0..t.iters {
             let next = session.submit_run(feeds_of(), &fetch)?;
             session.wait_run(pending)?;
@@ -362,7 +405,9 @@ pub fn service(
             intervals.push(ms(now - last));
             last = now;
             pending = next;
+            bar.inc(1);
         }
+        bar.finish_and_clear();
         session.wait_run(pending)?;
         session.close()?;
         let ahead = Stats::of(intervals)?;

@@ -6,9 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use lanes::sim::{
-    generate, load_trace, parse_size, simulate_with, GenConfig, SimConfig, SimOptions, Summary,
-};
+use lanes::sim::{generate, load_trace, simulate_with, GenConfig, SimConfig, SimOptions, Summary};
 use lanes_policies::{by_name, POLICY_NAMES};
 use serde_json::json;
 
@@ -44,7 +42,8 @@ pub fn sim(args: SimArgs) -> anyhow::Result<()> {
             ..GenConfig::default()
         }),
     };
-    let memory = parse_size(&args.memory).with_context(|| format!("--memory {}", args.memory))?;
+    let memory = lanes::size::parse_size(&args.memory)
+        .with_context(|| format!("--memory {}", args.memory))?;
     let cfg = SimConfig {
         memory,
         lanes: args.lanes,

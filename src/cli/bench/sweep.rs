@@ -218,7 +218,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
     };
     let out = json!({
         "bench": "sweep",
-        "device": a.serve.device.name(),
+        "device": super::child::device_arg(a.serve.device),
         "policy": a.serve.policy.name(),
         "serve_args": a.serve.args,
         "model": a.model,
@@ -230,7 +230,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
         "makespan_speedup": ratio("makespan_s"),
         "mean_jct_speedup": ratio("mean_jct_s"),
     });
-    println!("{out}");
+    outln!("{out}")?;
     Ok(())
 }
 

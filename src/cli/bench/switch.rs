@@ -27,9 +27,9 @@ pub struct SwitchArgs {
     model: String,
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// cuda | cpu
-    #[arg(long, default_value = "cuda")]
-    device: String,
+    /// `auto` (the GPU when one is usable, else the CPU), `cuda` or `cpu`.
+    #[arg(long, value_enum, default_value_t = lanes::server::DeviceChoice::Auto)]
+    device: lanes::server::DeviceChoice,
     /// Timed switches per strategy (and timed resident runs).
     #[arg(long, default_value_t = 10)]
     iters: usize,
@@ -51,6 +51,8 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     if a.batch == 0 || a.iters == 0 {
         bail!("--batch and --iters must be positive");
     }
+    workload::check_model(&a.model, a.seq)?;
+    let device = super::paths::resolve(a.device)?;
     eprintln!("building {} at batch {} …", a.model, a.batch);
     let built = workload::inference(&a.model, a.batch, a.seq)?;
     let feeds: BTreeMap<String, Tensor> = built.random_feeds(7)?;
@@ -64,10 +66,9 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     )
     .context("model graph does not validate")?;
 
-    let backend = match a.device.as_str() {
-        "cuda" => Backend::Cuda,
-        "cpu" => Backend::Cpu,
-        d => bail!("unknown device `{d}` (cuda or cpu)"),
+    let backend = match device {
+        super::paths::Device::Cuda => Backend::Cuda,
+        super::paths::Device::Cpu => Backend::Cpu,
     };
     let mut prog = Program::new(backend, graph, built.vars)?;
     // Resident: the first run profiles per-unit compute, later ones replay.
@@ -132,7 +133,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "model": a.model,
         "batch": a.batch,
         "seq": if a.model == "bert_base" { Some(a.seq) } else { None },
-        "device": a.device,
+        "device": device.name(),
         "persistent_bytes": bytes,
         "units": prog.layout().units.len(),
         "first_evict_ms": first_evict_ms,
@@ -148,7 +149,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "outputs_identical_to_resident": identical,
         "iters": a.iters,
     });
-    println!("{json}");
+    outln!("{json}")?;
     if !identical {
         bail!("a switched run's output differs from the resident run");
     }

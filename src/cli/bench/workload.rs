@@ -27,6 +27,15 @@ use super::models;
 pub const MODELS: &str = "resnet50, resnet152, inception_v3, bert_base, \
                           resnet18_cifar, lenet, mlp, transformer";
 
+/// Refuses an unknown model name before anything is built.
+pub fn check_model(model: &str, seq: usize) -> anyhow::Result<()> {
+    if zoo_arch(model, seq).is_some() {
+        Ok(())
+    } else {
+        bail!("unknown model `{model}`: give one of {MODELS}")
+    }
+}
+
 /// Inference or one training step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -188,7 +197,7 @@ pub fn inference(model: &str, batch: usize, seq: usize) -> anyhow::Result<Worklo
         }
         _ => {
             let (arch, int_ranges) = zoo_arch(model, seq)
-                .with_context(|| format!("unknown model `{model}` ({MODELS})"))?;
+                .with_context(|| format!("unknown model `{model}`: give one of {MODELS}"))?;
             let m = arch.inference(batch, 7)?;
             let params = m.vars.values().map(Tensor::numel).sum();
             Ok(Workload {
@@ -216,8 +225,8 @@ pub fn training(
     if batch == 0 {
         bail!("--batch must be positive");
     }
-    let (arch, int_ranges) =
-        zoo_arch(model, seq).with_context(|| format!("unknown model `{model}` ({MODELS})"))?;
+    let (arch, int_ranges) = zoo_arch(model, seq)
+        .with_context(|| format!("unknown model `{model}`: give one of {MODELS}"))?;
     let (t, inputs) = arch.training(batch, 7, opt)?;
     let params = t.param_count();
     Ok(Workload {

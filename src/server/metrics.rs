@@ -1,0 +1,496 @@
+//! Prometheus metrics of a running service (`lanes serve --metrics ADDR`).
+//!
+//! The service feeds a [`Metrics`] from two places: each worker, as it
+//! answers a request (latency, queueing delay, iterations, errors,
+//! switch-in latency), and the socket thread, about twice a second (open
+//! sessions, the lanes' capacity and use, the reservation, evictions).
+//! [`serve_http`] answers `GET /metrics` with the text exposition format
+//! on a thread of its own; nothing on the request path waits for it.
+//! Series of a session are removed when the session closes.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use lanes_adaptor::wire::{ErrorCode, SessionId, StatusReport};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::lanes::LanesSnapshot;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    session: u64,
+    request: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SessionLabels {
+    session: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InfoLabels {
+    session: u64,
+    name: String,
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabels {
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LaneLabels {
+    lane: u64,
+}
+
+fn seconds_histogram() -> Histogram {
+    // 100 µs … about 52 s.
+    Histogram::new(exponential_buckets(1e-4, 2.0, 20))
+}
+
+/// What the socket thread remembers between two publications.
+#[derive(Debug, Default)]
+struct Seen {
+    sessions: HashSet<u64>,
+    infos: HashMap<u64, InfoLabels>,
+    lanes: HashSet<u64>,
+    /// Per session, (evictions, returns) as last published.
+    switches: HashMap<u64, (u64, u64)>,
+}
+
+/// The service's metrics; shared by the workers, the socket thread and
+/// the HTTP thread.
+pub struct Metrics {
+    registry: Registry,
+    request_seconds: Family<RequestLabels, Histogram, fn() -> Histogram>,
+    queue_seconds: Family<SessionLabels, Histogram, fn() -> Histogram>,
+    iterations: Family<SessionLabels, Counter>,
+    errors: Family<CodeLabels, Counter>,
+    switch_in_seconds: Histogram,
+    evictions: Counter,
+    returns: Counter,
+    sessions_open: Gauge,
+    session_info: Family<InfoLabels, Gauge>,
+    queued: Gauge,
+    lane_capacity: Family<LaneLabels, Gauge>,
+    lane_used: Family<LaneLabels, Gauge>,
+    lane_jobs: Family<LaneLabels, Gauge>,
+    lanes_waiting: Gauge,
+    reservation_bytes: Gauge,
+    reservation_used_bytes: Gauge,
+    seen: Mutex<Seen>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn gauge_bytes(g: &Gauge, bytes: u64) {
+    g.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+}
+
+impl Metrics {
+    /// Every series registered, under the prefix `lanes_`.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("lanes");
+        let m = Metrics {
+            request_seconds: Family::new_with_constructor(seconds_histogram),
+            queue_seconds: Family::new_with_constructor(seconds_histogram),
+            iterations: Family::default(),
+            errors: Family::default(),
+            switch_in_seconds: seconds_histogram(),
+            evictions: Counter::default(),
+            returns: Counter::default(),
+            sessions_open: Gauge::default(),
+            session_info: Family::default(),
+            queued: Gauge::default(),
+            lane_capacity: Family::default(),
+            lane_used: Family::default(),
+            lane_jobs: Family::default(),
+            lanes_waiting: Gauge::default(),
+            reservation_bytes: Gauge::default(),
+            reservation_used_bytes: Gauge::default(),
+            seen: Mutex::new(Seen::default()),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "request_duration_seconds",
+            "Time from a request's arrival at the scheduler to its reply, per session and request kind",
+            m.request_seconds.clone(),
+        );
+        registry.register(
+            "request_queue_seconds",
+            "Time a request waited for a worker (arrival to dispatch), per session",
+            m.queue_seconds.clone(),
+        );
+        registry.register(
+            "iterations",
+            "Run requests answered without error, per session",
+            m.iterations.clone(),
+        );
+        registry.register("errors", "Error replies, by error code", m.errors.clone());
+        registry.register(
+            "switch_in_duration_seconds",
+            "Duration of Runs that began with the job's weights on the host (switch-in pipelined with the run)",
+            m.switch_in_seconds.clone(),
+        );
+        registry.register(
+            "evictions",
+            "Jobs evicted to host memory",
+            m.evictions.clone(),
+        );
+        registry.register(
+            "returns",
+            "Evicted jobs brought back to the device",
+            m.returns.clone(),
+        );
+        registry.register("sessions_open", "Open sessions", m.sessions_open.clone());
+        registry.register(
+            "session_info",
+            "1 per open session, with its job name and kind",
+            m.session_info.clone(),
+        );
+        registry.register(
+            "requests_queued",
+            "Requests waiting for a worker",
+            m.queued.clone(),
+        );
+        registry.register(
+            "lane_capacity_bytes",
+            "Capacity of each open lane",
+            m.lane_capacity.clone(),
+        );
+        registry.register(
+            "lane_used_bytes",
+            "Memory each lane's jobs take (sum P + max T)",
+            m.lane_used.clone(),
+        );
+        registry.register("lane_jobs", "Jobs in each lane", m.lane_jobs.clone());
+        registry.register(
+            "admission_waiting",
+            "Jobs waiting for room in a lane",
+            m.lanes_waiting.clone(),
+        );
+        registry.register(
+            "reservation_bytes",
+            "Memory the lanes share (--memory)",
+            m.reservation_bytes.clone(),
+        );
+        registry.register(
+            "reservation_used_bytes",
+            "Memory of the reservation the lanes' jobs take",
+            m.reservation_used_bytes.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// A worker answered `request` of `session`: it waited `queued` for a
+    /// worker and took `ran`; `error` is the code of an error reply;
+    /// `switched_in` when a Run began with the job's weights on the host.
+    pub fn answered(
+        &self,
+        session: SessionId,
+        request: &str,
+        queued: Duration,
+        ran: Duration,
+        error: Option<ErrorCode>,
+        switched_in: bool,
+    ) {
+        let s = SessionLabels { session: session.0 };
+        self.request_seconds
+            .get_or_create(&RequestLabels {
+                session: session.0,
+                request: request.to_string(),
+            })
+            .observe((queued + ran).as_secs_f64());
+        self.queue_seconds
+            .get_or_create(&s)
+            .observe(queued.as_secs_f64());
+        match error {
+            Some(code) => self.error(code),
+            None if request == "run" => {
+                self.iterations.get_or_create(&s).inc();
+                if switched_in {
+                    self.switch_in_seconds.observe(ran.as_secs_f64());
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// An error reply with `code` (from a worker or the socket thread).
+    pub fn error(&self, code: ErrorCode) {
+        self.errors
+            .get_or_create(&CodeLabels {
+                code: format!("{code:?}"),
+            })
+            .inc();
+    }
+
+    /// The socket thread's view: open sessions, queue, lanes, evictions.
+    pub fn publish(&self, report: &StatusReport, lanes: Option<&LanesSnapshot>) {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        self.sessions_open
+            .set(i64::try_from(report.sessions.len()).unwrap_or(i64::MAX));
+        self.queued
+            .set(i64::try_from(report.queued).unwrap_or(i64::MAX));
+        let mut open = HashSet::new();
+        for s in &report.sessions {
+            let id = s.session.0;
+            open.insert(id);
+            let info = InfoLabels {
+                session: id,
+                name: s.spec.name.clone(),
+                kind: s.spec.kind.to_string(),
+            };
+            self.session_info.get_or_create(&info).set(1);
+            seen.infos.insert(id, info);
+            let last = seen.switches.entry(id).or_default();
+            self.evictions.inc_by(s.evictions.saturating_sub(last.0));
+            self.returns.inc_by(s.returns.saturating_sub(last.1));
+            *last = (last.0.max(s.evictions), last.1.max(s.returns));
+        }
+        // Closed sessions' series go.
+        for gone in seen.sessions.difference(&open).copied().collect::<Vec<_>>() {
+            let s = SessionLabels { session: gone };
+            self.queue_seconds.remove(&s);
+            self.iterations.remove(&s);
+            for request in ["load_graph", "run", "read_variables", "write_variables"] {
+                self.request_seconds.remove(&RequestLabels {
+                    session: gone,
+                    request: request.to_string(),
+                });
+            }
+            if let Some(info) = seen.infos.remove(&gone) {
+                self.session_info.remove(&info);
+            }
+            seen.switches.remove(&gone);
+        }
+        seen.sessions = open;
+        let Some(snap) = lanes else {
+            return;
+        };
+        gauge_bytes(&self.reservation_bytes, snap.capacity);
+        gauge_bytes(
+            &self.reservation_used_bytes,
+            snap.lanes.iter().map(|l| l.used).sum(),
+        );
+        self.lanes_waiting
+            .set(i64::try_from(snap.queue.len()).unwrap_or(i64::MAX));
+        let mut lanes = HashSet::new();
+        for l in &snap.lanes {
+            let id = LaneLabels {
+                lane: l.id.0 as u64,
+            };
+            lanes.insert(id.lane);
+            gauge_bytes(&self.lane_capacity.get_or_create(&id), l.capacity);
+            gauge_bytes(&self.lane_used.get_or_create(&id), l.used);
+            self.lane_jobs
+                .get_or_create(&id)
+                .set(i64::try_from(l.jobs.len()).unwrap_or(i64::MAX));
+        }
+        for gone in seen.lanes.difference(&lanes) {
+            let id = LaneLabels { lane: *gone };
+            self.lane_capacity.remove(&id);
+            self.lane_used.remove(&id);
+            self.lane_jobs.remove(&id);
+        }
+        seen.lanes = lanes;
+    }
+
+    /// The text exposition of every series.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut out = String::new();
+        encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}
+
+/// Why the metrics endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot serve metrics on {addr}: {reason} (give HOST:PORT, e.g. 127.0.0.1:9400)")]
+pub struct MetricsError {
+    pub addr: String,
+    pub reason: String,
+}
+
+/// The HTTP thread of `--metrics`; stops when dropped.
+#[derive(Debug)]
+pub struct MetricsServer {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MetricsServer {
+    /// The address it listens on (the port chosen when `:0` was given).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Serves `metrics` at `http://ADDR/metrics` on a thread of its own.
+pub fn serve_http(addr: &str, metrics: Arc<Metrics>) -> Result<MetricsServer, MetricsError> {
+    let fail = |reason: String| MetricsError {
+        addr: addr.to_string(),
+        reason,
+    };
+    let sock: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|e: std::net::AddrParseError| fail(e.to_string()))?;
+    let server = tiny_http::Server::http(sock).map_err(|e| fail(e.to_string()))?;
+    let bound = server
+        .server_addr()
+        .to_ip()
+        .ok_or_else(|| fail("not an IP address".into()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    let thread = std::thread::Builder::new()
+        .name("lanes-metrics".into())
+        .spawn(move || {
+            while !flag.load(Ordering::SeqCst) {
+                match server.recv_timeout(Duration::from_millis(100)) {
+                    Ok(Some(request)) => respond(request, &metrics),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "metrics endpoint stopped");
+                        break;
+                    }
+                }
+            }
+        })
+        .map_err(|e| fail(e.to_string()))?;
+    tracing::info!(%bound, "metrics at http://{bound}/metrics");
+    Ok(MetricsServer {
+        addr: bound,
+        stop,
+        thread: Some(thread),
+    })
+}
+
+fn respond(request: tiny_http::Request, metrics: &Metrics) {
+    let path = request.url().split('?').next().unwrap_or("");
+    let response = if *request.method() != tiny_http::Method::Get {
+        tiny_http::Response::from_string("only GET\n").with_status_code(405)
+    } else if path != "/metrics" {
+        tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
+    } else {
+        match metrics.encode() {
+            Ok(text) => {
+                let mut r = tiny_http::Response::from_string(text);
+                if let Ok(h) = tiny_http::Header::from_bytes(
+                    &b"Content-Type"[..],
+                    &b"application/openmetrics-text; version=1.0.0; charset=utf-8"[..],
+                ) {
+                    r = r.with_header(h);
+                }
+                r
+            }
+            Err(_) => tiny_http::Response::from_string("encoding failed\n").with_status_code(500),
+        }
+    };
+    if let Err(e) = request.respond(response) {
+        tracing::debug!(error = %e, "metrics reply not delivered");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answered_requests_show_up_and_closed_sessions_go() {
+        let m = Metrics::new();
+        let s = SessionId(7);
+        m.answered(
+            s,
+            "run",
+            Duration::from_millis(2),
+            Duration::from_millis(5),
+            None,
+            true,
+        );
+        m.answered(
+            s,
+            "run",
+            Duration::ZERO,
+            Duration::ZERO,
+            Some(ErrorCode::Internal),
+            false,
+        );
+        m.answered(
+            s,
+            "read_variables",
+            Duration::ZERO,
+            Duration::ZERO,
+            None,
+            false,
+        );
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("lanes_iterations_total{session=\"7\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lanes_errors_total{code=\"Internal\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lanes_request_duration_seconds_count{session=\"7\",request=\"run\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lanes_switch_in_duration_seconds_count 1"),
+            "{text}"
+        );
+        // A report without session 7 (after one with it) removes its series.
+        let mut report = StatusReport {
+            server: String::new(),
+            version: 0,
+            device: "cpu".into(),
+            policy: "fifo".into(),
+            memory_bytes: None,
+            lanes: None,
+            workers: 1,
+            uptime_ms: 0,
+            queued: 0,
+            sessions: Vec::new(),
+        };
+        m.seen.lock().unwrap().sessions.insert(7);
+        m.publish(&report, None);
+        let text = m.encode().unwrap();
+        assert!(!text.contains("session=\"7\""), "{text}");
+        assert!(text.contains("lanes_sessions_open 0"), "{text}");
+        report.queued = 3;
+        m.publish(&report, None);
+        assert!(m.encode().unwrap().contains("lanes_requests_queued 3"));
+    }
+}
