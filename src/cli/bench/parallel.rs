@@ -151,16 +151,21 @@ fn run_case(
         &format!("{}: {} iterations per job", case.name, a.iters),
         since,
     );
+    let bar = crate::cli::bar(
+        a.iters * sessions.len(),
+        &format!("{} iterations", case.name),
+    );
     let t0 = Instant::now();
     let per_job: Vec<f64> = std::thread::scope(|scope| {
         let threads: Vec<_> = sessions
             .iter_mut()
             .map(|s| {
-                let (feeds, fetch) = (&feeds, &fetch);
+                let (feeds, fetch, bar) = (&feeds, &fetch, &bar);
                 scope.spawn(move || -> anyhow::Result<f64> {
                     let t = Instant::now();
                     for _ in 0..a.iters {
                         s.run(feeds.clone(), fetch)?;
+                        bar.inc(1);
                     }
                     Ok(t.elapsed().as_secs_f64())
                 })
@@ -175,6 +180,7 @@ fn run_case(
             .collect::<anyhow::Result<Vec<f64>>>()
     })?;
     let wall = t0.elapsed().as_secs_f64();
+    bar.finish_and_clear();
     // The reservation and what the lanes use of it: on the GPU the chunks
     // mapped (with `--reserve`), on the CPU (always a reservation, every
     // job's variables and its lane's arena in it) `sum P + max T` per lane.

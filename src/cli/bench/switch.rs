@@ -102,6 +102,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         let mut times = Vec::with_capacity(a.iters);
         let mut groups = 0;
         let mut replayed = true;
+        let bar = crate::cli::bar(a.iters, &format!("switches with {s}"));
         for _ in 0..a.iters {
             prog.evict()?;
             let t = Instant::now();
@@ -110,7 +111,9 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
             groups = rep.as_ref().map_or(0, |r| r.groups);
             replayed &= rep.is_some_and(|r| r.replayed);
             identical &= bits(&out)? == want;
+            bar.inc(1);
         }
+        bar.finish_and_clear();
         let m = median(times.clone());
         medians.insert(s.name(), m);
         let plan = prog.plan(s);
