@@ -673,7 +673,7 @@ impl Importer {
         if a.int("ceil_mode").unwrap_or(0) != 0 {
             // Ceil mode is floor mode when the windows fit exactly.
             for i in 0..2 {
-                let span = d[2 + i] + 2 * padding[i];
+                let span = d[2 + i].saturating_add(padding[i].saturating_mul(2));
                 if span < kernel[i] || (span - kernel[i]) % stride[i] != 0 {
                     return unsupported("ceil_mode = 1 where it changes the output size");
                 }
@@ -834,8 +834,12 @@ fn pads(
             let mut out = [0; 2];
             for i in 0..2 {
                 let (n, s) = (input[i], stride[i]);
-                let span = dilation[i] * (kernel[i].max(1) - 1) + 1;
-                let total = ((n.div_ceil(s)).saturating_sub(1) * s + span).saturating_sub(n);
+                let span = dilation[i]
+                    .saturating_mul(kernel[i].max(1) - 1)
+                    .saturating_add(1);
+                let total = (n.div_ceil(s).saturating_sub(1).saturating_mul(s))
+                    .saturating_add(span)
+                    .saturating_sub(n);
                 if total % 2 != 0 {
                     return unsupported(format!("auto_pad = {auto} with odd total padding"));
                 }
