@@ -199,7 +199,7 @@ proptest! {
     fn mutated_graphs_never_panic(
         which in 0usize..4,
         edits in proptest::collection::vec(
-            (0u8..3, any::<prop::sample::Index>(), any::<prop::sample::Index>(), -3i64..40),
+            (0u8..3, any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![-3i64..40, Just(i64::MAX), Just(i64::MIN), any::<i64>()]),
             1..4,
         ),
     ) {
