@@ -37,6 +37,16 @@ impl LowerError {
     }
 }
 
+impl std::fmt::Display for LowerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LowerError::Unsupported(r) => write!(f, "not supported: {r}"),
+            LowerError::Invalid(r) => f.write_str(r),
+            LowerError::Graph(e) => write!(f, "{e}"),
+        }
+    }
+}
+
 impl From<&str> for LowerError {
     fn from(s: &str) -> Self {
         LowerError::Invalid(s.to_string())
@@ -233,7 +243,7 @@ impl Importer {
             }
             known @ Val::Known { .. } => {
                 let ins = [Some((name.to_string(), known))];
-                self.rt(&ins, 0).map_err(|e| format!("{e:?}"))?.0
+                self.rt(&ins, 0).map_err(|e| e.to_string())?.0
             }
         };
         let node = self
@@ -244,7 +254,7 @@ impl Importer {
         let o = if node.op.is_source() || self.named.contains(&o.node) || node.outputs.len() != 1 {
             let dims = self.g.dims(o);
             let c = self.g.op1(Op::Reshape { shape: dims }, &[o]);
-            self.check().map_err(|e| format!("{e:?}"))?;
+            self.check().map_err(|e| e.to_string())?;
             c
         } else {
             o
