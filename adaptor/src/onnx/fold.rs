@@ -202,11 +202,15 @@ pub fn eval(op: &str, a: &Attrs<'_>, inp: &[Option<&Host>], limit: usize) -> R<O
                     if dl == 0 {
                         return Err("delta is 0".into());
                     }
-                    let n = ((l - s) as f64 / dl as f64).ceil().max(0.0) as usize;
+                    // In f64: no overflow; a huge count saturates and
+                    // fails the limit.
+                    let n = ((l as f64 - s as f64) / dl as f64).ceil().max(0.0) as usize;
                     numel(&[n], limit)?;
                     one(Host::i64s(
                         vec![n],
-                        (0..n as i64).map(|k| s + k * dl).collect(),
+                        (0..n as i64)
+                            .map(|k| s.wrapping_add(k.wrapping_mul(dl)))
+                            .collect(),
                     )?)
                 }
                 _ => {
@@ -514,12 +518,16 @@ pub fn slice_ranges(
         }
         let fix = |v: i64| if v < 0 { v.saturating_add(d) } else { v };
         let (s, e) = (fix(starts[k]), fix(ends[k]));
+        // In i128: a step of any i64 cannot overflow; len <= d.
+        let st = i128::from(step);
         let (s, len) = if step > 0 {
             let (s, e) = (s.clamp(0, d), e.clamp(0, d));
-            (s, if e > s { (e - s + step - 1) / step } else { 0 })
+            let (s1, e1) = (i128::from(s), i128::from(e));
+            (s, if e > s { (e1 - s1 + st - 1) / st } else { 0 })
         } else {
             let (s, e) = (s.clamp(0, d - 1), e.clamp(-1, d - 1));
-            (s, if s > e { (s - e - step - 1) / -step } else { 0 })
+            let (s1, e1) = (i128::from(s), i128::from(e));
+            (s, if s > e { (s1 - e1 - st - 1) / -st } else { 0 })
         };
         out[ax] = (s, step, len as usize);
     }

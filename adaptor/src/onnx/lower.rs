@@ -37,6 +37,16 @@ impl LowerError {
     }
 }
 
+impl std::fmt::Display for LowerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LowerError::Unsupported(r) => write!(f, "not supported: {r}"),
+            LowerError::Invalid(r) => f.write_str(r),
+            LowerError::Graph(e) => write!(f, "{e}"),
+        }
+    }
+}
+
 impl From<&str> for LowerError {
     fn from(s: &str) -> Self {
         LowerError::Invalid(s.to_string())
@@ -233,7 +243,7 @@ impl Importer {
             }
             known @ Val::Known { .. } => {
                 let ins = [Some((name.to_string(), known))];
-                self.rt(&ins, 0).map_err(|e| format!("{e:?}"))?.0
+                self.rt(&ins, 0).map_err(|e| e.to_string())?.0
             }
         };
         let node = self
@@ -244,7 +254,7 @@ impl Importer {
         let o = if node.op.is_source() || self.named.contains(&o.node) || node.outputs.len() != 1 {
             let dims = self.g.dims(o);
             let c = self.g.op1(Op::Reshape { shape: dims }, &[o]);
-            self.check().map_err(|e| format!("{e:?}"))?;
+            self.check().map_err(|e| e.to_string())?;
             c
         } else {
             o
@@ -673,7 +683,7 @@ impl Importer {
         if a.int("ceil_mode").unwrap_or(0) != 0 {
             // Ceil mode is floor mode when the windows fit exactly.
             for i in 0..2 {
-                let span = d[2 + i] + 2 * padding[i];
+                let span = d[2 + i].saturating_add(padding[i].saturating_mul(2));
                 if span < kernel[i] || (span - kernel[i]) % stride[i] != 0 {
                     return unsupported("ceil_mode = 1 where it changes the output size");
                 }
@@ -834,8 +844,12 @@ fn pads(
             let mut out = [0; 2];
             for i in 0..2 {
                 let (n, s) = (input[i], stride[i]);
-                let span = dilation[i] * (kernel[i].max(1) - 1) + 1;
-                let total = ((n.div_ceil(s)).saturating_sub(1) * s + span).saturating_sub(n);
+                let span = dilation[i]
+                    .saturating_mul(kernel[i].max(1) - 1)
+                    .saturating_add(1);
+                let total = (n.div_ceil(s).saturating_sub(1).saturating_mul(s))
+                    .saturating_add(span)
+                    .saturating_sub(n);
                 if total % 2 != 0 {
                     return unsupported(format!("auto_pad = {auto} with odd total padding"));
                 }

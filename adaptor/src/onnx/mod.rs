@@ -6,11 +6,11 @@
 //!   through `Identity` stays the one variable, so tied weights stay tied).
 //!   Other constants that feed run-time ops become `Constant` nodes.
 //! - Everything that depends only on shapes and constants at the chosen
-//!   batch size is folded at import ([`fold`]): `Shape → Gather → Unsqueeze
+//!   batch size is folded at import (`fold.rs`): `Shape → Gather → Unsqueeze
 //!   → Concat → Reshape` chains, position ids, mask arithmetic.
 //! - The exact-GELU subgraph (`x / √2 → Erf → + 1 → x · … → · 0.5`) becomes
-//!   one `gelu` ([`fuse`]).
-//! - The rest is lowered to Lanes ops ([`lower`]). Booleans computed at run
+//!   one `gelu` (`fuse.rs`).
+//! - The rest is lowered to Lanes ops (`lower.rs`). Booleans computed at run
 //!   time travel as 0/1 f32 masks.
 //! - Anything else is an [`OnnxError`] naming the node and the op: a file
 //!   that does not decode, an op or attribute the importer does not handle,

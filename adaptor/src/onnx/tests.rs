@@ -199,7 +199,7 @@ proptest! {
     fn mutated_graphs_never_panic(
         which in 0usize..4,
         edits in proptest::collection::vec(
-            (0u8..3, any::<prop::sample::Index>(), any::<prop::sample::Index>(), -3i64..40),
+            (0u8..3, any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![-3i64..40, Just(i64::MAX), Just(i64::MIN), any::<i64>()]),
             1..4,
         ),
     ) {
@@ -262,4 +262,55 @@ fn gelu_pattern_is_fused_only_when_private() {
     let m = import_model(&p).unwrap();
     assert_eq!((count(&m, "gelu"), count(&m, "erf")), (0, 1));
     assert_eq!(m.outputs.last().unwrap().0, "g1");
+}
+
+/// Host folding of extreme values answers errors, not overflow panics.
+#[test]
+fn folding_extreme_ranges_is_an_error() {
+    let a = Attrs(&[]);
+    let i = |v: i64| value::Host::i64s(vec![], vec![v]).unwrap();
+    let (lo, hi, one) = (i(i64::MIN), i(i64::MAX), i(1));
+    let e = fold::eval("Range", &a, &[Some(&lo), Some(&hi), Some(&one)], 1 << 20);
+    assert!(e.is_err());
+    let f = |v: f32| value::Host::new(vec![], value::HostData::F32(vec![v])).unwrap();
+    let (z, inf, d) = (f(0.0), f(f32::INFINITY), f(1.0));
+    assert!(fold::eval("Range", &a, &[Some(&z), Some(&inf), Some(&d)], 1 << 20).is_err());
+    let r = fold::eval("Range", &a, &[Some(&i(5)), Some(&i(-3)), Some(&i(-2))], 16)
+        .unwrap()
+        .unwrap();
+    assert_eq!(r[0].as_i64s().unwrap(), vec![5, 3, 1, -1]);
+}
+
+/// Slices with extreme steps, and pooling/convolution attributes at the
+/// ends of i64, are errors or valid results, never overflow panics.
+#[test]
+fn extreme_attributes_do_not_overflow() {
+    let r = fold::slice_ranges(&[5], &[0], &[5], None, Some(&[i64::MAX])).unwrap();
+    assert_eq!(r[0].2, 1);
+    let r = fold::slice_ranges(&[5], &[4], &[i64::MIN], None, Some(&[i64::MIN])).unwrap();
+    assert_eq!(r[0].2, 1);
+    for (attr, v) in [
+        ("strides", i64::MAX),
+        ("pads", i64::MAX),
+        ("dilations", i64::MAX),
+        ("kernel_shape", i64::MAX),
+    ] {
+        for op in ["Conv", "MaxPool"] {
+            let mut m = model("resnet18.onnx");
+            let n = node_mut(&mut m, op);
+            for a in n.attribute.iter_mut() {
+                if a.name.as_deref() == Some(attr) {
+                    a.ints.iter_mut().for_each(|x| *x = v);
+                }
+            }
+            if let Some(a) = n
+                .attribute
+                .iter_mut()
+                .find(|a| a.name.as_deref() == Some("ceil_mode"))
+            {
+                a.i = Some(1);
+            }
+            let _ = import_model(&m);
+        }
+    }
 }
