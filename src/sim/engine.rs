@@ -15,6 +15,14 @@
 //! - At every instant, iteration completions are handled first (lane order),
 //!   then submissions (trace order), then admission, then every idle lane
 //!   asks the policy for its next iteration (lane order).
+//!
+//! The engine is event-driven: it gives the result of asking the policy at
+//! every iteration boundary, but a lane's run between two decision points
+//! (a job of the lane finishes, or one joins it) is one event, computed
+//! from what the policy promises about its picks ([`PickDynamics`]): a
+//! sticky pick runs to the next decision point, fair sharing's order is a
+//! merge of arithmetic sequences in closed form. `super::reference` keeps
+//! the step-per-iteration engine the tests compare it with.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
