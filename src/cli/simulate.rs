@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use lanes::sim::{
-    load_trace, parse_size, plot_jct_cdf, simulate_with, table, SimConfig, SimOptions, Summary,
+    load_trace, parse_size, plot_jct_cdf, simulate_with, table, Contention, SimConfig, SimOptions,
+    Summary,
 };
 use lanes_policies::{by_name, POLICY_NAMES};
 
@@ -26,6 +27,11 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// GPU contention between lanes that run at once: `off` (full speed
+    /// side by side), `h100` (the table measured on an H100) or a TOML
+    /// file with the same keys (docs/scheduling.md).
+    #[arg(long, default_value = "off")]
+    pub contention: String,
     /// Also draw the JCT distribution per policy into this SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -38,6 +44,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         memory,
         lanes: args.lanes,
     };
+    let contention = contention_model(&args.contention)?;
     let names: Vec<&str> = if args.policy == "all" {
         POLICY_NAMES.to_vec()
     } else {
@@ -51,7 +58,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &trace,
             policy.as_mut(),
             cfg,
-            SimOptions { schedule: false },
+            SimOptions {
+                schedule: false,
+                contention,
+            },
         )?);
     }
     let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
@@ -73,4 +83,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--contention off|h100|FILE`.
+pub fn contention_model(arg: &str) -> anyhow::Result<Option<Contention>> {
+    Ok(match arg {
+        "off" => None,
+        "h100" => Some(Contention::h100()),
+        path => {
+            let text = std::fs::read_to_string(path).with_context(|| {
+                format!("--contention {path}: not off, h100 or a readable file")
+            })?;
+            Some(Contention::from_toml(&text).with_context(|| format!("--contention {path}"))?)
+        }
+    })
 }
