@@ -8,7 +8,7 @@
 //! `1 / (1 + Σ (1 / speed(k beside ki) − 1))` of its solo speed (two
 //! training lanes at 0.5 each: each at half speed; three: a third). An
 //! iteration's speed is fixed when it starts, from the lanes busy at that
-//! instant. [`Contention::H100`]'s figures were measured with
+//! instant. [`Contention::h100`]'s figures were measured with
 //! `lanes bench colocate` (`contention/h100.toml`, documented in
 //! `docs/scheduling.md`).
 
