@@ -420,6 +420,40 @@ mod tests {
     }
 
     #[test]
+    fn recorded_iterations_count_like_single_ones() {
+        let d = Duration::from_millis(7);
+        let mut one_by_one = JobTable::new();
+        let mut at_once = JobTable::new();
+        for t in [&mut one_by_one, &mut at_once] {
+            arrive(t, 3);
+            t.apply(&Event::Queued { job: 3 }, Duration::ZERO).unwrap();
+        }
+        for _ in 0..3 {
+            one_by_one
+                .apply(&Event::Started { job: 3 }, Duration::ZERO)
+                .unwrap();
+            one_by_one
+                .apply(
+                    &Event::IterationFinished {
+                        job: 3,
+                        duration: d,
+                    },
+                    Duration::ZERO,
+                )
+                .unwrap();
+            one_by_one
+                .apply(&Event::Queued { job: 3 }, Duration::ZERO)
+                .unwrap();
+        }
+        at_once.record_iterations(3, 3, d * 3).unwrap();
+        assert_eq!(one_by_one.get(3), at_once.get(3));
+        assert!(matches!(
+            at_once.record_iterations(9, 1, d),
+            Err(PolicyError::UnknownJob { job: 9 })
+        ));
+    }
+
+    #[test]
     fn bad_transitions_and_unknown_jobs_are_typed_errors() {
         let mut t = JobTable::new();
         arrive(&mut t, 1);

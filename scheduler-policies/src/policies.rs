@@ -215,6 +215,18 @@ mod tests {
     }
 
     #[test]
+    fn dynamics_are_declared_for_every_built_in_policy() {
+        for name in crate::POLICY_NAMES {
+            let expected = if name == "fair" {
+                PickDynamics::LeastAttained
+            } else {
+                PickDynamics::Sticky
+            };
+            assert_eq!(by_name(name).unwrap().dynamics(), expected, "{name}");
+        }
+    }
+
+    #[test]
     fn every_policy_picks_only_waiting_jobs_of_the_lane() {
         let t = table(&[
             (JobSpec::new(1, JobKind::Training, 5), 0, false),

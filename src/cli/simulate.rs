@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use lanes::sim::{load_trace, plot_jct_cdf, simulate_with, table, SimConfig, SimOptions, Summary};
+use anyhow::Context;
+use lanes::sim::{
+    load_trace, plot_jct_cdf, simulate_with, table, Contention, SimConfig, SimOptions, Summary,
+};
 use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
 
@@ -25,6 +28,11 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// GPU contention between lanes that run at once: `off` (full speed
+    /// side by side), `h100` (the table measured on an H100) or a TOML
+    /// file with the same keys (docs/scheduling.md).
+    #[arg(long, default_value = "off")]
+    pub contention: String,
     /// Also draw the JCT distribution per policy into this SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -37,6 +45,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         memory,
         lanes: args.lanes,
     };
+    let contention = contention_model(&args.contention)?;
     let names: Vec<&str> = if args.policy == "all" {
         POLICY_NAMES.to_vec()
     } else {
@@ -51,7 +60,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &trace,
             policy.as_mut(),
             cfg,
-            SimOptions { schedule: false },
+            SimOptions {
+                schedule: false,
+                contention,
+            },
         )?);
         bar.inc(1);
     }
@@ -75,4 +87,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--contention off|h100|FILE`.
+pub fn contention_model(arg: &str) -> anyhow::Result<Option<Contention>> {
+    Ok(match arg {
+        "off" => None,
+        "h100" => Some(Contention::h100()),
+        path => {
+            let text = std::fs::read_to_string(path).with_context(|| {
+                format!("--contention {path}: not off, h100 or a readable file")
+            })?;
+            Some(Contention::from_toml(&text).with_context(|| format!("--contention {path}"))?)
+        }
+    })
 }

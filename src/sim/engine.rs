@@ -9,12 +9,21 @@
 //!   policy's admission order ([`Policy::admission_rank`], ties in
 //!   submission order).
 //! - Inside a lane one iteration runs at a time; lanes run in parallel without
-//!   slowing each other down.
+//!   slowing each other down, unless a contention model
+//!   ([`SimOptions::contention`]) says how they do.
 //! - A job's next iteration is ready as soon as its previous one finished (the
 //!   client is instantaneous), so a job is waiting whenever it is not running.
 //! - At every instant, iteration completions are handled first (lane order),
 //!   then submissions (trace order), then admission, then every idle lane
 //!   asks the policy for its next iteration (lane order).
+//!
+//! The engine is event-driven: it gives the result of asking the policy at
+//! every iteration boundary, but a lane's run between two decision points
+//! (a job of the lane finishes, or one joins it) is one event, computed
+//! from what the policy promises about its picks ([`PickDynamics`]): a
+//! sticky pick runs to the next decision point, fair sharing's order is a
+//! merge of arithmetic sequences in closed form. `super::reference` keeps
+//! the step-per-iteration engine the tests compare it with.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -25,6 +34,7 @@ use lanes_policies::{
     PolicyError,
 };
 
+use super::contention::Contention;
 use super::trace::TraceJob;
 use super::waiting::Waiting;
 
@@ -142,17 +152,25 @@ pub struct SimRun {
 }
 
 /// What a simulation records besides each job's outcome.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimOptions {
     /// Record every run of iterations in [`SimRun::schedule`]. Its size
     /// grows with the number of runs (under fair sharing, with the number
     /// of iterations), so leave it off for cluster-scale traces.
     pub schedule: bool,
+    /// Lanes that run at once slow each other down by this model
+    /// ([`Contention`]); `None`: they run at full speed side by side. With
+    /// a model the engine steps one iteration at a time (an iteration's
+    /// speed is fixed when it starts, from the lanes busy then).
+    pub contention: Option<Contention>,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
-        SimOptions { schedule: true }
+        SimOptions {
+            schedule: true,
+            contention: None,
+        }
     }
 }
 
@@ -198,7 +216,7 @@ pub fn simulate_with(
     }
     let mut order: Vec<usize> = (0..trace.len()).collect();
     order.sort_by_key(|&i| (trace[i].submit, i));
-    let mut engine = Engine::new(trace, policy, cfg.lanes, capacity, opts.schedule);
+    let mut engine = Engine::new(trace, policy, cfg.lanes, capacity, opts);
     // Every job's place in the admission order: the policy's rank, ties in
     // submission order (the rank depends on the declaration alone).
     let mut ranked: Vec<(AdmissionRank, usize)> = order
@@ -303,10 +321,17 @@ pub fn simulate_with(
         }
 
         // 4. Decisions on lanes that need one (lane order).
+        let mut decided = Vec::new();
         for l in 0..engine.lanes.len() {
             if engine.lanes[l].decide || (engine.every && engine.lanes[l].end.is_none()) {
                 engine.decide(l, now)?;
+                decided.push(l);
             }
+        }
+        // 5. With contention, what started now runs at the speed the lanes
+        //    busy now allow.
+        if engine.contention.is_some() {
+            engine.slow_down(&decided);
         }
     }
     Ok(engine.finish(cfg.lanes))
@@ -473,6 +498,11 @@ struct Engine<'a> {
     finished: usize,
     record: bool,
     schedule: Vec<Segment>,
+    contention: Option<Contention>,
+    /// The priority policy runs (its inference streams outrank training).
+    priority: bool,
+    /// Lane time spent running, in nanoseconds.
+    busy: u128,
 }
 
 impl<'a> Engine<'a> {
@@ -481,13 +511,16 @@ impl<'a> Engine<'a> {
         policy: &'a mut dyn Policy,
         lanes: usize,
         capacity: u64,
-        record: bool,
+        opts: SimOptions,
     ) -> Self {
         let mode = policy.dynamics();
         Engine {
             trace,
             name: policy.name(),
-            every: mode == PickDynamics::EveryIteration,
+            every: mode == PickDynamics::EveryIteration || opts.contention.is_some(),
+            contention: opts.contention,
+            priority: policy.name() == "priority",
+            busy: 0,
             mode,
             policy,
             table: JobTable::new(),
@@ -509,7 +542,7 @@ impl<'a> Engine<'a> {
             admitted_at: vec![(Duration::ZERO, 0); trace.len()],
             outcome: vec![None; trace.len()],
             finished: 0,
-            record,
+            record: opts.schedule,
             schedule: Vec::new(),
         }
     }
@@ -589,6 +622,9 @@ impl<'a> Engine<'a> {
     fn complete(&mut self, l: LaneId, now: Duration) -> Result<bool, SimError> {
         let plan = std::mem::replace(&mut self.lanes[l].plan, Plan::Idle);
         let origin = self.lanes[l].origin;
+        if !matches!(plan, Plan::Idle) {
+            self.busy += nanos(now.saturating_sub(origin));
+        }
         self.lanes[l].end = None;
         self.lanes[l].decide = true;
         let trace = self.trace;
@@ -599,10 +635,12 @@ impl<'a> Engine<'a> {
                 let t = &trace[job];
                 let id = t.id;
                 if self.every {
+                    // One iteration, as long as it took (slowed down by
+                    // other lanes under a contention model).
                     self.event(
                         Event::IterationFinished {
                             job: id,
-                            duration: t.iteration,
+                            duration: now.saturating_sub(origin),
                         },
                         now,
                     )?;
@@ -673,7 +711,7 @@ impl<'a> Engine<'a> {
             self.lanes[l].open = None;
             return Ok(());
         }
-        if self.mode == PickDynamics::LeastAttained {
+        if self.mode == PickDynamics::LeastAttained && !self.every {
             let mut entries = Vec::with_capacity(self.lanes[l].members.len());
             for &i in &self.lanes[l].members {
                 let job = &self.trace[i];
@@ -730,6 +768,36 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
+    /// The iterations that started now in `lanes` take their solo time
+    /// divided by the speed the other busy lanes leave them.
+    fn slow_down(&mut self, lanes: &[LaneId]) {
+        let Some(model) = self.contention else {
+            return;
+        };
+        let kind = |lane: &Lane| match lane.plan {
+            Plan::Run { job, .. } => Some(self.trace[job].kind),
+            _ => None,
+        };
+        let kinds: Vec<Option<lanes_policies::JobKind>> = self.lanes.iter().map(kind).collect();
+        for &l in lanes {
+            let Some(me) = kinds[l] else {
+                continue;
+            };
+            let others = kinds
+                .iter()
+                .enumerate()
+                .filter(|&(o, _)| o != l)
+                .filter_map(|(_, k)| *k);
+            let speed = model.speed(me, others, self.priority);
+            let lane = &mut self.lanes[l];
+            if let (Some(end), true) = (lane.end, speed < 1.0) {
+                let solo = end.saturating_sub(lane.origin).as_secs_f64();
+                let slowed = Duration::from_secs_f64(solo / speed).max(Duration::from_nanos(1));
+                lane.end = Some(lane.origin + slowed);
+            }
+        }
+    }
+
     /// Record `iterations` of job `i` in lane `l` from `start` to `end`.
     fn emit(&mut self, l: LaneId, i: usize, start: Duration, end: Duration, iterations: u64) {
         if !self.record || iterations == 0 {
@@ -780,11 +848,7 @@ impl<'a> Engine<'a> {
         if self.record {
             self.schedule.sort_by_key(|s| (s.start, s.lane));
         }
-        let busy = self
-            .trace
-            .iter()
-            .map(|j| nanos(j.iteration) * u128::from(j.iterations))
-            .sum();
+        let busy = self.busy;
         SimRun {
             policy: self.name,
             lanes,

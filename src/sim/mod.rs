@@ -9,6 +9,7 @@
 //! - [`live`]: an in-process live replay (threads, sleeps, `sched::Scheduler`);
 //! - [`remote`]: a replay against a running `lanes serve` with zoo models.
 
+pub mod contention;
 pub mod engine;
 pub mod gen;
 pub mod import;
@@ -20,6 +21,7 @@ pub mod report;
 pub mod trace;
 mod waiting;
 
+pub use contention::{Contention, ContentionError};
 pub use engine::{
     simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun,
 };

@@ -237,7 +237,8 @@ pub fn simulate_reference(
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-    use crate::sim::engine::{simulate_with, SimOptions};
+    use crate::sim::contention::Contention;
+    use crate::sim::engine::{simulate, simulate_with, SimOptions};
     use lanes_policies::{by_name, JobId, JobKind, JobSpec, JobView, POLICY_NAMES};
     use proptest::prelude::*;
 
@@ -326,14 +327,25 @@ mod tests {
             let cfg = SimConfig { memory: per_lane * lanes as u64, lanes };
             for name in POLICY_NAMES {
                 let old = simulate_reference(&trace, by_name(name).unwrap().as_mut(), cfg).unwrap();
-                let new = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: true }).unwrap();
+                let new = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: true, ..SimOptions::default() }).unwrap();
                 same(&old, &new)?;
-                let quiet = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: false }).unwrap();
+                let quiet = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: false, ..SimOptions::default() }).unwrap();
                 prop_assert_eq!(&quiet.outcomes, &old.outcomes, "{} without schedule", name);
                 prop_assert!(quiet.schedule.is_empty());
                 let mut plain = NoPromise(by_name(name).unwrap());
-                let asked = simulate_with(&trace, &mut plain, cfg, SimOptions { schedule: true }).unwrap();
+                let asked = simulate_with(&trace, &mut plain, cfg, SimOptions { schedule: true, ..SimOptions::default() }).unwrap();
                 same(&old, &asked)?;
+                // A contention model where nothing slows down is the
+                // every-iteration path, with the same result.
+                let unit = Contention {
+                    training_beside_inference: 1.0,
+                    priority_training_beside_inference: 1.0,
+                    inference_beside_training: 1.0,
+                    training_beside_training: 1.0,
+                    inference_beside_inference: 1.0,
+                };
+                let free = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: true, contention: Some(unit) }).unwrap();
+                same(&old, &free)?;
             }
         }
     }
@@ -375,5 +387,70 @@ mod tests {
             );
             assert_eq!(new.outcomes, old.outcomes);
         }
+    }
+
+    /// Two training jobs in two lanes: alone each takes 10 iterations of
+    /// 10 ms; side by side under the H100 table (0.5 each) every iteration
+    /// takes 20 ms while both run. A training lane beside an inference lane
+    /// runs at 0.84, or 0.68 under the priority policy.
+    #[test]
+    fn contention_slows_lanes_that_run_at_once() {
+        let job = |id, kind, submit_ms| TraceJob {
+            id,
+            submit: Duration::from_millis(submit_ms),
+            kind,
+            iterations: 10,
+            iteration: Duration::from_millis(10),
+            persistent_bytes: 60,
+            ephemeral_bytes: 0,
+            priority: 0,
+        };
+        let cfg = SimConfig {
+            memory: 200,
+            lanes: 2,
+        };
+        let opts = SimOptions {
+            schedule: true,
+            contention: Some(Contention::h100()),
+        };
+        let two = [job(1, JobKind::Training, 0), job(2, JobKind::Training, 0)];
+        let alone = simulate_with(
+            &two,
+            by_name("fifo").unwrap().as_mut(),
+            SimConfig {
+                memory: 100,
+                lanes: 1,
+            },
+            opts,
+        )
+        .unwrap();
+        // One lane: one after the other at full speed.
+        let jct: Vec<u128> = alone.outcomes.iter().map(|o| o.jct().as_millis()).collect();
+        assert_eq!(jct, vec![100, 200]);
+        let side = simulate_with(&two, by_name("fifo").unwrap().as_mut(), cfg, opts).unwrap();
+        let jct: Vec<u128> = side.outcomes.iter().map(|o| o.jct().as_millis()).collect();
+        assert_eq!(jct, vec![200, 200]);
+        assert_eq!(side.busy, Duration::from_millis(400));
+        // Training beside inference.
+        let mixed = [job(1, JobKind::Training, 0), job(2, JobKind::Inference, 0)];
+        // Under fifo training (0.84) ends at 119 ms, during inference's 9th
+        // iteration (13.3 ms each at 0.75): its 10th runs alone, 10 ms.
+        // Under priority training (0.68) outlasts inference.
+        for (policy, train_s, infer_s) in [
+            ("fifo", 0.1 / 0.84, 0.09 / 0.75 + 0.01),
+            ("priority", 0.1 / 0.68, 0.1 / 0.75),
+        ] {
+            let r = simulate_with(&mixed, by_name(policy).unwrap().as_mut(), cfg, opts).unwrap();
+            let train = r.outcomes[0].jct().as_secs_f64();
+            let infer = r.outcomes[1].jct().as_secs_f64();
+            assert!((train - train_s).abs() < 1e-6, "{policy}: {train}");
+            assert!((infer - infer_s).abs() < 1e-6, "{policy}: {infer}");
+        }
+        // Without the model the lanes run at full speed side by side.
+        let free = simulate(&two, by_name("fifo").unwrap().as_mut(), cfg).unwrap();
+        assert!(free
+            .outcomes
+            .iter()
+            .all(|o| o.jct() == Duration::from_millis(100)));
     }
 }

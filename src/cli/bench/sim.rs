@@ -28,6 +28,9 @@ pub struct SimArgs {
     /// Number of equal lanes.
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
+    /// GPU contention model: off, h100 or a TOML file (as `lanes simulate`).
+    #[arg(long, default_value = "off")]
+    pub contention: String,
     /// fifo, srtf, fair, pack, priority, or all.
     #[arg(long, default_value = "all")]
     pub policy: String,
@@ -48,6 +51,7 @@ pub fn sim(args: SimArgs) -> anyhow::Result<()> {
         memory,
         lanes: args.lanes,
     };
+    let contention = crate::cli::simulate::contention_model(&args.contention)?;
     let names: Vec<&str> = if args.policy == "all" {
         POLICY_NAMES.to_vec()
     } else {
@@ -59,7 +63,11 @@ pub fn sim(args: SimArgs) -> anyhow::Result<()> {
     for name in names {
         let mut policy = by_name(name)?;
         let start = Instant::now();
-        let run = simulate_with(&trace, policy.as_mut(), cfg, SimOptions { schedule: false })?;
+        let opts = SimOptions {
+            schedule: false,
+            contention,
+        };
+        let run = simulate_with(&trace, policy.as_mut(), cfg, opts)?;
         let seconds = start.elapsed().as_secs_f64();
         total += seconds;
         let s = Summary::of(&run);
@@ -77,6 +85,7 @@ pub fn sim(args: SimArgs) -> anyhow::Result<()> {
         "iterations": iterations,
         "memory_bytes": memory,
         "lanes": args.lanes,
+        "contention": args.contention,
         "runs": runs,
         "total_seconds": total,
         "peak_rss_bytes": peak_rss(),
