@@ -277,3 +277,40 @@ fn cli_import_of_an_unsupported_model_names_op_and_node() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// `--device` picks where the check runs (the GPU with
+/// `LANES_TEST_DEVICE=cuda`, else the CPU) and `--time N` prints a median
+/// of N runs after the check passed.
+#[test]
+fn cli_import_checks_on_the_chosen_device_and_times() {
+    let d = dir();
+    let model = d.join("mobilenet_v2.onnx");
+    let device = match std::env::var("LANES_TEST_DEVICE").as_deref() {
+        Ok("cuda") => "cuda",
+        _ => "cpu",
+    };
+    let out = lanes(&[
+        "import",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--check",
+        d.to_str().unwrap(),
+        "--device",
+        device,
+        "--time",
+        "4",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(&format!("check on {device}")), "{stdout}");
+    assert!(stdout.contains("output: ok"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("time on {device}: median")) && stdout.contains("over 4 runs"),
+        "{stdout}"
+    );
+}

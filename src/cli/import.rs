@@ -1,15 +1,17 @@
 //! `lanes import MODEL.onnx`: imports an ONNX model, prints the graph's
 //! summary (inputs, outputs, ops by kind, parameters, exact P and T at the
-//! batch size), and with `--check` / `--expect` runs it on the CPU backend
-//! against reference outputs saved as `.npy`.
+//! batch size), and with `--check` / `--expect` runs it (on the CPU
+//! backend, or the GPU with `--device cuda`) against reference outputs
+//! saved as `.npy`, optionally timing it (`--time N`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use lanes::compile::{plan_with_fetches, PlanOptions};
-use lanes::exec::cpu::CpuProgram;
+use lanes::exec::Program;
 use lanes::npy;
+use lanes::server::{backend_of, resolve_device, DeviceChoice};
 use lanes_adaptor::onnx::{import_file, ImportOptions, OnnxModel};
 use lanes_adaptor::{validate, GraphLimits, Op, Tensor};
 
@@ -40,6 +42,14 @@ pub struct Args {
     /// Absolute tolerance of the comparison.
     #[arg(long, default_value_t = 1e-5)]
     pub atol: f64,
+    /// Where the check runs: the CPU reference backend (default), or the
+    /// GPU (`cuda`; `auto` takes it when there is one).
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
+    /// After the check, time this many more runs (feeds copied in, the
+    /// outputs copied out) after 3 untimed ones and print their median.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub time: usize,
 }
 
 fn pair(s: &str) -> Result<(String, String)> {
@@ -85,7 +95,28 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         return Ok(());
     };
-    check(model, &feeds, &expected, a.rtol, a.atol)
+    let device = resolve_device(a.device)?;
+    check(
+        model,
+        &feeds,
+        &expected,
+        &Check {
+            rtol: a.rtol,
+            atol: a.atol,
+            device,
+            time: a.time,
+        },
+    )
+}
+
+/// How [`check`] runs and compares.
+struct Check {
+    rtol: f64,
+    atol: f64,
+    /// `cpu` or `cuda…` (see `lanes::server::resolve_device`).
+    device: String,
+    /// Timed runs after the check (0: none).
+    time: usize,
 }
 
 fn summary(path: &Path, batch: usize, m: &OnnxModel) -> Result<()> {
@@ -160,19 +191,22 @@ fn check(
     m: OnnxModel,
     feeds: &BTreeMap<String, Tensor>,
     expected: &[(String, Tensor)],
-    rtol: f64,
-    atol: f64,
+    how: &Check,
 ) -> Result<()> {
+    let (rtol, atol) = (how.rtol, how.atol);
     if expected.is_empty() {
         bail!("nothing to compare: give --expect NAME=FILE.npy");
     }
     let vg = validate(m.graph, &GraphLimits::default())?;
-    let mut p = CpuProgram::new(vg, m.vars)?;
+    let mut p = Program::new(backend_of(&how.device), vg, m.vars)?;
     let fetches: Vec<String> = expected.iter().map(|(n, _)| n.clone()).collect();
     let t0 = std::time::Instant::now();
     let got = p.run(feeds, &fetches)?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    println!("check on the CPU backend ({ms:.1} ms), tolerance rtol {rtol:e} / atol {atol:e}:");
+    println!(
+        "check on {} ({ms:.1} ms), tolerance rtol {rtol:e} / atol {atol:e}:",
+        how.device
+    );
     let mut bad = 0;
     for ((name, want), g) in expected.iter().zip(&got) {
         let agreement =
@@ -188,6 +222,26 @@ fn check(
     }
     if bad > 0 {
         bail!("{bad} output(s) differ from the reference");
+    }
+    if how.time > 0 {
+        for _ in 0..3 {
+            p.run(feeds, &fetches)?;
+        }
+        let mut ms: Vec<f64> = (0..how.time)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                p.run(feeds, &fetches)
+                    .map(|_| t0.elapsed().as_secs_f64() * 1e3)
+            })
+            .collect::<Result<_, _>>()?;
+        ms.sort_by(f64::total_cmp);
+        println!(
+            "time on {}: median {:.3} ms, min {:.3} ms over {} runs (feeds in, outputs out)",
+            how.device,
+            ms[ms.len() / 2],
+            ms[0],
+            ms.len()
+        );
     }
     Ok(())
 }
