@@ -381,7 +381,9 @@ mod tests {
 
     #[test]
     fn live_replay_runs_every_job_and_tracks_the_simulator() {
-        // Trace time 1.6 s of work, run at scale 0.25 (about 0.4 s of wall time).
+        // Trace time 1.6 s of work, run at scale 1 (about 1.6 s of wall time:
+        // at scale 0.25 the delays of a loaded 2-core machine, which do not
+        // shrink with the scale, made live twice the simulation).
         let trace = vec![
             job(1, 0, 8, 100),
             job(2, 50, 4, 50),
@@ -391,7 +393,7 @@ mod tests {
         let cfg = LiveConfig {
             memory: 1 << 30,
             lanes: 1,
-            time_scale: 0.25,
+            time_scale: 1.0,
         };
         let live = replay_live(&trace, by_name("srtf").unwrap(), cfg, Arc::new(SleepWork)).unwrap();
         assert_eq!(live.outcomes.len(), 4);
