@@ -179,7 +179,12 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 /// Runs one job through its own connection: open, load, iterate, close.
-pub fn run_job(endpoint: &str, mut job: DemoJob) -> anyhow::Result<JobReport> {
+/// Runs one demo job to the end, counting each iteration on `progress`.
+pub fn run_job(
+    endpoint: &str,
+    mut job: DemoJob,
+    progress: &indicatif::ProgressBar,
+) -> anyhow::Result<JobReport> {
     let start = Instant::now();
     let name = job.spec.name.clone();
     let kind = job.spec.kind.to_string();
@@ -198,6 +203,7 @@ pub fn run_job(endpoint: &str, mut job: DemoJob) -> anyhow::Result<JobReport> {
             .run(feeds, &fetches)
             .with_context(|| format!("{name}: iteration {i}"))?;
         lat.push(t.elapsed());
+        progress.inc(1);
     }
     session.close()?;
     lat.sort();
@@ -236,11 +242,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.iterations
     )?;
     let start = Instant::now();
+    let total: u64 = jobs.iter().map(|j| j.iterations).sum();
+    let progress = super::bar(usize::try_from(total).unwrap_or(usize::MAX), "iterations");
     let handles: Vec<_> = jobs
         .into_iter()
         .map(|job| {
             let ep = endpoint.clone();
-            std::thread::spawn(move || run_job(&ep, job))
+            let progress = progress.clone();
+            std::thread::spawn(move || run_job(&ep, job, &progress))
         })
         .collect();
     let mut reports = Vec::new();
@@ -250,6 +259,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Err(_) => anyhow::bail!("a demo job thread panicked"),
         }
     }
+    progress.finish_and_clear();
     let wall = start.elapsed();
     outln!(
         "{:<10} {:<10} {:>10} {:>10} {:>10} {:>9}  last output",

@@ -203,6 +203,7 @@ fn paced(
     interval: Duration,
 ) -> anyhow::Result<(Vec<f64>, Instant, Instant)> {
     let mut times = Vec::with_capacity(requests);
+    let bar = crate::cli::bar(requests, "requests");
     let start = Instant::now();
     let mut next = start;
     for _ in 0..requests {
@@ -214,8 +215,10 @@ fn paced(
         let t0 = Instant::now();
         client.run_in(id, f, fetch)?;
         times.push(ms(t0.elapsed()));
+        bar.inc(1);
         next += interval;
     }
+    bar.finish_and_clear();
     Ok((times, start, Instant::now()))
 }
 

@@ -79,6 +79,7 @@ fn run_job(
     name: &str,
     steps: usize,
     start: Instant,
+    progress: &indicatif::ProgressBar,
 ) -> anyhow::Result<Finished> {
     let mut client = connect(endpoint, name, Duration::from_secs(900))?;
     let spec = SessionSpec::training(name).with_expected_iterations(steps as u64);
@@ -98,6 +99,7 @@ fn run_job(
         };
         if let Some(p) = pending.take() {
             last = client.wait_run(p)?;
+            progress.inc(1);
         }
         pending = next;
     }
@@ -162,6 +164,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
         since,
     );
     let start = Instant::now();
+    let bar = crate::cli::bar(a.jobs * a.steps, "steps");
     let together: Vec<Finished> = std::thread::scope(|s| {
         let handles: Vec<_> = jobs
             .iter()
@@ -169,7 +172,8 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
             .map(|(i, w)| {
                 let endpoint = endpoint.as_str();
                 let steps = a.steps;
-                s.spawn(move || run_job(endpoint, w, &format!("sweep-{i}"), steps, start))
+                let bar = &bar;
+                s.spawn(move || run_job(endpoint, w, &format!("sweep-{i}"), steps, start, bar))
             })
             .collect();
         handles
@@ -180,6 +184,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<_>>()
     })?;
+    bar.finish_and_clear();
     let t = summary("together", &lrs, &together);
     progress(
         &format!(
@@ -195,11 +200,13 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
     } else {
         progress("the same jobs one after another", since);
         let start = Instant::now();
+        let bar = crate::cli::bar(a.jobs * a.steps, "steps");
         let done: Vec<Finished> = jobs
             .iter()
             .enumerate()
-            .map(|(i, w)| run_job(&endpoint, w, &format!("seq-{i}"), a.steps, start))
+            .map(|(i, w)| run_job(&endpoint, w, &format!("seq-{i}"), a.steps, start, &bar))
             .collect::<anyhow::Result<_>>()?;
+        bar.finish_and_clear();
         let v = summary("one after another", &lrs, &done);
         progress(
             &format!(
