@@ -275,6 +275,10 @@ fn replay_warns_when_the_service_differs_from_the_simulation() {
         "{stderr}"
     );
     assert!(
+        stderr.contains("up to 8 lanes, the simulation one") && stderr.contains("--max-lanes 1`"),
+        "{stderr}"
+    );
+    assert!(
         stderr.contains("share 1.00 GiB, the simulation 16.00 GiB")
             && stderr.contains("--memory 1073741824"),
         "{stderr}"

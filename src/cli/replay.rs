@@ -214,6 +214,13 @@ fn mismatches(endpoint: &str, memory: u64) -> Vec<String> {
             status.workers
         ));
     }
+    if status.memory_bytes.is_some() && status.max_lanes != 1 {
+        out.push(format!(
+            "the service at {endpoint} may split its memory into up to {} lanes, the simulation one: \
+             admission will differ; restart it with `--max-lanes 1`",
+            status.max_lanes
+        ));
+    }
     if let Some(m) = status.memory_bytes.filter(|&m| m != memory) {
         out.push(format!(
             "the service's lanes share {}, the simulation {}: pass `--memory {m}` to simulate the service's",

@@ -895,6 +895,7 @@ impl Frontend {
                 .lanes
                 .as_ref()
                 .map(|l| Box::new(l.snapshot().to_string())),
+            max_lanes: u32::try_from(self.config.max_lanes).unwrap_or(u32::MAX),
             workers: self.workers.len() as u32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             queued: self.dispatcher.queued() as u64,

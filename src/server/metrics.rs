@@ -479,6 +479,7 @@ mod tests {
             policy: "fifo".into(),
             memory_bytes: None,
             lanes: None,
+            max_lanes: 1,
             workers: 1,
             uptime_ms: 0,
             queued: 0,

@@ -231,6 +231,8 @@ pub struct StatusReport {
     /// The lanes, their jobs (P/T) and the admission queue, rendered
     /// (boxed: keeps `Reply` small).
     pub lanes: Option<Box<String>>,
+    /// Most lanes the service opens at once (`--max-lanes`).
+    pub max_lanes: u32,
     pub workers: u32,
     pub uptime_ms: u64,
     /// Requests waiting for a worker.
