@@ -18,9 +18,10 @@ are what the tests check; this script reuses their export settings.
 import os
 import sys
 
-import numpy as np
 import torch
 import torchvision
+
+from onnx_fixtures import export_with_references  # same folder: one export recipe
 
 
 class Bert(torch.nn.Module):
@@ -60,23 +61,7 @@ def main():
         if only and name not in only:
             continue
         model = build().eval()
-        args = tuple(inputs.values())
-        with torch.no_grad():
-            ref = model(*args)
-        if not isinstance(ref, tuple):
-            ref = (ref,)
-        dyn = {k: {0: "batch"} for k in list(inputs) + outputs}
-        path = os.path.join(out, f"{name}.onnx")
-        kwargs = dict(input_names=list(inputs), output_names=outputs,
-                      dynamic_axes=dyn, opset_version=17, do_constant_folding=True)
-        try:
-            torch.onnx.export(model, args, path, dynamo=False, **kwargs)
-        except TypeError:  # torch without the dynamo switch
-            torch.onnx.export(model, args, path, **kwargs)
-        for k, v in inputs.items():
-            np.save(os.path.join(out, f"{name}.{k}.npy"), v.numpy())
-        for k, v in zip(outputs, ref):
-            np.save(os.path.join(out, f"{name}.{k}.npy"), v.numpy())
+        path = export_with_references(model, inputs, outputs, out, name)
         print(f"{name}: {os.path.getsize(path)} bytes", flush=True)
 
 

@@ -116,6 +116,31 @@ def randomize_bn(model):
             m.bias.data.uniform_(-0.2, 0.2)
 
 
+def export_with_references(model, inputs, outputs, out, name):
+    """Exports `model` (in eval mode) to OUT/NAME.onnx as users do (TorchScript
+    exporter, opset 17, a dynamic batch axis on every input and output) and
+    saves its inputs and PyTorch's outputs beside it as OUT/NAME.<tensor>.npy.
+    Returns the ONNX file's path."""
+    args = tuple(inputs.values())
+    with torch.no_grad():
+        ref = model(*args)
+    if not isinstance(ref, tuple):
+        ref = (ref,)
+    dyn = {k: {0: "batch"} for k in list(inputs) + outputs}
+    path = os.path.join(out, f"{name}.onnx")
+    kwargs = dict(input_names=list(inputs), output_names=outputs,
+                  dynamic_axes=dyn, opset_version=17, do_constant_folding=True)
+    try:
+        torch.onnx.export(model, args, path, dynamo=False, **kwargs)
+    except TypeError:  # torch without the dynamo switch
+        torch.onnx.export(model, args, path, **kwargs)
+    for k, v in inputs.items():
+        np.save(os.path.join(out, f"{name}.{k}.npy"), v.numpy())
+    for k, v in zip(outputs, ref):
+        np.save(os.path.join(out, f"{name}.{k}.npy"), v.numpy())
+    return path
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "tests/data/onnx"
     os.makedirs(out, exist_ok=True)
@@ -137,23 +162,7 @@ def main():
     for name, (model, inputs, outputs) in models.items():
         randomize_bn(model)
         model.eval()
-        args = tuple(inputs.values())
-        with torch.no_grad():
-            ref = model(*args)
-        if not isinstance(ref, tuple):
-            ref = (ref,)
-        dyn = {k: {0: "batch"} for k in list(inputs) + outputs}
-        path = os.path.join(out, f"{name}.onnx")
-        kwargs = dict(input_names=list(inputs), output_names=outputs,
-                      dynamic_axes=dyn, opset_version=17, do_constant_folding=True)
-        try:
-            torch.onnx.export(model, args, path, dynamo=False, **kwargs)
-        except TypeError:  # torch without the dynamo switch
-            torch.onnx.export(model, args, path, **kwargs)
-        for k, v in inputs.items():
-            np.save(os.path.join(out, f"{name}.{k}.npy"), v.numpy())
-        for k, v in zip(outputs, ref):
-            np.save(os.path.join(out, f"{name}.{k}.npy"), v.numpy())
+        path = export_with_references(model, inputs, outputs, out, name)
         params = sum(p.numel() for p in model.parameters())
         manifest[name] = {"inputs": list(inputs), "outputs": outputs, "params": params,
                           "bytes": os.path.getsize(path)}
