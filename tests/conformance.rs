@@ -885,7 +885,7 @@ fn cuda_program_rejects_bad_requests() {
     let out = p.run(&good, &["y".into()]).unwrap();
     assert_eq!(out[0].f32s().unwrap(), &[1.5f32; 8][..]);
     assert!(matches!(
-        p.run(&BTreeMap::new(), &["y".into()]),
+        p.run(&BTreeMap::<String, Tensor>::new(), &["y".into()]),
         Err(ExecError::MissingFeed { .. })
     ));
     let wrong: BTreeMap<String, Tensor> = [("x".to_string(), Tensor::full([3, 3], 1.0))].into();

@@ -30,7 +30,10 @@ fn matmul_add_broadcast_relu_and_program_errors() {
     // x·w = [[1,2],[4,6]]; + b = [[-9,2],[-6,6]]; relu.
     assert_eq!(out[0].f32s().unwrap(), &[0.0, 2.0, 0.0, 6.0]);
     assert!(matches!(
-        p.run(&BTreeMap::new(), std::slice::from_ref(&name)),
+        p.run(
+            &BTreeMap::<String, Tensor>::new(),
+            std::slice::from_ref(&name)
+        ),
         Err(ExecError::MissingFeed { .. })
     ));
     assert!(matches!(

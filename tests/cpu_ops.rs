@@ -694,7 +694,7 @@ fn program_feeds_fetches_and_updates_in_place() {
     assert_eq!(vars["w"].f32s().unwrap(), &[0.0, 0.0]);
 
     assert!(matches!(
-        p.run(&BTreeMap::new(), &["y".into()]),
+        p.run(&BTreeMap::<String, Tensor>::new(), &["y".into()]),
         Err(ExecError::MissingFeed { .. })
     ));
     let wrong = BTreeMap::from([("x".to_string(), t(&[3], &[0.0; 3]))]);

@@ -95,7 +95,7 @@ fn check_with(name: &str, mut g: GraphBuilder, out: Outlet, h: f32, tol: f32) {
     let (graph, vars) = g.finish().unwrap_or_else(|e| panic!("{name}: {e}"));
     let valid = validate(graph, &GraphLimits::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut p = CpuProgram::new(valid, vars.clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let feeds = BTreeMap::new();
+    let feeds: BTreeMap<String, Tensor> = BTreeMap::new();
     let mut fetches = vec!["loss_for_check".to_string()];
     fetches.extend(grad_keys.iter().cloned());
     let got = p

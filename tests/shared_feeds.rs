@@ -211,3 +211,83 @@ fn bad_offers_and_unknown_segments_get_typed_errors() {
         "{r:?}"
     );
 }
+
+/// Feed buffers: the job writes its input into the shared segment in place
+/// and a Run sends only a header; the results are the socket path's, two
+/// buffers may be in flight at once, and misuse gets typed errors.
+#[test]
+fn feed_buffers_written_in_place_give_the_socket_results() {
+    use lanes_adaptor::ClientError;
+    let service = start();
+    let mut client = Client::connect(service.endpoint()).unwrap();
+    let mut session = client
+        .open_session(SessionSpec::inference("buffers"))
+        .unwrap();
+    let (graph, vars) = wide(3);
+    let w = vars["w"].f32s().unwrap().to_vec();
+    let b = vars["b"].f32s().unwrap().to_vec();
+    session.load(&graph, vars).unwrap();
+    let want = |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b);
+    let ty = TensorType::f32([ROWS, COLS]);
+    let mut a = session.feed_buffers(&[("x", ty.clone())]).unwrap();
+    let mut b2 = session.feed_buffers(&[("x", ty.clone())]).unwrap();
+    assert_eq!(a.feeds().collect::<Vec<_>>(), vec![("x", &ty)]);
+    // Written in place, element by element.
+    a.f32s_mut("x")
+        .unwrap()
+        .copy_from_slice(x_for(7).f32s().unwrap());
+    let out = session.run_buffers(&mut a, &["y"]).unwrap();
+    assert_close(out[0].f32s().unwrap(), &want(7));
+    // Rewritten: the next Run sees the new values.
+    a.write("x", &x_for(8)).unwrap();
+    let out = session.run_buffers(&mut a, &["y"]).unwrap();
+    assert_close(out[0].f32s().unwrap(), &want(8));
+    // Two in flight, each from its own buffers, waited in either order.
+    b2.write("x", &x_for(9)).unwrap();
+    let pa = session.submit_run_buffers(&mut a, &["y"]).unwrap();
+    let pb = session.submit_run_buffers(&mut b2, &["y"]).unwrap();
+    let ob = session.wait_buffer_run(pb).unwrap();
+    let oa = session.wait_buffer_run(pa).unwrap();
+    assert_close(oa[0].f32s().unwrap(), &want(8));
+    assert_close(ob[0].f32s().unwrap(), &want(9));
+    // Same answer as the socket.
+    let via_socket = session.run(vec![("x", x_for(9))], &["y"]).unwrap();
+    assert_eq!(ob, via_socket);
+    // Misuse: a feed they do not hold, the wrong dtype, a value of another
+    // type, a placeholder listed twice.
+    for e in [
+        a.f32s_mut("nope").map(|_| ()).unwrap_err(),
+        a.i64s_mut("x").map(|_| ()).unwrap_err(),
+        a.write("x", &Tensor::full([2], 1.0)).unwrap_err(),
+        session
+            .feed_buffers(&[("x", ty.clone()), ("x", ty.clone())])
+            .map(|_| ())
+            .unwrap_err(),
+    ] {
+        assert!(matches!(e, ClientError::FeedBuffer { .. }), "{e}");
+    }
+    // Buffers whose types are not the graph's: the service's typed error.
+    let mut wrong = session
+        .feed_buffers(&[("x", TensorType::f32([ROWS, COLS + 1]))])
+        .unwrap();
+    let e = session.run_buffers(&mut wrong, &["y"]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadFeed), "{e}");
+    session.close().unwrap();
+    // Buffers of one session are refused by another.
+    let mut other = client
+        .open_session(SessionSpec::inference("other"))
+        .unwrap();
+    let (graph, vars) = wide(3);
+    other.load(&graph, vars).unwrap();
+    let e = other.run_buffers(&mut a, &["y"]).unwrap_err();
+    assert!(matches!(e, ClientError::FeedBuffer { .. }), "{e}");
+    other.close().unwrap();
+    // A service that attaches no shared memory: a clear error.
+    let refusing = start_with(|c| c.shared_memory = false);
+    let mut client = Client::connect(refusing.endpoint()).unwrap();
+    let mut s = client
+        .open_session(SessionSpec::inference("refused"))
+        .unwrap();
+    let e = s.feed_buffers(&[("x", ty)]).unwrap_err();
+    assert!(matches!(e, ClientError::NoSharedMemory { .. }), "{e}");
+}

@@ -20,7 +20,7 @@
 //! ```
 
 use crate::graph::{Graph, VarValues};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor, TensorType};
 use crate::wire::auth::{self, AuthKey, AUTH_BYTES};
 use crate::wire::shm::{OwnedSegment, SharedMemoryError};
 use crate::wire::{
@@ -65,6 +65,15 @@ pub enum ClientError {
     /// The endpoint is not of a form ZeroMQ takes.
     #[error(transparent)]
     Endpoint(#[from] EndpointError),
+    /// Feed buffers asked for feeds they cannot hold, or a feed they do
+    /// not have.
+    #[error("feed buffers: {reason}")]
+    FeedBuffer { reason: String },
+    /// Feed buffers need a shared segment with the service, which cannot be
+    /// had: the service is on another host or does not attach shared
+    /// memory (`lanes serve --no-shared-memory`).
+    #[error("no shared memory with the service: {reason}")]
+    NoSharedMemory { reason: String },
     /// Nothing answered the handshake: most likely no service listens there.
     #[error("no reply from {endpoint} within {timeout:?}: is `lanes serve` running there? (start one with `lanes serve --endpoint {endpoint}`)")]
     NoService { endpoint: String, timeout: Duration },
@@ -139,6 +148,11 @@ pub struct ClientOptions {
     /// (`lanes serve --auth-key-file`). `None`: the key in the file
     /// `LANES_AUTH_KEY_FILE` names, when that is set.
     pub auth_key: Option<AuthKey>,
+    /// Busy polling: wait for each reply this long by polling the socket
+    /// without sleeping before blocking on it (a core is busy meanwhile;
+    /// a reply that arrives then is taken tens of microseconds sooner).
+    /// Zero, the default, blocks at once.
+    pub busy_poll: Duration,
 }
 
 /// The environment variable naming the key file a client uses when its
@@ -153,6 +167,7 @@ impl Default for ClientOptions {
             name: format!("lanes-adaptor/{}", env!("CARGO_PKG_VERSION")),
             shared_memory: true,
             auth_key: None,
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -472,6 +487,13 @@ impl Client {
         }
         let deadline = sent.sent + self.options.timeout;
         loop {
+            if !self.options.busy_poll.is_zero() {
+                let until = Instant::now() + self.options.busy_poll;
+                while Instant::now() < until.min(deadline) && self.socket.poll(zmq::POLLIN, 0)? == 0
+                {
+                    std::hint::spin_loop();
+                }
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
             if left.is_zero() || self.socket.poll(zmq::POLLIN, ms)? == 0 {
@@ -596,6 +618,29 @@ impl Client {
             }
         };
         let bytes = need.next_multiple_of(SEGMENT_GRANULE);
+        let seg = match self.share_segment(session, id, bytes)? {
+            Ok(seg) => seg,
+            Err(reason) => {
+                tracing::debug!(%reason, "no shared-memory segment; feeds go through the socket");
+                self.shared.usable = false;
+                return Ok(None);
+            }
+        };
+        let segs = self.shared.by_session.entry(session).or_default();
+        segs.push(ClientSegment { seg, busy: None });
+        Ok(Some(segs.len() - 1))
+    }
+
+    /// Makes segment `id` of `bytes` bytes, hands its descriptor to the
+    /// service's desk and attaches it to `session`. The inner error says
+    /// why shared memory cannot be had here (no desk, a segment the OS or
+    /// the service refused); the outer one is any other failure.
+    fn share_segment(
+        &mut self,
+        session: SessionId,
+        id: u32,
+        bytes: usize,
+    ) -> Result<Result<OwnedSegment, String>, ClientError> {
         let made = OwnedSegment::create(id, bytes).and_then(|seg| {
             match &self.shared.desk {
                 Some(desk) => seg.hand_over(desk)?,
@@ -605,31 +650,146 @@ impl Client {
         });
         let seg = match made {
             Ok(s) => s,
-            Err(e) => {
-                tracing::debug!(error = %e, "no shared-memory segment; feeds go through the socket");
-                self.shared.usable = false;
-                return Ok(None);
-            }
+            Err(e) => return Ok(Err(e.to_string())),
         };
         let req = Request::ShareMemory {
             session,
             offer: seg.offer(),
         };
         match self.request(&req) {
-            Ok(Reply::MemoryShared { .. }) => {}
-            Ok(other) => return Err(unexpected(req.name(), &other)),
+            Ok(Reply::MemoryShared { .. }) => Ok(Ok(seg)),
+            Ok(other) => Err(unexpected(req.name(), &other)),
             Err(ClientError::Service { code, message })
                 if code == ErrorCode::SharedMemory || code == ErrorCode::BadRequest =>
             {
-                tracing::debug!(%code, %message, "the service cannot attach shared memory; feeds go through the socket");
-                self.shared.usable = false;
-                return Ok(None);
+                Ok(Err(format!(
+                    "the service cannot attach shared memory: {message}"
+                )))
             }
-            Err(e) => return Err(e),
+            Err(e) => Err(e),
         }
-        let segs = self.shared.by_session.entry(session).or_default();
-        segs.push(ClientSegment { seg, busy: None });
-        Ok(Some(segs.len() - 1))
+    }
+
+    /// Buffers in a shared segment of `session` for the feeds `feeds` (name
+    /// and type of each), attached to the session: write the inputs in
+    /// place, then [`Client::run_buffers_in`] sends only a header.
+    pub fn feed_buffers_in(
+        &mut self,
+        session: SessionId,
+        feeds: &[(&str, TensorType)],
+    ) -> Result<FeedBuffers, ClientError> {
+        let mut names: Vec<&str> = feeds.iter().map(|f| f.0).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(ClientError::FeedBuffer {
+                reason: format!("feed `{}` is listed twice", w[0]),
+            });
+        }
+        let sizes = feeds
+            .iter()
+            .map(|(n, ty)| {
+                ty.checked_bytes().ok_or_else(|| ClientError::FeedBuffer {
+                    reason: format!("feed `{n}` of type {ty} has too many bytes"),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let (offsets, need) =
+            wire::shm::layout(sizes.iter().copied()).ok_or_else(|| ClientError::FeedBuffer {
+                reason: "the feeds' bytes overflow".into(),
+            })?;
+        if !self.shared.usable {
+            return Err(ClientError::NoSharedMemory {
+                reason: "the service is not on this host, refuses shared memory, or shared memory is off in ClientOptions".into(),
+            });
+        }
+        let id = self.shared.next_id;
+        self.shared.next_id = self.shared.next_id.wrapping_add(1);
+        let seg = self
+            .share_segment(session, id, need.next_multiple_of(4096))?
+            .map_err(|reason| ClientError::NoSharedMemory { reason })?;
+        Ok(FeedBuffers {
+            session,
+            seg,
+            feeds: feeds
+                .iter()
+                .zip(offsets)
+                .map(|((n, ty), at)| (n.to_string(), ty.clone(), at))
+                .collect(),
+        })
+    }
+
+    /// Runs one iteration with the feeds' values as written into `buffers`
+    /// (see [`Client::feed_buffers_in`]).
+    pub fn run_buffers_in(
+        &mut self,
+        buffers: &mut FeedBuffers,
+        fetches: &[&str],
+    ) -> Result<Vec<Tensor>, ClientError> {
+        let sent = self.send_buffers(buffers, fetches)?;
+        match self.receive(&sent, None)? {
+            Reply::RunDone { outputs } => Ok(outputs),
+            other => Err(unexpected("run", &other)),
+        }
+    }
+
+    /// [`Client::run_buffers_in`] without waiting: the buffers stay
+    /// borrowed (the service reads them while the Run is queued and runs)
+    /// until [`Client::wait_buffer_run`] takes the result.
+    pub fn submit_run_buffers_in<'b>(
+        &mut self,
+        buffers: &'b mut FeedBuffers,
+        fetches: &[&str],
+    ) -> Result<PendingBufferRun<'b>, ClientError> {
+        let sent = self.send_buffers(buffers, fetches)?;
+        self.ahead.insert(sent.id);
+        Ok(PendingBufferRun {
+            run: PendingRun { sent },
+            _buffers: buffers,
+        })
+    }
+
+    /// The fetched tensors of a Run sent with
+    /// [`Client::submit_run_buffers_in`]; its buffers may be written again.
+    pub fn wait_buffer_run(
+        &mut self,
+        run: PendingBufferRun<'_>,
+    ) -> Result<Vec<Tensor>, ClientError> {
+        self.wait_run(run.run)
+    }
+
+    fn send_buffers(
+        &mut self,
+        buffers: &FeedBuffers,
+        fetches: &[&str],
+    ) -> Result<Sent, ClientError> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        let start = Instant::now();
+        let fetches: Vec<String> = fetches.iter().map(|s| s.to_string()).collect();
+        let feeds = buffers
+            .feeds
+            .iter()
+            .map(|(n, ty, at)| (n.as_str(), ty, *at));
+        let frames =
+            wire::encode_shared_run(id, buffers.session, feeds, buffers.seg.id(), &fetches)
+                .map_err(ClientError::Encode)?;
+        let bytes: usize = frames.iter().map(Vec::len).sum();
+        let encoded = Instant::now();
+        self.socket.send_multipart(frames, 0).map_err(|e| match e {
+            zmq::Error::EAGAIN => ClientError::Timeout {
+                request: "run",
+                timeout: self.options.timeout,
+            },
+            other => ClientError::Zmq(other),
+        })?;
+        Ok(Sent {
+            id,
+            request: "run",
+            bytes,
+            start,
+            encoded,
+            sent: Instant::now(),
+        })
     }
 
     /// Whether Runs with large feeds currently go through shared memory.
@@ -785,6 +945,106 @@ fn recv_frames(socket: &zmq::Socket) -> Result<Vec<zmq::Message>, zmq::Error> {
     Ok(frames)
 }
 
+/// Buffers for a session's feeds in a segment shared with the service (a
+/// job on the service's host): the job writes each iteration's inputs in
+/// place, once, and a Run carries only a header; the service reads the
+/// values where they are (on the GPU: one DMA from this memory, which it
+/// registers page-locked). Made by [`Session::feed_buffers`]; write with
+/// [`FeedBuffers::f32s_mut`], [`FeedBuffers::i64s_mut`] or
+/// [`FeedBuffers::write`], run with [`Session::run_buffers`].
+pub struct FeedBuffers {
+    session: SessionId,
+    seg: OwnedSegment,
+    /// Name, type and offset in the segment of each feed.
+    feeds: Vec<(String, TensorType, u64)>,
+}
+
+impl std::fmt::Debug for FeedBuffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FeedBuffers")
+            .field("session", &self.session)
+            .field("segment", &self.seg.id())
+            .field("feeds", &self.feeds)
+            .finish()
+    }
+}
+
+impl FeedBuffers {
+    /// The feeds' names and types, in the order given.
+    pub fn feeds(&self) -> impl Iterator<Item = (&str, &TensorType)> {
+        self.feeds.iter().map(|(n, ty, _)| (n.as_str(), ty))
+    }
+
+    /// The bytes of feed `name`, and its type.
+    fn bytes_mut(&mut self, name: &str) -> Result<(&mut [u8], &TensorType), ClientError> {
+        let Some((_, ty, at)) = self.feeds.iter().find(|f| f.0 == name) else {
+            return Err(ClientError::FeedBuffer {
+                reason: format!("no buffer for feed `{name}`"),
+            });
+        };
+        let at = *at as usize;
+        let len = ty.bytes();
+        let bytes =
+            self.seg
+                .bytes_mut()
+                .get_mut(at..at + len)
+                .ok_or_else(|| ClientError::FeedBuffer {
+                    reason: format!("feed `{name}` lies outside its segment"),
+                })?;
+        Ok((bytes, ty))
+    }
+
+    /// Feed `name`'s values, to write in place (an f32 feed).
+    pub fn f32s_mut(&mut self, name: &str) -> Result<&mut [f32], ClientError> {
+        let (bytes, ty) = self.bytes_mut(name)?;
+        if ty.dtype != DType::F32 {
+            return Err(ClientError::FeedBuffer {
+                reason: format!("feed `{name}` is {ty}, not f32"),
+            });
+        }
+        // Offsets are multiples of 64 bytes in a page-aligned mapping.
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| ClientError::FeedBuffer {
+            reason: format!("feed `{name}`: {e}"),
+        })
+    }
+
+    /// Feed `name`'s values, to write in place (an i64 feed).
+    pub fn i64s_mut(&mut self, name: &str) -> Result<&mut [i64], ClientError> {
+        let (bytes, ty) = self.bytes_mut(name)?;
+        if ty.dtype != DType::I64 {
+            return Err(ClientError::FeedBuffer {
+                reason: format!("feed `{name}` is {ty}, not i64"),
+            });
+        }
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| ClientError::FeedBuffer {
+            reason: format!("feed `{name}`: {e}"),
+        })
+    }
+
+    /// Copies `value` into feed `name`'s buffer (types must match).
+    pub fn write(&mut self, name: &str, value: &Tensor) -> Result<(), ClientError> {
+        let (bytes, ty) = self.bytes_mut(name)?;
+        if *ty != value.ty() {
+            return Err(ClientError::FeedBuffer {
+                reason: format!("feed `{name}` is {ty}, the value {}", value.ty()),
+            });
+        }
+        match value.data() {
+            crate::TensorData::F32(v) => bytes.copy_from_slice(bytemuck::cast_slice(v)),
+            crate::TensorData::I64(v) => bytes.copy_from_slice(bytemuck::cast_slice(v)),
+        }
+        Ok(())
+    }
+}
+
+/// A Run sent from feed buffers and not yet waited for: the buffers stay
+/// borrowed until [`Session::wait_buffer_run`].
+#[derive(Debug)]
+pub struct PendingBufferRun<'b> {
+    run: PendingRun,
+    _buffers: &'b mut FeedBuffers,
+}
+
 /// An open session of a job. Closed by [`Session::close`]; dropping it sends
 /// a close without waiting (the service also reclaims silent sessions).
 #[derive(Debug)]
@@ -837,6 +1097,61 @@ impl Session<'_> {
     /// The result of an iteration sent with [`Session::submit_run`].
     pub fn wait_run(&mut self, run: PendingRun) -> Result<Vec<Tensor>, ClientError> {
         self.client.wait_run(run)
+    }
+
+    /// Buffers for this session's feeds in a segment shared with the
+    /// service (see [`FeedBuffers`]); `feeds` names each placeholder and its
+    /// type. Only for a service on this host that attaches shared memory
+    /// ([`ClientError::NoSharedMemory`] otherwise).
+    pub fn feed_buffers(
+        &mut self,
+        feeds: &[(&str, TensorType)],
+    ) -> Result<FeedBuffers, ClientError> {
+        let id = self.live()?;
+        self.client.feed_buffers_in(id, feeds)
+    }
+
+    /// Runs one iteration on the values written into `buffers`.
+    pub fn run_buffers(
+        &mut self,
+        buffers: &mut FeedBuffers,
+        fetches: &[&str],
+    ) -> Result<Vec<Tensor>, ClientError> {
+        self.own(buffers)?;
+        self.client.run_buffers_in(buffers, fetches)
+    }
+
+    /// [`Session::run_buffers`] without waiting; the buffers stay borrowed
+    /// until [`Session::wait_buffer_run`].
+    pub fn submit_run_buffers<'b>(
+        &mut self,
+        buffers: &'b mut FeedBuffers,
+        fetches: &[&str],
+    ) -> Result<PendingBufferRun<'b>, ClientError> {
+        self.own(buffers)?;
+        self.client.submit_run_buffers_in(buffers, fetches)
+    }
+
+    /// The result of a Run sent with [`Session::submit_run_buffers`].
+    pub fn wait_buffer_run(
+        &mut self,
+        run: PendingBufferRun<'_>,
+    ) -> Result<Vec<Tensor>, ClientError> {
+        self.client.wait_buffer_run(run)
+    }
+
+    /// Buffers made for this session (a segment is attached to one).
+    fn own(&self, buffers: &FeedBuffers) -> Result<(), ClientError> {
+        let id = self.live()?;
+        if buffers.session != id {
+            return Err(ClientError::FeedBuffer {
+                reason: format!(
+                    "these buffers belong to session {}, not {id}",
+                    buffers.session
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Current values of variables; all of them when `names` is empty.

@@ -18,7 +18,8 @@ pub mod zoo;
 pub use autodiff::{gradients, trainable_variables, AutodiffError};
 pub use checkpoint::CheckpointError;
 pub use client::{
-    check_endpoint, Client, ClientError, ClientOptions, EndpointError, PendingRun, Session,
+    check_endpoint, Client, ClientError, ClientOptions, EndpointError, FeedBuffers,
+    PendingBufferRun, PendingRun, Session,
 };
 pub use graph::{
     validate, Conv2dAttrs, Graph, GraphBuilder, GraphError, GraphLimits, Node, NodeId, Op, Outlet,

@@ -132,6 +132,21 @@ struct RunOpts {
     /// the service's host sends large feeds through shared memory).
     #[arg(long)]
     no_shared_memory: bool,
+    /// Executor path on CUDA: feeds in ordinary (pageable) host memory. By
+    /// default they are registered page-locked, as a PyTorch user's pinned
+    /// input tensor, so their copy to the device is one DMA.
+    #[arg(long)]
+    pageable_feeds: bool,
+    /// Service path: the feeds are written once into feed buffers (a
+    /// segment shared with the service, `Session::feed_buffers`) and each
+    /// Run sends only a header, as a job that writes its inputs in place.
+    #[arg(long)]
+    feed_buffers: bool,
+    /// Service path: busy polling for this many milliseconds in the
+    /// embedded service (`lanes serve --busy-poll`) and the client
+    /// (`ClientOptions::busy_poll`); 0 (the default) is off.
+    #[arg(long, default_value_t = 0.0, value_name = "MS")]
+    busy_poll: f64,
 }
 
 impl RunOpts {
@@ -269,6 +284,9 @@ fn bench(
         cuda_graph: !o.no_graph,
         op_profile: o.op_profile,
         shared_memory: !o.no_shared_memory,
+        pinned_feeds: !o.pageable_feeds,
+        feed_buffers: o.feed_buffers,
+        busy_poll: super::busy_poll_window(o.busy_poll)?,
     };
     let feeds = w.random_feeds(7)?;
     let want_exec = matches!(o.path, PathChoice::Executor | PathChoice::Both);

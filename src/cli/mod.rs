@@ -88,7 +88,18 @@ pub fn spinner(what: &str) -> indicatif::ProgressBar {
     s
 }
 
+/// `--busy-poll MS` as a window: 0 (off) to 1000 ms.
+pub fn busy_poll_window(ms: f64) -> anyhow::Result<std::time::Duration> {
+    if !(ms.is_finite() && (0.0..=1000.0).contains(&ms)) {
+        anyhow::bail!(
+            "--busy-poll must be a number of milliseconds from 0 (off) to 1000, not {ms}"
+        );
+    }
+    Ok(std::time::Duration::from_secs_f64(ms / 1e3))
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -118,5 +129,18 @@ mod tests {
         let io = std::io::Error::from(std::io::ErrorKind::BrokenPipe);
         assert!(broken_pipe(&anyhow::Error::from(io).context("printing")));
         assert!(!broken_pipe(&anyhow::anyhow!("other")));
+    }
+
+    #[test]
+    fn busy_poll_windows_are_checked() {
+        assert_eq!(
+            busy_poll_window(2.5).unwrap(),
+            std::time::Duration::from_micros(2500)
+        );
+        assert!(busy_poll_window(0.0).unwrap().is_zero());
+        for bad in [-1.0, 1000.5, f64::NAN, f64::INFINITY] {
+            let e = busy_poll_window(bad).unwrap_err().to_string();
+            assert!(e.contains("--busy-poll"), "{e}");
+        }
     }
 }

@@ -10,7 +10,61 @@ mod program;
 
 pub use program::{Backend, Program};
 
-use lanes_adaptor::{DType, TensorType};
+use std::sync::Arc;
+
+use lanes_adaptor::wire::shm::{AttachedSegment, SharedFeed};
+use lanes_adaptor::{DType, Tensor, TensorData, TensorType};
+
+/// A feed's values as the executors read them: a decoded [`Tensor`], or a
+/// [`SharedFeed`], a view of the job's shared-memory segment that is read
+/// where the job wrote it (the CPU backend copies it into its arena, the
+/// CUDA backend copies it to the device from the segment, registered
+/// page-locked once).
+pub trait HostFeed {
+    fn ty(&self) -> TensorType;
+    /// The values as little-endian bytes (`ty().bytes()` of them).
+    fn bytes(&self) -> &[u8];
+    /// The values as a tensor (a fetched placeholder).
+    fn to_tensor(&self) -> Result<Tensor, ExecError>;
+    /// The shared segment the bytes lie in, if any.
+    fn segment(&self) -> Option<&Arc<AttachedSegment>> {
+        None
+    }
+}
+
+impl HostFeed for Tensor {
+    fn ty(&self) -> TensorType {
+        Tensor::ty(self)
+    }
+    fn bytes(&self) -> &[u8] {
+        match self.data() {
+            TensorData::F32(v) => bytemuck::cast_slice(v),
+            TensorData::I64(v) => bytemuck::cast_slice(v),
+        }
+    }
+    fn to_tensor(&self) -> Result<Tensor, ExecError> {
+        Ok(self.clone())
+    }
+}
+
+impl HostFeed for SharedFeed {
+    fn ty(&self) -> TensorType {
+        self.ty.clone()
+    }
+    fn bytes(&self) -> &[u8] {
+        SharedFeed::bytes(self)
+    }
+    fn to_tensor(&self) -> Result<Tensor, ExecError> {
+        SharedFeed::to_tensor(self, None).map_err(|e| ExecError::Op {
+            node: self.name.clone(),
+            op: "placeholder",
+            reason: e.to_string(),
+        })
+    }
+    fn segment(&self) -> Option<&Arc<AttachedSegment>> {
+        Some(SharedFeed::segment(self))
+    }
+}
 
 /// Read-only view of a tensor's values.
 #[derive(Debug, Clone, Copy)]

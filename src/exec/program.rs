@@ -7,7 +7,7 @@ use lanes_adaptor::{Tensor, ValidGraph, VarValues};
 
 use super::cpu::{CpuMemory, CpuProgram};
 use super::cuda::CudaProgram;
-use super::ExecError;
+use super::{ExecError, HostFeed};
 use crate::residency::{GroupPlan, Layout, Strategy, SwitchReport};
 
 /// Which executor a graph runs on.
@@ -61,9 +61,9 @@ impl Program {
     }
 
     /// One iteration (bringing the persistent memory back first if evicted).
-    pub fn run(
+    pub fn run<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
         match self {
@@ -74,9 +74,9 @@ impl Program {
 
     /// One iteration; when evicted, the persistent memory comes back in the
     /// groups of `strategy` while it computes.
-    pub fn run_switching(
+    pub fn run_switching<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
@@ -89,10 +89,10 @@ impl Program {
     /// [`Program::run_switching`] in memory handed in by the service (CPU
     /// programs under lanes with a reservation: see `CpuMemory`; ignored
     /// by the CUDA executor, whose memory is its own blocks).
-    pub fn run_in(
+    pub fn run_in<F: HostFeed>(
         &mut self,
         mem: Option<CpuMemory<'_>>,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {

@@ -29,7 +29,7 @@ use lanes_adaptor::wire::{JobKind, NamedTensor, SessionId};
 use lanes_adaptor::Graph;
 
 use crate::sched::JobStats;
-use crate::session::Session;
+use crate::session::{RunFeeds, Session};
 
 /// What a worker is asked to do for a session.
 #[derive(Debug)]
@@ -39,7 +39,7 @@ pub enum Work {
         variables: Vec<NamedTensor>,
     },
     Run {
-        feeds: Vec<NamedTensor>,
+        feeds: RunFeeds,
         fetches: Vec<String>,
     },
     ReadVariables {
@@ -169,6 +169,10 @@ struct State {
 pub struct Dispatcher {
     state: Mutex<State>,
     ready: Condvar,
+    /// How long a worker looks for its next item without sleeping
+    /// (`ServerConfig::busy_poll`; zero: it waits on the condition
+    /// variable at once), in nanoseconds.
+    busy_ns: std::sync::atomic::AtomicU64,
 }
 
 impl Dispatcher {
@@ -183,7 +187,15 @@ impl Dispatcher {
                 max_loads: usize::MAX,
             }),
             ready: Condvar::new(),
+            busy_ns: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Workers look for their next item without sleeping for `window`
+    /// before waiting (see `ServerConfig::busy_poll`).
+    pub fn busy_poll(&self, window: std::time::Duration) {
+        let ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+        self.busy_ns.store(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -199,6 +211,10 @@ impl Dispatcher {
     /// Blocks until an item is eligible; `None` once shut down. The item's
     /// session stays busy until [`Dispatcher::done`].
     pub fn next(&self) -> Option<WorkItem> {
+        let spin = std::time::Duration::from_nanos(
+            self.busy_ns.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        let since = std::time::Instant::now();
         let mut st = self.lock();
         loop {
             if st.shutdown {
@@ -238,6 +254,13 @@ impl Dispatcher {
                     loading.insert(item.session);
                 }
                 return Some(item);
+            }
+            if since.elapsed() < spin {
+                // Busy polling: look again without sleeping.
+                drop(st);
+                std::thread::yield_now();
+                st = self.lock();
+                continue;
             }
             st = self.ready.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
@@ -422,7 +445,7 @@ mod tests {
         let run = |s, id| {
             let mut i = item(s, id);
             i.work = Work::Run {
-                feeds: vec![],
+                feeds: RunFeeds::Frames(vec![]),
                 fetches: vec![],
             };
             i.expected_iterations = Some(10);
@@ -470,7 +493,7 @@ mod tests {
             let run = |s, id| {
                 let mut i = item(s, id);
                 i.work = Work::Run {
-                    feeds: vec![],
+                    feeds: RunFeeds::Frames(vec![]),
                     fetches: vec![],
                 };
                 i

@@ -19,7 +19,7 @@ use super::dispatch::{Dispatcher, Work, WorkItem};
 use super::policy_queue::PolicyQueue;
 use super::worker::{self, REPLIES};
 use super::{ServerConfig, ServerError};
-use crate::session::Session;
+use crate::session::{RunFeeds, Session};
 
 /// Longest job name accepted.
 const MAX_NAME_BYTES: usize = 256;
@@ -66,7 +66,7 @@ struct Entry {
     switches: (u64, u64),
     /// Shared-memory segments its Runs may carry feeds in, by the client's
     /// segment id; unmapped when the session goes.
-    segments: HashMap<u32, AttachedSegment>,
+    segments: HashMap<u32, Arc<AttachedSegment>>,
     /// Its graph's placeholders once loaded: Runs' feeds are checked
     /// against them before being copied.
     feed_types: crate::session::FeedTypes,
@@ -86,12 +86,12 @@ struct PeerSegments<'a> {
 }
 
 impl SegmentLookup for PeerSegments<'_> {
-    fn segment(&self, session: SessionId, segment: u32) -> Option<&[u8]> {
+    fn segment(&self, session: SessionId, segment: u32) -> Option<&Arc<AttachedSegment>> {
         let e = self.sessions.get(&session)?;
         if e.owner != self.peer {
             return None;
         }
-        e.segments.get(&segment).map(AttachedSegment::bytes)
+        e.segments.get(&segment)
     }
 
     fn feed_types(
@@ -171,6 +171,11 @@ pub(super) fn spawn(
     pull.bind(REPLIES)?;
 
     let dispatcher = Dispatcher::new(Box::new(PolicyQueue::of(config.policy)));
+    dispatcher.busy_poll(config.busy_poll);
+    if !config.busy_poll.is_zero() {
+        // CUDA workers wait for their iterations without sleeping as long.
+        crate::exec::cuda::set_wait_spin(config.busy_poll);
+    }
     // Loading graphs never takes the last worker from the Runs.
     dispatcher.limit_loads(config.workers.saturating_sub(1));
     let (lanes, reservation) = match config.memory_bytes {
@@ -266,21 +271,28 @@ impl Frontend {
         let mut last_reap = Instant::now();
         let mut last_ping = Instant::now();
         let mut last_metrics = Instant::now();
+        // Busy polling: no sleeping in `poll` this long after a message.
+        let busy = self.config.busy_poll;
+        let mut last_message = Instant::now() - busy;
         let result = loop {
             if self.stop.load(Ordering::SeqCst) {
                 break Ok(());
             }
+            let spinning = !busy.is_zero() && last_message.elapsed() < busy;
             let (requests, replies) = {
                 let mut items = [
                     self.router.as_poll_item(zmq::POLLIN),
                     self.pull.as_poll_item(zmq::POLLIN),
                 ];
-                match zmq::poll(&mut items, POLL_MS) {
+                match zmq::poll(&mut items, if spinning { 0 } else { POLL_MS }) {
                     Ok(_) => (items[0].is_readable(), items[1].is_readable()),
                     Err(zmq::Error::EINTR) => (false, false),
                     Err(e) => break Err(ServerError::Zmq(e)),
                 }
             };
+            if requests || replies {
+                last_message = Instant::now();
+            }
             if replies {
                 if let Err(e) = self.forward_replies() {
                     break Err(e.into());
@@ -560,7 +572,18 @@ impl Frontend {
                 session,
                 feeds,
                 fetches,
-            } => return self.queue(peer, request_id, session, Work::Run { feeds, fetches }),
+            } => {
+                let feeds = RunFeeds::Frames(feeds);
+                return self.queue(peer, request_id, session, Work::Run { feeds, fetches });
+            }
+            Request::RunShared {
+                session,
+                feeds,
+                fetches,
+            } => {
+                let feeds = RunFeeds::Shared(feeds);
+                return self.queue(peer, request_id, session, Work::Run { feeds, fetches });
+            }
             Request::ReadVariables { session, names } => {
                 return self.queue(peer, request_id, session, Work::ReadVariables { names })
             }
@@ -697,7 +720,7 @@ impl Frontend {
             Ok(seg) => {
                 tracing::debug!(%session, segment = offer.segment, bytes = offer.bytes, "shared memory attached");
                 if let Some(entry) = self.sessions.get_mut(&session) {
-                    entry.segments.insert(offer.segment, seg);
+                    entry.segments.insert(offer.segment, Arc::new(seg));
                 }
                 Reply::MemoryShared {
                     session,

@@ -222,6 +222,13 @@ pub struct ServerConfig {
     /// Prometheus metrics the workers and the socket thread feed
     /// (`--metrics`; see [`metrics`]); `None`: none are kept.
     pub metrics: Option<std::sync::Arc<metrics::Metrics>>,
+    /// Busy polling (`--busy-poll MS`; zero, the default, is off): for this
+    /// long after a message, the socket thread polls its sockets without
+    /// sleeping, a worker that finished an item looks for the next one
+    /// without sleeping, and a CUDA worker waits for its iteration without
+    /// sleeping. Each busy thread takes a core for the window; the wake-ups
+    /// it saves are tens of microseconds each on a request's path.
+    pub busy_poll: Duration,
 }
 
 /// Default of [`ServerConfig::max_sessions_per_client`]: well under the
@@ -259,6 +266,7 @@ impl Default for ServerConfig {
             stream_priority: true,
             auth_key: None,
             metrics: None,
+            busy_poll: Duration::ZERO,
         }
     }
 }

@@ -384,7 +384,7 @@ impl ReadyQueue for PolicyQueue {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-    use crate::session::Session;
+    use crate::session::{RunFeeds, Session};
     use lanes_adaptor::wire::SessionSpec;
     use std::sync::{Arc, Mutex};
 
@@ -405,7 +405,7 @@ mod tests {
 
     fn run() -> Work {
         Work::Run {
-            feeds: vec![],
+            feeds: RunFeeds::Frames(vec![]),
             fetches: vec![],
         }
     }

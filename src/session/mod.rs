@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use lanes_adaptor::wire::shm::SharedFeed;
 use lanes_adaptor::wire::{BufferPool, ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
 use lanes_adaptor::{
     validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
@@ -18,8 +19,8 @@ use lanes_adaptor::{
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuMemory;
 pub use crate::exec::Backend;
-use crate::exec::ExecError;
 use crate::exec::Program;
+use crate::exec::{ExecError, HostFeed};
 use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
 
@@ -154,6 +155,21 @@ pub fn admission_sizes(
             crate::exec::cuda::ephemeral_need(valid, plan.ephemeral)?,
         )),
         Backend::Cpu => Ok((plan.persistent, plan.ephemeral)),
+    }
+}
+
+/// A Run's feeds as the service decoded them: tensors from the message's
+/// frames, or views of the job's shared segment (read where the job wrote
+/// them, by the executor).
+#[derive(Debug)]
+pub enum RunFeeds {
+    Frames(Vec<NamedTensor>),
+    Shared(Vec<SharedFeed>),
+}
+
+impl From<Vec<NamedTensor>> for RunFeeds {
+    fn from(feeds: Vec<NamedTensor>) -> Self {
+        RunFeeds::Frames(feeds)
     }
 }
 
@@ -513,31 +529,54 @@ impl Session {
     /// Runs one iteration after checking feeds and fetches against the graph.
     pub fn run(
         &mut self,
-        feeds: Vec<NamedTensor>,
+        feeds: impl Into<RunFeeds>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, SessionError> {
+        match feeds.into() {
+            RunFeeds::Frames(feeds) => {
+                let fed = self.check_feeds(feeds.into_iter().map(|f| (f.name, f.tensor)))?;
+                let out = self.run_fed(&fed, fetches);
+                // The feeds' storage is decoded into again.
+                if let Some(pool) = &self.pool {
+                    fed.into_values().for_each(|t| pool.give(t));
+                }
+                out
+            }
+            RunFeeds::Shared(feeds) => {
+                let fed = self.check_feeds(feeds.into_iter().map(|f| (f.name.clone(), f)))?;
+                self.run_fed(&fed, fetches)
+            }
+        }
+    }
+
+    /// `feeds` by name, each a placeholder of the graph of its type, none
+    /// twice, none missing.
+    fn check_feeds<F: HostFeed>(
+        &mut self,
+        feeds: impl Iterator<Item = (String, F)>,
+    ) -> Result<BTreeMap<String, F>, SessionError> {
         let loaded = self.loaded()?;
         let mut fed = BTreeMap::new();
-        for f in feeds {
-            let Some(ty) = loaded.placeholders.get(&f.name) else {
+        for (name, f) in feeds {
+            let Some(ty) = loaded.placeholders.get(&name) else {
                 return Err(SessionError::Feed {
-                    name: f.name,
+                    name,
                     reason: "the graph has no such placeholder".into(),
                 });
             };
-            if *ty != f.tensor.ty() {
+            if *ty != f.ty() {
                 return Err(SessionError::Feed {
-                    reason: ty_mismatch(ty, &f.tensor.ty()),
-                    name: f.name,
+                    reason: ty_mismatch(ty, &f.ty()),
+                    name,
                 });
             }
-            if fed.contains_key(&f.name) {
+            if fed.contains_key(&name) {
                 return Err(SessionError::Feed {
-                    name: f.name,
+                    name,
                     reason: "fed twice".into(),
                 });
             }
-            fed.insert(f.name, f.tensor);
+            fed.insert(name, f);
         }
         if let Some(missing) = loaded.placeholders.keys().find(|n| !fed.contains_key(*n)) {
             return Err(SessionError::Feed {
@@ -545,6 +584,16 @@ impl Session {
                 reason: "placeholder not fed".into(),
             });
         }
+        Ok(fed)
+    }
+
+    /// Runs one iteration on checked feeds.
+    fn run_fed<F: HostFeed>(
+        &mut self,
+        fed: &BTreeMap<String, F>,
+        fetches: &[String],
+    ) -> Result<Vec<Tensor>, SessionError> {
+        let loaded = self.loaded()?;
         let graph = loaded.program.graph().graph();
         if let Some(bad) = fetches.iter().find(|k| graph.resolve(k).is_none()) {
             return Err(SessionError::Fetch { key: bad.clone() });
@@ -572,11 +621,8 @@ impl Session {
         let t0 = std::time::Instant::now();
         let (out, report) = loaded
             .program
-            .run_in(mem, &fed, fetches, Strategy::Pipelined)?;
+            .run_in(mem, fed, fetches, Strategy::Pipelined)?;
         drop(turn);
-        if let Some(pool) = &self.pool {
-            fed.into_values().for_each(|t| pool.give(t));
-        }
         if let Some(r) = report {
             tracing::debug!(
                 %session,

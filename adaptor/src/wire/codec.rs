@@ -347,6 +347,23 @@ pub fn encode_request_into(
             },
             named(feeds),
         ),
+        Request::RunShared {
+            session,
+            feeds,
+            fetches,
+        } => {
+            // Re-encoded as the client sent it: the header alone.
+            let segment = feeds.first().map_or(0, |f| f.segment_id());
+            if feeds.iter().any(|f| f.segment_id() != segment) {
+                return Err(WireError::Encode {
+                    reason: "a shared Run's feeds lie in more than one segment".into(),
+                });
+            }
+            let feeds = feeds
+                .iter()
+                .map(|f| (f.name.as_str(), &f.ty, f.offset() as u64));
+            return encode_shared_run(request_id, *session, feeds, segment, fetches);
+        }
         Request::ReadVariables { session, names } => (
             RequestBody::ReadVariables {
                 session: *session,
@@ -381,6 +398,38 @@ pub fn encode_request_into(
         ),
     };
     Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
+}
+
+/// A Run whose feeds' values are already in the session's segment
+/// `segment` (attached with a ShareMemory request), each `(name, type,
+/// offset)`: only the header travels. A job that writes its inputs into the
+/// segment in place (the client's feed buffers) sends each iteration so.
+pub fn encode_shared_run<'a>(
+    request_id: u64,
+    session: SessionId,
+    feeds: impl IntoIterator<Item = (&'a str, &'a TensorType, u64)>,
+    segment: u32,
+    fetches: &[String],
+) -> Result<Vec<Vec<u8>>, WireError> {
+    let (metas, offsets): (Vec<TensorMeta>, Vec<u64>) = feeds
+        .into_iter()
+        .map(|(name, ty, at)| {
+            (
+                TensorMeta {
+                    name: name.to_string(),
+                    ty: ty.clone(),
+                },
+                at,
+            )
+        })
+        .unzip();
+    let body = RequestBody::Run {
+        session,
+        feeds: metas,
+        fetches: fetches.to_vec(),
+        shared: Some(SharedFeeds { segment, offsets }),
+    };
+    Ok(vec![header(request_id, &body)?])
 }
 
 /// Writes the feeds' values into `seg` (packed by [`shm::layout`]) and
@@ -699,15 +748,17 @@ fn check_fetch_count(fetches: &[String], limits: &Limits) -> Result<(), WireErro
     Ok(())
 }
 
-/// Reads feeds from a shared segment at `offsets`, checking each range
-/// against the segment and the tensor limit.
+/// A Run's feeds in a shared segment at `offsets`, each range checked
+/// against the segment and the tensor limit, the ranges pairwise disjoint
+/// and under distinct names. Nothing is copied: the feeds are views of the
+/// segment, read by the worker that runs the iteration.
 fn take_shared(
     metas: Vec<TensorMeta>,
     offsets: &[u64],
-    seg: &[u8],
+    segment_id: u32,
+    seg: &std::sync::Arc<shm::AttachedSegment>,
     limits: &Limits,
-    pool: Option<&BufferPool>,
-) -> Result<Vec<NamedTensor>, WireError> {
+) -> Result<Vec<shm::SharedFeed>, WireError> {
     if metas.len() != offsets.len() {
         return Err(WireError::SharedMemory {
             reason: format!(
@@ -717,9 +768,7 @@ fn take_shared(
             ),
         });
     }
-    // Every range first, checked inside the segment, pairwise disjoint and
-    // under distinct names: only then is anything copied, so a Run copies
-    // at most the segment's bytes however many feeds it lists.
+    let seg_len = seg.bytes().len();
     let mut ranges = Vec::with_capacity(metas.len());
     for (m, &at) in metas.iter().zip(offsets) {
         let len = checked_len(m, limits)?;
@@ -727,13 +776,13 @@ fn take_shared(
             .ok()
             .filter(|a| *a >= shm::SEGMENT_HEADER)
             .and_then(|a| Some(a..a.checked_add(len)?))
-            .filter(|r| r.end <= seg.len());
+            .filter(|r| r.end <= seg_len);
         let Some(range) = range else {
             return Err(WireError::SharedMemory {
                 reason: format!(
                     "feed `{}` ({len} bytes at offset {at}) is outside the segment's {} data bytes",
                     m.name,
-                    seg.len().saturating_sub(shm::SEGMENT_HEADER)
+                    seg_len.saturating_sub(shm::SEGMENT_HEADER)
                 ),
             });
         };
@@ -762,7 +811,14 @@ fn take_shared(
     metas
         .into_iter()
         .zip(ranges)
-        .map(|(m, range)| named_from(m, &seg[range], pool))
+        .map(|(m, range)| {
+            let name = m.name.clone();
+            shm::SharedFeed::new(m.name, m.ty, segment_id, range.start, seg.clone()).ok_or_else(
+                || WireError::SharedMemory {
+                    reason: format!("feed `{name}` is outside the segment"),
+                },
+            )
+        })
         .collect()
 }
 
@@ -899,9 +955,10 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
                     ),
                 })
             })?;
-            Request::Run {
+            Request::RunShared {
                 session,
-                feeds: take_shared(feeds, &shared.offsets, seg, limits, pool).map_err(wrap)?,
+                feeds: take_shared(feeds, &shared.offsets, shared.segment, seg, limits)
+                    .map_err(wrap)?,
                 fetches,
             }
         }
@@ -1077,25 +1134,33 @@ mod tests {
     /// Shared feeds are checked as a whole before any is copied: feeds
     /// that overlap (a few bytes of header naming one range many times
     /// would copy it that many times) or share a name are refused.
+    #[cfg(target_os = "linux")]
     #[test]
     fn shared_feeds_must_be_disjoint_and_distinct() {
-        let seg = vec![0u8; shm::SEGMENT_HEADER + 1024];
+        let (_own, seg) = shm::attached_pair(1, shm::SEGMENT_HEADER + 1024);
         let l = Limits::default();
         let at = shm::SEGMENT_HEADER as u64;
         let ok = take_shared(
             vec![meta("a", 64), meta("b", 64)],
             &[at, at + 256],
+            1,
             &seg,
             &l,
-            None,
+        )
+        .unwrap();
+        assert_eq!(ok.len(), 2);
+        assert_eq!(
+            (ok[1].offset(), ok[1].bytes().len()),
+            (at as usize + 256, 256)
         );
-        assert_eq!(ok.unwrap().len(), 2);
         for (metas, offsets) in [
             (vec![meta("a", 64), meta("b", 64)], vec![at, at]),
             (vec![meta("a", 64), meta("b", 64)], vec![at, at + 128]),
             (vec![meta("a", 8), meta("a", 8)], vec![at, at + 512]),
+            (vec![meta("a", 64)], vec![at - 1]),
+            (vec![meta("a", 64)], vec![at + 1024 - 255]),
         ] {
-            let e = take_shared(metas, &offsets, &seg, &l, None).unwrap_err();
+            let e = take_shared(metas, &offsets, 1, &seg, &l).unwrap_err();
             assert!(matches!(e, WireError::SharedMemory { .. }), "{e}");
         }
     }

@@ -107,6 +107,15 @@ pub enum Request {
         feeds: Vec<NamedTensor>,
         fetches: Vec<String>,
     },
+    /// A Run whose feeds' values are in a shared-memory segment the job's
+    /// session attached: what the service decodes from a Run sent through a
+    /// segment (`encode_request_into`). The values are read where they lie,
+    /// by the worker that runs the iteration.
+    RunShared {
+        session: SessionId,
+        feeds: Vec<super::shm::SharedFeed>,
+        fetches: Vec<String>,
+    },
     /// Current variable values; all variables when `names` is empty.
     ReadVariables {
         session: SessionId,
@@ -143,7 +152,7 @@ impl Request {
             Request::Hello { .. } => "hello",
             Request::OpenSession(_) => "open_session",
             Request::LoadGraph { .. } => "load_graph",
-            Request::Run { .. } => "run",
+            Request::Run { .. } | Request::RunShared { .. } => "run",
             Request::ReadVariables { .. } => "read_variables",
             Request::WriteVariables { .. } => "write_variables",
             Request::CloseSession { .. } => "close_session",
@@ -157,6 +166,7 @@ impl Request {
         match self {
             Request::LoadGraph { session, .. }
             | Request::Run { session, .. }
+            | Request::RunShared { session, .. }
             | Request::ReadVariables { session, .. }
             | Request::WriteVariables { session, .. }
             | Request::CloseSession { session }

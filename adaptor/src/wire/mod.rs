@@ -21,8 +21,8 @@ pub mod shm;
 pub use codec::{
     bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
     decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
-    peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in, Envelope, MAGIC,
-    MAX_ERROR_TEXT, PREFIX_BYTES,
+    encode_shared_run, peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in,
+    Envelope, MAGIC, MAX_ERROR_TEXT, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
@@ -315,9 +315,13 @@ mod tests {
     }
 
     /// Finds one segment, as the service's table would.
-    struct OneSegment<'a>(SessionId, u32, &'a [u8]);
+    struct OneSegment<'a>(SessionId, u32, &'a std::sync::Arc<shm::AttachedSegment>);
     impl shm::SegmentLookup for OneSegment<'_> {
-        fn segment(&self, session: SessionId, segment: u32) -> Option<&[u8]> {
+        fn segment(
+            &self,
+            session: SessionId,
+            segment: u32,
+        ) -> Option<&std::sync::Arc<shm::AttachedSegment>> {
             (session == self.0 && segment == self.1).then_some(self.2)
         }
     }
@@ -334,21 +338,47 @@ mod tests {
         let mut desk = shm::FdDesk::bind().unwrap();
         seg.hand_over(desk.name()).unwrap();
         let file = desk.take(&seg.offer().token).unwrap();
-        let attached = shm::AttachedSegment::attach(file, &seg.offer(), 1 << 20).unwrap();
-        let found = OneSegment(SessionId(3), 4, attached.bytes());
+        let attached =
+            std::sync::Arc::new(shm::AttachedSegment::attach(file, &seg.offer(), 1 << 20).unwrap());
+        let found = OneSegment(SessionId(3), 4, &attached);
         let env = decode_request_with(&frames, &l, None, &found).unwrap();
-        assert_eq!(env.message, req);
-        // The same header read against another session's segments, none,
-        // or a segment too short for the feeds: typed errors.
+        // Decoded as views of the segment, nothing copied: the same feeds'
+        // values, in the order sent, each where the layout put it.
+        let Request::Run { feeds: sent, .. } = &req else {
+            unreachable!()
+        };
+        let Request::RunShared {
+            session,
+            feeds,
+            fetches,
+        } = &env.message
+        else {
+            panic!("{:?}", env.message)
+        };
+        assert_eq!((*session, fetches.len()), (SessionId(3), 2));
+        assert_eq!(feeds.len(), sent.len());
+        for (f, s) in feeds.iter().zip(sent) {
+            assert_eq!((&f.name, f.segment_id()), (&s.name, 4));
+            assert_eq!(f.to_tensor(None).unwrap(), s.tensor);
+            assert!(std::sync::Arc::ptr_eq(f.segment(), &attached));
+        }
+        // Re-encoded, the shared Run is the header the client sent.
+        assert_eq!(encode_request(8, &env.message).unwrap(), frames);
+        // The same header read against another session's segments, or
+        // none: typed errors.
         for lookup in [
-            OneSegment(SessionId(4), 4, attached.bytes()),
-            OneSegment(SessionId(3), 5, attached.bytes()),
-            OneSegment(SessionId(3), 4, &attached.bytes()[..100]),
+            OneSegment(SessionId(4), 4, &attached),
+            OneSegment(SessionId(3), 5, &attached),
         ] {
             let e = decode_request_with(&frames, &l, None, &lookup).unwrap_err();
             assert_eq!(e.error.code(), ErrorCode::SharedMemory, "{e}");
             assert_eq!(e.request_id, Some(8));
         }
+        // A segment too short for the feeds.
+        let (_small_own, small) = shm::attached_pair(4, 100);
+        let e = decode_request_with(&frames, &l, None, &OneSegment(SessionId(3), 4, &small))
+            .unwrap_err();
+        assert_eq!(e.error.code(), ErrorCode::SharedMemory, "{e}");
         let e = decode_request(&frames, &l).unwrap_err();
         assert_eq!(e.error.code(), ErrorCode::SharedMemory);
         // Frames next to a shared Run are refused too.

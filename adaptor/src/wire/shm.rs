@@ -550,12 +550,109 @@ impl AttachedSegment {
     }
 }
 
+/// A Run's feed whose values stay in the job's segment: the service reads
+/// them where the job wrote them, in the worker that runs the iteration (the
+/// CUDA backend copies them to the device straight from the segment, which
+/// it registers page-locked; the CPU backend copies them into its arena).
+/// Its range was checked against the segment when the Run was decoded, and
+/// it holds the segment mapped until it is dropped.
+#[derive(Clone)]
+pub struct SharedFeed {
+    pub name: String,
+    pub ty: crate::TensorType,
+    segment_id: u32,
+    offset: usize,
+    segment: std::sync::Arc<AttachedSegment>,
+}
+
+impl SharedFeed {
+    /// The feed at `offset` of `segment` (the client's segment `segment_id`):
+    /// `None` unless its `ty.bytes()` bytes lie inside the segment, past the
+    /// header.
+    pub fn new(
+        name: String,
+        ty: crate::TensorType,
+        segment_id: u32,
+        offset: usize,
+        segment: std::sync::Arc<AttachedSegment>,
+    ) -> Option<Self> {
+        let end = offset.checked_add(ty.checked_bytes()?)?;
+        (offset >= SEGMENT_HEADER && end <= segment.bytes().len()).then_some(SharedFeed {
+            name,
+            ty,
+            segment_id,
+            offset,
+            segment,
+        })
+    }
+
+    /// The feed's values: `ty.bytes()` little-endian bytes.
+    pub fn bytes(&self) -> &[u8] {
+        let len = self.ty.bytes();
+        // Checked in `new`; an empty slice, never a panic, if it were not.
+        self.segment
+            .bytes()
+            .get(self.offset..self.offset.saturating_add(len))
+            .unwrap_or(&[])
+    }
+
+    /// The segment it lies in (the service pins a segment once, by this).
+    pub fn segment(&self) -> &std::sync::Arc<AttachedSegment> {
+        &self.segment
+    }
+
+    /// The client's id of that segment.
+    pub fn segment_id(&self) -> u32 {
+        self.segment_id
+    }
+
+    /// Where in the segment it starts.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// A copy as a tensor, in `pool`'s storage where a buffer fits.
+    pub fn to_tensor(
+        &self,
+        pool: Option<&super::BufferPool>,
+    ) -> Result<crate::Tensor, crate::TensorError> {
+        super::tensor_from_frame_in(&self.ty, self.bytes(), pool)
+    }
+}
+
+impl std::fmt::Debug for SharedFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedFeed")
+            .field("name", &self.name)
+            .field("ty", &self.ty)
+            .field("segment", &self.segment_id)
+            .field("offset", &self.offset)
+            .finish()
+    }
+}
+
+/// Equal when they name the same feed of the same type at the same place,
+/// with the same values.
+impl PartialEq for SharedFeed {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.ty == other.ty
+            && self.segment_id == other.segment_id
+            && self.offset == other.offset
+            && self.bytes() == other.bytes()
+    }
+}
+
 /// What the decoder may ask the service about the sessions of the
 /// connection a request came from: the segments a Run names (by session and
 /// segment id), and the feeds a session's graph takes, so that a Run's
-/// feeds are checked before any of their bytes is copied.
+/// feeds are checked before any of their bytes is read.
 pub trait SegmentLookup {
-    fn segment(&self, session: super::SessionId, segment: u32) -> Option<&[u8]>;
+    fn segment(
+        &self,
+        session: super::SessionId,
+        segment: u32,
+    ) -> Option<&std::sync::Arc<AttachedSegment>>;
     /// The placeholders of the session's loaded graph, by name (`None`
     /// before a graph is loaded, or when the caller does not know).
     fn feed_types(
@@ -571,9 +668,29 @@ pub trait SegmentLookup {
 pub struct NoSegments;
 
 impl SegmentLookup for NoSegments {
-    fn segment(&self, _session: super::SessionId, _segment: u32) -> Option<&[u8]> {
+    fn segment(
+        &self,
+        _session: super::SessionId,
+        _segment: u32,
+    ) -> Option<&std::sync::Arc<AttachedSegment>> {
         None
     }
+}
+
+/// A segment of `bytes` bytes and the service's view of it, through a desk
+/// as in service (for tests).
+#[cfg(all(test, target_os = "linux"))]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn attached_pair(
+    id: u32,
+    bytes: usize,
+) -> (OwnedSegment, std::sync::Arc<AttachedSegment>) {
+    let mut desk = FdDesk::bind().unwrap();
+    let seg = OwnedSegment::create(id, bytes).unwrap();
+    seg.hand_over(desk.name()).unwrap();
+    let file = desk.take(&seg.offer().token).unwrap();
+    let at = AttachedSegment::attach(file, &seg.offer(), u64::MAX).unwrap();
+    (seg, std::sync::Arc::new(at))
 }
 
 #[cfg(test)]

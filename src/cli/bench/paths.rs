@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use lanes::exec::cpu::CpuProgram;
 use lanes::exec::cuda::{CudaOptions, CudaProgram};
-use lanes::exec::Program;
+use lanes::exec::{HostFeed, Program};
 use lanes::server::{self, DeviceChoice, ServerConfig};
 use lanes_adaptor::{
     validate, Client, ClientOptions, GraphLimits, Limits, SessionSpec, Tensor, VarValues,
@@ -86,6 +86,13 @@ pub struct Timing {
     pub op_profile: bool,
     /// Service path: the client may send feeds through shared memory.
     pub shared_memory: bool,
+    /// Executor path on CUDA: the feeds' host memory registered page-locked.
+    pub pinned_feeds: bool,
+    /// Service path: feeds written once into feed buffers, Runs send only a
+    /// header.
+    pub feed_buffers: bool,
+    /// Service path: busy polling in the embedded service and the client.
+    pub busy_poll: Duration,
 }
 
 /// Median and spread of the timed iterations, in milliseconds.
@@ -210,6 +217,16 @@ pub fn executor(
     };
     let load_ms = ms(t0.elapsed());
     let fetch = vec![w.fetch.clone()];
+    // Page-locked feeds (held until the timing is done): their copy to the
+    // device is a DMA, as from a PyTorch user's pinned input tensor.
+    let pins = match (t.device, t.pinned_feeds) {
+        (Device::Cuda, true) => feeds
+            .values()
+            .map(|f| lanes::exec::cuda::pin_host(HostFeed::bytes(f)))
+            .collect::<Result<Vec<_>, _>>()
+            .context("registering the feeds page-locked")?,
+        _ => Vec::new(),
+    };
     progress(
         &format!(
             "executor: loaded in {load_ms:.0} ms; {} warm-up iterations",
@@ -238,6 +255,14 @@ pub fn executor(
     let stats = Stats::of(times)?;
     let mut m = stats.json();
     m.insert("load_ms".into(), json!(load_ms));
+    m.insert(
+        "feeds".into(),
+        json!(if pins.is_empty() {
+            "pageable host memory"
+        } else {
+            "page-locked host memory"
+        }),
+    );
     let gpu = match &prog {
         Program::Cuda(p) => {
             m.insert("cuda_graph".into(), json!(p.uses_cuda_graph()));
@@ -289,6 +314,7 @@ pub fn executor(
             .collect();
         m.insert("op_profile".into(), Value::Array(rows));
     }
+    drop(pins);
     Ok((
         PathResult {
             stats,
@@ -327,6 +353,7 @@ pub fn service(
         workers: 1,
         device: device.clone(),
         limits,
+        busy_poll: t.busy_poll,
         ..ServerConfig::default()
     })
     .with_context(|| format!("starting the embedded service on {endpoint}"))?;
@@ -341,6 +368,7 @@ pub fn service(
                 limits,
                 name: "lanes-bench".into(),
                 shared_memory: t.shared_memory,
+                busy_poll: t.busy_poll,
                 ..ClientOptions::default()
             },
         )
@@ -366,9 +394,28 @@ pub fn service(
             ),
             since,
         );
+        // Feed buffers: two (one Run ahead alternates between them), the
+        // values written once, as a job that writes its inputs in place.
+        let mut buffers = Vec::new();
+        if t.feed_buffers {
+            let types: Vec<(&str, lanes_adaptor::TensorType)> =
+                feeds.iter().map(|(n, v)| (n.as_str(), v.ty())).collect();
+            for _ in 0..2 {
+                let mut b = session
+                    .feed_buffers(&types)
+                    .context("feed buffers (a service on this host that shares memory)")?;
+                for (n, v) in feeds {
+                    b.write(n, v)?;
+                }
+                buffers.push(b);
+            }
+        }
         let bar = crate::cli::bar(t.warmup, "service warm-up");
         for _ in 0..t.warmup {
-            session.run(feeds_of(), &fetch)?;
+            match buffers.first_mut() {
+                Some(b) => session.run_buffers(b, &fetch)?,
+                None => session.run(feeds_of(), &fetch)?,
+            };
             bar.inc(1);
         }
         bar.finish_and_clear();
@@ -377,10 +424,21 @@ pub fn service(
         let mut seen = Observed::default();
         let bar = crate::cli::bar(t.iters, "service timing");
         for _ in 0..t.iters {
-            let f = feeds_of();
-            let t0 = Instant::now();
-            let out = session.run(f, &fetch)?;
-            times.push(ms(t0.elapsed()));
+            let out = match buffers.first_mut() {
+                Some(b) => {
+                    let t0 = Instant::now();
+                    let out = session.run_buffers(b, &fetch)?;
+                    times.push(ms(t0.elapsed()));
+                    out
+                }
+                None => {
+                    let f = feeds_of();
+                    let t0 = Instant::now();
+                    let out = session.run(f, &fetch)?;
+                    times.push(ms(t0.elapsed()));
+                    out
+                }
+            };
             seen.see(&out)?;
             bar.inc(1);
         }
@@ -389,26 +447,46 @@ pub fn service(
         // iteration's feeds cross the wire while this one runs. The time
         // between two completions is the step interval a job sees (it
         // includes the client cloning the next feeds, as a data loader
-        // would produce them).
+        // would produce them; with feed buffers, the two alternate).
         progress(
             &format!("service: {} iterations with one Run ahead", t.iters),
             since,
         );
         let mut intervals = Vec::with_capacity(t.iters);
-        let mut pending = session.submit_run(feeds_of(), &fetch)?;
-        let mut last = Instant::now();
         let bar = crate::cli::bar(t.iters, "service, one Run ahead");
-        for _ in 0..t.iters {
-            let next = session.submit_run(feeds_of(), &fetch)?;
+        if let [a, b] = &mut buffers[..] {
+            let mut pending = session.submit_run_buffers(a, &fetch)?;
+            let mut last = Instant::now();
+            for _ in 0..t.iters.div_ceil(2) {
+                let next = session.submit_run_buffers(b, &fetch)?;
+                session.wait_buffer_run(pending)?;
+                let now = Instant::now();
+                intervals.push(ms(now - last));
+                last = now;
+                pending = session.submit_run_buffers(a, &fetch)?;
+                session.wait_buffer_run(next)?;
+                let now = Instant::now();
+                intervals.push(ms(now - last));
+                last = now;
+                bar.inc(2);
+            }
+            session.wait_buffer_run(pending)?;
+        } else {
+            let mut pending = session.submit_run(feeds_of(), &fetch)?;
+            let mut last = Instant::now();
+            for _ in 0..t.iters {
+                let next = session.submit_run(feeds_of(), &fetch)?;
+                session.wait_run(pending)?;
+                let now = Instant::now();
+                intervals.push(ms(now - last));
+                last = now;
+                pending = next;
+                bar.inc(1);
+            }
             session.wait_run(pending)?;
-            let now = Instant::now();
-            intervals.push(ms(now - last));
-            last = now;
-            pending = next;
-            bar.inc(1);
         }
         bar.finish_and_clear();
-        session.wait_run(pending)?;
+        drop(buffers);
         session.close()?;
         let ahead = Stats::of(intervals)?;
         let stats = Stats::of(times)?;
@@ -421,12 +499,15 @@ pub fn service(
         // falls back to the socket by itself).
         m.insert(
             "feeds_via".into(),
-            json!(if client.shares_memory() {
+            json!(if t.feed_buffers {
+                "feed buffers (shared memory, written once)"
+            } else if client.shares_memory() {
                 "shared memory"
             } else {
                 "socket"
             }),
         );
+        m.insert("busy_poll_ms".into(), json!(ms(t.busy_poll)));
         m.insert(
             "executor_options".into(),
             json!(match t.device {

@@ -374,6 +374,18 @@ pub(super) fn write(words: &mut [u64], span: Span, t: &Tensor) -> Result<(), Str
     Ok(())
 }
 
+/// Writes a feed's little-endian `bytes` at `span` of `words`.
+pub(super) fn write_bytes(words: &mut [u64], span: Span, bytes: &[u8]) -> Result<(), String> {
+    let dst = words
+        .get_mut(span.start..span.start + span.len)
+        .ok_or("a tensor's range lies past the buffer")?;
+    bytemuck::cast_slice_mut::<u64, u8>(dst)
+        .get_mut(..bytes.len())
+        .ok_or("a tensor does not fit its range")?
+        .copy_from_slice(bytes);
+    Ok(())
+}
+
 /// A copy of the tensor of type `ty` at `span` (a fetched result).
 pub(super) fn copy_out(ty: &TensorType, words: &[u64], span: Span) -> Result<Tensor, String> {
     let range = words

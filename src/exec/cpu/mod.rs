@@ -29,7 +29,7 @@ use lanes_adaptor::{Op, Tensor, ValidGraph, VarValues};
 
 use self::arena::Arena;
 use self::vars::{Places, Vars};
-use super::{ExecError, TensorMut, TensorRef};
+use super::{ExecError, HostFeed, TensorMut, TensorRef};
 use crate::residency::{
     Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport, UnitTimer,
 };
@@ -220,9 +220,9 @@ impl CpuProgram {
     }
 
     /// Runs one iteration (bringing the variables back first if evicted).
-    pub fn run(
+    pub fn run<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
         self.run_switching(feeds, fetches, Strategy::Pipelined)
@@ -348,9 +348,9 @@ impl CpuProgram {
     /// Runs one iteration; when the program is not resident, its variables
     /// come back in the groups of `strategy` while the iteration computes.
     /// The report says how (`None` when it was resident).
-    pub fn run_switching(
+    pub fn run_switching<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
@@ -360,10 +360,10 @@ impl CpuProgram {
     /// [`CpuProgram::run_switching`] in `mem` when given: the job's
     /// persistent region (the variables move there at the first such call,
     /// or come back there after an eviction) and its lane's arena.
-    pub fn run_in(
+    pub fn run_in<F: HostFeed>(
         &mut self,
         mem: Option<CpuMemory<'_>>,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {

@@ -10,7 +10,7 @@ use lanes_adaptor::{Node, NodeId, Op, Outlet, Tensor, TensorType, ValidGraph, Va
 use super::arena::{self, Held, Span};
 use super::run_op;
 use super::vars::{self, Places, Vars};
-use crate::exec::{ExecError, TensorMut, TensorRef};
+use crate::exec::{ExecError, HostFeed, TensorMut, TensorRef};
 
 /// Checks that `vars` holds a value of the declared type for every variable.
 pub(super) fn check_vars(graph: &ValidGraph, vars: &VarValues) -> Result<(), ExecError> {
@@ -44,10 +44,10 @@ pub(super) struct Memory<'m, 'p, 'a> {
 /// Runs one iteration of `graph`: variables updated in place in the
 /// persistent memory, every op output in the arena at its planned offset
 /// (see `arena.rs`, `vars.rs`).
-pub(super) fn run_iteration<'p>(
+pub(super) fn run_iteration<'p, F: HostFeed>(
     graph: &ValidGraph,
     mem: Memory<'_, 'p, '_>,
-    feeds: &BTreeMap<String, Tensor>,
+    feeds: &BTreeMap<String, F>,
     fetches: &[String],
     before: &mut BeforeNode<'_, 'p>,
 ) -> Result<Vec<Tensor>, ExecError> {
@@ -131,7 +131,7 @@ pub(super) fn run_iteration<'p>(
                     .and_then(|s| s.first())
                     .copied()
                     .ok_or_else(|| bad(node, "the feed has no place in the arena"))?;
-                arena::write(held.words, span, feed).map_err(|r| bad(node, &r))?;
+                arena::write_bytes(held.words, span, feed.bytes()).map_err(|r| bad(node, &r))?;
                 done[i] = true;
             }
             // Read where they are when used.
@@ -207,7 +207,7 @@ pub(super) fn run_iteration<'p>(
                     vars::read(ty, w, whole(w))
                 }
                 Op::Constant(t) => Ok(t.clone()),
-                Op::Placeholder(_) => feeds.get(&node.name).cloned().ok_or_else(unknown),
+                Op::Placeholder(_) => feeds.get(&node.name).ok_or_else(unknown)?.to_tensor(),
                 // Copied out after its op ran.
                 _ => result.ok_or_else(unknown),
             }

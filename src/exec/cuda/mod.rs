@@ -14,10 +14,12 @@
 mod conv;
 mod device;
 mod ops;
+mod pin;
 mod program;
 mod vm;
 
-pub use program::{ephemeral_need, ArenaParts, CudaOptions, CudaProgram};
+pub use pin::{pin_host, HostPin};
+pub use program::{ephemeral_need, set_wait_spin, ArenaParts, CudaOptions, CudaProgram};
 
 use super::ExecError;
 

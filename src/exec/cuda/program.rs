@@ -15,9 +15,10 @@ use lanes_adaptor::{
 
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
+use super::pin::SegmentPins;
 use super::vm::{granularity, VmArena};
 use crate::compile::{self, MemoryPlan};
-use crate::exec::ExecError;
+use crate::exec::{ExecError, HostFeed};
 use crate::residency::{Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport};
 
 /// A program's arena in bytes (see [`CudaProgram::arena_parts`]).
@@ -138,6 +139,12 @@ pub struct CudaProgram {
     _cudnn: Arc<Cudnn>,
     /// Where the arena's parts are and which fetches the plan keeps.
     mem: ArenaLayout,
+    /// The job's shared segments its feeds were copied from, registered
+    /// page-locked.
+    pins: SegmentPins,
+    /// How long the last wait for the stream took (nanoseconds): the next
+    /// wait polls without sleeping through about that long.
+    last_wait_ns: std::sync::atomic::AtomicU64,
 }
 
 /// The arena, from its base: the persistent region (residency order), the
@@ -526,9 +533,9 @@ impl CudaProgram {
     /// region comes back in the groups of `strategy` on the copy stream while
     /// the compute stream runs the nodes whose weights are there (each
     /// group's first node waits for that group's copy event).
-    pub fn run_switching(
+    pub fn run_switching<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
@@ -540,6 +547,7 @@ impl CudaProgram {
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
+        self.pin_feeds(feeds);
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         let plan = self.plan(strategy);
@@ -597,7 +605,7 @@ impl CudaProgram {
         }
         let copy = &self.res.copy;
         for (o, t) in &feed_list {
-            self.upload_on(*o, t, copy)?;
+            self.upload_on(*o, *t, copy)?;
         }
         let feeds_in = self.event(copy, false)?;
         self.stream
@@ -725,8 +733,29 @@ impl std::fmt::Debug for CudaProgram {
 // cuDNN allows a handle to move between threads when calls do not overlap.
 unsafe impl Send for CudaProgram {}
 
-/// How long [`wait_idle`] polls without sleeping.
+/// How long [`wait_idle`] polls without sleeping, at least.
 const WAIT_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+/// How long it polls without sleeping at most (see [`set_wait_spin`]), in
+/// nanoseconds; 0: [`WAIT_SPIN`].
+static WAIT_SPIN_MAX_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Process-wide: CUDA workers wait for their streams without sleeping for
+/// up to `window` (a service's `--busy-poll`), instead of [`WAIT_SPIN`].
+pub fn set_wait_spin(window: std::time::Duration) {
+    let ns = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+    WAIT_SPIN_MAX_NS.store(ns, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How long the wait for an iteration spins: [`WAIT_SPIN`], or 1.25 times
+/// the program's last wait (its iterations' length) up to the busy-poll
+/// window, so that the wait polls through the iteration's expected end
+/// instead of sleeping past it.
+fn spin_for(last: std::time::Duration) -> std::time::Duration {
+    let max = std::time::Duration::from_nanos(
+        WAIT_SPIN_MAX_NS.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    WAIT_SPIN.max((last * 5 / 4).min(max))
+}
 /// Its pause between polls after that.
 const WAIT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
@@ -739,6 +768,15 @@ const WAIT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 /// as long as the training ran (seen on the H100: 17 s and more). Polling
 /// holds the lock only for each short query.
 pub(super) fn wait_idle(stream: &CudaStream) -> Result<(), ExecError> {
+    wait_idle_spinning(stream, WAIT_SPIN).map(|_| ())
+}
+
+/// [`wait_idle`] that polls without sleeping for `spin`; returns how long
+/// it waited.
+fn wait_idle_spinning(
+    stream: &CudaStream,
+    spin: std::time::Duration,
+) -> Result<std::time::Duration, ExecError> {
     let done = stream
         .record_event(None)
         .map_err(|e| dev_err("record event", e))?;
@@ -747,13 +785,13 @@ pub(super) fn wait_idle(stream: &CudaStream) -> Result<(), ExecError> {
         .try_is_complete()
         .map_err(|e| dev_err("stream synchronize", e))?
     {
-        if t0.elapsed() < WAIT_SPIN {
+        if t0.elapsed() < spin {
             std::thread::yield_now();
         } else {
             std::thread::sleep(WAIT_POLL);
         }
     }
-    Ok(())
+    Ok(t0.elapsed())
 }
 
 pub(super) fn dev_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
@@ -912,6 +950,8 @@ impl CudaProgram {
             },
             arena,
             _cudnn: cudnn,
+            pins: SegmentPins::default(),
+            last_wait_ns: std::sync::atomic::AtomicU64::new(0),
             mem,
         };
         // Upload variables and constants.
@@ -992,26 +1032,46 @@ impl CudaProgram {
         self.base + self.slot(o).off as u64
     }
 
-    fn upload(&self, o: Outlet, t: &Tensor) -> Result<(), ExecError> {
+    fn upload<F: HostFeed>(&self, o: Outlet, t: &F) -> Result<(), ExecError> {
         self.upload_on(o, t, &self.stream)
     }
 
-    fn upload_on(&self, o: Outlet, t: &Tensor, stream: &CudaStream) -> Result<(), ExecError> {
+    fn upload_on<F: HostFeed>(
+        &self,
+        o: Outlet,
+        t: &F,
+        stream: &CudaStream,
+    ) -> Result<(), ExecError> {
         let dst = self.addr(o);
+        let bytes = t.bytes();
+        if bytes.len() != self.slot(o).ty.bytes() {
+            return Err(dev_err(
+                "host to device copy",
+                "a feed's bytes do not match its type",
+            ));
+        }
         // SAFETY: `dst` is the start of this outlet's range in the arena,
-        // which holds exactly `t.ty().bytes()` bytes (types were checked), and
-        // the host slice lives until the stream is synchronised by the caller.
-        let r = unsafe {
-            match t.data() {
-                TensorData::F32(v) => {
-                    cudarc::driver::result::memcpy_htod_async(dst, v, stream.cu_stream())
-                }
-                TensorData::I64(v) => {
-                    cudarc::driver::result::memcpy_htod_async(dst, v, stream.cu_stream())
-                }
-            }
-        };
+        // which holds exactly `bytes.len()` bytes (checked just above), and
+        // the host bytes live until the stream is synchronised by the caller
+        // (from page-locked memory the copy is asynchronous).
+        let r =
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, stream.cu_stream()) };
         r.map_err(|e| dev_err("host to device copy", e))
+    }
+
+    /// Registers the shared segments `feeds` lie in (once each), so that
+    /// their copies to the device are DMA from where the job wrote them.
+    fn pin_feeds<F: HostFeed>(&mut self, feeds: &BTreeMap<String, F>) {
+        for f in feeds.values() {
+            if let Some(seg) = f.segment() {
+                self.pins.pin(seg);
+            }
+        }
+    }
+
+    /// Shared segments registered page-locked for this program's feeds.
+    pub fn pinned_segments(&self) -> usize {
+        self.pins.registered()
     }
 
     fn download(&self, o: Outlet) -> Result<Tensor, ExecError> {
@@ -1045,20 +1105,28 @@ impl CudaProgram {
     }
 
     pub(super) fn sync(&self) -> Result<(), ExecError> {
-        wait_idle(&self.stream)
+        use std::sync::atomic::Ordering::Relaxed;
+        let last = std::time::Duration::from_nanos(self.last_wait_ns.load(Relaxed));
+        let waited = wait_idle_spinning(&self.stream, spin_for(last))?;
+        self.last_wait_ns.store(
+            u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX),
+            Relaxed,
+        );
+        Ok(())
     }
 
     /// Runs one iteration: feeds by placeholder name, fetches by `"node"` or
     /// `"node:slot"`, returns fetched tensors in order.
-    pub fn run(
+    pub fn run<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
         self.gpu
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
+        self.pin_feeds(feeds);
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         if !self.res.resident {
@@ -1084,9 +1152,9 @@ impl CudaProgram {
     /// Runs one iteration op by op with a timing event after every node and
     /// returns the GPU time per op kind as (op, nodes, milliseconds), the
     /// largest first. A real iteration: in-place updates happen.
-    pub fn profile_ops(
+    pub fn profile_ops<F: HostFeed>(
         &mut self,
-        feeds: &BTreeMap<String, Tensor>,
+        feeds: &BTreeMap<String, F>,
         fetches: &[String],
     ) -> Result<Vec<(&'static str, usize, f64)>, ExecError> {
         if !self.res.resident {
@@ -1224,11 +1292,11 @@ impl CudaProgram {
 
     /// Feeds in placeholder order and fetch outlets, checked.
     #[allow(clippy::type_complexity)]
-    fn check_io<'t>(
+    fn check_io<'t, F: HostFeed>(
         &self,
-        feeds: &'t BTreeMap<String, Tensor>,
+        feeds: &'t BTreeMap<String, F>,
         fetches: &[String],
-    ) -> Result<(Vec<(Outlet, &'t Tensor)>, Vec<Outlet>), ExecError> {
+    ) -> Result<(Vec<(Outlet, &'t F)>, Vec<Outlet>), ExecError> {
         let g = self.graph.graph();
         for name in feeds.keys() {
             match g.find(name).map(|id| &g.nodes[id.index()].op) {
