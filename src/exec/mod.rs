@@ -30,6 +30,10 @@ pub trait HostFeed {
     fn segment(&self) -> Option<&Arc<AttachedSegment>> {
         None
     }
+    /// Where in that segment they start.
+    fn offset(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl HostFeed for Tensor {
@@ -63,6 +67,9 @@ impl HostFeed for SharedFeed {
     }
     fn segment(&self) -> Option<&Arc<AttachedSegment>> {
         Some(SharedFeed::segment(self))
+    }
+    fn offset(&self) -> Option<usize> {
+        Some(SharedFeed::offset(self))
     }
 }
 

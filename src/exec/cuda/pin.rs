@@ -56,11 +56,19 @@ unsafe fn register(
 }
 
 impl HostPin<'static> {
-    /// Registers a job's whole segment (read-only: the service maps it so),
-    /// keeping it mapped for as long as the pin lives.
-    pub fn segment(segment: &Arc<AttachedSegment>) -> Result<Self, ExecError> {
+    /// Registers `range` of a job's segment (read-only: the service maps it
+    /// so), keeping the segment mapped for as long as the pin lives.
+    pub fn segment(
+        segment: &Arc<AttachedSegment>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Self, ExecError> {
         let gpu = gpu()?;
-        let bytes = segment.bytes();
+        let bytes = segment
+            .bytes()
+            .get(range.clone())
+            .ok_or_else(|| ExecError::NoDevice {
+                reason: format!("{range:?} is outside the segment"),
+            })?;
         // SAFETY: the pin holds the segment (its mapping) until after it
         // unregisters it (Drop runs before the fields are dropped).
         unsafe {
@@ -127,41 +135,69 @@ impl Drop for HostPin<'_> {
 /// flight, and replaces a segment that became too small under its id.
 const MAX_PINNED_SEGMENTS: usize = 8;
 
-/// The shared segments of a program's job, registered the first time a
-/// Run's feeds come from them. A segment the service no longer holds (its
-/// session replaced or detached it) is unregistered before another is
-/// registered. If registering fails, copies from that segment stay
-/// pageable copies (correct, only slower), and it is not tried again.
+/// Registration granule: ranges are widened to whole pages.
+const PAGE: usize = 4096;
+
+/// The parts of a job's shared segments its Runs' feeds came from,
+/// registered the first time. Only the pages the feeds occupy are
+/// registered (their bytes are bounded by the graph's placeholders, which
+/// the service checked): registering a whole segment would make the service
+/// populate and lock pages a client never wrote. A segment the service no
+/// longer holds (its session replaced or detached it) is unregistered
+/// before another is registered. If registering fails, copies from that
+/// range stay pageable copies (correct, only slower), and it is not tried
+/// again.
 #[derive(Debug, Default)]
 pub(super) struct SegmentPins {
-    pinned: Vec<(Arc<AttachedSegment>, Option<HostPin<'static>>)>,
+    pinned: Vec<Pinned>,
+}
+
+#[derive(Debug)]
+struct Pinned {
+    segment: Arc<AttachedSegment>,
+    range: std::ops::Range<usize>,
+    pin: Option<HostPin<'static>>,
 }
 
 impl SegmentPins {
-    /// Makes sure `segment` is registered (or was tried).
-    pub fn pin(&mut self, segment: &Arc<AttachedSegment>) {
-        if self.pinned.iter().any(|(s, _)| Arc::ptr_eq(s, segment)) {
-            return;
+    /// Makes sure the pages of `range` of `segment` are registered (or were
+    /// tried).
+    pub fn pin(&mut self, segment: &Arc<AttachedSegment>, range: std::ops::Range<usize>) {
+        let len = segment.bytes().len();
+        let range = (range.start / PAGE * PAGE)..range.end.next_multiple_of(PAGE).min(len);
+        if let Some(i) = self
+            .pinned
+            .iter()
+            .position(|p| Arc::ptr_eq(&p.segment, segment))
+        {
+            let p = &self.pinned[i];
+            if p.range.start <= range.start && range.end <= p.range.end {
+                return;
+            }
+            // Other feeds of the same segment: registered anew.
+            self.pinned.remove(i);
         }
         // Held by nobody but this table (its entry, and its pin): the
         // service let go of it.
         self.pinned
-            .retain(|(s, p)| Arc::strong_count(s) > 1 + usize::from(p.is_some()));
+            .retain(|p| Arc::strong_count(&p.segment) > 1 + usize::from(p.pin.is_some()));
         if self.pinned.len() >= MAX_PINNED_SEGMENTS {
             self.pinned.remove(0);
         }
-        let pin = match HostPin::segment(segment) {
-            Ok(p) => Some(p),
+        let pin = match HostPin::segment(segment, range.clone()) {
+            Ok(p) => {
+                tracing::debug!(bytes = p.len(), "shared segment registered page-locked");
+                Some(p)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "feeds from this shared segment are copied from pageable memory");
                 None
             }
         };
-        self.pinned.push((segment.clone(), pin));
-    }
-
-    /// Segments registered now.
-    pub fn registered(&self) -> usize {
-        self.pinned.iter().filter(|(_, p)| p.is_some()).count()
+        self.pinned.push(Pinned {
+            segment: segment.clone(),
+            range,
+            pin,
+        });
     }
 }

@@ -9,6 +9,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::cudnn::Cudnn;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream, PinnedHostSlice};
+use lanes_adaptor::wire::shm::AttachedSegment;
 use lanes_adaptor::{
     DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
 };
@@ -1062,16 +1063,21 @@ impl CudaProgram {
     /// Registers the shared segments `feeds` lie in (once each), so that
     /// their copies to the device are DMA from where the job wrote them.
     fn pin_feeds<F: HostFeed>(&mut self, feeds: &BTreeMap<String, F>) {
+        // The span of the feeds in each segment (a Run's feeds lie in one).
+        let mut spans: Vec<(&Arc<AttachedSegment>, std::ops::Range<usize>)> = Vec::new();
         for f in feeds.values() {
-            if let Some(seg) = f.segment() {
-                self.pins.pin(seg);
+            let (Some(seg), Some(at)) = (f.segment(), f.offset()) else {
+                continue;
+            };
+            let end = at + f.bytes().len();
+            match spans.iter_mut().find(|(s, _)| Arc::ptr_eq(s, seg)) {
+                Some((_, r)) => *r = r.start.min(at)..r.end.max(end),
+                None => spans.push((seg, at..end)),
             }
         }
-    }
-
-    /// Shared segments registered page-locked for this program's feeds.
-    pub fn pinned_segments(&self) -> usize {
-        self.pins.registered()
+        for (seg, range) in spans {
+            self.pins.pin(seg, range);
+        }
     }
 
     fn download(&self, o: Outlet) -> Result<Tensor, ExecError> {
