@@ -163,6 +163,15 @@ pub struct SimOptions {
     /// a model the engine steps one iteration at a time (an iteration's
     /// speed is fixed when it starts, from the lanes busy then).
     pub contention: Option<Contention>,
+    /// Give the policy each job's iteration time as a hint
+    /// ([`JobSpec::with_hint`]). The service's sessions declare no
+    /// iteration time, so its SRTF ranks by iterations until it has
+    /// measured one; `false` simulates that.
+    pub hints: bool,
+    /// Start-up of each job before it can be admitted (its graph's
+    /// transfer and load): the job enters admission this long after its
+    /// submission; its JCT still counts from the submission.
+    pub startup: Startup,
 }
 
 impl Default for SimOptions {
@@ -170,6 +179,45 @@ impl Default for SimOptions {
         SimOptions {
             schedule: true,
             contention: None,
+            hints: true,
+            startup: Startup::default(),
+        }
+    }
+}
+
+/// A job's start-up time per kind (see [`SimOptions::startup`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Startup {
+    /// Training jobs.
+    pub training: Duration,
+    /// Inference jobs.
+    pub inference: Duration,
+}
+
+impl Startup {
+    /// The start-up of a job of `kind`.
+    pub fn of(&self, kind: lanes_policies::JobKind) -> Duration {
+        match kind {
+            lanes_policies::JobKind::Training => self.training,
+            lanes_policies::JobKind::Inference => self.inference,
+        }
+    }
+
+    /// No start-up at all.
+    pub fn is_zero(&self) -> bool {
+        self.training.is_zero() && self.inference.is_zero()
+    }
+}
+
+/// `job`'s declaration as the simulated policy sees it.
+fn spec_of(job: &TraceJob, hints: bool) -> JobSpec {
+    let spec = job.spec();
+    if hints {
+        spec
+    } else {
+        JobSpec {
+            iteration_hint: None,
+            ..spec
         }
     }
 }
@@ -192,6 +240,34 @@ pub fn simulate(
 /// joins the lane); otherwise the policy is asked at every iteration
 /// boundary. Either way the result is the one of asking at every boundary.
 pub fn simulate_with(
+    trace: &[TraceJob],
+    policy: &mut dyn Policy,
+    cfg: SimConfig,
+    opts: SimOptions,
+) -> Result<SimRun, SimError> {
+    if opts.startup.is_zero() {
+        return simulate_from(trace, policy, cfg, opts);
+    }
+    // A job becomes admissible once started up: simulate the trace with
+    // shifted submissions, then count JCTs from the real ones.
+    let shifted: Vec<TraceJob> = trace
+        .iter()
+        .map(|j| TraceJob {
+            submit: j.submit.saturating_add(opts.startup.of(j.kind)),
+            ..j.clone()
+        })
+        .collect();
+    let mut run = simulate_from(&shifted, policy, cfg, opts)?;
+    let submit: HashMap<JobId, Duration> = trace.iter().map(|j| (j.id, j.submit)).collect();
+    for o in &mut run.outcomes {
+        if let Some(&s) = submit.get(&o.id) {
+            o.submit = s;
+        }
+    }
+    Ok(run)
+}
+
+fn simulate_from(
     trace: &[TraceJob],
     policy: &mut dyn Policy,
     cfg: SimConfig,
@@ -222,7 +298,14 @@ pub fn simulate_with(
     let mut ranked: Vec<(AdmissionRank, usize)> = order
         .iter()
         .enumerate()
-        .map(|(pos, &i)| (engine.policy.admission_rank(&trace[i].spec()), pos))
+        .map(|(pos, &i)| {
+            (
+                engine
+                    .policy
+                    .admission_rank(&spec_of(&trace[i], opts.hints)),
+                pos,
+            )
+        })
         .collect();
     ranked.sort_unstable();
     let by_slot: Vec<usize> = ranked.iter().map(|&(_, pos)| order[pos]).collect();
@@ -294,7 +377,7 @@ pub fn simulate_with(
                 };
                 from = slot + 1;
                 let i = by_slot[slot];
-                let spec = trace[i].spec();
+                let spec = spec_of(&trace[i], opts.hints);
                 if !views.iter().any(|v| v.fits(&spec)) {
                     continue;
                 }
@@ -517,7 +600,9 @@ impl<'a> Engine<'a> {
         Engine {
             trace,
             name: policy.name(),
-            every: mode == PickDynamics::EveryIteration || opts.contention.is_some(),
+            // Without hints SRTF ranks a job by what it measured, which changes
+            // after its first iteration: not sticky, so ask at every boundary.
+            every: mode == PickDynamics::EveryIteration || opts.contention.is_some() || !opts.hints,
             contention: opts.contention,
             priority: policy.name() == "priority",
             busy: 0,
