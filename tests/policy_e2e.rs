@@ -429,6 +429,12 @@ fn a_trace_replays_as_real_zoo_models() {
         );
         assert!(o.finish >= o.submit + o.service, "job {}: {o:?}", o.id);
     }
+    // The as-run trace carries the P the service planned for the model.
+    assert!(
+        r.as_run.iter().all(|a| a.persistent_bytes > 0),
+        "{:?}",
+        r.as_run
+    );
     // Each job's timeline is in order: arrival, admission, first reply, end.
     assert_eq!(r.timelines.len(), 2);
     for t in &r.timelines {

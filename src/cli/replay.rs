@@ -33,8 +33,8 @@ use anyhow::Context;
 use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
     calibrate, load_trace, measure_startup, replay_live, replay_remote, service_policy,
-    simulate_with, table, Calibration, Contention, CostCurve, JobTimeline, LiveConfig,
-    RemoteConfig, SimConfig, SimOptions, SleepWork, Summary, TraceJob,
+    simulate_with, table, Calibration, Contention, CostCurve, JobTimeline, LanePlacement,
+    LiveConfig, RemoteConfig, SimConfig, SimOptions, SleepWork, Summary, TraceJob,
 };
 use lanes::size::{format_size, ByteSize};
 use lanes_policies::{by_name, POLICY_NAMES};
@@ -226,6 +226,7 @@ fn against_service(
     let opts = SimOptions {
         hints: false,
         contention,
+        placement: LanePlacement::Service,
         ..SimOptions::default()
     };
     let simulated = sim_summary(trace, policy, memory, args.lanes, opts)?;

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use lanes::sim::{
-    load_trace, plot_jct_cdf, simulate_with, table, Contention, SimConfig, SimOptions, Startup,
-    Summary,
+    load_trace, plot_jct_cdf, simulate_with, table, Contention, LanePlacement, SimConfig,
+    SimOptions, Startup, Summary,
 };
 use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
@@ -47,6 +47,12 @@ pub struct Args {
     /// per kind (`lanes replay` measures them).
     #[arg(long, value_name = "MS[,MS]")]
     pub startup_ms: Option<String>,
+    /// Where admitted jobs go: `policy` (= `equal-lanes`: `--lanes` equal
+    /// lanes, the policy's placement) or `service` (a copy of `lanes
+    /// serve`'s lane manager over the whole memory, at most `--lanes`
+    /// lanes open).
+    #[arg(long, default_value = "policy")]
+    pub placement: LanePlacement,
     /// Also draw the JCT distribution per policy into this SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -83,6 +89,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 contention,
                 hints: !args.no_hints,
                 startup,
+                placement: args.placement,
             },
         )?);
         bar.inc(1);

@@ -35,6 +35,7 @@ use lanes_policies::{
 };
 
 use super::contention::Contention;
+use super::placement::{LanePlacement, ServicePlacement};
 use super::trace::TraceJob;
 use super::waiting::Waiting;
 
@@ -89,6 +90,10 @@ pub enum SimError {
     /// The job table refused an event (a simulator bug).
     #[error(transparent)]
     Table(#[from] PolicyError),
+    /// The service's lane manager refused a request (a simulator bug, or
+    /// memory it cannot divide).
+    #[error(transparent)]
+    Lanes(#[from] crate::lanes::AdmitError),
 }
 
 /// What happened to one job.
@@ -172,6 +177,9 @@ pub struct SimOptions {
     /// transfer and load): the job enters admission this long after its
     /// submission; its JCT still counts from the submission.
     pub startup: Startup,
+    /// Equal lanes and the policy's placement, or the service's lane
+    /// manager over the whole memory ([`LanePlacement`]).
+    pub placement: LanePlacement,
 }
 
 impl Default for SimOptions {
@@ -181,6 +189,7 @@ impl Default for SimOptions {
             contention: None,
             hints: true,
             startup: Startup::default(),
+            placement: LanePlacement::Policy,
         }
     }
 }
@@ -276,7 +285,15 @@ fn simulate_from(
     if cfg.lanes == 0 {
         return Err(SimError::NoLanes);
     }
-    let capacity = cfg.memory / cfg.lanes as u64;
+    let service = match opts.placement {
+        LanePlacement::Policy => None,
+        LanePlacement::Service => Some(ServicePlacement::new(cfg.memory, cfg.lanes)?),
+    };
+    // Under the service's placement a lane may take the whole memory.
+    let capacity = match service {
+        Some(_) => cfg.memory,
+        None => cfg.memory / cfg.lanes as u64,
+    };
     for j in trace {
         let need = j.persistent_bytes.saturating_add(j.ephemeral_bytes);
         if need > capacity {
@@ -293,6 +310,16 @@ fn simulate_from(
     let mut order: Vec<usize> = (0..trace.len()).collect();
     order.sort_by_key(|&i| (trace[i].submit, i));
     let mut engine = Engine::new(trace, policy, cfg.lanes, capacity, opts);
+    engine.service = service;
+    // Under the service's placement a waiting job is a candidate whenever
+    // it fits the whole memory; the manager decides.
+    let whole: Vec<LaneView> = vec![LaneView {
+        id: 0,
+        capacity: cfg.memory,
+        persistent_sum: 0,
+        max_ephemeral: 0,
+        jobs: 0,
+    }];
     // Every job's place in the admission order: the policy's rank, ties in
     // submission order (the rank depends on the declaration alone).
     let mut ranked: Vec<(AdmissionRank, usize)> = order
@@ -368,7 +395,12 @@ fn simulate_from(
             let mut from = 0usize;
             loop {
                 let slot = if freed {
-                    waiting.next(from, &views)
+                    let candidates = if engine.service.is_some() {
+                        &whole
+                    } else {
+                        &views
+                    };
+                    waiting.next(from, candidates)
                 } else {
                     fresh.next()
                 };
@@ -378,6 +410,17 @@ fn simulate_from(
                 from = slot + 1;
                 let i = by_slot[slot];
                 let spec = spec_of(&trace[i], opts.hints);
+                if let Some(service) = engine.service.as_mut() {
+                    let job = &trace[i];
+                    let Some(l) =
+                        service.admit(job.id, job.persistent_bytes, job.ephemeral_bytes)?
+                    else {
+                        continue;
+                    };
+                    waiting.remove(slot);
+                    engine.admit(i, spec, l, now)?;
+                    continue;
+                }
                 if !views.iter().any(|v| v.fits(&spec)) {
                     continue;
                 }
@@ -586,6 +629,8 @@ struct Engine<'a> {
     priority: bool,
     /// Lane time spent running, in nanoseconds.
     busy: u128,
+    /// The service's lane manager, when it places jobs.
+    service: Option<ServicePlacement>,
 }
 
 impl<'a> Engine<'a> {
@@ -606,6 +651,7 @@ impl<'a> Engine<'a> {
             contention: opts.contention,
             priority: policy.name() == "priority",
             busy: 0,
+            service: None,
             mode,
             policy,
             table: JobTable::new(),
@@ -763,6 +809,9 @@ impl<'a> Engine<'a> {
                 continue;
             }
             self.event(Event::Finished { job: job.id }, now)?;
+            if let Some(service) = self.service.as_mut() {
+                service.release(job.id)?;
+            }
             let lane = &mut self.lanes[l];
             lane.members.retain(|&m| m != i);
             lane.persistent_sum = lane.persistent_sum.saturating_sub(job.persistent_bytes);

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gen;
 pub mod import;
 pub mod live;
+pub mod placement;
 #[cfg(test)]
 mod reference;
 pub mod remote;
@@ -28,6 +29,7 @@ pub use engine::{
 pub use gen::{generate, GenConfig};
 pub use import::{import_jobs, read_profiles, ImportError, ImportStats, Mapping, Profile};
 pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
+pub use placement::{LanePlacement, ServicePlacement};
 pub use remote::{
     calibrate, measure_startup, replay_remote, service_policy, Calibration, CostCurve, JobTimeline,
     RemoteConfig, RemoteError, RemoteRun,

@@ -552,4 +552,56 @@ mod tests {
             ]
         );
     }
+
+    /// Two lanes under fifo, three small jobs at once: equal lanes with
+    /// first fit put all three in lane 0, one after the other; the
+    /// service's lane manager opens a lane for each of the first two (a
+    /// lane is sized to its first job) and the third joins one of them.
+    #[test]
+    fn service_placement_differs_from_equal_lanes() {
+        use crate::sim::placement::LanePlacement;
+        const MIB: u64 = 1 << 20;
+        let trace: Vec<TraceJob> = (1..=3)
+            .map(|id| TraceJob {
+                id,
+                submit: Duration::ZERO,
+                kind: JobKind::Training,
+                iterations: 10,
+                iteration: Duration::from_millis(10),
+                persistent_bytes: 10 * MIB,
+                ephemeral_bytes: MIB,
+                priority: 0,
+            })
+            .collect();
+        let cfg = SimConfig {
+            memory: 100 * MIB,
+            lanes: 2,
+        };
+        let equal = simulate(&trace, by_name("fifo").unwrap().as_mut(), cfg).unwrap();
+        assert_eq!(
+            equal.jct_lines(),
+            vec!["jct job=1 ms=100", "jct job=2 ms=200", "jct job=3 ms=300"]
+        );
+        assert!(equal.outcomes.iter().all(|o| o.lane == 0));
+        let opts = SimOptions {
+            placement: LanePlacement::Service,
+            ..SimOptions::default()
+        };
+        let service = simulate_with(&trace, by_name("fifo").unwrap().as_mut(), cfg, opts).unwrap();
+        assert_eq!(service.outcomes[0].lane, 0);
+        assert_eq!(service.outcomes[1].lane, 1);
+        let third = &service.outcomes[2];
+        assert_eq!(third.jct(), Duration::from_millis(200), "{third:?}");
+        // One lane and memory for one job at a time: the service's manager
+        // admits the next job when the previous one leaves.
+        let one = SimConfig {
+            memory: 12 * MIB,
+            lanes: 1,
+        };
+        let serial = simulate_with(&trace, by_name("fifo").unwrap().as_mut(), one, opts).unwrap();
+        assert_eq!(
+            serial.jct_lines(),
+            vec!["jct job=1 ms=100", "jct job=2 ms=200", "jct job=3 ms=300"]
+        );
+    }
 }

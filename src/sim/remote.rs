@@ -191,7 +191,8 @@ pub struct RemoteRun {
     /// Outcomes in trace time (wall time divided by the scale).
     pub run: SimRun,
     /// The trace with each job's iteration time as the service measured it
-    /// (mean service time, unscaled).
+    /// (mean service time, unscaled) and its P and T as the service planned
+    /// them (its LoadGraph reply).
     pub as_run: Vec<TraceJob>,
     /// Per job, in trace order: when it arrived, was admitted (its
     /// LoadGraph answered), got its first reply and ended.
@@ -315,6 +316,15 @@ impl Conn {
 
     /// Opens a session and loads `model` into it.
     fn open(&mut self, spec: SessionSpec, model: &Model) -> Result<SessionId, RemoteError> {
+        self.open_planned(spec, model).map(|(s, _, _)| s)
+    }
+
+    /// [`Conn::open`], with the P and T the service planned for the graph.
+    fn open_planned(
+        &mut self,
+        spec: SessionSpec,
+        model: &Model,
+    ) -> Result<(SessionId, u64, u64), RemoteError> {
         let session = match self.call(&Request::OpenSession(spec))? {
             Reply::SessionOpened { session } => session,
             other => return Err(self.unexpected("session_opened", &other)),
@@ -324,7 +334,11 @@ impl Conn {
             graph: model.graph.clone(),
             variables: model.vars.clone(),
         })? {
-            Reply::GraphLoaded { .. } => Ok(session),
+            Reply::GraphLoaded {
+                persistent_bytes,
+                ephemeral_bytes,
+                ..
+            } => Ok((session, persistent_bytes, ephemeral_bytes)),
             other => Err(self.unexpected("graph_loaded", &other)),
         }
     }
@@ -592,6 +606,8 @@ pub fn service_policy(endpoint: &str, timeout: Duration) -> Result<&'static str,
 }
 
 struct Done {
+    persistent: u64,
+    ephemeral: u64,
     admitted: Duration,
     first: Duration,
     end: Duration,
@@ -648,7 +664,7 @@ pub fn replay_remote(
                 }
                 .with_priority(j.priority)
                 .with_expected_iterations(j.iterations);
-                let session = conn.open(spec, &m)?;
+                let (session, persistent, ephemeral) = conn.open_planned(spec, &m)?;
                 let admitted = start.elapsed();
                 let first = conn.iterate(session, &m, j.iterations, cfg.pipeline)?;
                 let end = start.elapsed();
@@ -656,6 +672,8 @@ pub fn replay_remote(
                 let (iterations, service_mean) = conn.measured(session)?;
                 conn.close(session)?;
                 Ok(Done {
+                    persistent,
+                    ephemeral,
                     admitted,
                     first,
                     end,
@@ -696,6 +714,8 @@ pub fn replay_remote(
                 });
                 let mut r = j.clone();
                 r.iteration = measured;
+                r.persistent_bytes = d.persistent;
+                r.ephemeral_bytes = d.ephemeral;
                 as_run.push(r);
             }
             Ok(Err(e)) => first_err = first_err.or(Some(e)),
