@@ -38,12 +38,14 @@ lanes trace gen --jobs "$JOBS" --seed 3 --mean-interarrival 2 --out "$TRACE"
 SERVICE_PID=""
 stop_service() {
     if [[ -n "$SERVICE_PID" ]] && kill -0 "$SERVICE_PID" 2>/dev/null; then
-        kill "$SERVICE_PID" 2>/dev/null || true
+        # The service runs in its own process group (setsid): the wrapper
+        # (.gpu/env.sh) and the service go together.
+        kill -- "-$SERVICE_PID" 2>/dev/null || kill "$SERVICE_PID" 2>/dev/null || true
         for _ in $(seq 1 50); do
             kill -0 "$SERVICE_PID" 2>/dev/null || break
             sleep 0.1
         done
-        kill -9 "$SERVICE_PID" 2>/dev/null || true
+        kill -9 -- "-$SERVICE_PID" 2>/dev/null || kill -9 "$SERVICE_PID" 2>/dev/null || true
         wait "$SERVICE_PID" 2>/dev/null || true
     fi
     SERVICE_PID=""
@@ -56,7 +58,7 @@ run() {
     local endpoint="tcp://127.0.0.1:$PORT"
     PORT=$((PORT + 1))
     local log="$OUT/$name.serve.log"
-    lanes serve --device "$DEVICE" --endpoint "$endpoint" --policy "$policy" \
+    setsid "${LANES_CMD[@]}" serve --device "$DEVICE" --endpoint "$endpoint" --policy "$policy" \
         --workers "$nlanes" --max-lanes "$nlanes" --memory "$MEMORY" \
         >"$log" 2>&1 &
     SERVICE_PID=$!
