@@ -455,8 +455,12 @@ fn simulate_from(
             }
         }
         // 5. With contention, what started now runs at the speed the lanes
-        //    busy now allow.
+        //    busy now allow; event-driven, the others are re-rated at their
+        //    next boundary when the lanes busy changed.
         if engine.contention.is_some() {
+            if !engine.every {
+                engine.rerate(now, &mut decided)?;
+            }
             engine.slow_down(&decided);
         }
     }
@@ -572,8 +576,13 @@ fn fair_cut(entries: &[FairEntry], delta: u128, until: FairKey) -> (FairKey, u12
 enum Plan {
     /// Nothing.
     Idle,
-    /// A job runs this many iterations back to back.
-    Run { job: usize, iterations: u64 },
+    /// A job runs this many iterations back to back, each `step` long (its
+    /// solo time, or slowed down by other lanes under contention).
+    Run {
+        job: usize,
+        iterations: u64,
+        step: Duration,
+    },
     /// Fair sharing among these jobs, every key up to `until`.
     Fair {
         entries: Vec<FairEntry>,
@@ -631,6 +640,9 @@ struct Engine<'a> {
     busy: u128,
     /// The service's lane manager, when it places jobs.
     service: Option<ServicePlacement>,
+    /// Under event-driven contention: the kinds the lanes ran when the
+    /// running lanes were last rated.
+    rated: Vec<Option<lanes_policies::JobKind>>,
 }
 
 impl<'a> Engine<'a> {
@@ -647,7 +659,16 @@ impl<'a> Engine<'a> {
             name: policy.name(),
             // Without hints SRTF ranks a job by what it measured, which changes
             // after its first iteration: not sticky, so ask at every boundary.
-            every: mode == PickDynamics::EveryIteration || opts.contention.is_some() || !opts.hints,
+            // Under contention a job's measured iteration time changes with
+            // the lanes beside it: only policies whose picks ignore
+            // measurements stay sticky (fifo, pack, priority); the others
+            // are asked at every boundary.
+            every: mode == PickDynamics::EveryIteration
+                || !opts.hints
+                || (opts.contention.is_some()
+                    && !(mode == PickDynamics::Sticky
+                        && matches!(policy.name(), "fifo" | "pack" | "priority"))),
+            rated: vec![None; lanes],
             contention: opts.contention,
             priority: policy.name() == "priority",
             busy: 0,
@@ -727,8 +748,10 @@ impl<'a> Engine<'a> {
         let delta = nanos(now - lane.origin);
         let boundary = match &mut lane.plan {
             Plan::Idle => return Ok(()),
-            Plan::Run { job, iterations } => {
-                let d = nanos(self.trace[*job].iteration);
+            Plan::Run {
+                iterations, step, ..
+            } => {
+                let d = nanos(*step).max(1);
                 let k = delta.div_ceil(d);
                 *iterations = u64::try_from(k).unwrap_or(*iterations).min(*iterations);
                 lane.origin + dur(u128::from(*iterations) * d)
@@ -762,7 +785,11 @@ impl<'a> Engine<'a> {
         let mut ran: Vec<usize> = Vec::new();
         match plan {
             Plan::Idle => {}
-            Plan::Run { job, iterations } => {
+            Plan::Run {
+                job,
+                iterations,
+                step,
+            } => {
                 let t = &trace[job];
                 let id = t.id;
                 if self.every {
@@ -776,7 +803,7 @@ impl<'a> Engine<'a> {
                         now,
                     )?;
                 } else {
-                    let total = dur(nanos(t.iteration) * u128::from(iterations));
+                    let total = dur(nanos(step) * u128::from(iterations));
                     self.table.record_iterations(id, iterations, total)?;
                 }
                 self.done[job] += iterations;
@@ -895,24 +922,36 @@ impl<'a> Engine<'a> {
         } else {
             self.trace[i].iterations - self.done[i]
         };
-        let end = now + dur(nanos(self.trace[i].iteration) * u128::from(iterations));
+        let step = self.trace[i].iteration;
+        let end = now + dur(nanos(step) * u128::from(iterations));
         let lane = &mut self.lanes[l];
-        lane.plan = Plan::Run { job: i, iterations };
+        lane.plan = Plan::Run {
+            job: i,
+            iterations,
+            step,
+        };
         lane.end = Some(end);
         Ok(())
     }
 
-    /// The iterations that started now in `lanes` take their solo time
-    /// divided by the speed the other busy lanes leave them.
+    /// The kind of job each lane runs now (`None`: idle).
+    fn kinds(&self) -> Vec<Option<lanes_policies::JobKind>> {
+        self.lanes
+            .iter()
+            .map(|lane| match lane.plan {
+                Plan::Run { job, .. } => Some(self.trace[job].kind),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The runs that started now in `lanes` take their solo iteration time
+    /// divided by the speed the other busy lanes leave them, per iteration.
     fn slow_down(&mut self, lanes: &[LaneId]) {
         let Some(model) = self.contention else {
             return;
         };
-        let kind = |lane: &Lane| match lane.plan {
-            Plan::Run { job, .. } => Some(self.trace[job].kind),
-            _ => None,
-        };
-        let kinds: Vec<Option<lanes_policies::JobKind>> = self.lanes.iter().map(kind).collect();
+        let kinds = self.kinds();
         for &l in lanes {
             let Some(me) = kinds[l] else {
                 continue;
@@ -924,12 +963,43 @@ impl<'a> Engine<'a> {
                 .filter_map(|(_, k)| *k);
             let speed = model.speed(me, others, self.priority);
             let lane = &mut self.lanes[l];
-            if let (Some(end), true) = (lane.end, speed < 1.0) {
-                let solo = end.saturating_sub(lane.origin).as_secs_f64();
-                let slowed = Duration::from_secs_f64(solo / speed).max(Duration::from_nanos(1));
-                lane.end = Some(lane.origin + slowed);
+            if let (
+                Plan::Run {
+                    iterations, step, ..
+                },
+                true,
+            ) = (&mut lane.plan, speed < 1.0)
+            {
+                *step = Duration::from_secs_f64(step.as_secs_f64() / speed)
+                    .max(Duration::from_nanos(1));
+                lane.end = Some(lane.origin + dur(nanos(*step) * u128::from(*iterations)));
             }
         }
+    }
+
+    /// Event-driven contention: when the kinds the lanes run changed at
+    /// `now`, every other running lane is cut at its next iteration
+    /// boundary, where it decides again (the same job: its pick is sticky)
+    /// and is re-rated from the lanes busy then, as the per-iteration path
+    /// would rate that iteration. Lanes whose boundary is `now` decide now
+    /// and join `decided`.
+    fn rerate(&mut self, now: Duration, decided: &mut Vec<LaneId>) -> Result<(), SimError> {
+        let kinds = self.kinds();
+        if kinds == self.rated {
+            return Ok(());
+        }
+        for l in 0..self.lanes.len() {
+            if decided.contains(&l) || !matches!(self.lanes[l].plan, Plan::Run { .. }) {
+                continue;
+            }
+            self.cut(l, now)?;
+            if self.lanes[l].decide && self.lanes[l].end.is_none() {
+                self.decide(l, now)?;
+                decided.push(l);
+            }
+        }
+        self.rated = self.kinds();
+        Ok(())
     }
 
     /// Record `iterations` of job `i` in lane `l` from `start` to `end`.

@@ -604,4 +604,40 @@ mod tests {
             vec!["jct job=1 ms=100", "jct job=2 ms=200", "jct job=3 ms=300"]
         );
     }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256),
+            ..ProptestConfig::default()
+        })]
+
+        /// Event-driven contention (a run re-rated only when the lanes
+        /// busy change) gives the per-iteration result, to 1 µs.
+        #[test]
+        fn event_driven_contention_matches_per_iteration(
+            trace in traces(14), lanes in 1usize..4, tight in any::<bool>(), fitted in any::<bool>(),
+        ) {
+            let per_lane: u64 = if tight { 120 } else { 1 << 40 };
+            let cfg = SimConfig { memory: per_lane * lanes as u64, lanes };
+            let model = if fitted {
+                Contention::h100_resnet18_cifar().unwrap()
+            } else {
+                Contention::h100()
+            };
+            let opts = SimOptions { contention: Some(model), ..SimOptions::default() };
+            let close = |a: Duration, b: Duration| a.abs_diff(b) <= Duration::from_micros(1);
+            for name in ["fifo", "pack", "priority"] {
+                let fast = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, opts).unwrap();
+                let mut plain = NoPromise(by_name(name).unwrap());
+                let step = simulate_with(&trace, &mut plain, cfg, opts).unwrap();
+                prop_assert_eq!(fast.outcomes.len(), step.outcomes.len());
+                for (f, s) in fast.outcomes.iter().zip(&step.outcomes) {
+                    prop_assert_eq!(f.lane, s.lane, "{}", name);
+                    prop_assert!(close(f.admitted, s.admitted), "{}: {:?} vs {:?}", name, f, s);
+                    prop_assert!(close(f.finish, s.finish), "{}: {:?} vs {:?}", name, f, s);
+                }
+                prop_assert!(close(fast.busy, step.busy), "{}: busy {:?} vs {:?}", name, fast.busy, step.busy);
+            }
+        }
+    }
 }
