@@ -165,8 +165,10 @@ pub struct SimOptions {
     pub schedule: bool,
     /// Lanes that run at once slow each other down by this model
     /// ([`Contention`]); `None`: they run at full speed side by side. With
-    /// a model the engine steps one iteration at a time (an iteration's
-    /// speed is fixed when it starts, from the lanes busy then).
+    /// a model an iteration's speed is fixed when it starts, from the
+    /// lanes busy then; fifo, pack and priority stay event-driven (a run
+    /// is re-rated at its next boundary when the lanes busy change), other
+    /// policies step one iteration at a time.
     pub contention: Option<Contention>,
     /// Give the policy each job's iteration time as a hint
     /// ([`JobSpec::with_hint`]). The service's sessions declare no
