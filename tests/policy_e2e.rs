@@ -429,6 +429,29 @@ fn a_trace_replays_as_real_zoo_models() {
         );
         assert!(o.finish >= o.submit + o.service, "job {}: {o:?}", o.id);
     }
+    // The as-run trace carries the P the service planned for the model.
+    assert!(
+        r.as_run.iter().all(|a| a.persistent_bytes > 0),
+        "{:?}",
+        r.as_run
+    );
+    // Each job's timeline is in order: arrival, admission, first reply, end.
+    assert_eq!(r.timelines.len(), 2);
+    for t in &r.timelines {
+        assert!(
+            t.arrival_s <= t.admitted_s + 1e-9
+                && t.admitted_s <= t.first_reply_s
+                && t.first_reply_s <= t.end_s
+                && t.iteration_ms > 0.0,
+            "{t:?}"
+        );
+    }
+    // Start-up on the idle service: the opening and load before a Run.
+    let startup = lanes::sim::measure_startup(&cfg, 1, 1).unwrap();
+    assert!(
+        startup.training > Duration::ZERO && startup.inference > Duration::ZERO,
+        "{startup:?}"
+    );
     // An unknown model is a typed error before anything is sent.
     let bad = RemoteConfig {
         zoo: Some("alexnet".into()),

@@ -270,12 +270,12 @@ fn replay_warns_when_the_service_differs_from_the_simulation() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("runs 2 workers, the simulation one")
+        stderr.contains("runs 2 workers, the simulation 1 lane(s)")
             && stderr.contains("--workers 1 --max-lanes 1"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("up to 8 lanes, the simulation one") && stderr.contains("--max-lanes 1`"),
+        stderr.contains("up to 8 lanes, the simulation 1:") && stderr.contains("--max-lanes 1`"),
         "{stderr}"
     );
     assert!(

@@ -18,7 +18,12 @@
 //! Against a service the simulator is run twice: on the trace as given, and
 //! on the trace "as run" (each job's iteration time replaced by the mean the
 //! service measured), which separates model-sizing error from scheduling
-//! error.
+//! error. Both runs are without iteration-time hints, as the service's
+//! sessions declare none; the as-run one also pays each kind's start-up
+//! (OpenSession to the first Run's reply, less that Run's service time),
+//! measured on the idle service before the replay. `--lanes N` simulates N
+//! equal lanes (start the service with `--workers N --max-lanes N`) under
+//! `--contention`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,8 +32,9 @@ use std::time::Duration;
 use anyhow::Context;
 use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
-    calibrate, load_trace, replay_live, replay_remote, service_policy, simulate, table,
-    Calibration, CostCurve, LiveConfig, RemoteConfig, SimConfig, SleepWork, Summary, TraceJob,
+    calibrate, load_trace, measure_startup, replay_live, replay_remote, service_policy,
+    simulate_with, table, Calibration, Contention, CostCurve, JobTimeline, LanePlacement,
+    LiveConfig, RemoteConfig, SimConfig, SimOptions, SleepWork, Summary, TraceJob,
 };
 use lanes::size::{format_size, ByteSize};
 use lanes_policies::{by_name, POLICY_NAMES};
@@ -53,9 +59,15 @@ pub struct Args {
     /// a size such as 16GiB (= 16G; a bare K/M/G/T is binary) or 16GB.
     #[arg(long, default_value = "16GiB")]
     pub memory: ByteSize,
-    /// Number of equal lanes (embedded replay only; a service replay is one lane).
+    /// Number of equal lanes the simulator (and the embedded replay) runs.
+    /// Against a service it should match its `--workers N --max-lanes N`
+    /// (`--endpoint serve` starts one so).
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
+    /// GPU contention between the simulated lanes: off, h100,
+    /// h100-resnet18-cifar or a TOML file (as `lanes simulate`).
+    #[arg(long, default_value = "off")]
+    pub contention: String,
     /// Runs each job keeps outstanding against a service (enough that its
     /// next Run is always queued when one finishes).
     #[arg(long, default_value_t = 4)]
@@ -97,6 +109,23 @@ struct Comparison {
     /// service's measured mean (both ms of trace time).
     #[serde(skip_serializing_if = "Option::is_none")]
     iteration_ms: Option<Vec<JobIteration>>,
+    /// Against a service: each kind's start-up measured on the idle
+    /// service (trace ms), given to the simulator as run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    startup_ms: Option<StartupMs>,
+    /// Against a service: per job, arrival, admission, first reply and end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timelines: Option<Vec<JobTimeline>>,
+    /// Lanes simulated.
+    lanes: usize,
+    /// Contention model of the simulation.
+    contention: String,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct StartupMs {
+    training: f64,
+    inference: f64,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -127,8 +156,17 @@ fn sim_summary(
     name: &str,
     memory: u64,
     lanes: usize,
+    opts: SimOptions,
 ) -> anyhow::Result<Summary> {
-    let run = simulate(trace, by_name(name)?.as_mut(), SimConfig { memory, lanes })?;
+    let run = simulate_with(
+        trace,
+        by_name(name)?.as_mut(),
+        SimConfig { memory, lanes },
+        SimOptions {
+            schedule: false,
+            ..opts
+        },
+    )?;
     Ok(Summary::of(&run))
 }
 
@@ -139,6 +177,7 @@ fn against_service(
     endpoint: &str,
     policy: &'static str,
     memory: u64,
+    contention: Option<Contention>,
 ) -> anyhow::Result<Comparison> {
     let cfg = RemoteConfig {
         time_scale: args.time_scale,
@@ -162,10 +201,42 @@ fn against_service(
         "replaying {} jobs under {policy} on {endpoint}",
         trace.len()
     ));
+    spin.set_prefix("measuring each kind's start-up on the service");
+    // The replay's MLPs vary in depth; their start-up is measured at the
+    // median depth the trace asks for.
+    let depth = {
+        let fit = &calibration.training;
+        let mut d: Vec<usize> = trace
+            .iter()
+            .map(|j| fit.depth_for(j.iteration.mul_f64(args.time_scale), cfg.max_depth))
+            .collect();
+        d.sort_unstable();
+        d.get(d.len() / 2).copied().unwrap_or(1)
+    };
+    let startup = measure_startup(&cfg, depth, 2).context("measuring start-up on the service")?;
+    spin.set_prefix(format!(
+        "replaying {} jobs under {policy} on {endpoint}",
+        trace.len()
+    ));
     let r = replay_remote(trace, policy, &cfg, &calibration)?;
     spin.finish_and_clear();
-    let simulated = sim_summary(trace, policy, memory, 1)?;
-    let as_run = sim_summary(&r.as_run, policy, memory, 1)?;
+    // The replay's sessions declare their iterations but no iteration
+    // time, so the service's policies have no hints: neither has the
+    // simulation. The as-run simulation also pays the measured start-up.
+    let opts = SimOptions {
+        hints: false,
+        contention,
+        placement: LanePlacement::Service,
+        ..SimOptions::default()
+    };
+    let simulated = sim_summary(trace, policy, memory, args.lanes, opts)?;
+    let as_run = sim_summary(
+        &r.as_run,
+        policy,
+        memory,
+        args.lanes,
+        SimOptions { startup, ..opts },
+    )?;
     let live = Summary::of(&r.run);
     Ok(Comparison {
         policy: policy.to_string(),
@@ -187,6 +258,13 @@ fn against_service(
         ),
         calibration: Some(r.calibration),
         depths: Some(r.depths),
+        startup_ms: Some(StartupMs {
+            training: startup.training.as_secs_f64() * 1e3,
+            inference: startup.inference.as_secs_f64() * 1e3,
+        }),
+        timelines: Some(r.timelines),
+        lanes: args.lanes,
+        contention: args.contention.clone(),
     })
 }
 
@@ -194,7 +272,7 @@ fn against_service(
 /// against it (one worker, so one iteration at a time; `memory` bytes):
 /// each a sentence that says how to make them match. Empty when they
 /// match or the service does not answer (the replay then reports that).
-fn mismatches(endpoint: &str, memory: u64) -> Vec<String> {
+fn mismatches(endpoint: &str, memory: u64, lanes: usize) -> Vec<String> {
     let options = lanes_adaptor::ClientOptions {
         timeout: Duration::from_secs(5),
         name: "lanes replay".into(),
@@ -206,18 +284,18 @@ fn mismatches(endpoint: &str, memory: u64) -> Vec<String> {
         return Vec::new();
     };
     let mut out = Vec::new();
-    if status.workers != 1 {
+    if status.workers as usize != lanes {
         out.push(format!(
-            "the service at {endpoint} runs {} workers, the simulation one (one iteration at a time): \
-             live times will not be comparable; restart it with `lanes serve --workers 1 --max-lanes 1`, \
-             or replay with `--endpoint serve`",
-            status.workers
+            "the service at {endpoint} runs {} workers, the simulation {lanes} lane(s) (one iteration at a time each): \
+             live times will not be comparable; restart it with `lanes serve --workers {lanes} --max-lanes {lanes}`, \
+             replay with `--lanes {}`, or replay with `--endpoint serve`",
+            status.workers, status.workers
         ));
     }
-    if status.memory_bytes.is_some() && status.max_lanes != 1 {
+    if status.memory_bytes.is_some() && status.max_lanes as usize != lanes {
         out.push(format!(
-            "the service at {endpoint} may split its memory into up to {} lanes, the simulation one: \
-             admission will differ; restart it with `--max-lanes 1`",
+            "the service at {endpoint} may split its memory into up to {} lanes, the simulation {lanes}: \
+             admission will differ; restart it with `--max-lanes {lanes}`",
             status.max_lanes
         ));
     }
@@ -234,10 +312,8 @@ fn mismatches(endpoint: &str, memory: u64) -> Vec<String> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let trace = load_trace(&args.trace)?;
     let memory = args.memory.0;
-    anyhow::ensure!(
-        args.endpoint == "embedded" || args.lanes == 1,
-        "--lanes applies to the embedded replay only; a service replay runs one worker (one lane)"
-    );
+    anyhow::ensure!(args.lanes >= 1, "--lanes must be at least 1");
+    let contention = crate::cli::simulate::contention_model(&args.contention)?;
     anyhow::ensure!(
         args.endpoint != "embedded" || args.zoo.is_none(),
         "--zoo runs real models and needs a service: --endpoint serve or an address"
@@ -246,7 +322,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match args.endpoint.as_str() {
         "embedded" => {
             for name in policy_names(args.policy.as_deref(), "srtf") {
-                let simulated = sim_summary(&trace, &name, memory, args.lanes)?;
+                let opts = SimOptions {
+                    contention,
+                    ..SimOptions::default()
+                };
+                let simulated = sim_summary(&trace, &name, memory, args.lanes, opts)?;
                 let spin = crate::cli::spinner(&format!(
                     "replaying {} jobs under {name} (embedded)",
                     trace.len()
@@ -273,6 +353,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     calibration: None,
                     depths: None,
                     iteration_ms: None,
+                    startup_ms: None,
+                    timelines: None,
+                    lanes: args.lanes,
+                    contention: args.contention.clone(),
                 });
             }
         }
@@ -281,7 +365,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let choice: PolicyChoice = name.parse()?;
                 let service = server::start(ServerConfig {
                     endpoint: "tcp://127.0.0.1:*".into(),
-                    workers: 1,
+                    workers: args.lanes,
+                    max_lanes: args.lanes,
                     policy: choice,
                     ..ServerConfig::default()
                 })?;
@@ -292,6 +377,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     &endpoint,
                     choice.name(),
                     memory,
+                    contention,
                 )?);
                 service.shutdown()?;
             }
@@ -308,7 +394,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 ),
                 e => anyhow::Error::new(e).context(format!("asking {endpoint} for its policy")),
             })?;
-            for w in mismatches(endpoint, memory) {
+            for w in mismatches(endpoint, memory, args.lanes) {
                 eprintln!("warning: {w}");
             }
             if let Some(p) = &args.policy {
@@ -317,7 +403,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     "the service at {endpoint} runs policy {policy}, not {p}; restart it with `lanes serve --policy {p}`"
                 );
             }
-            out.push(against_service(&args, &trace, endpoint, policy, memory)?);
+            out.push(against_service(
+                &args, &trace, endpoint, policy, memory, contention,
+            )?);
         }
     }
     if args.json {
@@ -352,6 +440,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             out!(" (vs the as-run trace: {r:.3})")?;
         }
         outln!()?;
+        if let Some(s) = &c.startup_ms {
+            outln!(
+                "start-up measured on the service (trace ms): training {:.1}, inference {:.1}",
+                s.training,
+                s.inference
+            )?;
+        }
         if let (Some(cal), Some(d)) = (&c.calibration, &c.depths) {
             let ms = |c: &lanes::sim::CostCurve| {
                 c.points

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use lanes::sim::{
-    load_trace, plot_jct_cdf, simulate_with, table, Contention, SimConfig, SimOptions, Summary,
+    load_trace, plot_jct_cdf, simulate_with, table, Contention, LanePlacement, SimConfig,
+    SimOptions, Startup, Summary,
 };
 use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
@@ -29,10 +30,29 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     /// GPU contention between lanes that run at once: `off` (full speed
-    /// side by side), `h100` (the table measured on an H100) or a TOML
-    /// file with the same keys (docs/scheduling.md).
+    /// side by side), `h100` (the table measured on an H100 with
+    /// ResNet-50 training beside ResNet-152 inference),
+    /// `h100-resnet18-cifar` (fitted to resnet18_cifar pair runs on an
+    /// H100) or a TOML file with the same keys (docs/scheduling.md;
+    /// `lanes trace contention` fits one).
     #[arg(long, default_value = "off")]
     pub contention: String,
+    /// Give the policies no iteration-time hints, as the service's
+    /// sessions declare none (its SRTF then ranks a job by iterations until
+    /// it measured one).
+    #[arg(long)]
+    pub no_hints: bool,
+    /// Start-up of each job before it can be admitted (the graph's transfer
+    /// and load), in milliseconds: `MS` for every job, or `TRAIN,INFER`
+    /// per kind (`lanes replay` measures them).
+    #[arg(long, value_name = "MS[,MS]")]
+    pub startup_ms: Option<String>,
+    /// Where admitted jobs go: `policy` (= `equal-lanes`: `--lanes` equal
+    /// lanes, the policy's placement) or `service` (a copy of `lanes
+    /// serve`'s lane manager over the whole memory, at most `--lanes`
+    /// lanes open).
+    #[arg(long, default_value = "policy")]
+    pub placement: LanePlacement,
     /// Also draw the JCT distribution per policy into this SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -46,6 +66,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         lanes: args.lanes,
     };
     let contention = contention_model(&args.contention)?;
+    let startup = match &args.startup_ms {
+        Some(s) => startup_ms(s)?,
+        None => Startup::default(),
+    };
     let names: Vec<&str> = if args.policy == "all" {
         POLICY_NAMES.to_vec()
     } else {
@@ -63,6 +87,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             SimOptions {
                 schedule: false,
                 contention,
+                hints: !args.no_hints,
+                startup,
+                placement: args.placement,
             },
         )?);
         bar.inc(1);
@@ -94,11 +121,62 @@ pub fn contention_model(arg: &str) -> anyhow::Result<Option<Contention>> {
     Ok(match arg {
         "off" => None,
         "h100" => Some(Contention::h100()),
+        "h100-resnet18-cifar" => Some(Contention::h100_resnet18_cifar()?),
         path => {
             let text = std::fs::read_to_string(path).with_context(|| {
-                format!("--contention {path}: not off, h100 or a readable file")
+                format!(
+                    "--contention {path}: not off, h100, h100-resnet18-cifar or a readable file"
+                )
             })?;
             Some(Contention::from_toml(&text).with_context(|| format!("--contention {path}"))?)
         }
     })
+}
+
+/// `--startup-ms MS` or `TRAIN,INFER` (milliseconds, finite, not negative).
+pub fn startup_ms(arg: &str) -> anyhow::Result<Startup> {
+    let ms = |s: &str| -> anyhow::Result<std::time::Duration> {
+        let v: f64 = s
+            .trim()
+            .parse()
+            .with_context(|| format!("--startup-ms {arg}: {s:?} is not a number of ms"))?;
+        anyhow::ensure!(
+            v.is_finite() && v >= 0.0,
+            "--startup-ms {arg}: {v} is not a duration in ms"
+        );
+        Ok(std::time::Duration::from_secs_f64(v / 1e3))
+    };
+    match arg.split_once(',') {
+        Some((t, i)) => Ok(Startup {
+            training: ms(t)?,
+            inference: ms(i)?,
+        }),
+        None => {
+            let d = ms(arg)?;
+            Ok(Startup {
+                training: d,
+                inference: d,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn startup_takes_one_or_two_figures() {
+        let s = startup_ms("250").unwrap();
+        assert_eq!(s.training, Duration::from_millis(250));
+        assert_eq!(s.inference, Duration::from_millis(250));
+        let s = startup_ms("120,3000.5").unwrap();
+        assert_eq!(s.training, Duration::from_millis(120));
+        assert_eq!(s.inference, Duration::from_micros(3_000_500));
+        for bad in ["", "x", "-1", "1,", "nan", "1,2,3", "inf"] {
+            assert!(startup_ms(bad).is_err(), "{bad}");
+        }
+    }
 }

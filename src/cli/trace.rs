@@ -1,13 +1,16 @@
 //! `lanes trace gen`: write a synthetic job trace (distributions in
 //! docs/scheduling.md); `lanes trace import`: turn a cluster trace's job
-//! table into one.
+//! table into one; `lanes trace contention`: fit a contention table to
+//! measured co-runs.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use lanes::sim::import::{MemoryUnit, TimeUnit};
-use lanes::sim::{generate, import_jobs, read_profiles, write_trace, GenConfig, Mapping, TraceJob};
+use lanes::sim::{
+    generate, import_jobs, read_profiles, write_trace, Contention, GenConfig, Mapping, TraceJob,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -22,6 +25,21 @@ pub enum TraceCommand {
     /// Import a cluster trace's job table (CSV) with a column mapping and a
     /// model-profile table (see docs/scheduling.md).
     Import(ImportArgs),
+    /// Fit a contention table (TOML, for `--contention FILE`) to measured
+    /// co-run iteration times (see docs/scheduling.md).
+    Contention(ContentionArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ContentionArgs {
+    /// Co-runs as CSV lines `me,other,alone,beside[,priority]`: a lane's
+    /// kind, the other busy lane's kind, its mean iteration time alone and
+    /// beside the other (one unit), 1 for runs under `--policy priority`.
+    #[arg(long)]
+    pub runs: PathBuf,
+    /// Output table; `-` for standard output.
+    #[arg(long, default_value = "-")]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -80,7 +98,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         TraceCommand::Gen(g) => gen(g),
         TraceCommand::Import(i) => import(i),
+        TraceCommand::Contention(c) => contention(c),
     }
+}
+
+fn contention(a: ContentionArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.runs)
+        .with_context(|| format!("reading {}", a.runs.display()))?;
+    let runs = Contention::read_coruns(&text).with_context(|| format!("{}", a.runs.display()))?;
+    let table = Contention::fit(&runs).with_context(|| format!("{}", a.runs.display()))?;
+    let body = format!(
+        "# Fitted by `lanes trace contention` from {} co-runs in {}: each value\n\
+         # is the mean of alone / beside over that pair's co-runs.\n{}",
+        runs.len(),
+        a.runs.display(),
+        table.to_toml()
+    );
+    if a.out.as_os_str() == "-" {
+        out!("{body}")?;
+    } else {
+        std::fs::write(&a.out, body).with_context(|| format!("writing {}", a.out.display()))?;
+        eprintln!("wrote {}", a.out.display());
+    }
+    Ok(())
 }
 
 fn import(a: ImportArgs) -> anyhow::Result<()> {

@@ -35,6 +35,7 @@ use lanes_policies::{
 };
 
 use super::contention::Contention;
+use super::placement::{LanePlacement, ServicePlacement};
 use super::trace::TraceJob;
 use super::waiting::Waiting;
 
@@ -89,6 +90,10 @@ pub enum SimError {
     /// The job table refused an event (a simulator bug).
     #[error(transparent)]
     Table(#[from] PolicyError),
+    /// The service's lane manager refused a request (a simulator bug, or
+    /// memory it cannot divide).
+    #[error(transparent)]
+    Lanes(#[from] crate::lanes::AdmitError),
 }
 
 /// What happened to one job.
@@ -160,9 +165,23 @@ pub struct SimOptions {
     pub schedule: bool,
     /// Lanes that run at once slow each other down by this model
     /// ([`Contention`]); `None`: they run at full speed side by side. With
-    /// a model the engine steps one iteration at a time (an iteration's
-    /// speed is fixed when it starts, from the lanes busy then).
+    /// a model an iteration's speed is fixed when it starts, from the
+    /// lanes busy then; fifo, pack and priority stay event-driven (a run
+    /// is re-rated at its next boundary when the lanes busy change), other
+    /// policies step one iteration at a time.
     pub contention: Option<Contention>,
+    /// Give the policy each job's iteration time as a hint
+    /// ([`JobSpec::with_hint`]). The service's sessions declare no
+    /// iteration time, so its SRTF ranks by iterations until it has
+    /// measured one; `false` simulates that.
+    pub hints: bool,
+    /// Start-up of each job before it can be admitted (its graph's
+    /// transfer and load): the job enters admission this long after its
+    /// submission; its JCT still counts from the submission.
+    pub startup: Startup,
+    /// Equal lanes and the policy's placement, or the service's lane
+    /// manager over the whole memory ([`LanePlacement`]).
+    pub placement: LanePlacement,
 }
 
 impl Default for SimOptions {
@@ -170,6 +189,46 @@ impl Default for SimOptions {
         SimOptions {
             schedule: true,
             contention: None,
+            hints: true,
+            startup: Startup::default(),
+            placement: LanePlacement::Policy,
+        }
+    }
+}
+
+/// A job's start-up time per kind (see [`SimOptions::startup`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Startup {
+    /// Training jobs.
+    pub training: Duration,
+    /// Inference jobs.
+    pub inference: Duration,
+}
+
+impl Startup {
+    /// The start-up of a job of `kind`.
+    pub fn of(&self, kind: lanes_policies::JobKind) -> Duration {
+        match kind {
+            lanes_policies::JobKind::Training => self.training,
+            lanes_policies::JobKind::Inference => self.inference,
+        }
+    }
+
+    /// No start-up at all.
+    pub fn is_zero(&self) -> bool {
+        self.training.is_zero() && self.inference.is_zero()
+    }
+}
+
+/// `job`'s declaration as the simulated policy sees it.
+fn spec_of(job: &TraceJob, hints: bool) -> JobSpec {
+    let spec = job.spec();
+    if hints {
+        spec
+    } else {
+        JobSpec {
+            iteration_hint: None,
+            ..spec
         }
     }
 }
@@ -197,10 +256,46 @@ pub fn simulate_with(
     cfg: SimConfig,
     opts: SimOptions,
 ) -> Result<SimRun, SimError> {
+    if opts.startup.is_zero() {
+        return simulate_from(trace, policy, cfg, opts);
+    }
+    // A job becomes admissible once started up: simulate the trace with
+    // shifted submissions, then count JCTs from the real ones.
+    let shifted: Vec<TraceJob> = trace
+        .iter()
+        .map(|j| TraceJob {
+            submit: j.submit.saturating_add(opts.startup.of(j.kind)),
+            ..j.clone()
+        })
+        .collect();
+    let mut run = simulate_from(&shifted, policy, cfg, opts)?;
+    let submit: HashMap<JobId, Duration> = trace.iter().map(|j| (j.id, j.submit)).collect();
+    for o in &mut run.outcomes {
+        if let Some(&s) = submit.get(&o.id) {
+            o.submit = s;
+        }
+    }
+    Ok(run)
+}
+
+fn simulate_from(
+    trace: &[TraceJob],
+    policy: &mut dyn Policy,
+    cfg: SimConfig,
+    opts: SimOptions,
+) -> Result<SimRun, SimError> {
     if cfg.lanes == 0 {
         return Err(SimError::NoLanes);
     }
-    let capacity = cfg.memory / cfg.lanes as u64;
+    let service = match opts.placement {
+        LanePlacement::Policy => None,
+        LanePlacement::Service => Some(ServicePlacement::new(cfg.memory, cfg.lanes)?),
+    };
+    // Under the service's placement a lane may take the whole memory.
+    let capacity = match service {
+        Some(_) => cfg.memory,
+        None => cfg.memory / cfg.lanes as u64,
+    };
     for j in trace {
         let need = j.persistent_bytes.saturating_add(j.ephemeral_bytes);
         if need > capacity {
@@ -217,12 +312,29 @@ pub fn simulate_with(
     let mut order: Vec<usize> = (0..trace.len()).collect();
     order.sort_by_key(|&i| (trace[i].submit, i));
     let mut engine = Engine::new(trace, policy, cfg.lanes, capacity, opts);
+    engine.service = service;
+    // Under the service's placement a waiting job is a candidate whenever
+    // it fits the whole memory; the manager decides.
+    let whole: Vec<LaneView> = vec![LaneView {
+        id: 0,
+        capacity: cfg.memory,
+        persistent_sum: 0,
+        max_ephemeral: 0,
+        jobs: 0,
+    }];
     // Every job's place in the admission order: the policy's rank, ties in
     // submission order (the rank depends on the declaration alone).
     let mut ranked: Vec<(AdmissionRank, usize)> = order
         .iter()
         .enumerate()
-        .map(|(pos, &i)| (engine.policy.admission_rank(&trace[i].spec()), pos))
+        .map(|(pos, &i)| {
+            (
+                engine
+                    .policy
+                    .admission_rank(&spec_of(&trace[i], opts.hints)),
+                pos,
+            )
+        })
         .collect();
     ranked.sort_unstable();
     let by_slot: Vec<usize> = ranked.iter().map(|&(_, pos)| order[pos]).collect();
@@ -285,7 +397,12 @@ pub fn simulate_with(
             let mut from = 0usize;
             loop {
                 let slot = if freed {
-                    waiting.next(from, &views)
+                    let candidates = if engine.service.is_some() {
+                        &whole
+                    } else {
+                        &views
+                    };
+                    waiting.next(from, candidates)
                 } else {
                     fresh.next()
                 };
@@ -294,7 +411,18 @@ pub fn simulate_with(
                 };
                 from = slot + 1;
                 let i = by_slot[slot];
-                let spec = trace[i].spec();
+                let spec = spec_of(&trace[i], opts.hints);
+                if let Some(service) = engine.service.as_mut() {
+                    let job = &trace[i];
+                    let Some(l) =
+                        service.admit(job.id, job.persistent_bytes, job.ephemeral_bytes)?
+                    else {
+                        continue;
+                    };
+                    waiting.remove(slot);
+                    engine.admit(i, spec, l, now)?;
+                    continue;
+                }
                 if !views.iter().any(|v| v.fits(&spec)) {
                     continue;
                 }
@@ -329,8 +457,12 @@ pub fn simulate_with(
             }
         }
         // 5. With contention, what started now runs at the speed the lanes
-        //    busy now allow.
+        //    busy now allow; event-driven, the others are re-rated at their
+        //    next boundary when the lanes busy changed.
         if engine.contention.is_some() {
+            if !engine.every {
+                engine.rerate(now, &mut decided)?;
+            }
             engine.slow_down(&decided);
         }
     }
@@ -446,8 +578,13 @@ fn fair_cut(entries: &[FairEntry], delta: u128, until: FairKey) -> (FairKey, u12
 enum Plan {
     /// Nothing.
     Idle,
-    /// A job runs this many iterations back to back.
-    Run { job: usize, iterations: u64 },
+    /// A job runs this many iterations back to back, each `step` long (its
+    /// solo time, or slowed down by other lanes under contention).
+    Run {
+        job: usize,
+        iterations: u64,
+        step: Duration,
+    },
     /// Fair sharing among these jobs, every key up to `until`.
     Fair {
         entries: Vec<FairEntry>,
@@ -503,6 +640,11 @@ struct Engine<'a> {
     priority: bool,
     /// Lane time spent running, in nanoseconds.
     busy: u128,
+    /// The service's lane manager, when it places jobs.
+    service: Option<ServicePlacement>,
+    /// Under event-driven contention: the kinds the lanes ran when the
+    /// running lanes were last rated.
+    rated: Vec<Option<lanes_policies::JobKind>>,
 }
 
 impl<'a> Engine<'a> {
@@ -517,10 +659,22 @@ impl<'a> Engine<'a> {
         Engine {
             trace,
             name: policy.name(),
-            every: mode == PickDynamics::EveryIteration || opts.contention.is_some(),
+            // Without hints SRTF ranks a job by what it measured, which changes
+            // after its first iteration: not sticky, so ask at every boundary.
+            // Under contention a job's measured iteration time changes with
+            // the lanes beside it: only policies whose picks ignore
+            // measurements stay sticky (fifo, pack, priority); the others
+            // are asked at every boundary.
+            every: mode == PickDynamics::EveryIteration
+                || !opts.hints
+                || (opts.contention.is_some()
+                    && !(mode == PickDynamics::Sticky
+                        && matches!(policy.name(), "fifo" | "pack" | "priority"))),
+            rated: vec![None; lanes],
             contention: opts.contention,
             priority: policy.name() == "priority",
             busy: 0,
+            service: None,
             mode,
             policy,
             table: JobTable::new(),
@@ -596,8 +750,10 @@ impl<'a> Engine<'a> {
         let delta = nanos(now - lane.origin);
         let boundary = match &mut lane.plan {
             Plan::Idle => return Ok(()),
-            Plan::Run { job, iterations } => {
-                let d = nanos(self.trace[*job].iteration);
+            Plan::Run {
+                iterations, step, ..
+            } => {
+                let d = nanos(*step).max(1);
                 let k = delta.div_ceil(d);
                 *iterations = u64::try_from(k).unwrap_or(*iterations).min(*iterations);
                 lane.origin + dur(u128::from(*iterations) * d)
@@ -631,7 +787,11 @@ impl<'a> Engine<'a> {
         let mut ran: Vec<usize> = Vec::new();
         match plan {
             Plan::Idle => {}
-            Plan::Run { job, iterations } => {
+            Plan::Run {
+                job,
+                iterations,
+                step,
+            } => {
                 let t = &trace[job];
                 let id = t.id;
                 if self.every {
@@ -645,7 +805,7 @@ impl<'a> Engine<'a> {
                         now,
                     )?;
                 } else {
-                    let total = dur(nanos(t.iteration) * u128::from(iterations));
+                    let total = dur(nanos(step) * u128::from(iterations));
                     self.table.record_iterations(id, iterations, total)?;
                 }
                 self.done[job] += iterations;
@@ -678,6 +838,9 @@ impl<'a> Engine<'a> {
                 continue;
             }
             self.event(Event::Finished { job: job.id }, now)?;
+            if let Some(service) = self.service.as_mut() {
+                service.release(job.id)?;
+            }
             let lane = &mut self.lanes[l];
             lane.members.retain(|&m| m != i);
             lane.persistent_sum = lane.persistent_sum.saturating_sub(job.persistent_bytes);
@@ -761,24 +924,36 @@ impl<'a> Engine<'a> {
         } else {
             self.trace[i].iterations - self.done[i]
         };
-        let end = now + dur(nanos(self.trace[i].iteration) * u128::from(iterations));
+        let step = self.trace[i].iteration;
+        let end = now + dur(nanos(step) * u128::from(iterations));
         let lane = &mut self.lanes[l];
-        lane.plan = Plan::Run { job: i, iterations };
+        lane.plan = Plan::Run {
+            job: i,
+            iterations,
+            step,
+        };
         lane.end = Some(end);
         Ok(())
     }
 
-    /// The iterations that started now in `lanes` take their solo time
-    /// divided by the speed the other busy lanes leave them.
+    /// The kind of job each lane runs now (`None`: idle).
+    fn kinds(&self) -> Vec<Option<lanes_policies::JobKind>> {
+        self.lanes
+            .iter()
+            .map(|lane| match lane.plan {
+                Plan::Run { job, .. } => Some(self.trace[job].kind),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The runs that started now in `lanes` take their solo iteration time
+    /// divided by the speed the other busy lanes leave them, per iteration.
     fn slow_down(&mut self, lanes: &[LaneId]) {
         let Some(model) = self.contention else {
             return;
         };
-        let kind = |lane: &Lane| match lane.plan {
-            Plan::Run { job, .. } => Some(self.trace[job].kind),
-            _ => None,
-        };
-        let kinds: Vec<Option<lanes_policies::JobKind>> = self.lanes.iter().map(kind).collect();
+        let kinds = self.kinds();
         for &l in lanes {
             let Some(me) = kinds[l] else {
                 continue;
@@ -790,12 +965,43 @@ impl<'a> Engine<'a> {
                 .filter_map(|(_, k)| *k);
             let speed = model.speed(me, others, self.priority);
             let lane = &mut self.lanes[l];
-            if let (Some(end), true) = (lane.end, speed < 1.0) {
-                let solo = end.saturating_sub(lane.origin).as_secs_f64();
-                let slowed = Duration::from_secs_f64(solo / speed).max(Duration::from_nanos(1));
-                lane.end = Some(lane.origin + slowed);
+            if let (
+                Plan::Run {
+                    iterations, step, ..
+                },
+                true,
+            ) = (&mut lane.plan, speed < 1.0)
+            {
+                *step = Duration::from_secs_f64(step.as_secs_f64() / speed)
+                    .max(Duration::from_nanos(1));
+                lane.end = Some(lane.origin + dur(nanos(*step) * u128::from(*iterations)));
             }
         }
+    }
+
+    /// Event-driven contention: when the kinds the lanes run changed at
+    /// `now`, every other running lane is cut at its next iteration
+    /// boundary, where it decides again (the same job: its pick is sticky)
+    /// and is re-rated from the lanes busy then, as the per-iteration path
+    /// would rate that iteration. Lanes whose boundary is `now` decide now
+    /// and join `decided`.
+    fn rerate(&mut self, now: Duration, decided: &mut Vec<LaneId>) -> Result<(), SimError> {
+        let kinds = self.kinds();
+        if kinds == self.rated {
+            return Ok(());
+        }
+        for l in 0..self.lanes.len() {
+            if decided.contains(&l) || !matches!(self.lanes[l].plan, Plan::Run { .. }) {
+                continue;
+            }
+            self.cut(l, now)?;
+            if self.lanes[l].decide && self.lanes[l].end.is_none() {
+                self.decide(l, now)?;
+                decided.push(l);
+            }
+        }
+        self.rated = self.kinds();
+        Ok(())
     }
 
     /// Record `iterations` of job `i` in lane `l` from `start` to `end`.

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gen;
 pub mod import;
 pub mod live;
+pub mod placement;
 #[cfg(test)]
 mod reference;
 pub mod remote;
@@ -21,16 +22,17 @@ pub mod report;
 pub mod trace;
 mod waiting;
 
-pub use contention::{Contention, ContentionError};
+pub use contention::{CoRun, Contention, ContentionError, FitError};
 pub use engine::{
-    simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun,
+    simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun, Startup,
 };
 pub use gen::{generate, GenConfig};
 pub use import::{import_jobs, read_profiles, ImportError, ImportStats, Mapping, Profile};
 pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
+pub use placement::{LanePlacement, ServicePlacement};
 pub use remote::{
-    calibrate, replay_remote, service_policy, Calibration, CostCurve, RemoteConfig, RemoteError,
-    RemoteRun,
+    calibrate, measure_startup, replay_remote, service_policy, Calibration, CostCurve, JobTimeline,
+    RemoteConfig, RemoteError, RemoteRun,
 };
 pub use report::{plot_jct_cdf, table, Summary};
 pub use trace::{load_trace, read_trace, write_trace, TraceError, TraceJob};

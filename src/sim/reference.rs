@@ -238,7 +238,7 @@ pub fn simulate_reference(
 mod tests {
     use super::*;
     use crate::sim::contention::Contention;
-    use crate::sim::engine::{simulate, simulate_with, SimOptions};
+    use crate::sim::engine::{simulate, simulate_with, SimOptions, Startup};
     use lanes_policies::{by_name, JobId, JobKind, JobSpec, JobView, POLICY_NAMES};
     use proptest::prelude::*;
 
@@ -344,7 +344,7 @@ mod tests {
                     training_beside_training: 1.0,
                     inference_beside_inference: 1.0,
                 };
-                let free = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: true, contention: Some(unit) }).unwrap();
+                let free = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { schedule: true, contention: Some(unit), ..SimOptions::default() }).unwrap();
                 same(&old, &free)?;
             }
         }
@@ -412,6 +412,7 @@ mod tests {
         let opts = SimOptions {
             schedule: true,
             contention: Some(Contention::h100()),
+            ..SimOptions::default()
         };
         let two = [job(1, JobKind::Training, 0), job(2, JobKind::Training, 0)];
         let alone = simulate_with(
@@ -452,5 +453,191 @@ mod tests {
             .outcomes
             .iter()
             .all(|o| o.jct() == Duration::from_millis(100)));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(64),
+            ..ProptestConfig::default()
+        })]
+
+        /// Start-up is a later entry into admission: the same as the trace
+        /// with shifted submissions, JCTs counted from the real ones.
+        #[test]
+        fn startup_is_a_shifted_submission(
+            trace in traces(10), lanes in 1usize..3, train_ms in 0u64..50, infer_ms in 0u64..50,
+        ) {
+            let startup = Startup {
+                training: Duration::from_millis(train_ms),
+                inference: Duration::from_millis(infer_ms),
+            };
+            let cfg = SimConfig { memory: 120 * lanes as u64, lanes };
+            let shifted: Vec<TraceJob> = trace
+                .iter()
+                .map(|j| TraceJob { submit: j.submit + startup.of(j.kind), ..j.clone() })
+                .collect();
+            for name in POLICY_NAMES {
+                let opts = SimOptions { startup, ..SimOptions::default() };
+                let with = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, opts).unwrap();
+                let plain = simulate(&shifted, by_name(name).unwrap().as_mut(), cfg).unwrap();
+                prop_assert_eq!(with.schedule_lines(), plain.schedule_lines());
+                for ((w, p), j) in with.outcomes.iter().zip(&plain.outcomes).zip(&trace) {
+                    prop_assert_eq!(w.submit, j.submit);
+                    prop_assert_eq!(w.finish, p.finish);
+                    prop_assert_eq!(w.jct(), p.jct() + startup.of(j.kind));
+                }
+            }
+        }
+
+        /// Without hints the engine asks at every boundary; with a policy
+        /// that ignores hints (fifo, fair, pack, priority) the result is
+        /// the reference's.
+        #[test]
+        fn no_hints_changes_nothing_for_policies_that_ignore_them(
+            trace in traces(10), lanes in 1usize..3,
+        ) {
+            let cfg = SimConfig { memory: 120 * lanes as u64, lanes };
+            for name in ["fifo", "fair", "pack", "priority"] {
+                let old = simulate_reference(&trace, by_name(name).unwrap().as_mut(), cfg).unwrap();
+                let opts = SimOptions { hints: false, ..SimOptions::default() };
+                let new = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, opts).unwrap();
+                same(&old, &new)?;
+            }
+        }
+    }
+
+    /// SRTF without hints (as the service runs it): an unmeasured job
+    /// counts as no work, runs one iteration, then ranks by what it
+    /// measured.
+    #[test]
+    fn srtf_without_hints_measures_before_it_ranks() {
+        let job = |id, iterations, ms| TraceJob {
+            id,
+            submit: Duration::ZERO,
+            kind: JobKind::Training,
+            iterations,
+            iteration: Duration::from_millis(ms),
+            persistent_bytes: 1,
+            ephemeral_bytes: 0,
+            priority: 0,
+        };
+        // A: 10 x 100 ms (1 s of work); B: 100 x 1 ms (0.1 s).
+        let trace = [job(1, 10, 100), job(2, 100, 1)];
+        let cfg = SimConfig {
+            memory: 100,
+            lanes: 1,
+        };
+        let hinted = simulate(&trace, by_name("srtf").unwrap().as_mut(), cfg).unwrap();
+        assert_eq!(
+            hinted.jct_lines(),
+            vec!["jct job=1 ms=1100", "jct job=2 ms=100"]
+        );
+        let opts = SimOptions {
+            hints: false,
+            ..SimOptions::default()
+        };
+        let blind = simulate_with(&trace, by_name("srtf").unwrap().as_mut(), cfg, opts).unwrap();
+        // A's first iteration (0..100), B's first (100..101): B then ranks
+        // 99 ms against A's 900 ms and runs to its end (200), then A.
+        assert_eq!(
+            blind.jct_lines(),
+            vec!["jct job=1 ms=1100", "jct job=2 ms=200"]
+        );
+        assert_eq!(
+            blind.schedule_lines(),
+            vec![
+                "t=0..100 lane=0 job=1 iters=1",
+                "t=100..200 lane=0 job=2 iters=100",
+                "t=200..1100 lane=0 job=1 iters=9",
+            ]
+        );
+    }
+
+    /// Two lanes under fifo, three small jobs at once: equal lanes with
+    /// first fit put all three in lane 0, one after the other; the
+    /// service's lane manager opens a lane for each of the first two (a
+    /// lane is sized to its first job) and the third joins one of them.
+    #[test]
+    fn service_placement_differs_from_equal_lanes() {
+        use crate::sim::placement::LanePlacement;
+        const MIB: u64 = 1 << 20;
+        let trace: Vec<TraceJob> = (1..=3)
+            .map(|id| TraceJob {
+                id,
+                submit: Duration::ZERO,
+                kind: JobKind::Training,
+                iterations: 10,
+                iteration: Duration::from_millis(10),
+                persistent_bytes: 10 * MIB,
+                ephemeral_bytes: MIB,
+                priority: 0,
+            })
+            .collect();
+        let cfg = SimConfig {
+            memory: 100 * MIB,
+            lanes: 2,
+        };
+        let equal = simulate(&trace, by_name("fifo").unwrap().as_mut(), cfg).unwrap();
+        assert_eq!(
+            equal.jct_lines(),
+            vec!["jct job=1 ms=100", "jct job=2 ms=200", "jct job=3 ms=300"]
+        );
+        assert!(equal.outcomes.iter().all(|o| o.lane == 0));
+        let opts = SimOptions {
+            placement: LanePlacement::Service,
+            ..SimOptions::default()
+        };
+        let service = simulate_with(&trace, by_name("fifo").unwrap().as_mut(), cfg, opts).unwrap();
+        assert_eq!(service.outcomes[0].lane, 0);
+        assert_eq!(service.outcomes[1].lane, 1);
+        let third = &service.outcomes[2];
+        assert_eq!(third.jct(), Duration::from_millis(200), "{third:?}");
+        // One lane and memory for one job at a time: the service's manager
+        // admits the next job when the previous one leaves.
+        let one = SimConfig {
+            memory: 12 * MIB,
+            lanes: 1,
+        };
+        let serial = simulate_with(&trace, by_name("fifo").unwrap().as_mut(), one, opts).unwrap();
+        assert_eq!(
+            serial.jct_lines(),
+            vec!["jct job=1 ms=100", "jct job=2 ms=200", "jct job=3 ms=300"]
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256),
+            ..ProptestConfig::default()
+        })]
+
+        /// Event-driven contention (a run re-rated only when the lanes
+        /// busy change) gives the per-iteration result, to 1 µs.
+        #[test]
+        fn event_driven_contention_matches_per_iteration(
+            trace in traces(14), lanes in 1usize..4, tight in any::<bool>(), fitted in any::<bool>(),
+        ) {
+            let per_lane: u64 = if tight { 120 } else { 1 << 40 };
+            let cfg = SimConfig { memory: per_lane * lanes as u64, lanes };
+            let model = if fitted {
+                Contention::h100_resnet18_cifar().unwrap()
+            } else {
+                Contention::h100()
+            };
+            let opts = SimOptions { contention: Some(model), ..SimOptions::default() };
+            let close = |a: Duration, b: Duration| a.abs_diff(b) <= Duration::from_micros(1);
+            for name in ["fifo", "pack", "priority"] {
+                let fast = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, opts).unwrap();
+                let mut plain = NoPromise(by_name(name).unwrap());
+                let step = simulate_with(&trace, &mut plain, cfg, opts).unwrap();
+                prop_assert_eq!(fast.outcomes.len(), step.outcomes.len());
+                for (f, s) in fast.outcomes.iter().zip(&step.outcomes) {
+                    prop_assert_eq!(f.lane, s.lane, "{}", name);
+                    prop_assert!(close(f.admitted, s.admitted), "{}: {:?} vs {:?}", name, f, s);
+                    prop_assert!(close(f.finish, s.finish), "{}: {:?} vs {:?}", name, f, s);
+                }
+                prop_assert!(close(fast.busy, step.busy), "{}: busy {:?} vs {:?}", name, fast.busy, step.busy);
+            }
+        }
     }
 }

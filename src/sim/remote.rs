@@ -29,7 +29,7 @@ use lanes_adaptor::zoo::seeded_feeds;
 use lanes_adaptor::{Arch, Graph, Limits, Optimizer, Tensor, ZooError};
 use lanes_policies::JobKind;
 
-use super::engine::{JobOutcome, SimRun};
+use super::engine::{JobOutcome, SimRun, Startup};
 use super::trace::TraceJob;
 
 /// Settings of a replay against a service.
@@ -191,13 +191,36 @@ pub struct RemoteRun {
     /// Outcomes in trace time (wall time divided by the scale).
     pub run: SimRun,
     /// The trace with each job's iteration time as the service measured it
-    /// (mean service time, unscaled).
+    /// (mean service time, unscaled) and its P and T as the service planned
+    /// them (its LoadGraph reply).
     pub as_run: Vec<TraceJob>,
+    /// Per job, in trace order: when it arrived, was admitted (its
+    /// LoadGraph answered), got its first reply and ended.
+    pub timelines: Vec<JobTimeline>,
     /// Hidden layers given to each job's MLP, in trace order (0 for zoo
     /// models).
     pub depths: Vec<usize>,
     /// The cost lines used.
     pub calibration: Calibration,
+}
+
+/// One job's life in a replay, in trace seconds from the replay's start.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct JobTimeline {
+    /// Trace job id.
+    pub job: u64,
+    /// Training or inference.
+    pub kind: JobKind,
+    /// Its submission.
+    pub arrival_s: f64,
+    /// Its LoadGraph answered (the session is admitted into a lane).
+    pub admitted_s: f64,
+    /// Its first Run answered.
+    pub first_reply_s: f64,
+    /// Its last Run answered.
+    pub end_s: f64,
+    /// Mean iteration time the service measured (ms of trace time).
+    pub iteration_ms: f64,
 }
 
 /// A raw DEALER that may have several requests outstanding.
@@ -293,6 +316,15 @@ impl Conn {
 
     /// Opens a session and loads `model` into it.
     fn open(&mut self, spec: SessionSpec, model: &Model) -> Result<SessionId, RemoteError> {
+        self.open_planned(spec, model).map(|(s, _, _)| s)
+    }
+
+    /// [`Conn::open`], with the P and T the service planned for the graph.
+    fn open_planned(
+        &mut self,
+        spec: SessionSpec,
+        model: &Model,
+    ) -> Result<(SessionId, u64, u64), RemoteError> {
         let session = match self.call(&Request::OpenSession(spec))? {
             Reply::SessionOpened { session } => session,
             other => return Err(self.unexpected("session_opened", &other)),
@@ -302,7 +334,11 @@ impl Conn {
             graph: model.graph.clone(),
             variables: model.vars.clone(),
         })? {
-            Reply::GraphLoaded { .. } => Ok(session),
+            Reply::GraphLoaded {
+                persistent_bytes,
+                ephemeral_bytes,
+                ..
+            } => Ok((session, persistent_bytes, ephemeral_bytes)),
             other => Err(self.unexpected("graph_loaded", &other)),
         }
     }
@@ -322,8 +358,9 @@ impl Conn {
         model: &Model,
         n: u64,
         pipeline: usize,
-    ) -> Result<(), RemoteError> {
+    ) -> Result<Option<Instant>, RemoteError> {
         let req = Self::run_request(session, model);
+        let mut first = None;
         let mut outstanding = VecDeque::new();
         let (mut sent, mut done) = (0u64, 0u64);
         while done < n {
@@ -340,6 +377,7 @@ impl Conn {
                 (Reply::RunDone { .. }, Some(at)) => {
                     outstanding.remove(at);
                     done += 1;
+                    first = first.or(Some(Instant::now()));
                 }
                 (Reply::RunDone { .. }, None) => {
                     return Err(RemoteError::Decode(format!(
@@ -350,7 +388,7 @@ impl Conn {
                 (other, _) => return Err(self.unexpected("run_done", &other)),
             }
         }
-        Ok(())
+        Ok(first)
     }
 
     /// (iterations, mean service time) the service measured for `session`.
@@ -568,7 +606,10 @@ pub fn service_policy(endpoint: &str, timeout: Duration) -> Result<&'static str,
 }
 
 struct Done {
+    persistent: u64,
+    ephemeral: u64,
     admitted: Duration,
+    first: Duration,
     end: Duration,
     iterations: u64,
     service_mean: Duration,
@@ -623,14 +664,18 @@ pub fn replay_remote(
                 }
                 .with_priority(j.priority)
                 .with_expected_iterations(j.iterations);
-                let session = conn.open(spec, &m)?;
+                let (session, persistent, ephemeral) = conn.open_planned(spec, &m)?;
                 let admitted = start.elapsed();
-                conn.iterate(session, &m, j.iterations, cfg.pipeline)?;
+                let first = conn.iterate(session, &m, j.iterations, cfg.pipeline)?;
                 let end = start.elapsed();
+                let first = first.map_or(end, |f| f.saturating_duration_since(start));
                 let (iterations, service_mean) = conn.measured(session)?;
                 conn.close(session)?;
                 Ok(Done {
+                    persistent,
+                    ephemeral,
                     admitted,
+                    first,
                     end,
                     iterations,
                     service_mean,
@@ -639,6 +684,7 @@ pub fn replay_remote(
         ));
     }
     let mut outcomes = Vec::with_capacity(trace.len());
+    let mut timelines = Vec::with_capacity(trace.len());
     let mut as_run = Vec::with_capacity(trace.len());
     let mut busy = Duration::ZERO;
     let mut first_err = None;
@@ -657,8 +703,19 @@ pub fn replay_remote(
                     service: measured
                         .saturating_mul(u32::try_from(j.iterations).unwrap_or(u32::MAX)),
                 });
+                timelines.push(JobTimeline {
+                    job: j.id,
+                    kind: j.kind,
+                    arrival_s: j.submit.as_secs_f64(),
+                    admitted_s: unscale(d.admitted).as_secs_f64(),
+                    first_reply_s: unscale(d.first).as_secs_f64(),
+                    end_s: unscale(d.end).as_secs_f64(),
+                    iteration_ms: measured.as_secs_f64() * 1e3,
+                });
                 let mut r = j.clone();
                 r.iteration = measured;
+                r.persistent_bytes = d.persistent;
+                r.ephemeral_bytes = d.ephemeral;
                 as_run.push(r);
             }
             Ok(Err(e)) => first_err = first_err.or(Some(e)),
@@ -677,8 +734,58 @@ pub fn replay_remote(
             busy,
         },
         as_run,
+        timelines,
         depths,
         calibration: calibration.clone(),
+    })
+}
+
+/// Measures each kind's start-up on the service (which should be
+/// otherwise idle), in trace time (wall time divided by the scale): the
+/// wall time from sending OpenSession to the first Run's reply, less the
+/// service time the service measured for that Run. That is what a job
+/// waits before its iterations count as service: the session's opening,
+/// the graph's transfer, compilation and load on the lane's worker, the
+/// replies' trips. Each kind is measured `rounds` times (each a new
+/// session of the replay's model: the zoo model, or an MLP of `depth`
+/// hidden layers); the last round counts, as the replay's jobs come after
+/// the service has seen the model once.
+pub fn measure_startup(
+    cfg: &RemoteConfig,
+    depth: usize,
+    rounds: usize,
+) -> Result<Startup, RemoteError> {
+    if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
+        return Err(RemoteError::Config("time scale must be positive".into()));
+    }
+    let ctx = zmq::Context::new();
+    let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, 0)?;
+    let mut measure = |kind| -> Result<Duration, RemoteError> {
+        let m = match &cfg.zoo {
+            Some(name) => zoo_model(name, kind, cfg.batch, 1)?,
+            None => model(kind, depth, cfg, 1)?,
+        };
+        let mut last = Duration::ZERO;
+        for round in 0..rounds.max(1) {
+            let spec = match kind {
+                JobKind::Training => SessionSpec::training(format!("startup-{round}")),
+                JobKind::Inference => SessionSpec::inference(format!("startup-{round}")),
+            };
+            let t0 = Instant::now();
+            let s = conn.open(spec, &m)?;
+            let first = conn.iterate(s, &m, 1, 1)?.unwrap_or_else(Instant::now);
+            let wall = first.saturating_duration_since(t0);
+            let (_, service) = conn.measured(s)?;
+            conn.close(s)?;
+            last = Duration::from_secs_f64(
+                wall.saturating_sub(service).as_secs_f64() / cfg.time_scale,
+            );
+        }
+        Ok(last)
+    };
+    Ok(Startup {
+        training: measure(JobKind::Training)?,
+        inference: measure(JobKind::Inference)?,
     })
 }
 

@@ -66,6 +66,7 @@ pub fn sim(args: SimArgs) -> anyhow::Result<()> {
         let opts = SimOptions {
             schedule: false,
             contention,
+            ..SimOptions::default()
         };
         let run = simulate_with(&trace, policy.as_mut(), cfg, opts)?;
         let seconds = start.elapsed().as_secs_f64();
