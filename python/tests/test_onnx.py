@@ -73,3 +73,17 @@ def test_unsupported_and_malformed_files(client, tmp_path):
             s.load_onnx(junk)
         with pytest.raises(lanes.ModelError, match="cannot read"):
             s.load_onnx(tmp_path / "missing.onnx")
+
+
+def test_outputs_are_not_copied(client):
+    """An output array is a view of the buffer the reply was decoded into
+    (NumPy does not own it), and each Run's arrays are independent."""
+    x = np.load(ONNX / "resnet18.input.npy")
+    with client.session("zero-copy") as s:
+        s.load_onnx(ONNX / "resnet18.onnx", batch=x.shape[0])
+        a = s.run({"input": x}, fetch="output")
+        b = s.run({"input": x}, fetch="output")
+    assert not a.flags.owndata and a.base is not None
+    assert a.flags.c_contiguous and a.flags.writeable
+    a[...] = 0
+    assert b.any()
