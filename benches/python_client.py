@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Lanes through its Python client against PyTorch on the GPU, for
+docs/benchmarks.md. Exports full-size resnet50, inception_v3 (torchvision,
+random weights, eval) and bert-base (transformers BertModel from
+BertConfig(), random weights, attention mask, sequence 128) with
+torch.onnx.export to a temporary folder (offline: no downloads), loads each
+into a running `lanes serve` through `lanes.Client`, runs batch 8, compares
+the outputs with PyTorch's and times the median of N runs:
+
+- lanes:            s.run from host NumPy arrays to host NumPy arrays
+- torch_eager:      model(x.cuda()) and the output copied back to the host
+- torch_resident:   model(x_gpu), input already on the GPU, synchronised
+- torch_cuda_graph: a captured CUDA graph replayed, input copied in from
+                    pinned host memory, output copied back
+
+Prints one JSON object. Needs torch, torchvision, transformers, numpy and
+the lanes package:
+
+    lanes serve --device cuda --endpoint tcp://127.0.0.1:5555 &
+    python3 benches/python_client.py --endpoint tcp://127.0.0.1:5555 [--runs 50] [--no-tf32]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+RTOL, ATOL = 2e-2, 1e-3
+BATCH = 8
+
+
+def agreement(got, want, rtol=RTOL, atol=ATOL):
+    """Max abs / rel difference and elements outside numpy's allclose."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return {"shape": [list(got.shape), list(want.shape)], "ok": False}
+    diff = np.abs(got - want)
+    rel = diff / np.maximum(np.abs(want), 1e-30)
+    outside = int((diff > atol + rtol * np.abs(want)).sum())
+    return {
+        "max_abs": float(diff.max()) if diff.size else 0.0,
+        "max_rel": float(rel.max()) if rel.size else 0.0,
+        "outside": outside,
+        "elements": int(diff.size),
+        "ok": outside == 0,
+    }
+
+
+def median_ms(fn, runs, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": runs}
+
+
+def models(torch):
+    import torchvision
+
+    class Bert(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            from transformers import BertConfig, BertModel
+            self.bert = BertModel(BertConfig())
+
+        def forward(self, input_ids, attention_mask):
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
+            return out.last_hidden_state, out.pooler_output
+
+    tv = torchvision.models
+    yield "resnet50", lambda: tv.resnet50(weights=None), {
+        "input": torch.randn(BATCH, 3, 224, 224)}, ["output"]
+    yield ("inception_v3", lambda: tv.inception_v3(weights=None, aux_logits=False, init_weights=True),
+           {"input": torch.randn(BATCH, 3, 299, 299)}, ["output"])
+    ids = torch.randint(0, 30522, (BATCH, 128))
+    mask = torch.ones(BATCH, 128, dtype=torch.int64)
+    mask[1::2, 96:] = 0  # every second sequence padded
+    yield "bert_base", Bert, {"input_ids": ids, "attention_mask": mask}, [
+        "last_hidden_state", "pooler_output"]
+
+
+def export(torch, model, inputs, outputs, path):
+    args = tuple(inputs.values())
+    dyn = {k: {0: "batch"} for k in list(inputs) + outputs}
+    kwargs = dict(input_names=list(inputs), output_names=outputs, dynamic_axes=dyn,
+                  opset_version=17, do_constant_folding=True)
+    try:
+        torch.onnx.export(model, args, path, dynamo=False, **kwargs)
+    except TypeError:  # torch without the dynamo switch
+        torch.onnx.export(model, args, path, **kwargs)
+
+
+def cuda_graph(torch, model, inputs, outputs, ref, runs, dev, as_tuple):
+    """CUDA-graph replay: inputs copied in from pinned host memory, outputs back."""
+    row = {}
+    pinned = [v.pin_memory() for v in inputs.values()]
+    static = [v.to(dev) for v in inputs.values()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            model(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = as_tuple(model(*static))
+
+    def replay():
+        for dst, src in zip(static, pinned):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        [o.cpu() for o in static_out]
+    row["torch_cuda_graph"] = median_ms(replay, runs)
+    graph_out = [o.float().cpu().numpy() for o in static_out]
+    row["cuda_graph_agreement"] = {o: agreement(g, r) for o, g, r in zip(outputs, graph_out, ref)}
+    return row
+
+
+def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
+    model = build().eval()
+    path = os.path.join(tmp, f"{name}.onnx")
+    export(torch, model, inputs, outputs, path)
+    row = {"onnx_bytes": os.path.getsize(path)}
+    dev = torch.device("cuda")
+    model = model.to(dev)
+    host = {k: v.numpy() for k, v in inputs.items()}
+
+    def as_tuple(out):
+        return out if isinstance(out, tuple) else (out,)
+
+    with torch.no_grad():
+        ref = [o.float().cpu().numpy() for o in as_tuple(model(*[v.to(dev) for v in inputs.values()]))]
+
+    with client.session(name, kind="inference", priority=1) as s:
+        t = time.perf_counter()
+        s.load_onnx(path, batch=BATCH)
+        row["lanes_load_s"] = time.perf_counter() - t
+        dtypes = {n: dt for n, _, dt in s.inputs}
+        feeds = {n: np.ascontiguousarray(a.astype(dtypes[n])) for n, a in host.items()}
+        got = s.run(feeds, fetch=outputs)
+        row["agreement"] = {o: agreement(g, r) for o, g, r in zip(outputs, got, ref)}
+        row["lanes"] = median_ms(lambda: s.run(feeds, fetch=outputs), runs)
+
+    with torch.no_grad():
+        def eager():
+            out = as_tuple(model(*[v.to(dev, non_blocking=False) for v in inputs.values()]))
+            [o.cpu() for o in out]
+        row["torch_eager"] = median_ms(eager, runs)
+
+        resident = [v.to(dev) for v in inputs.values()]
+
+        def eager_resident():
+            model(*resident)
+            torch.cuda.synchronize()
+        row["torch_resident"] = median_ms(eager_resident, runs)
+
+        try:
+            row.update(cuda_graph(torch, model, inputs, outputs, ref, runs, dev, as_tuple))
+        except RuntimeError as e:  # a model whose forward cannot be captured
+            row["torch_cuda_graph"] = {"error": str(e).splitlines()[0]}
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--endpoint", default="tcp://127.0.0.1:5555")
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--models", nargs="*", default=None, help="subset: resnet50 inception_v3 bert_base")
+    ap.add_argument("--no-tf32", action="store_true", help="disable TF32 matmuls and convolutions in torch")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import torch
+    import lanes
+
+    if args.no_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(args.seed)
+    result = {
+        "batch": BATCH,
+        "runs": args.runs,
+        "rtol": RTOL,
+        "atol": ATOL,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "tf32": not args.no_tf32,
+        "endpoint": args.endpoint,
+        "models": {},
+    }
+    with lanes.Client(args.endpoint, timeout=600.0) as client:
+        result["service"] = {k: v for k, v in client.status().items() if not isinstance(v, list)}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, build, inputs, outputs in models(torch):
+                if args.models and name not in args.models:
+                    continue
+                try:
+                    result["models"][name] = bench_model(
+                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp)
+                except lanes.LanesError as e:
+                    result["models"][name] = {"error": str(e), "code_name": e.code_name}
+                print(f"{name}: done", file=sys.stderr, flush=True)
+    print(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,558 @@
+//! `lanes.Client`, `lanes.Session` and `lanes.RunHandle`.
+//!
+//! A `Client` is one connection (a ZeroMQ DEALER) behind a mutex; its
+//! sessions share it. Every call that waits on the service releases the GIL
+//! (`Python::detach`), so other Python threads run meanwhile; calls on one
+//! client from several threads take turns on its connection.
+
+use crate::convert::{tensor_from_numpy, tensor_to_numpy, values_from_dict, values_to_dict};
+use crate::errors::{client_error, local, onnx_error, zoo_error, FeedError, SessionClosedError};
+use crate::{optim, zoo};
+use lanes_adaptor::onnx::{import_file, ImportOptions};
+use lanes_adaptor::{
+    Client as Conn, ClientError, ClientOptions, Graph, JobKind, PendingRun, SessionId, SessionSpec,
+    Tensor, TensorType, VarValues,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// The connection; `None` once `Client.close` dropped it.
+type Shared = Arc<Mutex<Option<Conn>>>;
+
+/// Runs `f` on the connection (even if a thread panicked while holding it:
+/// the client keeps no invariant a half-done request could break, replies
+/// are matched by request id); `Closed` after `Client.close`.
+fn with<T>(
+    conn: &Shared,
+    f: impl FnOnce(&mut Conn) -> Result<T, ClientError>,
+) -> Result<T, ClientError> {
+    let mut guard = conn.lock().unwrap_or_else(|e| e.into_inner());
+    match guard.as_mut() {
+        Some(c) => f(c),
+        None => Err(ClientError::Closed),
+    }
+}
+
+/// A connection to one `lanes serve`.
+#[pyclass(frozen, module = "lanes._lanes")]
+#[derive(Debug)]
+pub struct Client {
+    conn: Shared,
+    endpoint: String,
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, name=None, shared_memory=true))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        timeout: f64,
+        name: Option<String>,
+        shared_memory: bool,
+    ) -> PyResult<Self> {
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(PyValueError::new_err(
+                "timeout must be a positive number of seconds",
+            ));
+        }
+        let options = ClientOptions {
+            timeout: Duration::from_secs_f64(timeout),
+            name: name.unwrap_or_else(|| format!("python/{}", env!("CARGO_PKG_VERSION"))),
+            shared_memory,
+            ..ClientOptions::default()
+        };
+        let ep = endpoint.to_string();
+        let conn = py
+            .detach(move || Conn::connect_with(&ep, options))
+            .map_err(client_error)?;
+        Ok(Client {
+            conn: Arc::new(Mutex::new(Some(conn))),
+            endpoint: endpoint.to_string(),
+        })
+    }
+
+    /// The endpoint this client is connected to.
+    #[getter]
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Opens a session: `kind` is "inference" or "training"; larger
+    /// `priority` runs first under priority policies.
+    #[pyo3(signature = (name, kind="inference", priority=0, expected_iterations=None))]
+    fn session(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        kind: &str,
+        priority: i32,
+        expected_iterations: Option<u64>,
+    ) -> PyResult<Session> {
+        let kind = match kind {
+            "inference" => JobKind::Inference,
+            "training" => JobKind::Training,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "kind must be \"inference\" or \"training\", not {other:?}"
+                )))
+            }
+        };
+        let mut spec = SessionSpec::new(name, kind).with_priority(priority);
+        if let Some(n) = expected_iterations {
+            spec = spec.with_expected_iterations(n);
+        }
+        let conn = self.conn.clone();
+        let id = py
+            .detach(move || {
+                with(&conn, |c| {
+                    let s = c.open_session(spec)?;
+                    let id = s.id();
+                    // The session stays open: the Python `Session` closes
+                    // it by id (`close_in`); forgetting the borrow frees
+                    // nothing it owns.
+                    std::mem::forget(s);
+                    Ok(id)
+                })
+            })
+            .map_err(client_error)?;
+        Ok(Session {
+            conn: self.conn.clone(),
+            id,
+            name: name.to_string(),
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The service's sessions and queue, as a dict.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let conn = self.conn.clone();
+        let report = py
+            .detach(move || with(&conn, |c| c.status()))
+            .map_err(client_error)?;
+        let text = serde_json::to_string(&report)
+            .map_err(|e| PyValueError::new_err(format!("status report: {e}")))?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    /// Closes the connection now (waiting for no reply); the service
+    /// reclaims sessions still open. Later calls raise `SessionClosedError`.
+    fn close(&self, py: Python<'_>) {
+        let conn = self.conn.clone();
+        let old = py.detach(move || conn.lock().unwrap_or_else(|e| e.into_inner()).take());
+        drop(old);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("lanes.Client({:?})", self.endpoint)
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    closed: bool,
+    inputs: Vec<(String, TensorType)>,
+    /// What `run` fetches when given no `fetch`.
+    outputs: Vec<String>,
+}
+
+/// A job's session on the service.
+#[pyclass(frozen, module = "lanes._lanes")]
+#[derive(Debug)]
+pub struct Session {
+    conn: Shared,
+    id: SessionId,
+    name: String,
+    state: Mutex<State>,
+}
+
+/// How a Run's results come back: one array, a list, or a dict by name.
+#[derive(Debug, Clone)]
+enum Fetch {
+    One(String),
+    List(Vec<String>),
+    Dict(Vec<String>),
+}
+
+impl Fetch {
+    fn names(&self) -> Vec<String> {
+        match self {
+            Fetch::One(n) => vec![n.clone()],
+            Fetch::List(v) | Fetch::Dict(v) => v.clone(),
+        }
+    }
+
+    fn build<'py>(&self, py: Python<'py>, outs: Vec<Tensor>) -> PyResult<Bound<'py, PyAny>> {
+        let names = self.names();
+        if outs.len() != names.len() {
+            return Err(local(
+                py,
+                FeedError::new_err(format!(
+                    "asked for {} fetches, the service returned {}",
+                    names.len(),
+                    outs.len()
+                )),
+            ));
+        }
+        Ok(match self {
+            Fetch::One(_) => match outs.into_iter().next() {
+                Some(t) => tensor_to_numpy(py, t)?,
+                None => py.None().into_bound(py),
+            },
+            Fetch::List(_) => {
+                let arrays = outs
+                    .into_iter()
+                    .map(|t| tensor_to_numpy(py, t))
+                    .collect::<PyResult<Vec<_>>>()?;
+                PyList::new(py, arrays)?.into_any()
+            }
+            Fetch::Dict(names) => {
+                let d = PyDict::new(py);
+                for (n, t) in names.iter().zip(outs) {
+                    d.set_item(n, tensor_to_numpy(py, t)?)?;
+                }
+                d.into_any()
+            }
+        })
+    }
+}
+
+impl Session {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn live(&self, py: Python<'_>) -> PyResult<()> {
+        if self.state().closed {
+            Err(local(
+                py,
+                SessionClosedError::new_err(format!("session `{}` is closed", self.name)),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn load(
+        &self,
+        py: Python<'_>,
+        graph: Graph,
+        vars: VarValues,
+        inputs: Vec<(String, TensorType)>,
+        outputs: Vec<String>,
+    ) -> PyResult<()> {
+        self.live(py)?;
+        let (conn, id) = (self.conn.clone(), self.id);
+        py.detach(move || with(&conn, |c| c.load_in(id, &graph, vars)))
+            .map_err(client_error)?;
+        let mut st = self.state();
+        st.inputs = inputs;
+        st.outputs = outputs;
+        Ok(())
+    }
+
+    fn feeds_and_fetch(
+        &self,
+        feeds: &Bound<'_, PyDict>,
+        fetch: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(Vec<(String, Tensor)>, Fetch)> {
+        let mut tensors = Vec::with_capacity(feeds.len());
+        for (k, v) in feeds.iter() {
+            let name: String = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err("feed names must be strings"))?;
+            let t = tensor_from_numpy(&name, &v)?;
+            tensors.push((name, t));
+        }
+        let fetch = match fetch {
+            None => Fetch::Dict(self.state().outputs.clone()),
+            Some(f) if f.is_instance_of::<PyString>() => Fetch::One(f.extract()?),
+            Some(f) => Fetch::List(
+                f.try_iter()?
+                    .map(|x| x?.extract::<String>())
+                    .collect::<PyResult<_>>()
+                    .map_err(|_| {
+                        PyTypeError::new_err("fetch must be a name or a sequence of names")
+                    })?,
+            ),
+        };
+        Ok((tensors, fetch))
+    }
+}
+
+#[pymethods]
+impl Session {
+    /// The session's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The service's id of this session.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.id.0
+    }
+
+    /// What to feed: `[(name, shape, dtype)]` of the loaded model.
+    #[getter]
+    fn inputs(&self) -> Vec<(String, Vec<usize>, String)> {
+        self.state()
+            .inputs
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shape.dims().to_vec(), dtype_name(t)))
+            .collect()
+    }
+
+    /// What `run` fetches when given no `fetch`.
+    #[getter]
+    fn outputs(&self) -> Vec<String> {
+        self.state().outputs.clone()
+    }
+
+    /// Imports an ONNX file (opset 13 or later) at `batch` (the size of
+    /// every input's symbolic first dimension; `dims` sizes other symbolic
+    /// dimensions by name) and loads it.
+    #[pyo3(signature = (path, batch=1, dims=None))]
+    fn load_onnx(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        batch: usize,
+        dims: Option<BTreeMap<String, usize>>,
+    ) -> PyResult<()> {
+        let opts = ImportOptions {
+            batch,
+            dims: dims.unwrap_or_default(),
+            ..ImportOptions::default()
+        };
+        let m = py
+            .detach(move || import_file(&path, &opts))
+            .map_err(onnx_error)?;
+        let outputs = m.outputs.iter().map(|(n, _)| n.clone()).collect();
+        self.load(py, m.graph, m.vars, m.inputs, outputs)
+    }
+
+    /// Loads a model of the zoo: for inference without `optimizer`, or its
+    /// training graph (one `run` is one iteration; fetch `loss`) with one.
+    /// `params` size the small models (see docs/python.md).
+    #[pyo3(signature = (name, batch=1, optimizer=None, seed=0, **params))]
+    fn load_zoo(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        batch: usize,
+        optimizer: Option<&Bound<'_, PyAny>>,
+        seed: u64,
+        params: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        let arch = zoo::arch(name, params)?;
+        match optimizer {
+            None => {
+                let m = py
+                    .detach(|| arch.inference(batch, seed))
+                    .map_err(zoo_error)?;
+                self.load(py, m.graph, m.vars, m.inputs, vec![m.output])
+            }
+            Some(o) => {
+                let opt = optim::extract(o)?;
+                let (t, inputs) = py
+                    .detach(|| arch.training(batch, seed, &opt))
+                    .map_err(zoo_error)?;
+                self.load(py, t.graph, t.vars, inputs, vec![t.loss])
+            }
+        }
+    }
+
+    /// Runs one iteration. `feeds` maps placeholder names to float32/int64
+    /// arrays. `fetch`: None → a dict of the model's outputs; a name → that
+    /// array; a list of names → a list of arrays.
+    #[pyo3(signature = (feeds, fetch=None))]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        feeds: &Bound<'py, PyDict>,
+        fetch: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.live(py)?;
+        let (tensors, fetch) = self.feeds_and_fetch(feeds, fetch)?;
+        let names = fetch.names();
+        let (conn, id) = (self.conn.clone(), self.id);
+        let outs = py
+            .detach(move || {
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                with(&conn, |c| c.run_in(id, tensors, &refs))
+            })
+            .map_err(client_error)?;
+        fetch.build(py, outs)
+    }
+
+    /// Sends one iteration without waiting for it; take its result with
+    /// `wait(handle)`. Iterations of a session run in the order sent.
+    #[pyo3(signature = (feeds, fetch=None))]
+    fn submit_run(
+        &self,
+        py: Python<'_>,
+        feeds: &Bound<'_, PyDict>,
+        fetch: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<RunHandle> {
+        self.live(py)?;
+        let (tensors, fetch) = self.feeds_and_fetch(feeds, fetch)?;
+        let names = fetch.names();
+        let (conn, id) = (self.conn.clone(), self.id);
+        let pending = py
+            .detach(move || {
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                with(&conn, |c| c.submit_run_in(id, tensors, &refs))
+            })
+            .map_err(client_error)?;
+        Ok(RunHandle {
+            pending: Mutex::new(Some(pending)),
+            fetch,
+        })
+    }
+
+    /// The results of a Run sent with `submit_run` (each handle once).
+    fn wait<'py>(&self, py: Python<'py>, handle: &RunHandle) -> PyResult<Bound<'py, PyAny>> {
+        let pending = handle
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this run was already waited for"))?;
+        let conn = self.conn.clone();
+        let outs = py
+            .detach(move || with(&conn, |c| c.wait_run(pending)))
+            .map_err(client_error)?;
+        handle.fetch.build(py, outs)
+    }
+
+    /// Current values of variables by name (all when `names` is None).
+    #[pyo3(signature = (names=None))]
+    fn read_variables<'py>(
+        &self,
+        py: Python<'py>,
+        names: Option<Vec<String>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        self.live(py)?;
+        let names = names.unwrap_or_default();
+        let (conn, id) = (self.conn.clone(), self.id);
+        let values = py
+            .detach(move || {
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                with(&conn, |c| c.read_variables_in(id, &refs))
+            })
+            .map_err(client_error)?;
+        values_to_dict(py, values)
+    }
+
+    /// Overwrites variables (each must exist and keep its shape and dtype).
+    fn write_variables(&self, py: Python<'_>, values: &Bound<'_, PyDict>) -> PyResult<()> {
+        self.live(py)?;
+        let values = values_from_dict(values)?;
+        let (conn, id) = (self.conn.clone(), self.id);
+        py.detach(move || with(&conn, |c| c.write_variables_in(id, values)))
+            .map_err(client_error)
+    }
+
+    /// Closes the session; the service frees its memory. Closing twice is
+    /// harmless.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        {
+            let mut st = self.state();
+            if st.closed {
+                return Ok(());
+            }
+            st.closed = true;
+        }
+        let (conn, id) = (self.conn.clone(), self.id);
+        py.detach(move || with(&conn, |c| c.close_in(id)))
+            .map_err(client_error)
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.state().closed
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("lanes.Session({:?}, id={})", self.name, self.id.0)
+    }
+}
+
+impl Drop for Session {
+    /// A session dropped without `close` is closed if its connection is
+    /// free; otherwise the service reclaims it when the client goes.
+    fn drop(&mut self) {
+        let closed = self.state.get_mut().map(|s| s.closed).unwrap_or(true);
+        if closed {
+            return;
+        }
+        if let Ok(mut guard) = self.conn.try_lock() {
+            if let Some(c) = guard.as_mut() {
+                // Nothing to tell anyone if this fails: the service also
+                // reclaims a session whose client went.
+                let _ = c.close_in(self.id);
+            }
+        }
+    }
+}
+
+/// A Run sent ahead with `Session.submit_run`.
+#[pyclass(frozen, module = "lanes._lanes")]
+#[derive(Debug)]
+pub struct RunHandle {
+    pending: Mutex<Option<PendingRun>>,
+    fetch: Fetch,
+}
+
+#[pymethods]
+impl RunHandle {
+    /// Whether its result was already taken.
+    #[getter]
+    fn done(&self) -> bool {
+        self.pending.lock().map(|p| p.is_none()).unwrap_or(true)
+    }
+}
+
+fn dtype_name(t: &TensorType) -> String {
+    match t.dtype {
+        lanes_adaptor::DType::F32 => "float32".into(),
+        lanes_adaptor::DType::I64 => "int64".into(),
+    }
+}

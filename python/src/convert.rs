@@ -1,0 +1,84 @@
+//! NumPy arrays ↔ Lanes tensors.
+//!
+//! Feeds: a float32 or int64 array is read through NumPy's buffer; a
+//! C-contiguous one is copied once, in one `memcpy`, into the tensor the
+//! request owns (the wire then sends that tensor's bytes as they are).
+//! Outputs: the vector a reply was decoded into becomes the NumPy array's
+//! memory (no copy); the array owns it from then on.
+
+use crate::errors::{local, FeedError};
+use lanes_adaptor::{Tensor, TensorData, VarValues};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// One feed: a float32 or int64 array (any layout), anything else refused
+/// with the dtypes Lanes takes.
+pub fn tensor_from_numpy(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let py = value.py();
+    if let Ok(a) = value.extract::<PyReadonlyArrayDyn<'_, f32>>() {
+        let shape = a.shape().to_vec();
+        let data = match a.as_slice() {
+            Ok(s) => s.to_vec(),
+            Err(_) => a.as_array().iter().copied().collect(),
+        };
+        return Tensor::from_f32(shape, data).map_err(|e| crate::errors::tensor_error(name, e));
+    }
+    if let Ok(a) = value.extract::<PyReadonlyArrayDyn<'_, i64>>() {
+        let shape = a.shape().to_vec();
+        let data = match a.as_slice() {
+            Ok(s) => s.to_vec(),
+            Err(_) => a.as_array().iter().copied().collect(),
+        };
+        return Tensor::from_i64(shape, data).map_err(|e| crate::errors::tensor_error(name, e));
+    }
+    let what = match value.getattr("dtype") {
+        Ok(d) => format!(
+            "an array of dtype {}",
+            d.str().map(|s| s.to_string()).unwrap_or_default()
+        ),
+        Err(_) => format!(
+            "a {}",
+            value
+                .get_type()
+                .name()
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        ),
+    };
+    Err(local(
+        py,
+        FeedError::new_err(format!(
+            "feed `{name}`: got {what}; Lanes takes NumPy arrays of dtype float32 or int64 (convert with .astype(numpy.float32))"
+        )),
+    ))
+}
+
+/// A tensor as a NumPy array that owns the tensor's vector (no copy).
+pub fn tensor_to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> {
+    let dims = t.shape().dims().to_vec();
+    Ok(match t.into_data() {
+        TensorData::F32(v) => PyArray1::from_vec(py, v).reshape(dims)?.into_any(),
+        TensorData::I64(v) => PyArray1::from_vec(py, v).reshape(dims)?.into_any(),
+    })
+}
+
+/// `{name: array}` from a dict of arrays.
+pub fn values_from_dict(d: &Bound<'_, PyDict>) -> PyResult<VarValues> {
+    let mut out = VarValues::new();
+    for (k, v) in d.iter() {
+        let name: String = k.extract()?;
+        let t = tensor_from_numpy(&name, &v)?;
+        out.insert(name, t);
+    }
+    Ok(out)
+}
+
+/// A dict of arrays from named tensors.
+pub fn values_to_dict<'py>(py: Python<'py>, values: VarValues) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, t) in values {
+        d.set_item(k, tensor_to_numpy(py, t)?)?;
+    }
+    Ok(d)
+}

@@ -1,0 +1,89 @@
+"""The PyTorch-exported ONNX fixtures (tests/data/onnx) run through the
+service match PyTorch's outputs saved beside them, at the Rust tests'
+tolerance (tests/onnx_import.rs)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import DATA
+
+import lanes
+
+ONNX = DATA / "onnx"
+RTOL, ATOL = 1e-4, 1e-5
+MODELS = sorted(json.loads((ONNX / "manifest.json").read_text())["models"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fixture_matches_pytorch(client, model):
+    entry = json.loads((ONNX / "manifest.json").read_text())["models"][model]
+    feeds_np = {n: np.load(ONNX / f"{model}.{n}.npy") for n in entry["inputs"]}
+    batch = next(iter(feeds_np.values())).shape[0]
+    with client.session(f"onnx-{model}") as s:
+        s.load_onnx(ONNX / f"{model}.onnx", batch=batch)
+        assert [n for n, _, _ in s.inputs] == entry["inputs"]
+        assert s.outputs == entry["outputs"]
+        dtypes = {n: dt for n, _, dt in s.inputs}
+        feeds = {n: a.astype(dtypes[n]) for n, a in feeds_np.items()}
+        out = s.run(feeds)
+        assert list(out) == entry["outputs"]
+        for name, got in out.items():
+            want = np.load(ONNX / f"{model}.{name}.npy")
+            assert got.shape == want.shape
+            assert got.dtype == np.float32
+            bad = ~np.isclose(got, want, rtol=RTOL, atol=ATOL)
+            assert not bad.any(), (
+                f"{model}.{name}: {bad.sum()} of {bad.size} outside rtol {RTOL}/atol {ATOL}, "
+                f"max abs {np.abs(got - want).max():e}"
+            )
+
+
+def test_fetch_forms(client):
+    x = np.load(ONNX / "resnet18.input.npy")
+    with client.session("fetch-forms") as s:
+        s.load_onnx(str(ONNX / "resnet18.onnx"), batch=x.shape[0])
+        one = s.run({"input": x}, fetch="output")
+        listed = s.run({"input": x}, fetch=["output", "output"])
+        assert isinstance(listed, list) and len(listed) == 2
+        np.testing.assert_array_equal(one, listed[0])
+        # A strided (non-contiguous) feed is read in its logical order.
+        wide = np.zeros(x.shape[:-1] + (x.shape[-1] * 2,), np.float32)
+        wide[..., ::2] = x
+        np.testing.assert_array_equal(s.run({"input": wide[..., ::2]}, fetch="output"), one)
+        h1 = s.submit_run({"input": x}, fetch="output")
+        h2 = s.submit_run({"input": x})
+        assert not h1.done
+        np.testing.assert_array_equal(s.wait(h2)["output"], one)
+        np.testing.assert_array_equal(s.wait(h1), one)
+        assert h1.done
+        with pytest.raises(ValueError):
+            s.wait(h1)
+
+
+def test_unsupported_and_malformed_files(client, tmp_path):
+    with client.session("bad-files") as s:
+        with pytest.raises(lanes.ModelError, match="not supported") as e:
+            s.load_onnx(ONNX / "unsupported_op.onnx")
+        assert e.value.code is None
+        junk = tmp_path / "junk.onnx"
+        junk.write_bytes(b"\x08\x07 not a model")
+        with pytest.raises(lanes.ModelError):
+            s.load_onnx(junk)
+        with pytest.raises(lanes.ModelError, match="cannot read"):
+            s.load_onnx(tmp_path / "missing.onnx")
+
+
+def test_outputs_are_not_copied(client):
+    """An output array is a view of the buffer the reply was decoded into
+    (NumPy does not own it), and each Run's arrays are independent."""
+    x = np.load(ONNX / "resnet18.input.npy")
+    with client.session("zero-copy") as s:
+        s.load_onnx(ONNX / "resnet18.onnx", batch=x.shape[0])
+        a = s.run({"input": x}, fetch="output")
+        b = s.run({"input": x}, fetch="output")
+    assert not a.flags.owndata and a.base is not None
+    assert a.flags.c_contiguous and a.flags.writeable
+    a[...] = 0
+    assert b.any()
