@@ -43,7 +43,10 @@ __device__ __forceinline__ float binary_f(int op, float a, float b) {
     case 0: return a + b;
     case 1: return a - b;
     case 2: return a * b;
-    default: return a / b;
+    case 3: return a / b;
+    // The repeating operand came first and was moved second: b - a, b / a.
+    case 4: return b - a;
+    default: return b / a;
     }
 }
 
@@ -94,6 +97,12 @@ extern "C" __global__ void strided_copy64(long long* out, const long long* in, i
     strided_copy_impl<long long>(out, in, n, s, ob, ib);
 }
 
+// 16-byte units (four f32 or two i64) when every offset, stride and the
+// contiguous inner extent allow it (the host checks).
+extern "C" __global__ void strided_copy128(int4* out, const int4* in, int n, Strided s, int ob, int ib) {
+    strided_copy_impl<int4>(out, in, n, s, ob, ib);
+}
+
 // Clip: NaN stays NaN (as CPU, PyTorch clamp and ONNX Clip).
 extern "C" __global__ void clip(float* out, const float* x, int n, float lo, float hi) {
     GRID_LOOP(i, n) {
@@ -115,6 +124,36 @@ extern "C" __global__ void where_bcast(float* out, const float* c, const float* 
             ob += k * t.sb[d];
         }
         out[i] = c[oc] != 0.0f ? a[oa] : b[ob];
+    }
+}
+
+// Where over operands that are whole (stride 1) or single values (stride 0):
+// out[i] = c[i*kc] != 0 ? a[i*ka] : b[i*kb].
+extern "C" __global__ void where_flat(float* out, const float* c, const float* a, const float* b, int n,
+                                      int kc, int ka, int kb) {
+    GRID_LOOP(i, n) { out[i] = c[i * kc] != 0.0f ? a[i * ka] : b[i * kb]; }
+}
+
+// Four floats at vector index i, or the single value four times.
+__device__ __forceinline__ float4 load4(const float* p, int whole, int i) {
+    if (whole) return reinterpret_cast<const float4*>(p)[i];
+    float4 v;
+    v.x = v.y = v.z = v.w = p[0];
+    return v;
+}
+
+// where_flat four floats at a time: n4 = n / 4, every whole operand 16-byte
+// aligned (the host checks); single operands are read as one float.
+extern "C" __global__ void where_flat4(float4* out, const float* c, const float* a, const float* b, int n4,
+                                       int kc, int ka, int kb) {
+    GRID_LOOP(i, n4) {
+        float4 cv = load4(c, kc, i), av = load4(a, ka, i), bv = load4(b, kb, i);
+        float4 r;
+        r.x = cv.x != 0.0f ? av.x : bv.x;
+        r.y = cv.y != 0.0f ? av.y : bv.y;
+        r.z = cv.z != 0.0f ? av.z : bv.z;
+        r.w = cv.w != 0.0f ? av.w : bv.w;
+        out[i] = r;
     }
 }
 
