@@ -377,7 +377,7 @@ fn elementwise_and_shape_ops() {
 /// transposes moved 8 or 16 bytes at a time where offsets allow it (and 4
 /// where they do not), add/sub/mul/div with the repeating operand first, and
 /// `where` over whole or single-value operands (four floats at a time when
-/// the size is a multiple of four).
+/// the size is a multiple of four), inference batch norm by planes.
 #[test]
 #[ignore = "needs a GPU"]
 fn fast_copy_and_elementwise_paths() {
@@ -494,6 +494,24 @@ fn fast_copy_and_elementwise_paths() {
     }
     let ins = vec![mask(&[1]), f(&[4, 5, 6]), f(&[4, 5, 6])];
     cases.push(single("where flat single cond", Op::Where, ins, FP32));
+    // Inference batch norm: per plane four at a time (8x8), per plane one at
+    // a time (7x7), and the flat kernel (planes under 32 values, [N, C]).
+    let mut brng = StdRng::seed_from_u64(14);
+    for (name, d) in [
+        ("batch_norm planes x4", vec![3usize, 6, 8, 8]),
+        ("batch_norm planes x1", vec![3, 6, 7, 7]),
+        ("batch_norm small planes", vec![3, 6, 5]),
+        ("batch_norm rows", vec![5, 6]),
+    ] {
+        let ins = vec![
+            rnd(&mut brng, &d, -2.0, 2.0),
+            rnd(&mut brng, &[6], 0.5, 1.5),
+            rnd(&mut brng, &[6], -0.5, 0.5),
+            rnd(&mut brng, &[6], -0.5, 0.5),
+            rnd(&mut brng, &[6], 0.5, 2.0),
+        ];
+        cases.push(single(name, Op::BatchNorm { eps: 1e-5 }, ins, FP32));
+    }
     run_all(cases);
 }
 

@@ -34,6 +34,7 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "fill",
             "unary_grad",
             "batchnorm_infer",
+            "batchnorm_planes",
             "channel_bias",
             "sgd_update",
             "adam_update",

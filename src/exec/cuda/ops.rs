@@ -646,6 +646,25 @@ impl CudaProgram {
             Op::BatchNorm { eps } => {
                 let d = ity[0].shape.dims();
                 let (c, inner) = (i(d[1]), i(prod(&d[2..])));
+                let planes = d[0] * d[1];
+                if prod(&d[2..]) >= 32 && (1..=65_535).contains(&planes) {
+                    let vec4 = prod(&d[2..]) % 4 == 0 && out[0] % 16 == 0 && inp[0] % 16 == 0;
+                    let units = if vec4 {
+                        prod(&d[2..]) / 4
+                    } else {
+                        prod(&d[2..])
+                    };
+                    let cfg = plane_rows(units, planes);
+                    let v4 = i32::from(vec4);
+                    return self.k(
+                        "batchnorm_planes",
+                        cfg,
+                        &[
+                            &out[0], &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &c, &inner, eps,
+                            &v4,
+                        ],
+                    );
+                }
                 self.k(
                     "batchnorm_infer",
                     grid(n_out),
@@ -1016,6 +1035,19 @@ impl CudaProgram {
 /// leave most of the GPU idle and the grid fits (y ≤ 65535 channels).
 fn plane_parallel(dims: &[usize]) -> bool {
     dims.len() >= 2 && dims[0] > 1 && dims[1] <= 65_535 && dims[0] <= i32::MAX as usize
+}
+
+/// Blocks over `planes` rows (grid y, at most 65535) of `units` items each:
+/// up to 256 threads a block (a multiple of 32, no more than the row needs)
+/// and up to 8 blocks a row.
+fn plane_rows(units: usize, planes: usize) -> cudarc::driver::LaunchConfig {
+    let threads = units.div_ceil(32).clamp(1, 8) * 32;
+    let per_row = units.div_ceil(threads).clamp(1, 8);
+    cudarc::driver::LaunchConfig {
+        grid_dim: (per_row as u32, planes as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// One block of 256 threads per (n, c) plane.

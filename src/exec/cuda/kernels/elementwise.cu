@@ -205,6 +205,40 @@ extern "C" __global__ void batchnorm_infer(float* y, const float* x, const float
     }
 }
 
+// batchnorm_infer with one row of blocks per (n, c) plane (blockIdx.y): the
+// channel's values are read once per block and no index is divided. The
+// arithmetic is batchnorm_infer's, in the same order. vec4: the
+// plane is read and written four floats at a time (inner % 4 == 0, x and y
+// 16-byte aligned; the host checks).
+extern "C" __global__ void batchnorm_planes(float* y, const float* x, const float* g, const float* b,
+                                            const float* m, const float* v, int C, int inner, float eps,
+                                            int vec4) {
+    int p = blockIdx.y;
+    int c = p % C;
+    float r = rsqrtf(v[c] + eps);
+    float gc = g[c], bc = b[c], mc = m[c];
+    long long base = (long long)p * inner;
+    int step = blockDim.x * gridDim.x;
+    if (vec4) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        float4* y4 = reinterpret_cast<float4*>(y + base);
+        int n4 = inner / 4;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n4; j += step) {
+            float4 a = x4[j];
+            float4 o;
+            o.x = (a.x - mc) * r * gc + bc;
+            o.y = (a.y - mc) * r * gc + bc;
+            o.z = (a.z - mc) * r * gc + bc;
+            o.w = (a.w - mc) * r * gc + bc;
+            y4[j] = o;
+        }
+    } else {
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inner; j += step) {
+            y[base + j] = (x[base + j] - mc) * r * gc + bc;
+        }
+    }
+}
+
 // y [outer, C, inner] += bias[c]
 extern "C" __global__ void channel_bias(float* y, const float* bias, int n, int C, int inner) {
     GRID_LOOP(i, n) { y[i] += bias[(i / inner) % C]; }
