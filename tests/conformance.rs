@@ -373,7 +373,8 @@ fn elementwise_and_shape_ops() {
     run_all(cases);
 }
 
-/// The fast paths of the copy and elementwise kernels: concats, slices and
+/// The fast paths of the copy and elementwise kernels: unary and same-shape
+/// binary ops four floats at a time, concats, slices and
 /// transposes moved 8 or 16 bytes at a time where offsets allow it (and 4
 /// where they do not), add/sub/mul/div with the repeating operand first, and
 /// `where` over whole or single-value operands (four floats at a time when
@@ -461,7 +462,20 @@ fn fast_copy_and_elementwise_paths() {
             FP32,
         ));
     }
+    // Unary and same-shape binary ops four at a time (sizes multiple of 4)
+    // and one at a time (odd sizes).
+    for (name, op, d) in [
+        ("relu x4", Op::Relu, vec![4usize, 5, 6]),
+        ("gelu x4", Op::Gelu, vec![2, 8]),
+        ("scale x4", Op::Scale(0.3), vec![4]),
+        ("relu odd", Op::Relu, vec![3, 5, 7]),
+    ] {
+        let x = f(&d);
+        cases.push(single(name, op, vec![x], FP32));
+    }
     cases.extend([
+        binary("sub same x4", Op::Sub, &[4, 2, 6], &[4, 2, 6]),
+        binary("div same odd", Op::Div, &[3, 5, 7], &[3, 5, 7]),
         binary("add bias first", Op::Add, &[6], &[4, 5, 6]),
         binary("sub bias first", Op::Sub, &[6], &[4, 5, 6]),
         binary("mul 1xN first", Op::Mul, &[1, 5, 6], &[4, 5, 6]),

@@ -25,7 +25,9 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
         "elementwise",
         &[
             "unary",
+            "unary4",
             "binary_same",
+            "binary_same4",
             "binary_row",
             "binary_bcast",
             "strided_copy32",

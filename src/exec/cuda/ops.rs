@@ -344,7 +344,14 @@ impl CudaProgram {
                     let lead = b.iter().take_while(|&&d| d == 1).count();
                     &b[lead..]
                 };
-                if a == o && b == o {
+                if a == o && b == o && n_out % 4 == 0 && (out[0] | pa | pb) % 16 == 0 {
+                    let n4 = i(n_out / 4);
+                    self.k(
+                        "binary_same4",
+                        grid(n_out / 4),
+                        &[&out[0], &pa, &pb, &n4, &code],
+                    )
+                } else if a == o && b == o {
                     self.k(
                         "binary_same",
                         grid(n_out),
@@ -390,7 +397,16 @@ impl CudaProgram {
                     Op::IsNan => (9, 0.0),
                     _ => (7, 1.0),
                 };
-                self.k("unary", grid(n_out), &[&out[0], &inp[0], &n32, &code, &p])
+                if n_out % 4 == 0 && (out[0] | inp[0]) % 16 == 0 {
+                    let n4 = i(n_out / 4);
+                    self.k(
+                        "unary4",
+                        grid(n_out / 4),
+                        &[&out[0], &inp[0], &n4, &code, &p],
+                    )
+                } else {
+                    self.k("unary", grid(n_out), &[&out[0], &inp[0], &n32, &code, &p])
+                }
             }
             Op::Clip { min, max } => {
                 self.k("clip", grid(n_out), &[&out[0], &inp[0], &n32, min, max])
