@@ -373,6 +373,162 @@ fn elementwise_and_shape_ops() {
     run_all(cases);
 }
 
+/// The fast paths of the copy and elementwise kernels: unary and same-shape
+/// binary ops four floats at a time, concats, slices and
+/// transposes moved 8 or 16 bytes at a time where offsets allow it (and 4
+/// where they do not), add/sub/mul/div with the repeating operand first, and
+/// `where` over whole or single-value operands (four floats at a time when
+/// the size is a multiple of four), inference batch norm by planes.
+#[test]
+#[ignore = "needs a GPU"]
+fn fast_copy_and_elementwise_paths() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut f = |d: &[usize]| rnd(&mut rng, d, -1.0, 1.0);
+    let mut cases = Vec::new();
+    let concats: Vec<(&str, usize, Vec<Vec<usize>>)> = vec![
+        (
+            "concat ch aligned",
+            1,
+            vec![vec![2, 64, 5, 5], vec![2, 32, 5, 5], vec![2, 96, 5, 5]],
+        ),
+        ("concat ch odd", 1, vec![vec![3, 3, 3, 3], vec![3, 5, 3, 3]]),
+        (
+            "concat ch even",
+            1,
+            vec![vec![2, 3, 2, 1], vec![2, 1, 2, 1]],
+        ),
+        (
+            "concat axis 0",
+            0,
+            vec![vec![1, 3, 4], vec![2, 3, 4], vec![3, 3, 4]],
+        ),
+        (
+            "concat last odd",
+            2,
+            vec![vec![2, 3, 5], vec![2, 3, 1], vec![2, 3, 7]],
+        ),
+        ("concat last aligned", 2, vec![vec![2, 3, 4], vec![2, 3, 8]]),
+        (
+            "concat axis 2 of 4",
+            2,
+            vec![vec![2, 3, 2, 6], vec![2, 3, 3, 6]],
+        ),
+    ];
+    for (name, axis, shapes) in concats {
+        let ins = shapes.iter().map(|d| f(d)).collect();
+        cases.push(single(name, Op::Concat { axis }, ins, FP32));
+    }
+    let mut irng = StdRng::seed_from_u64(12);
+    for (name, axis, a, b) in [
+        ("concat i64 rows", 1, [3usize, 4], [3usize, 2]),
+        ("concat i64 odd", 1, [3, 3], [3, 1]),
+    ] {
+        let ins = vec![ints(&mut irng, &a, 9), ints(&mut irng, &b, 9)];
+        cases.push(single(name, Op::Concat { axis }, ins, FP32));
+    }
+    for (name, start, end) in [("slice aligned", 2, 5), ("slice odd", 1, 2)] {
+        cases.push(single(
+            name,
+            Op::Slice {
+                axis: 1,
+                start,
+                end,
+            },
+            vec![f(&[2, 6, 8])],
+            FP32,
+        ));
+    }
+    cases.push(single(
+        "slice odd width",
+        Op::Slice {
+            axis: 2,
+            start: 1,
+            end: 4,
+        },
+        vec![f(&[2, 3, 5])],
+        FP32,
+    ));
+    for (name, d) in [
+        ("transpose heads x4", [2usize, 5, 3, 8]),
+        ("transpose heads x2", [2, 5, 3, 6]),
+        ("transpose heads x1", [2, 5, 3, 3]),
+    ] {
+        cases.push(single(
+            name,
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            vec![f(&d)],
+            FP32,
+        ));
+    }
+    // Unary and same-shape binary ops four at a time (sizes multiple of 4)
+    // and one at a time (odd sizes).
+    for (name, op, d) in [
+        ("relu x4", Op::Relu, vec![4usize, 5, 6]),
+        ("gelu x4", Op::Gelu, vec![2, 8]),
+        ("scale x4", Op::Scale(0.3), vec![4]),
+        ("relu odd", Op::Relu, vec![3, 5, 7]),
+    ] {
+        let x = f(&d);
+        cases.push(single(name, op, vec![x], FP32));
+    }
+    cases.extend([
+        binary("sub same x4", Op::Sub, &[4, 2, 6], &[4, 2, 6]),
+        binary("div same odd", Op::Div, &[3, 5, 7], &[3, 5, 7]),
+        binary("add bias first", Op::Add, &[6], &[4, 5, 6]),
+        binary("sub bias first", Op::Sub, &[6], &[4, 5, 6]),
+        binary("mul 1xN first", Op::Mul, &[1, 5, 6], &[4, 5, 6]),
+        binary("div bias first", Op::Div, &[5, 6], &[4, 5, 6]),
+        binary("add scalar first", Op::Add, &[], &[3, 7]),
+    ]);
+    let mut mrng = StdRng::seed_from_u64(13);
+    let mut mask = |d: &[usize]| {
+        let n: usize = d.iter().product();
+        Tensor::from_f32(
+            d.to_vec(),
+            (0..n).map(|_| f32::from(mrng.gen_bool(0.5))).collect(),
+        )
+        .unwrap()
+    };
+    let wheres = [
+        (
+            "where flat x4",
+            [4usize, 5, 6],
+            vec![4usize, 5, 6],
+            vec![4usize, 5, 6],
+        ),
+        ("where flat odd", [3, 5, 7], vec![3, 5, 7], vec![3, 5, 7]),
+        ("where flat single a", [4, 5, 6], vec![1, 1], vec![4, 5, 6]),
+        ("where flat single b", [3, 5, 7], vec![3, 5, 7], vec![]),
+    ];
+    for (name, c, a, b) in wheres {
+        let ins = vec![mask(&c), f(&a), f(&b)];
+        cases.push(single(name, Op::Where, ins, FP32));
+    }
+    let ins = vec![mask(&[1]), f(&[4, 5, 6]), f(&[4, 5, 6])];
+    cases.push(single("where flat single cond", Op::Where, ins, FP32));
+    // Inference batch norm: per plane four at a time (8x8), per plane one at
+    // a time (7x7), and the flat kernel (planes under 32 values, [N, C]).
+    let mut brng = StdRng::seed_from_u64(14);
+    for (name, d) in [
+        ("batch_norm planes x4", vec![3usize, 6, 8, 8]),
+        ("batch_norm planes x1", vec![3, 6, 7, 7]),
+        ("batch_norm small planes", vec![3, 6, 5]),
+        ("batch_norm rows", vec![5, 6]),
+    ] {
+        let ins = vec![
+            rnd(&mut brng, &d, -2.0, 2.0),
+            rnd(&mut brng, &[6], 0.5, 1.5),
+            rnd(&mut brng, &[6], -0.5, 0.5),
+            rnd(&mut brng, &[6], -0.5, 0.5),
+            rnd(&mut brng, &[6], 0.5, 2.0),
+        ];
+        cases.push(single(name, Op::BatchNorm { eps: 1e-5 }, ins, FP32));
+    }
+    run_all(cases);
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn matmul_variants() {

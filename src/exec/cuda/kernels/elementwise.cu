@@ -38,17 +38,48 @@ extern "C" __global__ void unary(float* out, const float* x, int n, int op, floa
     GRID_LOOP(i, n) { out[i] = unary_f(op, x[i], p); }
 }
 
+// unary four floats at a time (n4 = n / 4; out and x 16-byte aligned, the
+// host checks).
+extern "C" __global__ void unary4(float4* out, const float4* x, int n4, int op, float p) {
+    GRID_LOOP(i, n4) {
+        float4 v = x[i];
+        float4 r;
+        r.x = unary_f(op, v.x, p);
+        r.y = unary_f(op, v.y, p);
+        r.z = unary_f(op, v.z, p);
+        r.w = unary_f(op, v.w, p);
+        out[i] = r;
+    }
+}
+
 __device__ __forceinline__ float binary_f(int op, float a, float b) {
     switch (op) {
     case 0: return a + b;
     case 1: return a - b;
     case 2: return a * b;
-    default: return a / b;
+    case 3: return a / b;
+    // The repeating operand came first and was moved second: b - a, b / a.
+    case 4: return b - a;
+    default: return b / a;
     }
 }
 
 extern "C" __global__ void binary_same(float* out, const float* a, const float* b, int n, int op) {
     GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i]); }
+}
+
+// binary_same four floats at a time (n4 = n / 4; all three 16-byte aligned,
+// the host checks).
+extern "C" __global__ void binary_same4(float4* out, const float4* a, const float4* b, int n4, int op) {
+    GRID_LOOP(i, n4) {
+        float4 x = a[i], y = b[i];
+        float4 r;
+        r.x = binary_f(op, x.x, y.x);
+        r.y = binary_f(op, x.y, y.y);
+        r.z = binary_f(op, x.z, y.z);
+        r.w = binary_f(op, x.w, y.w);
+        out[i] = r;
+    }
 }
 
 // b repeats along the leading axes of a (e.g. a bias): b[i % len].
@@ -94,6 +125,12 @@ extern "C" __global__ void strided_copy64(long long* out, const long long* in, i
     strided_copy_impl<long long>(out, in, n, s, ob, ib);
 }
 
+// 16-byte units (four f32 or two i64) when every offset, stride and the
+// contiguous inner extent allow it (the host checks).
+extern "C" __global__ void strided_copy128(int4* out, const int4* in, int n, Strided s, int ob, int ib) {
+    strided_copy_impl<int4>(out, in, n, s, ob, ib);
+}
+
 // Clip: NaN stays NaN (as CPU, PyTorch clamp and ONNX Clip).
 extern "C" __global__ void clip(float* out, const float* x, int n, float lo, float hi) {
     GRID_LOOP(i, n) {
@@ -115,6 +152,36 @@ extern "C" __global__ void where_bcast(float* out, const float* c, const float* 
             ob += k * t.sb[d];
         }
         out[i] = c[oc] != 0.0f ? a[oa] : b[ob];
+    }
+}
+
+// Where over operands that are whole (stride 1) or single values (stride 0):
+// out[i] = c[i*kc] != 0 ? a[i*ka] : b[i*kb].
+extern "C" __global__ void where_flat(float* out, const float* c, const float* a, const float* b, int n,
+                                      int kc, int ka, int kb) {
+    GRID_LOOP(i, n) { out[i] = c[i * kc] != 0.0f ? a[i * ka] : b[i * kb]; }
+}
+
+// Four floats at vector index i, or the single value four times.
+__device__ __forceinline__ float4 load4(const float* p, int whole, int i) {
+    if (whole) return reinterpret_cast<const float4*>(p)[i];
+    float4 v;
+    v.x = v.y = v.z = v.w = p[0];
+    return v;
+}
+
+// where_flat four floats at a time: n4 = n / 4, every whole operand 16-byte
+// aligned (the host checks); single operands are read as one float.
+extern "C" __global__ void where_flat4(float4* out, const float* c, const float* a, const float* b, int n4,
+                                       int kc, int ka, int kb) {
+    GRID_LOOP(i, n4) {
+        float4 cv = load4(c, kc, i), av = load4(a, ka, i), bv = load4(b, kb, i);
+        float4 r;
+        r.x = cv.x != 0.0f ? av.x : bv.x;
+        r.y = cv.y != 0.0f ? av.y : bv.y;
+        r.z = cv.z != 0.0f ? av.z : bv.z;
+        r.w = cv.w != 0.0f ? av.w : bv.w;
+        out[i] = r;
     }
 }
 
@@ -163,6 +230,40 @@ extern "C" __global__ void batchnorm_infer(float* y, const float* x, const float
     GRID_LOOP(i, n) {
         int c = (i / inner) % C;
         y[i] = (x[i] - m[c]) * rsqrtf(v[c] + eps) * g[c] + b[c];
+    }
+}
+
+// batchnorm_infer with one row of blocks per (n, c) plane (blockIdx.y): the
+// channel's values are read once per block and no index is divided. The
+// arithmetic is batchnorm_infer's, in the same order. vec4: the
+// plane is read and written four floats at a time (inner % 4 == 0, x and y
+// 16-byte aligned; the host checks).
+extern "C" __global__ void batchnorm_planes(float* y, const float* x, const float* g, const float* b,
+                                            const float* m, const float* v, int C, int inner, float eps,
+                                            int vec4) {
+    int p = blockIdx.y;
+    int c = p % C;
+    float r = rsqrtf(v[c] + eps);
+    float gc = g[c], bc = b[c], mc = m[c];
+    long long base = (long long)p * inner;
+    int step = blockDim.x * gridDim.x;
+    if (vec4) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        float4* y4 = reinterpret_cast<float4*>(y + base);
+        int n4 = inner / 4;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n4; j += step) {
+            float4 a = x4[j];
+            float4 o;
+            o.x = (a.x - mc) * r * gc + bc;
+            o.y = (a.y - mc) * r * gc + bc;
+            o.z = (a.z - mc) * r * gc + bc;
+            o.w = (a.w - mc) * r * gc + bc;
+            y4[j] = o;
+        }
+    } else {
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inner; j += step) {
+            y[base + j] = (x[base + j] - mc) * r * gc + bc;
+        }
     }
 }
 
