@@ -456,22 +456,31 @@ impl Client {
         req: &Request,
         shared: Option<&mut OwnedSegment>,
     ) -> Result<Sent, ClientError> {
+        self.send_encoded(req.name(), |id| wire::encode_request_into(id, req, shared))
+    }
+
+    /// Takes the next request id, encodes with it and queues the frames.
+    fn send_encoded(
+        &mut self,
+        request: &'static str,
+        encode: impl FnOnce(u64) -> Result<Vec<Vec<u8>>, WireError>,
+    ) -> Result<Sent, ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         let start = Instant::now();
-        let frames = wire::encode_request_into(id, req, shared).map_err(ClientError::Encode)?;
+        let frames = encode(id).map_err(ClientError::Encode)?;
         let bytes: usize = frames.iter().map(Vec::len).sum();
         let encoded = Instant::now();
         self.socket.send_multipart(frames, 0).map_err(|e| match e {
             zmq::Error::EAGAIN => ClientError::Timeout {
-                request: req.name(),
+                request,
                 timeout: self.options.timeout,
             },
             other => ClientError::Zmq(other),
         })?;
         Ok(Sent {
             id,
-            request: req.name(),
+            request,
             bytes,
             start,
             encoded,
@@ -762,33 +771,13 @@ impl Client {
         buffers: &FeedBuffers,
         fetches: &[&str],
     ) -> Result<Sent, ClientError> {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
-        let start = Instant::now();
         let fetches: Vec<String> = fetches.iter().map(|s| s.to_string()).collect();
         let feeds = buffers
             .feeds
             .iter()
             .map(|(n, ty, at)| (n.as_str(), ty, *at));
-        let frames =
+        self.send_encoded("run", |id| {
             wire::encode_shared_run(id, buffers.session, feeds, buffers.seg.id(), &fetches)
-                .map_err(ClientError::Encode)?;
-        let bytes: usize = frames.iter().map(Vec::len).sum();
-        let encoded = Instant::now();
-        self.socket.send_multipart(frames, 0).map_err(|e| match e {
-            zmq::Error::EAGAIN => ClientError::Timeout {
-                request: "run",
-                timeout: self.options.timeout,
-            },
-            other => ClientError::Zmq(other),
-        })?;
-        Ok(Sent {
-            id,
-            request: "run",
-            bytes,
-            start,
-            encoded,
-            sent: Instant::now(),
         })
     }
 
