@@ -99,6 +99,7 @@ class Client:
         timeout: float = 300.0,
         name: Optional[str] = None,
         shared_memory: bool = True,
+        busy_poll: float = 0.0,
     ) -> None: ...
     @property
     def endpoint(self) -> str: ...

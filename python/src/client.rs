@@ -5,13 +5,15 @@
 //! (`Python::detach`), so other Python threads run meanwhile; calls on one
 //! client from several threads take turns on its connection.
 
-use crate::convert::{tensor_from_numpy, tensor_to_numpy, values_from_dict, values_to_dict};
+use crate::convert::{
+    feed_type, tensor_from_numpy, tensor_to_numpy, values_from_dict, values_to_dict, write_feed,
+};
 use crate::errors::{client_error, local, onnx_error, zoo_error, FeedError, SessionClosedError};
 use crate::{optim, zoo};
 use lanes_adaptor::onnx::{import_file, ImportOptions};
 use lanes_adaptor::{
-    Client as Conn, ClientError, ClientOptions, Graph, JobKind, PendingRun, SessionId, SessionSpec,
-    Tensor, TensorType, VarValues,
+    Client as Conn, ClientError, ClientOptions, FeedBuffers, Graph, JobKind, PendingRun, SessionId,
+    SessionSpec, Tensor, TensorType, VarValues,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -48,23 +50,30 @@ pub struct Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, name=None, shared_memory=true))]
+    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, name=None, shared_memory=true, busy_poll=0.0))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         timeout: f64,
         name: Option<String>,
         shared_memory: bool,
+        busy_poll: f64,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(
                 "timeout must be a positive number of seconds",
             ));
         }
+        if !(busy_poll.is_finite() && (0.0..=1.0).contains(&busy_poll)) {
+            return Err(PyValueError::new_err(
+                "busy_poll must be between 0 and 1 second (0: wait without spinning)",
+            ));
+        }
         let options = ClientOptions {
             timeout: Duration::from_secs_f64(timeout),
             name: name.unwrap_or_else(|| format!("python/{}", env!("CARGO_PKG_VERSION"))),
             shared_memory,
+            busy_poll: Duration::from_secs_f64(busy_poll),
             ..ClientOptions::default()
         };
         let ep = endpoint.to_string();
@@ -174,6 +183,12 @@ struct State {
     inputs: Vec<(String, TensorType)>,
     /// What `run` fetches when given no `fetch`.
     outputs: Vec<String>,
+    /// `run`'s feed buffers in shared memory, for the feeds (names and
+    /// types) of the last `run`; taken out while a `run` uses them.
+    buffers: Option<FeedBuffers>,
+    /// The service cannot take feed buffers (not on this host, or shared
+    /// memory is off): `run` sends its feeds in the request.
+    no_buffers: bool,
 }
 
 /// A job's session on the service.
@@ -284,7 +299,14 @@ impl Session {
             let t = tensor_from_numpy(&name, &v)?;
             tensors.push((name, t));
         }
-        let fetch = match fetch {
+        let fetch = self.fetch_of(fetch)?;
+        Ok((tensors, fetch))
+    }
+
+    /// What `fetch` asks for: None → the model's outputs as a dict, a name
+    /// → that array, a sequence of names → a list.
+    fn fetch_of(&self, fetch: Option<&Bound<'_, PyAny>>) -> PyResult<Fetch> {
+        Ok(match fetch {
             None => Fetch::Dict(self.state().outputs.clone()),
             Some(f) if f.is_instance_of::<PyString>() => Fetch::One(f.extract()?),
             Some(f) => Fetch::List(
@@ -295,8 +317,75 @@ impl Session {
                         PyTypeError::new_err("fetch must be a name or a sequence of names")
                     })?,
             ),
+        })
+    }
+
+    /// `run` through feed buffers in shared memory: each array is copied
+    /// once, straight into the segment the service reads it from (on the
+    /// GPU: one DMA from there), and the request carries only a header.
+    /// `None` when that path does not apply (shared memory unavailable,
+    /// another thread's `run` holds the buffers, an array that is not
+    /// float32/int64): the caller sends the feeds in the request, which
+    /// also gives the usual errors.
+    fn run_buffered<'py>(
+        &self,
+        py: Python<'py>,
+        feeds: &Bound<'py, PyDict>,
+        fetch: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let mut types = Vec::with_capacity(feeds.len());
+        for (k, v) in feeds.iter() {
+            let (Ok(name), Some(ty)) = (k.extract::<String>(), feed_type(&v)) else {
+                return Ok(None);
+            };
+            types.push((name, ty));
+        }
+        let buffers = {
+            let mut st = self.state();
+            if st.no_buffers {
+                return Ok(None);
+            }
+            st.buffers.take()
         };
-        Ok((tensors, fetch))
+        let same = |b: &FeedBuffers| {
+            b.feeds().count() == types.len()
+                && b.feeds()
+                    .zip(&types)
+                    .all(|((n, t), (m, u))| n == m && t == u)
+        };
+        let mut buffers = match buffers {
+            Some(b) if same(&b) => b,
+            _ => {
+                let (conn, id, want) = (self.conn.clone(), self.id, types.clone());
+                let made = py.detach(move || {
+                    let refs: Vec<(&str, TensorType)> =
+                        want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+                    with(&conn, |c| c.feed_buffers_in(id, &refs))
+                });
+                match made {
+                    Ok(b) => b,
+                    Err(ClientError::NoSharedMemory { .. }) => {
+                        self.state().no_buffers = true;
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(client_error(e)),
+                }
+            }
+        };
+        for (k, v) in feeds.iter() {
+            let name: String = k.extract()?;
+            write_feed(&mut buffers, &name, &v)?;
+        }
+        let fetch = self.fetch_of(fetch)?;
+        let names = fetch.names();
+        let conn = self.conn.clone();
+        let (buffers, outs) = py.detach(move || {
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let outs = with(&conn, |c| c.run_buffers_in(&mut buffers, &refs));
+            (buffers, outs)
+        });
+        self.state().buffers = Some(buffers);
+        fetch.build(py, outs.map_err(client_error)?).map(Some)
     }
 }
 
@@ -395,6 +484,9 @@ impl Session {
         fetch: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         self.live(py)?;
+        if let Some(outs) = self.run_buffered(py, feeds, fetch)? {
+            return Ok(outs);
+        }
         let (tensors, fetch) = self.feeds_and_fetch(feeds, fetch)?;
         let names = fetch.names();
         let (conn, id) = (self.conn.clone(), self.id);

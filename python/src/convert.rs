@@ -6,8 +6,8 @@
 //! Outputs: the vector a reply was decoded into becomes the NumPy array's
 //! memory (no copy); the array owns it from then on.
 
-use crate::errors::{local, FeedError};
-use lanes_adaptor::{Tensor, TensorData, VarValues};
+use crate::errors::{client_error, local, FeedError};
+use lanes_adaptor::{FeedBuffers, Tensor, TensorData, TensorType, VarValues};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -50,6 +50,46 @@ pub fn tensor_from_numpy(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Tenso
         py,
         FeedError::new_err(format!(
             "feed `{name}`: got {what}; Lanes takes NumPy arrays of dtype float32 or int64 (convert with .astype(numpy.float32))"
+        )),
+    ))
+}
+
+/// The type of a float32 or int64 array; `None` for anything else.
+pub fn feed_type(value: &Bound<'_, PyAny>) -> Option<TensorType> {
+    if let Ok(a) = value.extract::<PyReadonlyArrayDyn<'_, f32>>() {
+        return Some(TensorType::f32(a.shape().to_vec()));
+    }
+    if let Ok(a) = value.extract::<PyReadonlyArrayDyn<'_, i64>>() {
+        return Some(TensorType::i64(a.shape().to_vec()));
+    }
+    None
+}
+
+/// Copies the array `value` into feed `name`'s buffer (one `memcpy` when it
+/// is C-contiguous, else element by element in C order). The buffer's type
+/// was made from this array's ([`feed_type`]).
+pub fn write_feed(buffers: &mut FeedBuffers, name: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn fill<T: Copy + numpy::Element>(dst: &mut [T], a: &PyReadonlyArrayDyn<'_, T>) {
+        match a.as_slice() {
+            Ok(s) if s.len() == dst.len() => dst.copy_from_slice(s),
+            _ => dst
+                .iter_mut()
+                .zip(a.as_array().iter())
+                .for_each(|(d, s)| *d = *s),
+        }
+    }
+    if let Ok(a) = value.extract::<PyReadonlyArrayDyn<'_, f32>>() {
+        fill(buffers.f32s_mut(name).map_err(client_error)?, &a);
+        return Ok(());
+    }
+    if let Ok(a) = value.extract::<PyReadonlyArrayDyn<'_, i64>>() {
+        fill(buffers.i64s_mut(name).map_err(client_error)?, &a);
+        return Ok(());
+    }
+    Err(local(
+        value.py(),
+        FeedError::new_err(format!(
+            "feed `{name}`: Lanes takes NumPy arrays of dtype float32 or int64"
         )),
     ))
 }

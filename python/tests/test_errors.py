@@ -51,6 +51,13 @@ def test_bad_arguments(client):
             s.load_zoo("mlp", optimizer="sgd")
 
 
+def test_bad_client_options(endpoint):
+    with pytest.raises(ValueError, match="busy_poll"):
+        lanes.Client(endpoint, busy_poll=-1.0)
+    with pytest.raises(ValueError, match="timeout"):
+        lanes.Client(endpoint, timeout=0.0)
+
+
 def test_no_service_and_bad_endpoint(tmp_path):
     with pytest.raises(lanes.NoServiceError) as e:
         lanes.Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)

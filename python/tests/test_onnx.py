@@ -87,3 +87,24 @@ def test_outputs_are_not_copied(client):
     assert a.flags.c_contiguous and a.flags.writeable
     a[...] = 0
     assert b.any()
+
+
+def test_feed_buffers_follow_the_feeds(client, endpoint):
+    """`run` writes feeds into shared-memory buffers kept by the session:
+    new values in the same buffers, a feed of another shape (refused by the
+    service, the session still usable), and a client without shared memory
+    all give the same answers."""
+    x = np.load(ONNX / "resnet18.input.npy")
+    with client.session("buffers") as s:
+        s.load_onnx(ONNX / "resnet18.onnx", batch=x.shape[0])
+        a = s.run({"input": x}, fetch="output")
+        b = s.run({"input": x * np.float32(0.5)}, fetch="output")
+        assert not np.array_equal(a, b)
+        np.testing.assert_array_equal(s.run({"input": x}, fetch="output"), a)
+        with pytest.raises(lanes.LanesError, match="input"):
+            s.run({"input": x[:1]}, fetch="output")
+        np.testing.assert_array_equal(s.run({"input": x}, fetch="output"), a)
+    with lanes.Client(endpoint, shared_memory=False, busy_poll=0.001) as plain:
+        with plain.session("no-buffers") as s:
+            s.load_onnx(ONNX / "resnet18.onnx", batch=x.shape[0])
+            np.testing.assert_array_equal(s.run({"input": x}, fetch="output"), a)
