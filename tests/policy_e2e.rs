@@ -446,11 +446,16 @@ fn a_trace_replays_as_real_zoo_models() {
             "{t:?}"
         );
     }
-    // Start-up on the idle service: the opening and load before a Run.
-    let startup = lanes::sim::measure_startup(&cfg, 1, 1).unwrap();
+    // Start-up on the idle service (the opening and load before a Run)
+    // and each kind's iteration alone.
+    let idle = lanes::sim::measure_idle(&cfg, 1, 1).unwrap();
     assert!(
-        startup.training > Duration::ZERO && startup.inference > Duration::ZERO,
-        "{startup:?}"
+        idle.startup.training > Duration::ZERO && idle.startup.inference > Duration::ZERO,
+        "{idle:?}"
+    );
+    assert!(
+        idle.solo.training > Duration::ZERO && idle.solo.inference > Duration::ZERO,
+        "{idle:?}"
     );
     // An unknown model is a typed error before anything is sent.
     let bad = RemoteConfig {

@@ -32,12 +32,12 @@ use std::time::Duration;
 use anyhow::Context;
 use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
-    calibrate, load_trace, measure_startup, replay_live, replay_remote, service_policy,
-    simulate_with, table, Calibration, Contention, CostCurve, JobTimeline, LanePlacement,
-    LiveConfig, RemoteConfig, SimConfig, SimOptions, SleepWork, Summary, TraceJob,
+    calibrate, load_trace, measure_idle, replay_live, replay_remote, service_policy, simulate_with,
+    table, Calibration, Contention, CostCurve, JobTimeline, LanePlacement, LiveConfig,
+    RemoteConfig, SimConfig, SimOptions, SleepWork, Summary, TraceJob,
 };
 use lanes::size::{format_size, ByteSize};
-use lanes_policies::{by_name, POLICY_NAMES};
+use lanes_policies::{by_name, JobKind, POLICY_NAMES};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -105,14 +105,24 @@ struct Comparison {
     calibration: Option<Calibration>,
     #[serde(skip_serializing_if = "Option::is_none")]
     depths: Option<Vec<usize>>,
-    /// Against a service: per job, the trace's iteration time and the
-    /// service's measured mean (both ms of trace time).
+    /// Against a service: per job, the trace's iteration time, the
+    /// service's measured mean and the as-run simulation's (ms of trace
+    /// time).
     #[serde(skip_serializing_if = "Option::is_none")]
     iteration_ms: Option<Vec<JobIteration>>,
     /// Against a service: each kind's start-up measured on the idle
     /// service (trace ms), given to the simulator as run.
     #[serde(skip_serializing_if = "Option::is_none")]
     startup_ms: Option<StartupMs>,
+    /// Against a service: each kind's iteration alone on the idle service
+    /// (trace ms, the mean of a few Runs after the first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    solo_iteration_ms: Option<StartupMs>,
+    /// Against a service: which iteration times the as-run simulation
+    /// took: `measured` (each job's mean during the replay) or `solo`
+    /// (its iteration alone: several lanes under a contention model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    as_run_iterations: Option<&'static str>,
     /// Against a service: per job, arrival, admission, first reply and end.
     #[serde(skip_serializing_if = "Option::is_none")]
     timelines: Option<Vec<JobTimeline>>,
@@ -133,6 +143,8 @@ struct JobIteration {
     job: u64,
     trace_ms: f64,
     measured_ms: f64,
+    /// What the as-run simulation took.
+    simulated_ms: f64,
 }
 
 fn ratio(live: &Summary, sim: &Summary) -> f64 {
@@ -213,7 +225,8 @@ fn against_service(
         d.sort_unstable();
         d.get(d.len() / 2).copied().unwrap_or(1)
     };
-    let startup = measure_startup(&cfg, depth, 2).context("measuring start-up on the service")?;
+    let idle = measure_idle(&cfg, depth, 2).context("measuring start-up on the service")?;
+    let startup = idle.startup;
     spin.set_prefix(format!(
         "replaying {} jobs under {policy} on {endpoint}",
         trace.len()
@@ -230,8 +243,27 @@ fn against_service(
         ..SimOptions::default()
     };
     let simulated = sim_summary(trace, policy, memory, args.lanes, opts)?;
+    // With several lanes, a job's mean measured during the replay carries
+    // the slowdown of the lanes beside it, which the contention model
+    // applies again: the as-run simulation then takes each job's
+    // iteration alone (its kind's solo time for zoo models, the
+    // calibration at its depth for MLPs).
+    let solo_as_run = args.lanes > 1 && contention.is_some();
+    let mut as_run_trace = r.as_run.clone();
+    if solo_as_run {
+        for (a, depth) in as_run_trace.iter_mut().zip(&r.depths) {
+            let fit = match a.kind {
+                JobKind::Training => &calibration.training,
+                JobKind::Inference => &calibration.inference,
+            };
+            a.iteration = match (&cfg.zoo, fit.cost_at(*depth)) {
+                (None, Some(s)) => Duration::from_secs_f64(s / args.time_scale),
+                _ => idle.solo.of(a.kind),
+            };
+        }
+    }
     let as_run = sim_summary(
-        &r.as_run,
+        &as_run_trace,
         policy,
         memory,
         args.lanes,
@@ -249,10 +281,12 @@ fn against_service(
             trace
                 .iter()
                 .zip(&r.as_run)
-                .map(|(t, a)| JobIteration {
+                .zip(&as_run_trace)
+                .map(|((t, a), s)| JobIteration {
                     job: t.id,
                     trace_ms: t.iteration.as_secs_f64() * 1e3,
                     measured_ms: a.iteration.as_secs_f64() * 1e3,
+                    simulated_ms: s.iteration.as_secs_f64() * 1e3,
                 })
                 .collect(),
         ),
@@ -262,6 +296,11 @@ fn against_service(
             training: startup.training.as_secs_f64() * 1e3,
             inference: startup.inference.as_secs_f64() * 1e3,
         }),
+        solo_iteration_ms: Some(StartupMs {
+            training: idle.solo.training.as_secs_f64() * 1e3,
+            inference: idle.solo.inference.as_secs_f64() * 1e3,
+        }),
+        as_run_iterations: Some(if solo_as_run { "solo" } else { "measured" }),
         timelines: Some(r.timelines),
         lanes: args.lanes,
         contention: args.contention.clone(),
@@ -354,6 +393,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     depths: None,
                     iteration_ms: None,
                     startup_ms: None,
+                    solo_iteration_ms: None,
+                    as_run_iterations: None,
                     timelines: None,
                     lanes: args.lanes,
                     contention: args.contention.clone(),

@@ -31,8 +31,8 @@ pub use import::{import_jobs, read_profiles, ImportError, ImportStats, Mapping, 
 pub use live::{replay_live, IterationWork, LiveConfig, LiveError, SleepWork};
 pub use placement::{LanePlacement, ServicePlacement};
 pub use remote::{
-    calibrate, measure_startup, replay_remote, service_policy, Calibration, CostCurve, JobTimeline,
-    RemoteConfig, RemoteError, RemoteRun,
+    calibrate, measure_idle, replay_remote, service_policy, Calibration, CostCurve, IdleMeasure,
+    JobTimeline, RemoteConfig, RemoteError, RemoteRun,
 };
 pub use report::{plot_jct_cdf, table, Summary};
 pub use trace::{load_trace, read_trace, write_trace, TraceError, TraceJob};

@@ -176,6 +176,26 @@ impl CostCurve {
     }
 }
 
+impl CostCurve {
+    /// Seconds per iteration at `depth`, interpolated (or extrapolated
+    /// from the nearest segment); `None` without two points.
+    pub fn cost_at(&self, depth: usize) -> Option<f64> {
+        let p = &self.points;
+        if p.len() < 2 {
+            return None;
+        }
+        let d = depth as f64;
+        let i = p
+            .windows(2)
+            .position(|w| d <= w[1].0 as f64)
+            .unwrap_or(p.len() - 2);
+        let ((d0, t0), (d1, t1)) = (p[i], p[i + 1]);
+        let slope = (t1 - t0) / (d1 as f64 - d0 as f64);
+        let t = t0 + (d - d0 as f64) * slope;
+        (t.is_finite() && t > 0.0).then_some(t)
+    }
+}
+
 /// The cost curves of both kinds of job.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Calibration {
@@ -740,32 +760,49 @@ pub fn replay_remote(
     })
 }
 
-/// Measures each kind's start-up on the service (which should be
-/// otherwise idle), in trace time (wall time divided by the scale): the
-/// wall time from sending OpenSession to the first Run's reply, less the
-/// service time the service measured for that Run. That is what a job
-/// waits before its iterations count as service: the session's opening,
-/// the graph's transfer, compilation and load on the lane's worker, the
-/// replies' trips. Each kind is measured `rounds` times (each a new
-/// session of the replay's model: the zoo model, or an MLP of `depth`
-/// hidden layers); the last round counts, as the replay's jobs come after
-/// the service has seen the model once.
-pub fn measure_startup(
+/// What [`measure_idle`] measured on the idle service, in trace time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IdleMeasure {
+    /// Each kind's start-up.
+    pub startup: Startup,
+    /// Each kind's iteration alone: the service's mean over
+    /// [`SOLO_RUNS`] Runs after the first.
+    pub solo: Startup,
+}
+
+/// Runs [`measure_idle`] times after the first, for the solo iteration.
+pub const SOLO_RUNS: u64 = 8;
+
+/// Measures each kind's start-up and solo iteration on the service (which
+/// should be otherwise idle), in trace time (wall time divided by the
+/// scale). The start-up is the wall time from sending OpenSession to the
+/// first Run's reply, less the service time the service measured for that
+/// Run: what a job waits before its iterations count as service (the
+/// session's opening, the graph's transfer, compilation and load on the
+/// lane's worker, the replies' trips). The solo iteration is the service's
+/// mean over the next [`SOLO_RUNS`] Runs: a job's speed with no lane
+/// beside it, which a contention model scales (a job's mean measured
+/// during a replay with several lanes already carries the slowdown). Each
+/// kind is measured `rounds` times (each a new session of the replay's
+/// model: the zoo model, or an MLP of `depth` hidden layers); the last
+/// round counts, as the replay's jobs come after the service has seen the
+/// model once.
+pub fn measure_idle(
     cfg: &RemoteConfig,
     depth: usize,
     rounds: usize,
-) -> Result<Startup, RemoteError> {
+) -> Result<IdleMeasure, RemoteError> {
     if !(cfg.time_scale.is_finite() && cfg.time_scale > 0.0) {
         return Err(RemoteError::Config("time scale must be positive".into()));
     }
     let ctx = zmq::Context::new();
     let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, 0)?;
-    let mut measure = |kind| -> Result<Duration, RemoteError> {
+    let mut measure = |kind| -> Result<(Duration, Duration), RemoteError> {
         let m = match &cfg.zoo {
             Some(name) => zoo_model(name, kind, cfg.batch, 1)?,
             None => model(kind, depth, cfg, 1)?,
         };
-        let mut last = Duration::ZERO;
+        let mut last = (Duration::ZERO, Duration::ZERO);
         for round in 0..rounds.max(1) {
             let spec = match kind {
                 JobKind::Training => SessionSpec::training(format!("startup-{round}")),
@@ -776,16 +813,31 @@ pub fn measure_startup(
             let first = conn.iterate(s, &m, 1, 1)?.unwrap_or_else(Instant::now);
             let wall = first.saturating_duration_since(t0);
             let (_, service) = conn.measured(s)?;
+            conn.iterate(s, &m, SOLO_RUNS, cfg.pipeline)?;
+            let (n, mean) = conn.measured(s)?;
             conn.close(s)?;
-            last = Duration::from_secs_f64(
-                wall.saturating_sub(service).as_secs_f64() / cfg.time_scale,
+            let later = (mean.as_secs_f64() * n as f64 - service.as_secs_f64()).max(0.0)
+                / n.saturating_sub(1).max(1) as f64;
+            last = (
+                Duration::from_secs_f64(
+                    wall.saturating_sub(service).as_secs_f64() / cfg.time_scale,
+                ),
+                Duration::from_secs_f64(later / cfg.time_scale),
             );
         }
         Ok(last)
     };
-    Ok(Startup {
-        training: measure(JobKind::Training)?,
-        inference: measure(JobKind::Inference)?,
+    let (training, training_solo) = measure(JobKind::Training)?;
+    let (inference, inference_solo) = measure(JobKind::Inference)?;
+    Ok(IdleMeasure {
+        startup: Startup {
+            training,
+            inference,
+        },
+        solo: Startup {
+            training: training_solo,
+            inference: inference_solo,
+        },
     })
 }
 
@@ -813,6 +865,28 @@ mod tests {
         assert_eq!(
             CostCurve { points: vec![] }.depth_for(Duration::from_millis(5), 9),
             1
+        );
+    }
+
+    #[test]
+    fn cost_at_inverts_depth_for() {
+        let c = CostCurve {
+            points: vec![(1, 0.001), (11, 0.006), (21, 0.016)],
+        };
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-12);
+        assert!(close(c.cost_at(6), 0.0035), "{:?}", c.cost_at(6));
+        assert!(close(c.cost_at(16), 0.011));
+        assert!(close(c.cost_at(31), 0.026), "beyond the last point");
+        for d in [2, 7, 13, 20, 40] {
+            let t = c.cost_at(d).unwrap();
+            assert_eq!(c.depth_for(Duration::from_secs_f64(t), 400), d);
+        }
+        assert_eq!(
+            CostCurve {
+                points: vec![(1, 0.001)]
+            }
+            .cost_at(3),
+            None
         );
     }
 }
