@@ -147,7 +147,7 @@ def calibrate_batch_norm(torch, model, inputs, batches=4):
     model.eval()
 
 
-def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
+def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp, keep):
     model = build()
     calibrate_batch_norm(torch, model, inputs)
     model = model.eval()
@@ -161,8 +161,25 @@ def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
     def as_tuple(out):
         return out if isinstance(out, tuple) else (out,)
 
-    with torch.no_grad():
-        ref = [o.float().cpu().numpy() for o in as_tuple(model(*[v.to(dev) for v in inputs.values()]))]
+    def forward():
+        with torch.no_grad():
+            out = as_tuple(model(*[v.to(dev) for v in inputs.values()]))
+            return [o.float().cpu().numpy() for o in out]
+
+    # The reference is PyTorch in FP32 (TF32 off); PyTorch's own output with
+    # the session's TF32 setting is compared with it too, so Lanes' error
+    # (TF32 convolutions) can be read beside PyTorch's.
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ref = forward()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+    row["torch_agreement"] = {o: agreement(g, r) for o, g, r in zip(outputs, forward(), ref)}
+    if keep:
+        # `lanes import MODEL.onnx --check DIR` reads these.
+        for k, v in host.items():
+            np.save(os.path.join(tmp, f"{name}.{k}.npy"), v)
+        for o, r in zip(outputs, ref):
+            np.save(os.path.join(tmp, f"{name}.{o}.npy"), r)
 
     with client.session(name, kind="inference", priority=1) as s:
         t = time.perf_counter()
@@ -204,7 +221,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--busy-poll", type=float, default=0.0, metavar="MS",
                     help="the client spins this long for each reply (start the service with --busy-poll too)")
-    ap.add_argument("--keep", metavar="DIR", help="write the exported .onnx files here (default: a temporary folder)")
+    ap.add_argument("--keep", metavar="DIR",
+                    help="write the exported .onnx files here, with their inputs and FP32 reference "
+                         "outputs as .npy for `lanes import --check DIR` (default: a temporary folder)")
     args = ap.parse_args(argv)
 
     import torch
@@ -236,7 +255,8 @@ def main(argv=None):
                     continue
                 try:
                     result["models"][name] = bench_model(
-                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp)
+                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp,
+                        bool(args.keep))
                 except lanes.LanesError as e:
                     result["models"][name] = {"error": str(e), "code_name": e.code_name}
                 print(f"{name}: done", file=sys.stderr, flush=True)

@@ -766,12 +766,16 @@ pub struct IdleMeasure {
     /// Each kind's start-up.
     pub startup: Startup,
     /// Each kind's iteration alone: the service's mean over
-    /// [`SOLO_RUNS`] Runs after the first.
+    /// [`SOLO_RUNS`] Runs after [`SOLO_WARMUP`] more than the first.
     pub solo: Startup,
 }
 
-/// Runs [`measure_idle`] times after the first, for the solo iteration.
-pub const SOLO_RUNS: u64 = 8;
+/// Runs [`measure_idle`] sends after the first before it times the solo
+/// iteration (a session's first iterations may run op by op, before its
+/// CUDA graph is recorded).
+pub const SOLO_WARMUP: u64 = 4;
+/// Runs [`measure_idle`] times for the solo iteration.
+pub const SOLO_RUNS: u64 = 10;
 
 /// Measures each kind's start-up and solo iteration on the service (which
 /// should be otherwise idle), in trace time (wall time divided by the
@@ -780,7 +784,7 @@ pub const SOLO_RUNS: u64 = 8;
 /// Run: what a job waits before its iterations count as service (the
 /// session's opening, the graph's transfer, compilation and load on the
 /// lane's worker, the replies' trips). The solo iteration is the service's
-/// mean over the next [`SOLO_RUNS`] Runs: a job's speed with no lane
+/// mean over [`SOLO_RUNS`] Runs after [`SOLO_WARMUP`] more: a job's speed with no lane
 /// beside it, which a contention model scales (a job's mean measured
 /// during a replay with several lanes already carries the slowdown). Each
 /// kind is measured `rounds` times (each a new session of the replay's
@@ -813,11 +817,17 @@ pub fn measure_idle(
             let first = conn.iterate(s, &m, 1, 1)?.unwrap_or_else(Instant::now);
             let wall = first.saturating_duration_since(t0);
             let (_, service) = conn.measured(s)?;
+            // A session's first iterations may run op by op before its
+            // CUDA graph is recorded: the solo time is taken after them,
+            // from the difference of the service's totals.
+            conn.iterate(s, &m, SOLO_WARMUP, cfg.pipeline)?;
+            let (n0, mean0) = conn.measured(s)?;
             conn.iterate(s, &m, SOLO_RUNS, cfg.pipeline)?;
             let (n, mean) = conn.measured(s)?;
             conn.close(s)?;
-            let later = (mean.as_secs_f64() * n as f64 - service.as_secs_f64()).max(0.0)
-                / n.saturating_sub(1).max(1) as f64;
+            let total = |n: u64, mean: Duration| mean.as_secs_f64() * n as f64;
+            let later =
+                (total(n, mean) - total(n0, mean0)).max(0.0) / n.saturating_sub(n0).max(1) as f64;
             last = (
                 Duration::from_secs_f64(
                     wall.saturating_sub(service).as_secs_f64() / cfg.time_scale,
