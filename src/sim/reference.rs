@@ -626,7 +626,7 @@ mod tests {
             };
             let opts = SimOptions { contention: Some(model), ..SimOptions::default() };
             let close = |a: Duration, b: Duration| a.abs_diff(b) <= Duration::from_micros(1);
-            for name in ["fifo", "pack", "priority"] {
+            for name in POLICY_NAMES {
                 let fast = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, opts).unwrap();
                 let mut plain = NoPromise(by_name(name).unwrap());
                 let step = simulate_with(&trace, &mut plain, cfg, opts).unwrap();
