@@ -1046,9 +1046,10 @@ impl<'a> Engine<'a> {
                 });
             }
             // The run lasts until the first job finishes: the one whose last
-            // key comes first (or, under contention, until the lane's kind
-            // changes).
-            let Some((until, kind)) = fair_until(&entries, self.contention.is_some()) else {
+            // key comes first (or, under contention beside other lanes,
+            // until the lane's kind changes).
+            let by_kind = self.contention.is_some() && self.lanes.len() > 1;
+            let Some((until, kind)) = fair_until(&entries, by_kind) else {
                 self.lanes[l].open = None;
                 return Ok(());
             };
