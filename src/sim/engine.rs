@@ -22,8 +22,11 @@
 //! (a job of the lane finishes, or one joins it) is one event, computed
 //! from what the policy promises about its picks ([`PickDynamics`]): a
 //! sticky pick runs to the next decision point, fair sharing's order is a
-//! merge of arithmetic sequences in closed form. `super::reference` keeps
-//! the step-per-iteration engine the tests compare it with.
+//! merge of arithmetic sequences in closed form. Under a contention model
+//! a run also ends where the kinds the lanes run change, and SRTF's where
+//! its pick changes as its measured mean drifts (found in closed form).
+//! `super::reference` keeps the step-per-iteration engine the tests
+//! compare it with.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -166,9 +169,11 @@ pub struct SimOptions {
     /// Lanes that run at once slow each other down by this model
     /// ([`Contention`]); `None`: they run at full speed side by side. With
     /// a model an iteration's speed is fixed when it starts, from the
-    /// lanes busy then; fifo, pack and priority stay event-driven (a run
-    /// is re-rated at its next boundary when the lanes busy change), other
-    /// policies step one iteration at a time.
+    /// lanes busy then. The built-in policies stay event-driven: a run is
+    /// re-rated at its next boundary when the kinds the lanes run change,
+    /// SRTF's run also ends where the job picked stops ranking first, and
+    /// fair's where its lane's kind changes. Other policies step one
+    /// iteration at a time.
     pub contention: Option<Contention>,
     /// Give the policy each job's iteration time as a hint
     /// ([`JobSpec::with_hint`]). The service's sessions declare no
@@ -463,7 +468,7 @@ fn simulate_from(
             if !engine.every {
                 engine.rerate(now, &mut decided)?;
             }
-            engine.slow_down(&decided);
+            engine.slow_down(&decided)?;
         }
     }
     Ok(engine.finish(cfg.lanes))
@@ -487,6 +492,7 @@ fn dur(n: u128) -> Duration {
 #[derive(Debug, Clone, Copy)]
 struct FairEntry {
     job: usize,
+    kind: lanes_policies::JobKind,
     attained: u128,
     seq: u64,
     iteration: u128,
@@ -520,6 +526,42 @@ impl FairEntry {
             self.seq,
         )
     }
+}
+
+/// The last key of a fair run that starts now, and the kind of job that
+/// runs first. The first job to finish ends the run (its last key is the
+/// least); with `by_kind` (a contention model) so does the first iteration
+/// of a job of another kind than the first one's: the lane's kind, and
+/// with it the other lanes' speeds, changes there, so the run ends on the
+/// key before it.
+fn fair_until(entries: &[FairEntry], by_kind: bool) -> Option<(FairKey, lanes_policies::JobKind)> {
+    let first = entries
+        .iter()
+        .filter(|e| e.remaining > 0)
+        .min_by_key(|e| (e.attained, e.seq))?;
+    let kind = first.kind;
+    let mut until = entries
+        .iter()
+        .filter(|e| e.remaining > 0 && (!by_kind || e.kind == kind))
+        .map(FairEntry::last_key)
+        .min()?;
+    if by_kind {
+        let other = entries
+            .iter()
+            .filter(|e| e.remaining > 0 && e.kind != kind)
+            .map(|e| (e.attained, e.seq))
+            .min();
+        if let Some((a, s)) = other {
+            // The key just before it (it is after the first key, so not
+            // (0, 0)).
+            let before = match s.checked_sub(1) {
+                Some(s) => (a, s),
+                None => (a.saturating_sub(1), u64::MAX),
+            };
+            until = until.min(before);
+        }
+    }
+    Some((until, kind))
 }
 
 /// Time the lane has run once every key up to `key` ran.
@@ -573,6 +615,97 @@ fn fair_cut(entries: &[FairEntry], delta: u128, until: FairKey) -> (FairKey, u12
     (until, fair_elapsed(entries, until))
 }
 
+/// An SRTF job that runs on at a constant iteration time: how its key
+/// (`JobView::remaining_work_nanos`) evolves.
+#[derive(Debug, Clone, Copy)]
+struct SrtfRun {
+    /// Measured service so far, in nanoseconds (`A`).
+    attained: u128,
+    /// Iterations done so far (`D`).
+    done: u64,
+    /// Iterations expected (0: unknown).
+    expected: u64,
+    /// Its iteration time from now on (`d`).
+    step: u128,
+}
+
+impl SrtfRun {
+    /// Its key after `k ≥ 1` more iterations, exactly as the policy
+    /// computes it: remaining iterations × the mean measured iteration
+    /// time (rounded down, saturating at `u64::MAX` nanoseconds).
+    fn key(&self, k: u64) -> u128 {
+        let done = self.done.saturating_add(k);
+        let remaining = if self.expected == 0 {
+            u64::MAX / 2
+        } else {
+            self.expected.saturating_sub(done).max(1)
+        };
+        let mean = (self.attained + u128::from(k) * self.step) / u128::from(done.max(1));
+        u128::from(remaining) * mean.min(u128::from(u64::MAX))
+    }
+
+    /// The first `k` in `1..=last` whose key is at least `threshold`.
+    fn first_loss(&self, threshold: u128, last: u64) -> Option<u64> {
+        match self.window(threshold, last) {
+            Some(Some((from, to))) => (from..=to).find(|&k| self.key(k) >= threshold),
+            Some(None) => None,
+            // Numbers too large for the bound: look at every boundary.
+            None => (1..=last).find(|&k| self.key(k) >= threshold),
+        }
+    }
+
+    /// `q(k) = (R − k)(A + k d) − T (D + k)`: the key after `k` iterations
+    /// is at most `(R − k)(A + k d) / (D + k)`, so it reaches `T` only
+    /// where `q(k) ≥ 0`. `None` when a number overflows.
+    fn q(&self, threshold: i128, k: u64) -> Option<i128> {
+        let r = i128::from(self.expected.checked_sub(self.done)?);
+        let k = i128::from(k);
+        let a = i128::try_from(self.attained).ok()?;
+        let d = i128::try_from(self.step).ok()?;
+        let work = a.checked_add(k.checked_mul(d)?)?;
+        let lhs = (r - k).checked_mul(work)?;
+        let rhs = threshold.checked_mul(i128::from(self.done).checked_add(k)?)?;
+        lhs.checked_sub(rhs)
+    }
+
+    /// The `k` in `1..=last` where `q(k) ≥ 0`: an interval, as `q` is a
+    /// parabola opening downwards (`Some(None)`: empty; `None`: a number
+    /// overflows, or the total is unknown).
+    fn window(&self, threshold: u128, last: u64) -> Option<Option<(u64, u64)>> {
+        if self.expected == 0 || last == 0 {
+            return if last == 0 { Some(None) } else { None };
+        }
+        let t = i128::try_from(threshold).ok()?;
+        // The first k where q is non-negative or past its peak (a
+        // predicate that stays true once true).
+        let (mut lo, mut hi) = (1u64, last);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let here = self.q(t, mid)?;
+            if here >= 0 || self.q(t, mid + 1)? < here {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let from = lo;
+        if self.q(t, from)? < 0 {
+            return Some(None);
+        }
+        // From there q ≥ 0 holds on a prefix.
+        let (mut lo, mut hi) = (from, last);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.q(t, mid)? >= 0 {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Some(Some((from, lo)))
+    }
+}
+
 /// What a lane is doing from `origin` until its `end`.
 #[derive(Debug, Clone)]
 enum Plan {
@@ -585,10 +718,13 @@ enum Plan {
         iterations: u64,
         step: Duration,
     },
-    /// Fair sharing among these jobs, every key up to `until`.
+    /// Fair sharing among these jobs, every key up to `until`; the
+    /// iterations of the run are all of one kind (under a contention
+    /// model; otherwise the first one's kind).
     Fair {
         entries: Vec<FairEntry>,
         until: FairKey,
+        kind: lanes_policies::JobKind,
     },
 }
 
@@ -645,6 +781,19 @@ struct Engine<'a> {
     /// Under event-driven contention: the kinds the lanes ran when the
     /// running lanes were last rated.
     rated: Vec<Option<lanes_policies::JobKind>>,
+    /// SRTF under a contention model: a run ends where the job picked
+    /// stops ranking first ([`Engine::srtf_limit`]).
+    srtf: bool,
+}
+
+/// Whether the engine computes `name`'s runs in closed form under a
+/// contention model (a built-in policy with the dynamics it declares).
+fn contended_in_closed_form(mode: PickDynamics, name: &str) -> bool {
+    match mode {
+        PickDynamics::Sticky => matches!(name, "fifo" | "pack" | "priority" | "srtf"),
+        PickDynamics::LeastAttained => name == "fair",
+        PickDynamics::EveryIteration => false,
+    }
 }
 
 impl<'a> Engine<'a> {
@@ -656,20 +805,22 @@ impl<'a> Engine<'a> {
         opts: SimOptions,
     ) -> Self {
         let mode = policy.dynamics();
+        // Without hints SRTF ranks a job by what it measured, which changes
+        // after its first iteration: not sticky, so ask at every boundary.
+        // Under contention a job's measured iteration time changes with
+        // the lanes beside it: the built-in policies' runs are then
+        // computed in closed form from their keys (fifo, pack and
+        // priority ignore measurements; SRTF's and fair's keys follow
+        // them, see `srtf_limit` and `fair_until`); any other policy
+        // is asked at every boundary.
+        let every = mode == PickDynamics::EveryIteration
+            || !opts.hints
+            || (opts.contention.is_some() && !contended_in_closed_form(mode, policy.name()));
         Engine {
             trace,
             name: policy.name(),
-            // Without hints SRTF ranks a job by what it measured, which changes
-            // after its first iteration: not sticky, so ask at every boundary.
-            // Under contention a job's measured iteration time changes with
-            // the lanes beside it: only policies whose picks ignore
-            // measurements stay sticky (fifo, pack, priority); the others
-            // are asked at every boundary.
-            every: mode == PickDynamics::EveryIteration
-                || !opts.hints
-                || (opts.contention.is_some()
-                    && !(mode == PickDynamics::Sticky
-                        && matches!(policy.name(), "fifo" | "pack" | "priority"))),
+            every,
+            srtf: opts.contention.is_some() && !every && policy.name() == "srtf",
             rated: vec![None; lanes],
             contention: opts.contention,
             priority: policy.name() == "priority",
@@ -758,7 +909,7 @@ impl<'a> Engine<'a> {
                 *iterations = u64::try_from(k).unwrap_or(*iterations).min(*iterations);
                 lane.origin + dur(u128::from(*iterations) * d)
             }
-            Plan::Fair { entries, until } => {
+            Plan::Fair { entries, until, .. } => {
                 let (key, ran) = fair_cut(entries, delta, *until);
                 *until = key;
                 lane.origin + dur(ran)
@@ -812,7 +963,7 @@ impl<'a> Engine<'a> {
                 self.emit(l, job, origin, now, iterations);
                 ran.push(job);
             }
-            Plan::Fair { entries, until } => {
+            Plan::Fair { entries, until, .. } => {
                 if self.record {
                     self.emit_fair(l, origin, &entries, until);
                 }
@@ -878,30 +1029,37 @@ impl<'a> Engine<'a> {
             let mut entries = Vec::with_capacity(self.lanes[l].members.len());
             for &i in &self.lanes[l].members {
                 let job = &self.trace[i];
-                let seq = self
+                let (seq, v_attained) = self
                     .table
                     .get(job.id)
-                    .map(|v| v.seq)
+                    .map(|v| (v.seq, v.attained))
                     .ok_or(PolicyError::UnknownJob { job: job.id })?;
-                let iteration = nanos(job.iteration);
                 entries.push(FairEntry {
                     job: i,
-                    attained: iteration * u128::from(self.done[i]),
+                    kind: job.kind,
+                    // The durations measured so far (slowed down by other
+                    // lanes under contention).
+                    attained: nanos(v_attained),
                     seq,
-                    iteration,
+                    iteration: nanos(job.iteration),
                     remaining: job.iterations - self.done[i],
                 });
             }
             // The run lasts until the first job finishes: the one whose last
-            // key comes first.
-            let until = entries
-                .iter()
-                .map(FairEntry::last_key)
-                .min()
-                .unwrap_or((0, 0));
+            // key comes first (or, under contention beside other lanes,
+            // until the lane's kind changes).
+            let by_kind = self.contention.is_some() && self.lanes.len() > 1;
+            let Some((until, kind)) = fair_until(&entries, by_kind) else {
+                self.lanes[l].open = None;
+                return Ok(());
+            };
             let end = now + dur(fair_elapsed(&entries, until));
             let lane = &mut self.lanes[l];
-            lane.plan = Plan::Fair { entries, until };
+            lane.plan = Plan::Fair {
+                entries,
+                until,
+                kind,
+            };
             lane.end = Some(end);
             return Ok(());
         }
@@ -942,16 +1100,17 @@ impl<'a> Engine<'a> {
             .iter()
             .map(|lane| match lane.plan {
                 Plan::Run { job, .. } => Some(self.trace[job].kind),
-                _ => None,
+                Plan::Fair { kind, .. } => Some(kind),
+                Plan::Idle => None,
             })
             .collect()
     }
 
     /// The runs that started now in `lanes` take their solo iteration time
     /// divided by the speed the other busy lanes leave them, per iteration.
-    fn slow_down(&mut self, lanes: &[LaneId]) {
+    fn slow_down(&mut self, lanes: &[LaneId]) -> Result<(), SimError> {
         let Some(model) = self.contention else {
-            return;
+            return Ok(());
         };
         let kinds = self.kinds();
         for &l in lanes {
@@ -964,19 +1123,111 @@ impl<'a> Engine<'a> {
                 .filter(|&(o, _)| o != l)
                 .filter_map(|(_, k)| *k);
             let speed = model.speed(me, others, self.priority);
+            if speed >= 1.0 {
+                continue;
+            }
+            let slowed = |solo: Duration| {
+                Duration::from_secs_f64(solo.as_secs_f64() / speed).max(Duration::from_nanos(1))
+            };
+            let trace = self.trace;
             let lane = &mut self.lanes[l];
-            if let (
+            match &mut lane.plan {
+                Plan::Idle => {}
                 Plan::Run {
                     iterations, step, ..
-                },
-                true,
-            ) = (&mut lane.plan, speed < 1.0)
-            {
-                *step = Duration::from_secs_f64(step.as_secs_f64() / speed)
-                    .max(Duration::from_nanos(1));
-                lane.end = Some(lane.origin + dur(nanos(*step) * u128::from(*iterations)));
+                } => {
+                    *step = slowed(*step);
+                    lane.end = Some(lane.origin + dur(nanos(*step) * u128::from(*iterations)));
+                }
+                Plan::Fair {
+                    entries,
+                    until,
+                    kind,
+                } => {
+                    // Every iteration of the run is of the lane's kind, so
+                    // at this speed; the keys, and with them the run's
+                    // end, move.
+                    for e in entries.iter_mut() {
+                        e.iteration = nanos(slowed(trace[e.job].iteration));
+                    }
+                    if let Some((u, k)) = fair_until(entries, true) {
+                        *until = u;
+                        *kind = k;
+                    }
+                    lane.end = Some(lane.origin + dur(fair_elapsed(entries, *until)));
+                }
             }
         }
+        if self.srtf {
+            for &l in lanes {
+                self.srtf_limit(l)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// SRTF under a contention model: the job picked in lane `l` runs at
+    /// a slowed iteration time `d` that differs from the mean `A / D` of
+    /// the durations measured so far, so its key after `k` more
+    /// iterations, `(R − k) × ⌊(A + k d) / (D + k)⌋`, need not shrink:
+    /// the run ends at the first boundary where it ranks after another
+    /// waiting job of the lane (whose keys do not change meanwhile), where
+    /// the policy picks again, as it would when asked at every boundary.
+    fn srtf_limit(&mut self, l: LaneId) -> Result<(), SimError> {
+        let Plan::Run {
+            job,
+            iterations,
+            step,
+        } = self.lanes[l].plan
+        else {
+            return Ok(());
+        };
+        if iterations <= 1 {
+            return Ok(());
+        }
+        let trace = self.trace;
+        let me = self
+            .table
+            .get(trace[job].id)
+            .ok_or(PolicyError::UnknownJob { job: trace[job].id })?;
+        let mut rival: Option<(u128, u64)> = None;
+        for &m in &self.lanes[l].members {
+            if m == job {
+                continue;
+            }
+            let v = self
+                .table
+                .get(trace[m].id)
+                .ok_or(PolicyError::UnknownJob { job: trace[m].id })?;
+            if v.waiting {
+                let key = (v.remaining_work_nanos(), v.seq);
+                if rival.is_none_or(|r| key < r) {
+                    rival = Some(key);
+                }
+            }
+        }
+        let Some((work, seq)) = rival else {
+            return Ok(());
+        };
+        // It loses once its key reaches `threshold` (ties go to the
+        // earlier arrival).
+        let threshold = if me.seq > seq { work } else { work + 1 };
+        let run = SrtfRun {
+            attained: nanos(me.attained),
+            done: me.done_iterations,
+            expected: me.expected_iterations,
+            step: nanos(step),
+        };
+        if let Some(k) = run.first_loss(threshold, iterations - 1) {
+            let lane = &mut self.lanes[l];
+            lane.plan = Plan::Run {
+                job,
+                iterations: k,
+                step,
+            };
+            lane.end = Some(lane.origin + dur(nanos(step) * u128::from(k)));
+        }
+        Ok(())
     }
 
     /// Event-driven contention: when the kinds the lanes run changed at
@@ -991,7 +1242,7 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         for l in 0..self.lanes.len() {
-            if decided.contains(&l) || !matches!(self.lanes[l].plan, Plan::Run { .. }) {
+            if decided.contains(&l) || matches!(self.lanes[l].plan, Plan::Idle) {
                 continue;
             }
             self.cut(l, now)?;
@@ -1111,5 +1362,54 @@ impl SimRun {
             .iter()
             .map(|o| format!("jct job={} ms={}", o.id, fmt_ms(o.jct())))
             .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// The bound of SRTF's key finds the same first loss as looking at
+    /// every boundary, over many random runs (a job slowed down or sped
+    /// up against its mean so far, thresholds near its keys).
+    #[test]
+    fn srtf_first_loss_matches_a_scan() {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let mut losses = 0;
+        for _ in 0..20_000 {
+            let done = rnd(6);
+            let expected = done + 2 + rnd(300);
+            let step = 1 + u128::from(rnd(40_000));
+            let attained = if done == 0 {
+                0
+            } else {
+                u128::from(done) * (1 + u128::from(rnd(40_000)))
+            };
+            let run = SrtfRun {
+                attained,
+                done,
+                expected,
+                step,
+            };
+            let last = expected - done - 1;
+            let probe = 1 + rnd(last.max(1));
+            let threshold = match rnd(3) {
+                0 => run.key(probe),
+                1 => run.key(probe) + 1,
+                _ => u128::from(rnd(40_000)) * u128::from(expected),
+            };
+            let scan = (1..=last).find(|&k| run.key(k) >= threshold);
+            assert_eq!(run.first_loss(threshold, last), scan, "{run:?} {threshold}");
+            losses += usize::from(scan.is_some());
+        }
+        // Both outcomes are exercised.
+        assert!(losses > 1_000 && losses < 19_000, "{losses}");
     }
 }
