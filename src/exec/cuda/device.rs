@@ -38,6 +38,8 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "batchnorm_infer",
             "batchnorm_planes",
             "channel_bias",
+            "fused_planes",
+            "fused_flat",
             "sgd_update",
             "adam_update",
             "step_incr",

@@ -1,0 +1,107 @@
+//! Launching a fused chain (see `fuse.rs`) and choosing, per node, between
+//! it and the node's own kernels.
+
+use lanes_adaptor::{NodeId, Outlet};
+
+use super::device::grid;
+use super::fuse::{Chain, Role};
+use super::ops::plane_rows;
+use super::program::CudaProgram;
+use crate::exec::ExecError;
+
+/// Kernel flags (`elementwise.cu`, FUSE_*).
+const BIAS: i32 = 1;
+const BN: i32 = 2;
+const RES: i32 = 4;
+const RELU: i32 = 8;
+
+impl CudaProgram {
+    /// Runs node `id` as fusion decided: its own kernels, nothing (inside
+    /// a chain), or the chain's kernel (its last node).
+    pub(super) fn step(&self, id: NodeId) -> Result<(), ExecError> {
+        match self.fusion.role(id) {
+            Role::Plain | Role::ConvWithoutBias => self.exec(id),
+            Role::Skip => Ok(()),
+            Role::Last(k) => match self.fusion.chains.get(k) {
+                Some(chain) => self.exec_chain(chain),
+                None => self.exec(id),
+            },
+        }
+    }
+
+    /// The profile name of node `id`'s launches: `None` when it launches
+    /// nothing of its own.
+    pub(super) fn step_name(&self, id: NodeId) -> Option<&'static str> {
+        let g = self.graph.graph();
+        match self.fusion.role(id) {
+            Role::Plain | Role::ConvWithoutBias => Some(g.nodes[id.index()].op.name()),
+            Role::Skip => None,
+            Role::Last(k) => self.fusion.chains.get(k).map(Chain::name),
+        }
+    }
+
+    /// y = relu?(bn?(x + bias?) + residual?) into the last node's output.
+    fn exec_chain(&self, c: &Chain) -> Result<(), ExecError> {
+        let y = self.addr(Outlet::new(c.last(), 0));
+        let x = self.addr(c.x);
+        let dims = self.slot(c.x).ty.shape.dims().to_vec();
+        let n: usize = dims.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let (ch, inner) = (dims[1], dims[2..].iter().product::<usize>());
+        let mut flags = 0;
+        let res = match c.residual {
+            Some(r) => {
+                flags |= RES;
+                self.addr(r)
+            }
+            None => 0,
+        };
+        let bias = match c.bias {
+            Some((_, b)) => {
+                flags |= BIAS;
+                self.addr(b)
+            }
+            None => 0,
+        };
+        let (mut gbmv, mut eps) = ([0u64; 4], 0f32);
+        if let Some((p, e)) = c.bn {
+            flags |= BN;
+            for (k, o) in p.iter().enumerate() {
+                gbmv[k] = self.addr(*o);
+            }
+            eps = e;
+        }
+        if c.relu {
+            flags |= RELU;
+        }
+        let [g, b, m, v] = gbmv;
+        let aligned = (y | x | res) % 16 == 0;
+        let planes = n / inner.max(1);
+        // Every tensor holds at most i32::MAX elements (checked at load).
+        let (c32, inner32, n32) = (ch as i32, inner as i32, n as i32);
+        if inner >= 32 && (1..=65_535).contains(&planes) {
+            let vec4 = inner % 4 == 0 && aligned;
+            let units = if vec4 { inner / 4 } else { inner };
+            let v4 = i32::from(vec4);
+            return self.k(
+                "fused_planes",
+                plane_rows(units, planes),
+                &[
+                    &y, &x, &res, &bias, &g, &b, &m, &v, &c32, &inner32, &eps, &flags, &v4,
+                ],
+            );
+        }
+        let vec4 = inner % 4 == 0 && n % 4 == 0 && aligned;
+        let v4 = i32::from(vec4);
+        let cfg = if vec4 { grid(n / 4) } else { grid(n) };
+        self.k(
+            "fused_flat",
+            cfg,
+            &[
+                &y, &x, &res, &bias, &g, &b, &m, &v, &n32, &c32, &inner32, &eps, &flags, &v4,
+            ],
+        )
+    }
+}
