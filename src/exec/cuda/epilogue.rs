@@ -6,7 +6,7 @@ use lanes_adaptor::{NodeId, Outlet};
 use super::device::grid;
 use super::fuse::{Chain, Role};
 use super::ops::plane_rows;
-use super::program::CudaProgram;
+use super::program::{op_err, CudaProgram};
 use crate::exec::ExecError;
 
 /// Kernel flags (`elementwise.cu`, FUSE_*).
@@ -22,10 +22,13 @@ impl CudaProgram {
         match self.fusion.role(id) {
             Role::Plain | Role::ConvWithoutBias => self.exec(id),
             Role::Skip => Ok(()),
-            Role::Last(k) => match self.fusion.chains.get(k) {
-                Some(chain) => self.exec_chain(chain),
-                None => self.exec(id),
-            },
+            Role::Last(k) => {
+                let chain = self.fusion.chains.get(k).ok_or_else(|| {
+                    let node = &self.graph.graph().nodes[id.index()];
+                    op_err(id, node, format!("fused chain {k} is missing"))
+                })?;
+                self.exec_chain(chain)
+            }
         }
     }
 

@@ -331,7 +331,8 @@ extern "C" __global__ void fused_planes(float* y, const float* x, const float* r
         float4* y4 = reinterpret_cast<float4*>(y) + (base >> 2);
         int n4 = inner / 4;
         for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n4; j += step) {
-            float4 rv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float4 rv;
+            rv.x = rv.y = rv.z = rv.w = 0.0f;
             if (flags & FUSE_RES) rv = reinterpret_cast<const float4*>(res)[(base >> 2) + j];
             y4[j] = fused_f4(x4[j], flags, bc0, mc, r, gc, bc, rv);
         }
@@ -356,7 +357,8 @@ extern "C" __global__ void fused_flat(float* y, const float* x, const float* res
         GRID_LOOP(j, n4) {
             int c = ((j * 4) / inner) % C;
             fused_channel(c, flags, bias, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
-            float4 rv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float4 rv;
+            rv.x = rv.y = rv.z = rv.w = 0.0f;
             if (flags & FUSE_RES) rv = reinterpret_cast<const float4*>(res)[j];
             y4[j] = fused_f4(x4[j], flags, bc0, mc, r, gc, bc, rv);
         }
