@@ -800,6 +800,29 @@ fn fused_cases() -> Vec<Case> {
         c.chains = Some(1);
         cases.push(c);
     }
+    // matmul → Add(bias along the last axis) → Gelu / Relu (BERT's
+    // feed-forward); 16: float4 rows, 10: scalar.
+    for (len, act) in [(16usize, "gelu"), (10, "gelu"), (16, "relu")] {
+        let mut c = Case::new(&format!("matmul+bias+{act} {len}")).tol(ACCUM);
+        let x = c.input("x", rnd(&mut rng, &[2, 5, 12], -1.0, 1.0));
+        let w = c.var("w", rnd(&mut rng, &[12, len], -0.5, 0.5));
+        let b = c.var("b", rnd(&mut rng, &[len], -0.5, 0.5));
+        let m = c.g.matmul(x, w);
+        let a = if len == 10 {
+            c.g.add(b, m)
+        } else {
+            c.g.add(m, b)
+        };
+        let y = if act == "gelu" {
+            c.g.gelu(a)
+        } else {
+            c.g.relu(a)
+        };
+        c.fetch(y, "y");
+        c.runs = 3;
+        c.chains = Some(1);
+        cases.push(c);
+    }
     // Must not fuse: the batch norm's output fetched (the Run re-plans with
     // it live to the end), or read twice.
     let mut c = Case::new("bn fetched: no fusion").tol(ACCUM);
@@ -871,7 +894,7 @@ fn fused_cases_match_on_the_planner_layout() {
     }
 }
 
-/// Fusion changes no result: the zoo-style CNNs on the GPU with and
+/// Fusion changes no result: two CNNs and a small BERT on the GPU with and
 /// without it agree within 1e-6 (the fused kernel does the unfused
 /// kernels' arithmetic in their order).
 #[test]
@@ -886,6 +909,22 @@ fn fusion_matches_unfused() {
             "inception_v3 b1 96x96",
             models::inception_v3(1, 96).unwrap(),
         ),
+        (
+            "bert small b2 s16",
+            models::bert(
+                2,
+                16,
+                &models::BertConfig {
+                    vocab: 100,
+                    hidden: 64,
+                    layers: 2,
+                    heads: 4,
+                    intermediate: 128,
+                    max_positions: 32,
+                },
+            )
+            .unwrap(),
+        ),
     ];
     let limits = GraphLimits {
         max_nodes: 1 << 20,
@@ -896,7 +935,13 @@ fn fusion_matches_unfused() {
         let feeds: BTreeMap<String, Tensor> = b
             .inputs
             .iter()
-            .map(|(n, ty)| (n.clone(), rnd(&mut rng, ty.shape.dims(), -1.0, 1.0)))
+            .map(|(n, ty)| {
+                let t = match ty.dtype {
+                    lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
+                    lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), b.vocab as i64),
+                };
+                (n.clone(), t)
+            })
             .collect();
         let fetches = vec![b.output.clone()];
         let vg = validate(b.graph.clone(), &limits).unwrap();

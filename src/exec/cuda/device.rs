@@ -40,6 +40,8 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "channel_bias",
             "fused_planes",
             "fused_flat",
+            "fused_row",
+            "fused_row4",
             "sgd_update",
             "adam_update",
             "step_incr",

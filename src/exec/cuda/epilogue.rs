@@ -4,7 +4,7 @@
 use lanes_adaptor::{NodeId, Outlet};
 
 use super::device::grid;
-use super::fuse::{Chain, Role};
+use super::fuse::{Act, Chain, Role};
 use super::ops::plane_rows;
 use super::program::{op_err, CudaProgram};
 use crate::exec::ExecError;
@@ -43,7 +43,8 @@ impl CudaProgram {
         }
     }
 
-    /// y = relu?(bn?(x + bias?) + residual?) into the last node's output.
+    /// y = relu?(bn?(x + bias?) + residual?), or act(x + row bias), into
+    /// the last node's output.
     fn exec_chain(&self, c: &Chain) -> Result<(), ExecError> {
         let y = self.addr(Outlet::new(c.last(), 0));
         let x = self.addr(c.x);
@@ -51,6 +52,22 @@ impl CudaProgram {
         let n: usize = dims.iter().product();
         if n == 0 {
             return Ok(());
+        }
+        if let Some((b, act)) = c.row {
+            let bias = self.addr(b);
+            let len = dims[dims.len() - 1];
+            // unary_f's codes.
+            let op: i32 = match act {
+                Act::Relu => 0,
+                Act::Gelu => 1,
+            };
+            // Every tensor holds at most i32::MAX elements (checked at load).
+            if len % 4 == 0 && (y | x | bias) % 16 == 0 {
+                let (n4, len4) = ((n / 4) as i32, (len / 4) as i32);
+                return self.k("fused_row4", grid(n / 4), &[&y, &x, &bias, &n4, &len4, &op]);
+            }
+            let (n32, len32) = (n as i32, len as i32);
+            return self.k("fused_row", grid(n), &[&y, &x, &bias, &n32, &len32, &op]);
         }
         let (ch, inner) = (dims[1], dims[2..].iter().product::<usize>());
         let mut flags = 0;

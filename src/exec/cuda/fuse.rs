@@ -1,7 +1,7 @@
 //! Epilogue fusion: chains of per-channel elementwise ops after a
 //! convolution (its bias, inference batch norm, a residual Add, Relu) run
 //! as one kernel at the position of the chain's last node instead of one
-//! kernel each.
+//! kernel each; so does a linear layer's bias Add followed by Gelu or Relu.
 //!
 //! [`find_chains`] is a pure function of the graph, the execution order,
 //! the fetchable outputs and the arena layout, so that when a chain may
@@ -14,7 +14,8 @@
 //!   the kernel, a BatchNorm's or an Add's output) has exactly one use, the
 //!   chain's next node, and is not fetchable (it is never written);
 //! - all tensors are f32 of one shape (an Add's operands alike: no
-//!   broadcasting), channels on axis 1;
+//!   broadcasting), channels on axis 1; except a row bias, a vector along
+//!   the last axis;
 //! - the last node's output slot is disjoint from every ephemeral tensor
 //!   the kernel reads, or starts at the same byte (each thread reads an
 //!   element before writing the same element).
@@ -40,6 +41,9 @@ pub struct Chain {
     /// The Add's other operand.
     pub residual: Option<Outlet>,
     pub relu: bool,
+    /// Instead of the above: an Add of a vector along the last axis (a
+    /// linear layer's bias) and then `act` (BERT's bias + GELU).
+    pub row: Option<(Outlet, Act)>,
     /// The chain's nodes after the convolution, in order; the last one's
     /// output is the only tensor the kernel writes.
     pub nodes: Vec<NodeId>,
@@ -54,6 +58,11 @@ impl Chain {
 
     /// A name for profiles: the fused ops.
     pub fn name(&self) -> &'static str {
+        match self.row {
+            Some((_, Act::Gelu)) => return "fused bias_row+gelu",
+            Some((_, Act::Relu)) => return "fused bias_row+relu",
+            None => {}
+        }
         match (
             self.bias.is_some(),
             self.bn.is_some(),
@@ -80,7 +89,15 @@ impl Chain {
             + usize::from(self.bn.is_some())
             + usize::from(self.residual.is_some())
             + usize::from(self.relu)
+            + 2 * usize::from(self.row.is_some())
     }
+}
+
+/// The activation after a row bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    Relu,
+    Gelu,
 }
 
 /// What one node does under fusion.
@@ -223,6 +240,7 @@ impl Matcher<'_> {
                     bn: None,
                     residual: None,
                     relu: false,
+                    row: None,
                     nodes: Vec::new(),
                 }
             }
@@ -235,6 +253,7 @@ impl Matcher<'_> {
                     bn: Some(([ga, be, me, va], *eps)),
                     residual: None,
                     relu: false,
+                    row: None,
                     nodes: vec![id],
                 }
             }
@@ -244,8 +263,20 @@ impl Matcher<'_> {
                 bn: None,
                 residual: Some(b),
                 relu: false,
+                row: None,
                 nodes: vec![id],
             },
+            (Op::Add, &[a, b]) if a != b => {
+                let row = &dims[dims.len() - 1..];
+                let (x, bias) = if self.is_f32(a, dims) && self.is_f32(b, row) {
+                    (a, b)
+                } else if self.is_f32(b, dims) && self.is_f32(a, row) {
+                    (b, a)
+                } else {
+                    return Vec::new();
+                };
+                return self.row_chain_at(pos, x, bias, dims);
+            }
             _ => return Vec::new(),
         };
         // The conv's output is read by the kernel (not an intermediate
@@ -296,6 +327,45 @@ impl Matcher<'_> {
         found
     }
 
+    /// Add(x, bias along the last axis) at `pos`, then Relu or Gelu.
+    fn row_chain_at(
+        &self,
+        pos: usize,
+        x: Outlet,
+        bias: Outlet,
+        dims: &[usize],
+    ) -> Vec<(Chain, usize)> {
+        let g = self.graph;
+        let id = self.order[pos];
+        let cur = Outlet::new(id, 0);
+        let Some(&next_id) = self.order.get(pos + 1) else {
+            return Vec::new();
+        };
+        let next = &g.nodes[next_id.index()];
+        if !self.private(cur)
+            || next.inputs.as_slice() != [cur]
+            || next.outputs.len() != 1
+            || !self.is_f32(Outlet::new(next_id, 0), dims)
+        {
+            return Vec::new();
+        }
+        let act = match next.op {
+            Op::Relu => Act::Relu,
+            Op::Gelu => Act::Gelu,
+            _ => return Vec::new(),
+        };
+        let chain = Chain {
+            x,
+            bias: None,
+            bn: None,
+            residual: None,
+            relu: false,
+            row: Some((bias, act)),
+            nodes: vec![id, next_id],
+        };
+        vec![(chain, pos + 1)]
+    }
+
     /// A batch norm over `x` ([N, C, …], f32) with per-channel vectors.
     fn bn_fits(&self, x: Outlet, params: [Outlet; 4], dims: &[usize]) -> bool {
         self.is_f32(x, dims) && params.iter().all(|&p| self.is_f32(p, &dims[1..2]))
@@ -311,6 +381,7 @@ fn layout_allows(chain: &Chain, range: RangeOf<'_>) -> bool {
     let mut reads = vec![chain.x];
     reads.extend(chain.residual);
     reads.extend(chain.bias.map(|(_, b)| b));
+    reads.extend(chain.row.map(|(b, _)| b));
     if let Some((p, _)) = chain.bn {
         reads.extend(p);
     }

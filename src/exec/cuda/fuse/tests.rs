@@ -289,3 +289,56 @@ fn zoo_cnns_fuse_most_batch_norms() {
         );
     }
 }
+
+#[test]
+fn linear_bias_then_gelu_fuses_as_a_row_chain() {
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([2, 3, 8]));
+    let w = g.variable("w", Tensor::full([8, 8], 0.1));
+    let b = g.variable("b", Tensor::full([8], 0.1));
+    let m = g.matmul(x, w);
+    // The bias on the left: the order of the Add's operands is free.
+    let a = g.add(b, m);
+    let y = g.gelu(a);
+    let (_, f) = matched(g, &[]);
+    assert_eq!(f.chains.len(), 1, "{f:?}");
+    let ch = &f.chains[0];
+    assert_eq!((ch.x, ch.row), (m, Some((b, Act::Gelu))));
+    assert_eq!(ch.nodes, vec![a.node, y.node]);
+    assert_eq!(f.role(a.node), Role::Skip);
+    assert_eq!(ch.name(), "fused bias_row+gelu");
+    // A bias along another axis is not a row bias.
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([2, 8, 3]));
+    let b = g.variable("b", Tensor::full([8, 1], 0.1));
+    let a = g.add(x, b);
+    let _ = g.gelu(a);
+    let (_, f) = matched(g, &[]);
+    assert!(f.chains.is_empty(), "{f:?}");
+}
+
+/// BERT's feed-forward bias + GELU fuses in every layer.
+#[test]
+fn bert_bias_gelu_fuses_in_every_layer() {
+    let m = Arch::BertBase { seq: 16 }.inference(1, 0).unwrap();
+    let vg = validate(m.graph, &GraphLimits::default()).unwrap();
+    let fetchable = compile::sinks(&vg);
+    let plan = compile::plan_outlets(&vg, fetchable.clone(), Default::default()).unwrap();
+    let f = find_chains(vg.graph(), vg.order(), &fetchable, &ranges(&plan));
+    let gelus = vg
+        .graph()
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Gelu))
+        .count();
+    let fused = f
+        .chains
+        .iter()
+        .filter(|c| matches!(c.row, Some((_, Act::Gelu))))
+        .count();
+    eprintln!(
+        "bert_base: {} chains, {fused} of {gelus} GELUs",
+        f.chains.len()
+    );
+    assert!(gelus > 0 && fused * 20 >= gelus * 17, "{fused} of {gelus}");
+}

@@ -372,6 +372,27 @@ extern "C" __global__ void fused_flat(float* y, const float* x, const float* res
     }
 }
 
+// Fused bias + activation (see `fuse.rs`): y = act(x[i] + bias[i % len]),
+// binary_row's add then unary's activation (op 0 relu, 1 gelu). y may be x
+// exactly.
+extern "C" __global__ void fused_row(float* y, const float* x, const float* bias, int n, int len, int op) {
+    GRID_LOOP(i, n) { y[i] = unary_f(op, x[i] + bias[i % len], 0.0f); }
+}
+
+// fused_row four floats at a time (n4 = n / 4, len4 = len / 4; y, x and
+// bias 16-byte aligned; the host checks).
+extern "C" __global__ void fused_row4(float4* y, const float4* x, const float4* bias, int n4, int len4, int op) {
+    GRID_LOOP(i, n4) {
+        float4 a = x[i], b = bias[i % len4];
+        float4 r;
+        r.x = unary_f(op, a.x + b.x, 0.0f);
+        r.y = unary_f(op, a.y + b.y, 0.0f);
+        r.z = unary_f(op, a.z + b.z, 0.0f);
+        r.w = unary_f(op, a.w + b.w, 0.0f);
+        y[i] = r;
+    }
+}
+
 // y [outer, C, inner] += bias[c]
 extern "C" __global__ void channel_bias(float* y, const float* bias, int n, int C, int inner) {
     GRID_LOOP(i, n) { y[i] += bias[(i / inner) % C]; }
