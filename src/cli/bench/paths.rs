@@ -266,6 +266,17 @@ pub fn executor(
     let gpu = match &prog {
         Program::Cuda(p) => {
             m.insert("cuda_graph".into(), json!(p.uses_cuda_graph()));
+            // Chains of elementwise ops run as one kernel (LANES_NO_FUSION=1
+            // turns fusion off) and the nodes they leave without a launch.
+            let (chains, skipped) = p.fused_chains();
+            m.insert(
+                "fusion".into(),
+                json!({"chains": chains, "nodes_skipped": skipped}),
+            );
+            progress(
+                &format!("executor: {chains} fused chains ({skipped} nodes launch nothing)"),
+                since,
+            );
             m.insert("device_bytes".into(), json!(p.device_bytes()));
             let a = p.arena_parts();
             m.insert(
@@ -304,7 +315,7 @@ pub fn executor(
         );
         for (op, n, ms) in prof.iter().take(15) {
             eprintln!(
-                "  {op:<24} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
+                "  {op:<32} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
                 100.0 * ms / total
             );
         }

@@ -13,6 +13,8 @@
 
 mod conv;
 mod device;
+mod epilogue;
+pub mod fuse;
 mod ops;
 mod pin;
 mod program;

@@ -237,7 +237,7 @@ impl CopyPlan {
 }
 
 impl CudaProgram {
-    fn k(
+    pub(super) fn k(
         &self,
         name: &'static str,
         cfg: LaunchConfig,
@@ -614,7 +614,11 @@ impl CudaProgram {
                     )
                 }
                 .map_err(|e| err(format!("cuDNN: {e:?}")))?;
-                if let (Op::Conv2d(_), Some(bias)) = (&node.op, inp.get(2)) {
+                // A bias whose add moved into a fused chain is added there.
+                let bias = inp
+                    .get(2)
+                    .filter(|_| self.fusion.role(id) != super::fuse::Role::ConvWithoutBias);
+                if let (Op::Conv2d(_), Some(bias)) = (&node.op, bias) {
                     let d = oty[0].shape.dims();
                     let (c, inner) = (i(d[1]), i(d[2] * d[3]));
                     self.k(
@@ -1056,7 +1060,7 @@ fn plane_parallel(dims: &[usize]) -> bool {
 /// Blocks over `planes` rows (grid y, at most 65535) of `units` items each:
 /// up to 256 threads a block (a multiple of 32, no more than the row needs)
 /// and up to 8 blocks a row.
-fn plane_rows(units: usize, planes: usize) -> cudarc::driver::LaunchConfig {
+pub(super) fn plane_rows(units: usize, planes: usize) -> cudarc::driver::LaunchConfig {
     let threads = units.div_ceil(32).clamp(1, 8) * 32;
     let per_row = units.div_ceil(threads).clamp(1, 8);
     cudarc::driver::LaunchConfig {

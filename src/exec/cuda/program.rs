@@ -16,6 +16,7 @@ use lanes_adaptor::{
 
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
+use super::fuse::{find_chains, Fusion};
 use super::pin::SegmentPins;
 use super::vm::{granularity, VmArena};
 use crate::compile::{self, MemoryPlan};
@@ -70,6 +71,11 @@ pub struct CudaOptions {
     /// starts an urgent lane's blocks before a less urgent lane's waiting
     /// ones. 0 (the default) is CUDA's default priority.
     pub urgency: u8,
+    /// Run chains of per-channel elementwise ops after a convolution (its
+    /// bias, inference batch norm, a residual Add, Relu) as one kernel
+    /// (see `fuse.rs`). Default: on unless the environment variable
+    /// `LANES_NO_FUSION` is `1`.
+    pub fuse: bool,
 }
 
 impl Default for CudaOptions {
@@ -79,6 +85,7 @@ impl Default for CudaOptions {
             matmul_tf32: false,
             cuda_graph: true,
             urgency: 0,
+            fuse: std::env::var("LANES_NO_FUSION").as_deref() != Ok("1"),
         }
     }
 }
@@ -125,6 +132,9 @@ pub struct CudaProgram {
     pub(super) base: u64,
     pub(super) convs: HashMap<usize, ConvPlan>,
     pub(super) options: CudaOptions,
+    /// Fused chains for the current arena layout (re-matched when a new
+    /// fetch re-plans it).
+    pub(super) fusion: Fusion,
     /// The recorded iteration (valid for the program's lifetime: the arena
     /// keeps its address across evictions, see `vm.rs`).
     captured: Option<CudaGraph>,
@@ -724,6 +734,7 @@ impl std::fmt::Debug for CudaProgram {
             .field("arena_bytes", &self.arena.size())
             .field("cudnn_workspace_bytes", &self.mem.cudnn_bytes)
             .field("options", &self.options)
+            .field("fused_chains", &self.fusion.chains.len())
             .finish()
     }
 }
@@ -922,7 +933,7 @@ impl CudaProgram {
         bind_cublas_workspace(&blas, base + mem.cublas_at as u64)?;
 
         let updates = g.nodes.iter().any(|n| !n.op.mutated_inputs().is_empty());
-        let prog = CudaProgram {
+        let mut prog = CudaProgram {
             graph,
             gpu,
             stream,
@@ -931,6 +942,7 @@ impl CudaProgram {
             base,
             convs,
             options,
+            fusion: Fusion::default(),
             captured: None,
             capture_failures: 0,
             res: Residency {
@@ -955,6 +967,7 @@ impl CudaProgram {
             last_wait_ns: std::sync::atomic::AtomicU64::new(0),
             mem,
         };
+        prog.fusion = prog.match_chains();
         // Upload variables and constants.
         let g = prog.graph.graph();
         for (i, node) in g.nodes.iter().enumerate() {
@@ -1180,20 +1193,24 @@ impl CudaProgram {
         let mut marks = Vec::with_capacity(order.len() + 1);
         marks.push(self.event(&self.stream, true)?);
         for &id in &order {
-            self.exec(id)?;
+            self.step(id)?;
             marks.push(self.event(&self.stream, true)?);
         }
         self.sync()?;
         if self.res.updates {
             self.res.dirty = true;
         }
-        let g = self.graph.graph();
         let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
         for (k, id) in order.iter().enumerate() {
+            // Nodes inside a fused chain launch nothing; the chain's kernel
+            // counts under its own name (at its last node).
+            let Some(name) = self.step_name(*id) else {
+                continue;
+            };
             let ms = marks[k]
                 .elapsed_ms(&marks[k + 1])
                 .map_err(|e| dev_err("event", e))?;
-            let e = by_op.entry(g.nodes[id.index()].op.name()).or_default();
+            let e = by_op.entry(name).or_default();
             e.0 += 1;
             e.1 += f64::from(ms);
         }
@@ -1288,6 +1305,7 @@ impl CudaProgram {
         mem.place(&self.graph, &plan, &mut self.slots)?;
         bind_cublas_workspace(&self.blas, self.base + mem.cublas_at as u64)?;
         self.mem = mem;
+        self.fusion = self.match_chains();
         self.captured = None;
         self.capture_failures = 0;
         self.res.segments.clear();
@@ -1410,7 +1428,7 @@ impl CudaProgram {
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(|e| dev_err("begin capture", e))?;
-            let launched = order[a..b].iter().try_for_each(|&id| self.exec(id));
+            let launched = order[a..b].iter().try_for_each(|&id| self.step(id));
             let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
             match (launched, ended) {
                 (Ok(()), Ok(g)) => graphs.push(g),
@@ -1435,7 +1453,7 @@ impl CudaProgram {
     ) -> Result<(), ExecError> {
         for (pos, &id) in self.graph.order().iter().enumerate() {
             before(pos)?;
-            self.exec(id)?;
+            self.step(id)?;
         }
         Ok(())
     }
@@ -1473,6 +1491,37 @@ impl CudaProgram {
         self.res.profile = Some(profile);
         self.res.plans.invalidate();
         Ok(())
+    }
+
+    /// The chains of ops that run as one kernel for the current layout
+    /// (none when [`CudaOptions::fuse`] is off), and the nodes that launch
+    /// nothing of their own.
+    pub fn fused_chains(&self) -> (usize, usize) {
+        (self.fusion.chains.len(), self.fusion.skipped())
+    }
+
+    /// Matches fusable chains against the current slots and fetchable
+    /// outputs (see `fuse.rs`).
+    fn match_chains(&self) -> Fusion {
+        if !self.options.fuse {
+            return Fusion::default();
+        }
+        let g = self.graph.graph();
+        let range = |o: Outlet| -> Option<(usize, usize)> {
+            let node = g.nodes.get(o.node.index())?;
+            if matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
+                return None;
+            }
+            let s = self.slots.get(o.node.index())?.get(o.slot as usize)?;
+            Some((s.off, s.off + s.ty.bytes()))
+        };
+        let fusion = find_chains(g, self.graph.order(), &self.mem.fetchable, &range);
+        tracing::debug!(
+            chains = fusion.chains.len(),
+            skipped = fusion.skipped(),
+            "fused elementwise chains"
+        );
+        fusion
     }
 
     /// Whether iterations replay a recorded CUDA graph.

@@ -267,6 +267,132 @@ extern "C" __global__ void batchnorm_planes(float* y, const float* x, const floa
     }
 }
 
+// Fused epilogue (see `fuse.rs`): t = x (+ bias[c]), then batch norm
+// (batchnorm_infer's arithmetic), then + res, then relu, each as the
+// unfused kernel computes it. flags: FUSE_* below; absent operands are
+// null and never read.
+#define FUSE_BIAS 1
+#define FUSE_BN 2
+#define FUSE_RES 4
+#define FUSE_RELU 8
+
+__device__ __forceinline__ float fused_f(float t, int flags, float bc0, float mc, float r, float gc,
+                                         float bc, float res) {
+    if (flags & FUSE_BIAS) t = t + bc0;
+    if (flags & FUSE_BN) t = (t - mc) * r * gc + bc;
+    if (flags & FUSE_RES) t = t + res;
+    if (flags & FUSE_RELU) t = t > 0.0f ? t : 0.0f;
+    return t;
+}
+
+__device__ __forceinline__ float4 fused_f4(float4 a, int flags, float bc0, float mc, float r, float gc,
+                                           float bc, float4 res) {
+    float4 o;
+    o.x = fused_f(a.x, flags, bc0, mc, r, gc, bc, res.x);
+    o.y = fused_f(a.y, flags, bc0, mc, r, gc, bc, res.y);
+    o.z = fused_f(a.z, flags, bc0, mc, r, gc, bc, res.z);
+    o.w = fused_f(a.w, flags, bc0, mc, r, gc, bc, res.w);
+    return o;
+}
+
+// Channel c's constants of a fused chain.
+__device__ __forceinline__ void fused_channel(int c, int flags, const float* bias, const float* g,
+                                              const float* b, const float* m, const float* v, float eps,
+                                              float* bc0, float* mc, float* r, float* gc, float* bc) {
+    *bc0 = (flags & FUSE_BIAS) ? bias[c] : 0.0f;
+    if (flags & FUSE_BN) {
+        *r = rsqrtf(v[c] + eps);
+        *gc = g[c];
+        *bc = b[c];
+        *mc = m[c];
+    } else {
+        *r = 1.0f;
+        *gc = 1.0f;
+        *bc = 0.0f;
+        *mc = 0.0f;
+    }
+}
+
+// One row of blocks per (n, c) plane (blockIdx.y), as batchnorm_planes;
+// vec4: four floats at a time (inner % 4 == 0; y, x and res 16-byte
+// aligned; the host checks). y may be x or res exactly (each element is
+// read before it is written, by the same thread).
+extern "C" __global__ void fused_planes(float* y, const float* x, const float* res, const float* bias,
+                                        const float* g, const float* b, const float* m, const float* v,
+                                        int C, int inner, float eps, int flags, int vec4) {
+    int p = blockIdx.y;
+    int c = p % C;
+    float bc0, mc, r, gc, bc;
+    fused_channel(c, flags, bias, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
+    long long base = (long long)p * inner;
+    int step = blockDim.x * gridDim.x;
+    if (vec4) {
+        const float4* x4 = reinterpret_cast<const float4*>(x) + (base >> 2);
+        float4* y4 = reinterpret_cast<float4*>(y) + (base >> 2);
+        int n4 = inner / 4;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n4; j += step) {
+            float4 rv;
+            rv.x = rv.y = rv.z = rv.w = 0.0f;
+            if (flags & FUSE_RES) rv = reinterpret_cast<const float4*>(res)[(base >> 2) + j];
+            y4[j] = fused_f4(x4[j], flags, bc0, mc, r, gc, bc, rv);
+        }
+    } else {
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inner; j += step) {
+            float rv = (flags & FUSE_RES) ? res[base + j] : 0.0f;
+            y[base + j] = fused_f(x[base + j], flags, bc0, mc, r, gc, bc, rv);
+        }
+    }
+}
+
+// The same over x viewed as [outer, C, inner], one element (vec4: four,
+// inner % 4 == 0 and n % 4 == 0, pointers 16-byte aligned) per index.
+extern "C" __global__ void fused_flat(float* y, const float* x, const float* res, const float* bias,
+                                      const float* g, const float* b, const float* m, const float* v,
+                                      int n, int C, int inner, float eps, int flags, int vec4) {
+    float bc0, mc, r, gc, bc;
+    if (vec4) {
+        int n4 = n / 4;
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        float4* y4 = reinterpret_cast<float4*>(y);
+        GRID_LOOP(j, n4) {
+            int c = ((j * 4) / inner) % C;
+            fused_channel(c, flags, bias, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
+            float4 rv;
+            rv.x = rv.y = rv.z = rv.w = 0.0f;
+            if (flags & FUSE_RES) rv = reinterpret_cast<const float4*>(res)[j];
+            y4[j] = fused_f4(x4[j], flags, bc0, mc, r, gc, bc, rv);
+        }
+    } else {
+        GRID_LOOP(i, n) {
+            int c = (i / inner) % C;
+            fused_channel(c, flags, bias, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
+            float rv = (flags & FUSE_RES) ? res[i] : 0.0f;
+            y[i] = fused_f(x[i], flags, bc0, mc, r, gc, bc, rv);
+        }
+    }
+}
+
+// Fused bias + activation (see `fuse.rs`): y = act(x[i] + bias[i % len]),
+// binary_row's add then unary's activation (op 0 relu, 1 gelu). y may be x
+// exactly.
+extern "C" __global__ void fused_row(float* y, const float* x, const float* bias, int n, int len, int op) {
+    GRID_LOOP(i, n) { y[i] = unary_f(op, x[i] + bias[i % len], 0.0f); }
+}
+
+// fused_row four floats at a time (n4 = n / 4, len4 = len / 4; y, x and
+// bias 16-byte aligned; the host checks).
+extern "C" __global__ void fused_row4(float4* y, const float4* x, const float4* bias, int n4, int len4, int op) {
+    GRID_LOOP(i, n4) {
+        float4 a = x[i], b = bias[i % len4];
+        float4 r;
+        r.x = unary_f(op, a.x + b.x, 0.0f);
+        r.y = unary_f(op, a.y + b.y, 0.0f);
+        r.z = unary_f(op, a.z + b.z, 0.0f);
+        r.w = unary_f(op, a.w + b.w, 0.0f);
+        y[i] = r;
+    }
+}
+
 // y [outer, C, inner] += bias[c]
 extern "C" __global__ void channel_bias(float* y, const float* bias, int n, int C, int inner) {
     GRID_LOOP(i, n) { y[i] += bias[(i / inner) % C]; }

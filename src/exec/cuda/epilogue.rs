@@ -1,0 +1,127 @@
+//! Launching a fused chain (see `fuse.rs`) and choosing, per node, between
+//! it and the node's own kernels.
+
+use lanes_adaptor::{NodeId, Outlet};
+
+use super::device::grid;
+use super::fuse::{Act, Chain, Role};
+use super::ops::plane_rows;
+use super::program::{op_err, CudaProgram};
+use crate::exec::ExecError;
+
+/// Kernel flags (`elementwise.cu`, FUSE_*).
+const BIAS: i32 = 1;
+const BN: i32 = 2;
+const RES: i32 = 4;
+const RELU: i32 = 8;
+
+impl CudaProgram {
+    /// Runs node `id` as fusion decided: its own kernels, nothing (inside
+    /// a chain), or the chain's kernel (its last node).
+    pub(super) fn step(&self, id: NodeId) -> Result<(), ExecError> {
+        match self.fusion.role(id) {
+            Role::Plain | Role::ConvWithoutBias => self.exec(id),
+            Role::Skip => Ok(()),
+            Role::Last(k) => {
+                let chain = self.fusion.chains.get(k).ok_or_else(|| {
+                    let node = &self.graph.graph().nodes[id.index()];
+                    op_err(id, node, format!("fused chain {k} is missing"))
+                })?;
+                self.exec_chain(chain)
+            }
+        }
+    }
+
+    /// The profile name of node `id`'s launches: `None` when it launches
+    /// nothing of its own.
+    pub(super) fn step_name(&self, id: NodeId) -> Option<&'static str> {
+        let g = self.graph.graph();
+        match self.fusion.role(id) {
+            Role::Plain | Role::ConvWithoutBias => Some(g.nodes[id.index()].op.name()),
+            Role::Skip => None,
+            Role::Last(k) => self.fusion.chains.get(k).map(Chain::name),
+        }
+    }
+
+    /// y = relu?(bn?(x + bias?) + residual?), or act(x + row bias), into
+    /// the last node's output.
+    fn exec_chain(&self, c: &Chain) -> Result<(), ExecError> {
+        let y = self.addr(Outlet::new(c.last(), 0));
+        let x = self.addr(c.x);
+        let dims = self.slot(c.x).ty.shape.dims().to_vec();
+        let n: usize = dims.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        if let Some((b, act)) = c.row {
+            let bias = self.addr(b);
+            let len = dims[dims.len() - 1];
+            // unary_f's codes.
+            let op: i32 = match act {
+                Act::Relu => 0,
+                Act::Gelu => 1,
+            };
+            // Every tensor holds at most i32::MAX elements (checked at load).
+            if len % 4 == 0 && (y | x | bias) % 16 == 0 {
+                let (n4, len4) = ((n / 4) as i32, (len / 4) as i32);
+                return self.k("fused_row4", grid(n / 4), &[&y, &x, &bias, &n4, &len4, &op]);
+            }
+            let (n32, len32) = (n as i32, len as i32);
+            return self.k("fused_row", grid(n), &[&y, &x, &bias, &n32, &len32, &op]);
+        }
+        let (ch, inner) = (dims[1], dims[2..].iter().product::<usize>());
+        let mut flags = 0;
+        let res = match c.residual {
+            Some(r) => {
+                flags |= RES;
+                self.addr(r)
+            }
+            None => 0,
+        };
+        let bias = match c.bias {
+            Some((_, b)) => {
+                flags |= BIAS;
+                self.addr(b)
+            }
+            None => 0,
+        };
+        let (mut gbmv, mut eps) = ([0u64; 4], 0f32);
+        if let Some((p, e)) = c.bn {
+            flags |= BN;
+            for (k, o) in p.iter().enumerate() {
+                gbmv[k] = self.addr(*o);
+            }
+            eps = e;
+        }
+        if c.relu {
+            flags |= RELU;
+        }
+        let [g, b, m, v] = gbmv;
+        let aligned = (y | x | res) % 16 == 0;
+        let planes = n / inner.max(1);
+        // Every tensor holds at most i32::MAX elements (checked at load).
+        let (c32, inner32, n32) = (ch as i32, inner as i32, n as i32);
+        if inner >= 32 && (1..=65_535).contains(&planes) {
+            let vec4 = inner % 4 == 0 && aligned;
+            let units = if vec4 { inner / 4 } else { inner };
+            let v4 = i32::from(vec4);
+            return self.k(
+                "fused_planes",
+                plane_rows(units, planes),
+                &[
+                    &y, &x, &res, &bias, &g, &b, &m, &v, &c32, &inner32, &eps, &flags, &v4,
+                ],
+            );
+        }
+        let vec4 = inner % 4 == 0 && n % 4 == 0 && aligned;
+        let v4 = i32::from(vec4);
+        let cfg = if vec4 { grid(n / 4) } else { grid(n) };
+        self.k(
+            "fused_flat",
+            cfg,
+            &[
+                &y, &x, &res, &bias, &g, &b, &m, &v, &n32, &c32, &inner32, &eps, &flags, &v4,
+            ],
+        )
+    }
+}
