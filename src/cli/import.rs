@@ -50,6 +50,10 @@ pub struct Args {
     /// outputs copied out) after 3 untimed ones and print their median.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub time: usize,
+    /// On `cuda`: convolutions in plain FP32, no TF32 tensor cores (see
+    /// `lanes serve --no-tf32`).
+    #[arg(long)]
+    pub no_tf32: bool,
 }
 
 fn pair(s: &str) -> Result<(String, String)> {
@@ -60,6 +64,7 @@ fn pair(s: &str) -> Result<(String, String)> {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    lanes::exec::cuda::set_conv_tf32(!a.no_tf32);
     let mut dims = BTreeMap::new();
     for d in &a.dims {
         let (k, v) = pair(d)?;

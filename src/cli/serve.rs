@@ -50,6 +50,11 @@ pub struct Args {
     /// is off; at most 1000.
     #[arg(long, default_value_t = 0.0, value_name = "MS")]
     pub busy_poll: f64,
+    /// Convolutions in plain FP32: cuDNN may not use TF32 tensor cores
+    /// (on by default, as PyTorch's `cudnn.allow_tf32`). Matrix products
+    /// are always FP32.
+    #[arg(long)]
+    pub no_tf32: bool,
     /// Worker threads running iterations (default: one per core).
     #[arg(long)]
     pub workers: Option<usize>,
@@ -186,6 +191,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let busy_poll = super::busy_poll_window(args.busy_poll)?;
+    lanes::exec::cuda::set_conv_tf32(!args.no_tf32);
     let device = server::resolve_device(args.device)?;
     let memory_bytes = server::resolve_memory(args.memory, &device)?;
     let config = ServerConfig {

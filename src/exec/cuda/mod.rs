@@ -21,7 +21,9 @@ mod program;
 mod vm;
 
 pub use pin::{pin_host, HostPin};
-pub use program::{ephemeral_need, set_wait_spin, ArenaParts, CudaOptions, CudaProgram};
+pub use program::{
+    ephemeral_need, set_conv_tf32, set_wait_spin, ArenaParts, CudaOptions, CudaProgram,
+};
 
 use super::ExecError;
 

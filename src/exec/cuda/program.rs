@@ -57,7 +57,8 @@ fn bind_cublas_workspace(blas: &CudaBlas, at: u64) -> Result<(), ExecError> {
 /// use TF32 tensor cores (`torch.backends.cudnn.allow_tf32 = True`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaOptions {
-    /// Let cuDNN use TF32 tensor cores for FP32 convolutions.
+    /// Let cuDNN use TF32 tensor cores for FP32 convolutions. Default: on,
+    /// unless [`set_conv_tf32`] turned it off.
     pub conv_tf32: bool,
     /// Let cuBLAS use TF32 tensor cores for FP32 matrix products.
     pub matmul_tf32: bool,
@@ -78,10 +79,21 @@ pub struct CudaOptions {
     pub fuse: bool,
 }
 
+/// Process-wide default of [`CudaOptions::conv_tf32`] (`--no-tf32`).
+static CONV_TF32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Process-wide: whether programs made from [`CudaOptions::default`] let
+/// cuDNN use TF32 for FP32 convolutions (on by default, as PyTorch's
+/// `cudnn.allow_tf32`; `lanes serve --no-tf32` turns it off, for results
+/// that match an FP32 reference at FP32 tolerances).
+pub fn set_conv_tf32(on: bool) {
+    CONV_TF32.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
-            conv_tf32: true,
+            conv_tf32: CONV_TF32.load(std::sync::atomic::Ordering::Relaxed),
             matmul_tf32: false,
             cuda_graph: true,
             urgency: 0,
