@@ -979,3 +979,85 @@ fn more_fetches_than_a_reply_can_carry_are_refused() {
         other => panic!("{other:?}"),
     }
 }
+
+/// `y = relu(x @ w)` with a 2 MiB `w` (1024 × 512, every weight `wv`): its
+/// LoadGraph is decoded off the socket thread.
+fn large_load(session: SessionId, wv: f32, w_shape: [usize; 2]) -> Request {
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([2, 1024]));
+    let w = g.variable("w", Tensor::full([1024, 512], 0.0));
+    let h = g.matmul(x, w);
+    let y = g.relu(h);
+    g.set_name(y, "y");
+    let (graph, _) = g.finish().unwrap();
+    Request::LoadGraph {
+        session,
+        graph,
+        variables: vec![NamedTensor::new("w", Tensor::full(w_shape, wv))],
+    }
+}
+
+/// A client that pipelines a large LoadGraph (decoded by the service's
+/// decoder thread) with the requests after it gets its replies in order,
+/// each right: the Run after a load is not decoded and served before the
+/// load (which would answer NoGraph), and the Run after a refused load is
+/// refused as having no graph. A bystander is served meanwhile.
+#[test]
+fn requests_behind_a_large_one_keep_their_order() {
+    let service = start();
+    let ep = service.endpoint().to_string();
+    let peer = RawPeer::connect(&ep);
+    let open = |id, name: &str| match peer
+        .call(
+            wire::encode_request(id, &Request::OpenSession(SessionSpec::inference(name))).unwrap(),
+        )
+        .message
+    {
+        Reply::SessionOpened { session } => session,
+        other => panic!("{other:?}"),
+    };
+    let good = open(1, "large-load");
+    let bad = open(2, "large-bad-load");
+    let run = |session| Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", Tensor::full([2, 1024], 1.0))],
+        fetches: vec!["y".into()],
+    };
+    let load = wire::encode_request(3, &large_load(good, 0.001, [1024, 512])).unwrap();
+    assert!(load.iter().map(Vec::len).sum::<usize>() >= 2 << 20);
+    // Pipelined: nothing waits for the load's reply.
+    peer.send(load);
+    peer.send(wire::encode_request(4, &run(good)).unwrap());
+    peer.send(wire::encode_request(5, &large_load(bad, 1.0, [512, 1024])).unwrap());
+    peer.send(wire::encode_request(6, &run(bad)).unwrap());
+    let mut bystander = Client::connect(&ep).unwrap();
+    let mut s = bystander
+        .open_session(SessionSpec::inference("bystander"))
+        .unwrap();
+    let (graph, vars) = linear_relu(4);
+    s.load(&graph, vars).unwrap();
+    s.run(vec![("x", x_for(1))], &["y"]).unwrap();
+    let mut replies = Vec::new();
+    while replies.len() < 4 {
+        let env = peer.recv();
+        replies.push((env.request_id, env.message));
+    }
+    let ids: Vec<u64> = replies.iter().map(|r| r.0).collect();
+    // Load and Run of one session are answered in order; the two sessions'
+    // items may interleave.
+    let pos = |id| ids.iter().position(|&i| i == id).unwrap();
+    assert!(pos(3) < pos(4) && pos(5) < pos(6), "{ids:?}");
+    for (id, reply) in replies {
+        match (id, reply) {
+            (3, Reply::GraphLoaded { .. }) => {}
+            (4, Reply::RunDone { outputs }) => {
+                for v in outputs[0].f32s().unwrap() {
+                    assert!((v - 1.024).abs() < 1e-4, "{v}");
+                }
+            }
+            (5, Reply::Error(e)) => assert_eq!(e.code, ErrorCode::BadVariable, "{}", e.message),
+            (6, Reply::Error(e)) => assert_eq!(e.code, ErrorCode::NoGraph, "{}", e.message),
+            (id, other) => panic!("request {id}: {other:?}"),
+        }
+    }
+}

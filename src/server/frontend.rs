@@ -1,6 +1,6 @@
 //! The socket thread: ROUTER socket, session table, idle reaping.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -15,6 +15,7 @@ use lanes_adaptor::wire::{
 };
 
 use super::auth::Gate;
+use super::decoder::{Decoded, Decoder, DECODED, OFFLOAD_BYTES};
 use super::dispatch::{Dispatcher, Work, WorkItem};
 use super::policy_queue::PolicyQueue;
 use super::worker::{self, REPLIES};
@@ -133,6 +134,14 @@ struct Frontend {
     /// Which connections have authenticated, when the service
     /// authenticates its peers (`--auth-key-file`).
     gate: Option<Gate>,
+    /// Decodes large requests off this thread (`decoder.rs`); `decoded`
+    /// is where it wakes this thread.
+    decoder: Decoder,
+    decoded: zmq::Socket,
+    /// Peers with a request at the decoder, and their later messages,
+    /// waiting behind it undecoded (a peer's requests keep their order).
+    decoding: HashSet<Vec<u8>>,
+    held: HashMap<Vec<u8>, VecDeque<(Vec<zmq::Message>, Instant)>>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -207,6 +216,9 @@ pub(super) fn spawn(
         );
     }
     let pool = (config.feed_pool_bytes > 0).then(|| BufferPool::new(config.feed_pool_bytes));
+    let decoded = ctx.socket(zmq::PULL)?;
+    decoded.bind(DECODED)?;
+    let decoder = Decoder::start(&ctx, config.limits, pool.clone())?;
     let desk = if config.shared_memory {
         FdDesk::bind()
             .map_err(|e| tracing::warn!(error = %e, "no shared-memory desk; feeds go through the socket"))
@@ -235,6 +247,10 @@ pub(super) fn spawn(
         bad_messages: Throttle::default(),
         dropped_replies: Throttle::default(),
         gate,
+        decoder,
+        decoded,
+        decoding: HashSet::new(),
+        held: HashMap::new(),
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -283,15 +299,22 @@ impl Frontend {
                 let mut items = [
                     self.router.as_poll_item(zmq::POLLIN),
                     self.pull.as_poll_item(zmq::POLLIN),
+                    self.decoded.as_poll_item(zmq::POLLIN),
                 ];
                 match zmq::poll(&mut items, if spinning { 0 } else { POLL_MS }) {
-                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
+                    Ok(_) => (
+                        items[0].is_readable() || items[2].is_readable(),
+                        items[1].is_readable(),
+                    ),
                     Err(zmq::Error::EINTR) => (false, false),
                     Err(e) => break Err(ServerError::Zmq(e)),
                 }
             };
             if requests || replies {
                 last_message = Instant::now();
+            }
+            if let Err(e) = self.take_decoded() {
+                break Err(e.into());
             }
             if replies {
                 if let Err(e) = self.forward_replies() {
@@ -466,8 +489,81 @@ impl Frontend {
         self.send(peer, frames)
     }
 
+    /// Handles a message now, or holds it behind the peer's request at the
+    /// decoder.
     fn handle(&mut self, peer: Vec<u8>, frames: Vec<zmq::Message>) -> Result<(), zmq::Error> {
-        let t0 = Instant::now();
+        let received = Instant::now();
+        let waiting = self.held.get(&peer).map_or(0, VecDeque::len);
+        if waiting == 0 && !self.decoding.contains(&peer) {
+            return self.handle_now(peer, frames, received);
+        }
+        if waiting >= self.config.max_requests_per_client {
+            let id = frames
+                .first()
+                .and_then(|f| wire::peek_request_id(f))
+                .unwrap_or(0);
+            let message =
+                format!("more than {waiting} requests wait behind a large one being decoded");
+            return self.send(
+                &peer,
+                wire::encode_error(id, ErrorCode::Overloaded, &message),
+            );
+        }
+        self.held
+            .entry(peer)
+            .or_default()
+            .push_back((frames, received));
+        Ok(())
+    }
+
+    /// Takes back the requests the decoder finished, and handles what
+    /// their peers sent after them.
+    fn take_decoded(&mut self) -> Result<(), zmq::Error> {
+        // Wake-ups carry nothing: the channel has the requests.
+        while self.decoded.recv_msg(zmq::DONTWAIT).is_ok() {}
+        loop {
+            let Some(d) = self.decoder.try_next() else {
+                return Ok(());
+            };
+            let Decoded {
+                peer,
+                result,
+                bytes,
+                received,
+            } = d;
+            self.decoding.remove(&peer);
+            tracing::trace!(
+                bytes,
+                decode_us = received.elapsed().as_micros() as u64,
+                "request decoded off the socket thread"
+            );
+            self.handle_decoded(peer.clone(), result)?;
+            self.drain_held(&peer)?;
+        }
+    }
+
+    /// Handles `peer`'s held messages in order, until one goes to the
+    /// decoder.
+    fn drain_held(&mut self, peer: &[u8]) -> Result<(), zmq::Error> {
+        while !self.decoding.contains(peer) {
+            let Some((frames, received)) = self.held.get_mut(peer).and_then(VecDeque::pop_front)
+            else {
+                break;
+            };
+            self.handle_now(peer.to_vec(), frames, received)?;
+        }
+        if self.held.get(peer).is_some_and(VecDeque::is_empty) {
+            self.held.remove(peer);
+        }
+        Ok(())
+    }
+
+    fn handle_now(
+        &mut self,
+        peer: Vec<u8>,
+        frames: Vec<zmq::Message>,
+        t0: Instant,
+    ) -> Result<(), zmq::Error> {
         // A connection that has not authenticated may only say Hello and
         // Authenticate: one small frame. Anything else is refused before it
         // is decoded.
@@ -482,19 +578,51 @@ impl Frontend {
                 .unwrap_or(0);
             return self.refuse_unauthenticated(&peer, id);
         }
+        let bytes: usize = frames.iter().map(|f| f.len()).sum();
+        // Runs stay here: their feeds are checked against the session's
+        // graph before they are copied (`PeerSegments::feed_types`).
+        let offload = bytes >= OFFLOAD_BYTES
+            && frames
+                .first()
+                .and_then(|f| wire::peek_request_name(f))
+                .is_some_and(|name| name != "run");
+        let (peer, frames) = if offload {
+            match self.decoder.submit(peer.clone(), frames, t0) {
+                Ok(()) => {
+                    self.decoding.insert(peer);
+                    return Ok(());
+                }
+                // The decoder thread is gone: decoded here.
+                Err(back) => back,
+            }
+        } else {
+            (peer, frames)
+        };
         let segments = PeerSegments {
             sessions: &self.sessions,
             peer: &peer,
         };
         let decoded =
             wire::decode_request_with(&frames, &self.config.limits, self.pool.as_ref(), &segments);
-        let bytes: usize = frames.iter().map(|f| f.len()).sum();
         drop(frames);
         tracing::trace!(
             bytes,
             decode_us = t0.elapsed().as_micros() as u64,
             "request decoded"
         );
+        self.handle_decoded(peer, decoded)
+    }
+
+    /// Answers a decoded request (or its decoding error).
+    fn handle_decoded(
+        &mut self,
+        peer: Vec<u8>,
+        decoded: Result<Envelope<Request>, wire::DecodeError>,
+    ) -> Result<(), zmq::Error> {
+        let unauthenticated = self
+            .gate
+            .as_ref()
+            .is_some_and(|g| !g.is_authenticated(&peer));
         let env = match decoded {
             Ok(env) => env,
             Err(e) => {

@@ -22,6 +22,7 @@
 //! [`ErrorCode::Internal`](lanes_adaptor::ErrorCode::Internal).
 
 mod auth;
+mod decoder;
 pub mod dispatch;
 mod frontend;
 pub mod memory;

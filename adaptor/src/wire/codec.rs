@@ -584,6 +584,35 @@ pub fn encode_error(request_id: u64, code: ErrorCode, message: &str) -> Vec<Vec<
     })
 }
 
+/// [`Request::name`] of each body variant, in the order of `RequestBody`
+/// (bincode writes a variant as its index).
+const REQUEST_NAMES: [&str; 10] = [
+    "hello",
+    "open_session",
+    "load_graph",
+    "run",
+    "read_variables",
+    "write_variables",
+    "close_session",
+    "status",
+    "share_memory",
+    "authenticate",
+];
+
+/// The [`Request::name`] of the request in a header frame, read from its
+/// body's variant tag without decoding the body (a LoadGraph's header
+/// carries the whole graph); `None` without the magic or with an unknown
+/// tag. Nothing is checked beyond the tag: the request may still be
+/// malformed.
+pub fn peek_request_name(header: &[u8]) -> Option<&'static str> {
+    if header.get(..4)? != MAGIC {
+        return None;
+    }
+    let tag = header.get(PREFIX_BYTES..PREFIX_BYTES + 4)?;
+    let tag = u32::from_le_bytes(tag.try_into().ok()?);
+    REQUEST_NAMES.get(usize::try_from(tag).ok()?).copied()
+}
+
 /// Reads the request id from a header frame's prefix, if it has one with the
 /// right magic (whatever its version), so an error can still be matched.
 pub fn peek_request_id(header: &[u8]) -> Option<u64> {

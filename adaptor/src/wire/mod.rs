@@ -21,8 +21,8 @@ pub mod shm;
 pub use codec::{
     bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
     decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
-    encode_shared_run, peek_request_id, tensor_frame, tensor_from_frame, tensor_from_frame_in,
-    Envelope, MAGIC, MAX_ERROR_TEXT, PREFIX_BYTES,
+    encode_shared_run, peek_request_id, peek_request_name, tensor_frame, tensor_from_frame,
+    tensor_from_frame_in, Envelope, MAGIC, MAX_ERROR_TEXT, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
@@ -156,6 +156,10 @@ mod tests {
                 session: SessionId(1),
                 names: vec!["w".into()],
             },
+            Request::WriteVariables {
+                session: SessionId(1),
+                variables: vec![NamedTensor::new("w", Tensor::scalar(1.5))],
+            },
             Request::CloseSession {
                 session: SessionId(9),
             },
@@ -174,10 +178,16 @@ mod tests {
             },
         ] {
             let frames = encode_request(42, &req).unwrap();
+            // The kind is read from the tag alone.
+            assert_eq!(peek_request_name(&frames[0]), Some(req.name()));
             let env = decode_request(&frames, &l).unwrap();
             assert_eq!(env.request_id, 42);
             assert_eq!(env.message, req);
         }
+        assert_eq!(peek_request_name(b"not a request"), None);
+        let mut unknown = encode_request(1, &Request::Status).unwrap();
+        unknown[0][PREFIX_BYTES..PREFIX_BYTES + 4].copy_from_slice(&99u32.to_le_bytes());
+        assert_eq!(peek_request_name(&unknown[0]), None);
     }
 
     #[test]
