@@ -827,13 +827,7 @@ fn requests_in_flight_per_client_are_limited() {
     for i in 0..SENT {
         hog.send(wire::encode_request(100 + i, &run).unwrap());
     }
-    let mut bystander = Client::connect(&ep).unwrap();
-    let mut s = bystander
-        .open_session(SessionSpec::inference("bystander"))
-        .unwrap();
-    let (graph, vars) = linear_relu(2);
-    s.load(&graph, vars).unwrap();
-    s.run(vec![("x", x_for(3))], &["y"]).unwrap();
+    bystander_is_served(&ep, 2, 3);
     let (mut done, mut refused) = (0, 0);
     for _ in 0..SENT {
         match hog.recv().message {
@@ -980,6 +974,18 @@ fn more_fetches_than_a_reply_can_carry_are_refused() {
     }
 }
 
+/// Another client opens a session, loads a small model (`seed`) and gets
+/// one Run (`x_for(run)`) answered.
+fn bystander_is_served(ep: &str, seed: u64, run: u64) {
+    let mut bystander = Client::connect(ep).unwrap();
+    let mut s = bystander
+        .open_session(SessionSpec::inference("bystander"))
+        .unwrap();
+    let (graph, vars) = linear_relu(seed);
+    s.load(&graph, vars).unwrap();
+    s.run(vec![("x", x_for(run))], &["y"]).unwrap();
+}
+
 /// `y = relu(x @ w)` with a 2 MiB `w` (1024 × 512, every weight `wv`): its
 /// LoadGraph is decoded off the socket thread.
 fn large_load(session: SessionId, wv: f32, w_shape: [usize; 2]) -> Request {
@@ -1030,13 +1036,7 @@ fn requests_behind_a_large_one_keep_their_order() {
     peer.send(wire::encode_request(4, &run(good)).unwrap());
     peer.send(wire::encode_request(5, &large_load(bad, 1.0, [512, 1024])).unwrap());
     peer.send(wire::encode_request(6, &run(bad)).unwrap());
-    let mut bystander = Client::connect(&ep).unwrap();
-    let mut s = bystander
-        .open_session(SessionSpec::inference("bystander"))
-        .unwrap();
-    let (graph, vars) = linear_relu(4);
-    s.load(&graph, vars).unwrap();
-    s.run(vec![("x", x_for(1))], &["y"]).unwrap();
+    bystander_is_served(&ep, 4, 1);
     let mut replies = Vec::new();
     while replies.len() < 4 {
         let env = peer.recv();
