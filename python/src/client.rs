@@ -189,6 +189,8 @@ struct State {
     /// The service cannot take feed buffers (not on this host, or shared
     /// memory is off): `run` sends its feeds in the request.
     no_buffers: bool,
+    /// Another thread's `run` has the buffers out.
+    buffers_out: bool,
 }
 
 /// A job's session on the service.
@@ -342,11 +344,14 @@ impl Session {
         }
         let buffers = {
             let mut st = self.state();
-            if st.no_buffers {
+            if st.no_buffers || st.buffers_out {
                 return Ok(None);
             }
+            st.buffers_out = true;
             st.buffers.take()
         };
+        // Whatever way this returns, the buffers are back (or gone) after.
+        let _back = BuffersOut(self);
         let same = |b: &FeedBuffers| {
             b.feeds().count() == types.len()
                 && b.feeds()
@@ -386,6 +391,15 @@ impl Session {
         });
         self.state().buffers = Some(buffers);
         fetch.build(py, outs.map_err(client_error)?).map(Some)
+    }
+}
+
+/// Marks a session's feed buffers as no longer out when dropped.
+struct BuffersOut<'a>(&'a Session);
+
+impl Drop for BuffersOut<'_> {
+    fn drop(&mut self) {
+        self.0.state().buffers_out = false;
     }
 }
 
