@@ -91,7 +91,8 @@ impl Decoder {
                         return; // the socket thread is gone
                     }
                     // A lost wake-up only delays: the socket thread also
-                    // looks at the channel every turn of its loop.
+                    // looks at the channel every turn of its loop while a
+                    // request is at the decoder.
                     let _ = wake.send(zmq::Message::new(), zmq::DONTWAIT);
                 }
             })?;

@@ -295,7 +295,7 @@ impl Frontend {
                 break Ok(());
             }
             let spinning = !busy.is_zero() && last_message.elapsed() < busy;
-            let (requests, replies) = {
+            let (requests, replies, decoded) = {
                 let mut items = [
                     self.router.as_poll_item(zmq::POLLIN),
                     self.pull.as_poll_item(zmq::POLLIN),
@@ -303,18 +303,23 @@ impl Frontend {
                 ];
                 match zmq::poll(&mut items, if spinning { 0 } else { POLL_MS }) {
                     Ok(_) => (
-                        items[0].is_readable() || items[2].is_readable(),
+                        items[0].is_readable(),
                         items[1].is_readable(),
+                        items[2].is_readable(),
                     ),
-                    Err(zmq::Error::EINTR) => (false, false),
+                    Err(zmq::Error::EINTR) => (false, false, false),
                     Err(e) => break Err(ServerError::Zmq(e)),
                 }
             };
-            if requests || replies {
+            if requests || replies || decoded {
                 last_message = Instant::now();
             }
-            if let Err(e) = self.take_decoded() {
-                break Err(e.into());
+            // Only while a decode is under way or its wake-up is waiting:
+            // the common turn of the loop pays nothing for the decoder.
+            if decoded || !self.decoding.is_empty() {
+                if let Err(e) = self.take_decoded() {
+                    break Err(e.into());
+                }
             }
             if replies {
                 if let Err(e) = self.forward_replies() {
