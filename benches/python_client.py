@@ -35,6 +35,10 @@ import numpy as np
 RTOL, ATOL = 2e-2, 2e-2
 BATCH = 8
 
+# The users' export recipe (onnx_fixtures) and the BERT wrapper
+# (onnx_export_full) live in scripts/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+
 
 def agreement(got, want):
     """Max abs / rel difference and elements outside numpy's allclose
@@ -69,16 +73,7 @@ def median_ms(fn, runs, warmup=3):
 
 def models(torch):
     import torchvision
-
-    class Bert(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            from transformers import BertConfig, BertModel
-            self.bert = BertModel(BertConfig())
-
-        def forward(self, input_ids, attention_mask):
-            out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
-            return out.last_hidden_state, out.pooler_output
+    from onnx_export_full import Bert  # scripts/: the same wrapper as the full exports
 
     tv = torchvision.models
     yield "resnet50", lambda: tv.resnet50(weights=None), {
@@ -90,17 +85,6 @@ def models(torch):
     mask[1::2, 96:] = 0  # every second sequence padded
     yield "bert_base", Bert, {"input_ids": ids, "attention_mask": mask}, [
         "last_hidden_state", "pooler_output"]
-
-
-def export(torch, model, inputs, outputs, path):
-    args = tuple(inputs.values())
-    dyn = {k: {0: "batch"} for k in list(inputs) + outputs}
-    kwargs = dict(input_names=list(inputs), output_names=outputs, dynamic_axes=dyn,
-                  opset_version=17, do_constant_folding=True)
-    try:
-        torch.onnx.export(model, args, path, dynamo=False, **kwargs)
-    except TypeError:  # torch without the dynamo switch
-        torch.onnx.export(model, args, path, **kwargs)
 
 
 def cuda_graph(torch, model, inputs, outputs, ref, runs, dev, as_tuple):
@@ -149,12 +133,14 @@ def calibrate_batch_norm(torch, model, inputs, batches=4):
     model.eval()
 
 
-def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp, keep):
+def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
     model = build()
     calibrate_batch_norm(torch, model, inputs)
     model = model.eval()
-    path = os.path.join(tmp, f"{name}.onnx")
-    export(torch, model, inputs, outputs, path)
+    # The users' export recipe, which also saves the inputs and PyTorch's
+    # FP32 outputs on the CPU as `lanes import --check DIR` reads them.
+    from onnx_fixtures import export_with_references
+    path = export_with_references(model, inputs, outputs, tmp, name)
     row = {"onnx_bytes": os.path.getsize(path)}
     dev = torch.device("cuda")
     model = model.to(dev)
@@ -176,12 +162,6 @@ def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp, k
     ref = forward()
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     row["torch_agreement"] = {o: agreement(g, r) for o, g, r in zip(outputs, forward(), ref)}
-    if keep:
-        # `lanes import MODEL.onnx --check DIR` reads these.
-        for k, v in host.items():
-            np.save(os.path.join(tmp, f"{name}.{k}.npy"), v)
-        for o, r in zip(outputs, ref):
-            np.save(os.path.join(tmp, f"{name}.{o}.npy"), r)
 
     with client.session(name, kind="inference", priority=1) as s:
         t = time.perf_counter()
@@ -226,8 +206,8 @@ def main(argv=None):
     ap.add_argument("--busy-poll", type=float, default=0.0, metavar="MS",
                     help="the client spins this long for each reply (start the service with --busy-poll too)")
     ap.add_argument("--keep", metavar="DIR",
-                    help="write the exported .onnx files here, with their inputs and FP32 reference "
-                         "outputs as .npy for `lanes import --check DIR` (default: a temporary folder)")
+                    help="write the exported .onnx files here, with their inputs and PyTorch's FP32 "
+                         "outputs (CPU) as .npy for `lanes import --check DIR` (default: a temporary folder)")
     args = ap.parse_args(argv)
 
     import torch
@@ -262,8 +242,7 @@ def main(argv=None):
                     continue
                 try:
                     result["models"][name] = bench_model(
-                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp,
-                        bool(args.keep))
+                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp)
                 except lanes.LanesError as e:
                     result["models"][name] = {"error": str(e), "code_name": e.code_name}
                 print(f"{name}: done", file=sys.stderr, flush=True)
