@@ -125,20 +125,25 @@ fn offer_reply(peer: &RawPeer, id: u64, session: SessionId, offer: SegmentOffer)
     peer.call(wire::encode_request(id, &req).unwrap()).message
 }
 
+/// The desk the service names in its Hello reply.
+fn desk_of(peer: &RawPeer) -> String {
+    let hello = Request::Hello {
+        client: "raw".into(),
+    };
+    match peer.call(wire::encode_request(3, &hello).unwrap()).message {
+        Reply::Hello { desk, .. } => {
+            desk.expect("a service that attaches shared memory names its desk")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn bad_offers_and_unknown_segments_get_typed_errors() {
     let service = start();
     let peer = RawPeer::connect(service.endpoint());
     let session = peer.open_and_load(SessionSpec::inference("raw"), wide(3));
-    let hello = Request::Hello {
-        client: "raw".into(),
-    };
-    let desk = match peer.call(wire::encode_request(3, &hello).unwrap()).message {
-        Reply::Hello { desk, .. } => {
-            desk.expect("a service that attaches shared memory names its desk")
-        }
-        other => panic!("{other:?}"),
-    };
+    let desk = desk_of(&peer);
     let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
     let good = seg.offer();
     // An offer whose descriptor was never handed over (whatever token it
@@ -290,4 +295,179 @@ fn feed_buffers_written_in_place_give_the_socket_results() {
         .unwrap();
     let e = s.feed_buffers(&[("x", ty)]).unwrap_err();
     assert!(matches!(e, ClientError::NoSharedMemory { .. }), "{e}");
+}
+
+/// Reply slots: a shared Run may ask the service to write its outputs into
+/// a slot of its segment; the socket reply then carries none, the slot
+/// holds what the socket would have, a slot too small says how large one
+/// must be (and the outputs come in the reply), and a slot that is not
+/// one (overlapping a feed, outside the segment, in its header, not
+/// aligned) is refused with a typed error before the Run runs.
+#[test]
+fn reply_slots_carry_the_outputs_or_say_what_they_need() {
+    use lanes_adaptor::wire::shm::{REPLY_HEADER, SEGMENT_HEADER};
+    use lanes_adaptor::wire::{SlotRange, SlotRead};
+    let service = start();
+    let peer = RawPeer::connect(service.endpoint());
+    let session = peer.open_and_load(SessionSpec::inference("slots"), wide(3));
+    let desk = desk_of(&peer);
+    let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
+    seg.hand_over(&desk).unwrap();
+    assert!(matches!(
+        offer_reply(&peer, 4, session, seg.offer()),
+        Reply::MemoryShared { segment: 1, .. }
+    ));
+    // The feed's values go into the segment at its header's end.
+    let run = Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", x_for(5))],
+        fetches: vec!["y".into()],
+    };
+    let frames = wire::encode_request_into(5, &run, Some(&mut seg)).unwrap();
+    let want = match peer.call(frames).message {
+        Reply::RunDone { outputs } => outputs,
+        other => panic!("{other:?}"),
+    };
+    let ty = TensorType::f32([ROWS, COLS]);
+    let shared_run = |id: u64, reply: SlotRange| {
+        let feeds = [("x", &ty, SEGMENT_HEADER as u64)];
+        let frames =
+            wire::encode_shared_run(id, session, feeds, 1, Some(reply), &["y".to_string()])
+                .unwrap();
+        peer.call(frames).message
+    };
+    let limits = wire::Limits::default();
+    let (at, bytes) = (3usize << 20, 1usize << 20);
+    let slot = SlotRange {
+        offset: at as u64,
+        bytes: bytes as u64,
+    };
+    for id in [6, 7] {
+        // Not answered before the Run.
+        assert_eq!(
+            seg.read_slot(at, bytes, id, &limits).unwrap(),
+            SlotRead::NotYet
+        );
+        match shared_run(id, slot) {
+            Reply::RunDone { outputs } => assert!(outputs.is_empty(), "{outputs:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            seg.read_slot(at, bytes, id, &limits).unwrap(),
+            SlotRead::Here(want.clone()),
+            "Run {id}"
+        );
+    }
+    // Too small: the outputs travel in the reply; the slot says how much
+    // room they need (a table, then 512 KiB of values).
+    let small = SlotRange {
+        offset: at as u64,
+        bytes: REPLY_HEADER as u64,
+    };
+    match shared_run(8, small) {
+        Reply::RunDone { outputs } => assert_eq!(outputs, want),
+        other => panic!("{other:?}"),
+    }
+    match seg.read_slot(at, REPLY_HEADER, 8, &limits).unwrap() {
+        SlotRead::OnSocket { need } => {
+            let values = (ROWS * OUTS * 4) as u64;
+            assert!(need > values && need < values + 1024, "{need}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Not slots: each refused, and nothing is written.
+    let feed_end = (SEGMENT_HEADER + ROWS * COLS * 4) as u64;
+    for (i, (offset, bytes)) in [
+        (feed_end - 64, 4096),  // overlaps the feed
+        (0, 4096),              // the segment's header
+        ((4 << 20) - 64, 4096), // past the end
+        (at as u64 + 8, 4096),  // not aligned
+        (at as u64, 16),        // shorter than a slot's header
+        (u64::MAX - 63, 4096),  // overflows
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = 20 + i as u64;
+        let r = shared_run(id, SlotRange { offset, bytes });
+        assert_eq!(error_code(&r), ErrorCode::SharedMemory, "slot {i}: {r:?}");
+    }
+    // The slot still answers Run 8: none of the refused Runs wrote it.
+    assert!(matches!(
+        seg.read_slot(at, REPLY_HEADER, 8, &limits).unwrap(),
+        SlotRead::OnSocket { .. }
+    ));
+}
+
+/// Feed buffers with reply slots through the client: busy-polling and
+/// blocking clients get the socket path's outputs whether they come from
+/// the slot or (slot too small, or none) from the reply, and a slot too
+/// small tells how large one must be.
+#[test]
+fn feed_buffers_take_their_outputs_from_the_reply_slot() {
+    use lanes_adaptor::client::DEFAULT_REPLY_BYTES;
+    let service = start();
+    for busy in [
+        std::time::Duration::ZERO,
+        std::time::Duration::from_millis(50),
+    ] {
+        let options = ClientOptions {
+            busy_poll: busy,
+            ..ClientOptions::default()
+        };
+        let mut client = Client::connect_with(service.endpoint(), options).unwrap();
+        let mut session = client.open_session(SessionSpec::inference("slot")).unwrap();
+        let (graph, vars) = wide(3);
+        let w = vars["w"].f32s().unwrap().to_vec();
+        let b = vars["b"].f32s().unwrap().to_vec();
+        session.load(&graph, vars).unwrap();
+        let want = |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b);
+        let ty = TensorType::f32([ROWS, COLS]);
+        let mut buffers = session.feed_buffers(&[("x", ty.clone())]).unwrap();
+        assert_eq!(buffers.reply_bytes(), DEFAULT_REPLY_BYTES);
+        for seed in 0..4 {
+            buffers.write("x", &x_for(seed)).unwrap();
+            let out = session.run_buffers(&mut buffers, &["y"]).unwrap();
+            assert_close(out[0].f32s().unwrap(), &want(seed));
+        }
+        assert_eq!(buffers.reply_wanted(), None, "busy {busy:?}");
+        // Two in flight from two buffers, waited for in reverse.
+        let mut other = session.feed_buffers(&[("x", ty.clone())]).unwrap();
+        other.write("x", &x_for(11)).unwrap();
+        let pa = session.submit_run_buffers(&mut buffers, &["y"]).unwrap();
+        let pb = session.submit_run_buffers(&mut other, &["y"]).unwrap();
+        let ob = session.wait_buffer_run(pb).unwrap();
+        let oa = session.wait_buffer_run(pa).unwrap();
+        assert_close(oa[0].f32s().unwrap(), &want(3));
+        assert_close(ob[0].f32s().unwrap(), &want(11));
+        // A slot too small, and none: the outputs come in the reply.
+        for reply in [4096, 0] {
+            let mut small = session
+                .feed_buffers_with_reply(&[("x", ty.clone())], reply)
+                .unwrap();
+            small.write("x", &x_for(12)).unwrap();
+            let out = session.run_buffers(&mut small, &["y"]).unwrap();
+            assert_close(out[0].f32s().unwrap(), &want(12));
+            if reply == 0 {
+                assert_eq!(small.reply_wanted(), None);
+                continue;
+            }
+            let need = small.reply_wanted().expect("the slot says what it needs");
+            assert!(need > ROWS * OUTS * 4, "{need}");
+            // Made with that much, the slot holds them.
+            let mut fits = session
+                .feed_buffers_with_reply(&[("x", ty.clone())], need)
+                .unwrap();
+            fits.write("x", &x_for(13)).unwrap();
+            let out = session.run_buffers(&mut fits, &["y"]).unwrap();
+            assert_close(out[0].f32s().unwrap(), &want(13));
+            assert_eq!(fits.reply_wanted(), None);
+        }
+        // Socket runs and errors still go through the same connection.
+        let out = session.run(vec![("x", x_for(14))], &["y"]).unwrap();
+        assert_close(out[0].f32s().unwrap(), &want(14));
+        let e = session.run_buffers(&mut buffers, &["nope"]).unwrap_err();
+        assert!(e.code().is_some(), "{e}");
+        session.close().unwrap();
+    }
 }

@@ -25,7 +25,7 @@ use crate::wire::auth::{self, AuthKey, AUTH_BYTES};
 use crate::wire::shm::{OwnedSegment, SharedMemoryError};
 use crate::wire::{
     self, BufferPool, DecodeError, ErrorCode, Limits, NamedTensor, Reply, Request, SessionId,
-    SessionSpec, StatusReport, WireError,
+    SessionSpec, SlotRead, StatusReport, WireError,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
@@ -209,6 +209,9 @@ pub struct Client {
 /// segment when one can be had: below it the socket costs about as much as
 /// the copy into the segment.
 pub const SHARED_FEEDS_MIN_BYTES: usize = 1 << 20;
+/// Bytes of the reply slot [`Client::feed_buffers_in`] makes beside the
+/// feeds (see [`Client::feed_buffers_with_reply_in`]).
+pub const DEFAULT_REPLY_BYTES: usize = 1 << 20;
 /// Most segments one session keeps (one per Run in flight).
 const MAX_SEGMENTS_PER_SESSION: usize = 4;
 /// Segments are sized in multiples of this.
@@ -687,6 +690,22 @@ impl Client {
         session: SessionId,
         feeds: &[(&str, TensorType)],
     ) -> Result<FeedBuffers, ClientError> {
+        self.feed_buffers_with_reply_in(session, feeds, DEFAULT_REPLY_BYTES)
+    }
+
+    /// [`Client::feed_buffers_in`] with a reply slot of `reply_bytes` bytes
+    /// in the same segment (none when zero): the service writes each Run's
+    /// fetched tensors there too, and a client that busy-polls
+    /// ([`ClientOptions::busy_poll`]) takes them from the slot as soon as
+    /// they are written, without waiting for the socket reply. Outputs that
+    /// do not fit come in the socket reply, and
+    /// [`FeedBuffers::reply_wanted`] says how large a slot would do.
+    pub fn feed_buffers_with_reply_in(
+        &mut self,
+        session: SessionId,
+        feeds: &[(&str, TensorType)],
+        reply_bytes: usize,
+    ) -> Result<FeedBuffers, ClientError> {
         let mut names: Vec<&str> = feeds.iter().map(|f| f.0).collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
@@ -711,11 +730,31 @@ impl Client {
                 reason: "the service is not on this host, refuses shared memory, or shared memory is off in ClientOptions".into(),
             });
         }
+        // The slot follows the feeds (`need` is a multiple of 64).
+        let slot = (reply_bytes > 0)
+            .then(|| {
+                let bytes = reply_bytes
+                    .max(wire::shm::REPLY_HEADER)
+                    .checked_next_multiple_of(wire::shm::FEED_ALIGN)?;
+                Some((need, bytes))
+            })
+            .flatten();
+        let end = match slot {
+            Some((at, bytes)) => at.checked_add(bytes),
+            None => Some(need),
+        }
+        .and_then(|e| e.checked_next_multiple_of(4096))
+        .ok_or_else(|| ClientError::FeedBuffer {
+            reason: format!("a reply slot of {reply_bytes} bytes overflows"),
+        })?;
         let id = self.shared.next_id;
         self.shared.next_id = self.shared.next_id.wrapping_add(1);
-        let seg = self
-            .share_segment(session, id, need.next_multiple_of(4096))?
+        let mut seg = self
+            .share_segment(session, id, end)?
             .map_err(|reason| ClientError::NoSharedMemory { reason })?;
+        if let Some((at, _)) = slot {
+            seg.clear_slot(at);
+        }
         Ok(FeedBuffers {
             session,
             seg,
@@ -724,6 +763,8 @@ impl Client {
                 .zip(offsets)
                 .map(|((n, ty), at)| (n.to_string(), ty.clone(), at))
                 .collect(),
+            slot,
+            wanted: None,
         })
     }
 
@@ -735,9 +776,75 @@ impl Client {
         fetches: &[&str],
     ) -> Result<Vec<Tensor>, ClientError> {
         let sent = self.send_buffers(buffers, fetches)?;
-        match self.receive(&sent, None)? {
-            Reply::RunDone { outputs } => Ok(outputs),
-            other => Err(unexpected("run", &other)),
+        self.receive_buffers(&sent, buffers, fetches.len())
+    }
+
+    /// The outputs of Run `sent` from `buffers`: from its reply slot when
+    /// the service wrote them there (polled first while busy polling),
+    /// else from the socket reply.
+    fn receive_buffers(
+        &mut self,
+        sent: &Sent,
+        buffers: &mut FeedBuffers,
+        fetches: usize,
+    ) -> Result<Vec<Tensor>, ClientError> {
+        let Some((at, len)) = buffers.slot else {
+            self.ahead.remove(&sent.id);
+            return match self.receive(sent, None)? {
+                Reply::RunDone { outputs } => Ok(outputs),
+                other => Err(unexpected("run", &other)),
+            };
+        };
+        let limits = self.options.limits;
+        let read = |buffers: &mut FeedBuffers| -> Result<SlotRead, ClientError> {
+            let read = buffers
+                .seg
+                .read_slot(at, len, sent.id, &limits)
+                .map_err(|e| ClientError::FeedBuffer {
+                    reason: format!("the reply slot: {e}"),
+                })?;
+            if let SlotRead::OnSocket { need } = read {
+                buffers.wanted = Some(usize::try_from(need).unwrap_or(usize::MAX));
+            }
+            Ok(read)
+        };
+        if !self.options.busy_poll.is_zero() && !self.early.contains_key(&sent.id) {
+            let until =
+                (Instant::now() + self.options.busy_poll).min(sent.sent + self.options.timeout);
+            loop {
+                match read(buffers)? {
+                    SlotRead::Here(outputs) if outputs.len() == fetches => {
+                        // Its socket reply, when it comes, is dropped.
+                        self.ahead.remove(&sent.id);
+                        return Ok(outputs);
+                    }
+                    SlotRead::Here(_) | SlotRead::OnSocket { .. } => break,
+                    SlotRead::NotYet => {}
+                }
+                if Instant::now() >= until || self.socket.poll(zmq::POLLIN, 0)? != 0 {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        let reply = self.receive(sent, None);
+        self.ahead.remove(&sent.id);
+        let outputs = match reply? {
+            Reply::RunDone { outputs } => outputs,
+            other => return Err(unexpected("run", &other)),
+        };
+        // Read after the reply (also to learn whether the slot was too
+        // small): what the service wrote before replying is visible.
+        match read(buffers) {
+            _ if outputs.len() == fetches => Ok(outputs),
+            Ok(SlotRead::Here(here)) if here.len() == fetches => Ok(here),
+            Err(e) => Err(e),
+            _ => Err(ClientError::FeedBuffer {
+                reason: format!(
+                    "{fetches} outputs asked for, {} in the reply and none in the reply slot (was it written while the Run was in flight?)",
+                    outputs.len()
+                ),
+            }),
         }
     }
 
@@ -753,7 +860,8 @@ impl Client {
         self.ahead.insert(sent.id);
         Ok(PendingBufferRun {
             run: PendingRun { sent },
-            _buffers: buffers,
+            buffers,
+            fetches: fetches.len(),
         })
     }
 
@@ -763,7 +871,7 @@ impl Client {
         &mut self,
         run: PendingBufferRun<'_>,
     ) -> Result<Vec<Tensor>, ClientError> {
-        self.wait_run(run.run)
+        self.receive_buffers(&run.run.sent, run.buffers, run.fetches)
     }
 
     fn send_buffers(
@@ -776,8 +884,19 @@ impl Client {
             .feeds
             .iter()
             .map(|(n, ty, at)| (n.as_str(), ty, *at));
+        let reply = buffers.slot.map(|(offset, bytes)| wire::SlotRange {
+            offset: offset as u64,
+            bytes: bytes as u64,
+        });
         self.send_encoded("run", |id| {
-            wire::encode_shared_run(id, buffers.session, feeds, buffers.seg.id(), &fetches)
+            wire::encode_shared_run(
+                id,
+                buffers.session,
+                feeds,
+                buffers.seg.id(),
+                reply,
+                &fetches,
+            )
         })
     }
 
@@ -946,6 +1065,10 @@ pub struct FeedBuffers {
     seg: OwnedSegment,
     /// Name, type and offset in the segment of each feed.
     feeds: Vec<(String, TensorType, u64)>,
+    /// Offset and length of the reply slot, if any.
+    slot: Option<(usize, usize)>,
+    /// The slot's bytes a Run's outputs needed, when they did not fit.
+    wanted: Option<usize>,
 }
 
 impl std::fmt::Debug for FeedBuffers {
@@ -962,6 +1085,19 @@ impl FeedBuffers {
     /// The feeds' names and types, in the order given.
     pub fn feeds(&self) -> impl Iterator<Item = (&str, &TensorType)> {
         self.feeds.iter().map(|(n, ty, _)| (n.as_str(), ty))
+    }
+
+    /// Bytes of the reply slot (zero: none).
+    pub fn reply_bytes(&self) -> usize {
+        self.slot.map_or(0, |(_, b)| b)
+    }
+
+    /// When a Run's outputs did not fit the reply slot (they came in the
+    /// socket reply): the slot's bytes that would have held them. Buffers
+    /// made again with that much ([`Client::feed_buffers_with_reply_in`])
+    /// take such outputs from the slot.
+    pub fn reply_wanted(&self) -> Option<usize> {
+        self.wanted
     }
 
     /// The bytes of feed `name`, and its type.
@@ -1031,7 +1167,8 @@ impl FeedBuffers {
 #[derive(Debug)]
 pub struct PendingBufferRun<'b> {
     run: PendingRun,
-    _buffers: &'b mut FeedBuffers,
+    buffers: &'b mut FeedBuffers,
+    fetches: usize,
 }
 
 /// An open session of a job. Closed by [`Session::close`]; dropping it sends
@@ -1098,6 +1235,18 @@ impl Session<'_> {
     ) -> Result<FeedBuffers, ClientError> {
         let id = self.live()?;
         self.client.feed_buffers_in(id, feeds)
+    }
+
+    /// [`Session::feed_buffers`] with a reply slot of `reply_bytes` bytes
+    /// (see [`Client::feed_buffers_with_reply_in`]).
+    pub fn feed_buffers_with_reply(
+        &mut self,
+        feeds: &[(&str, TensorType)],
+        reply_bytes: usize,
+    ) -> Result<FeedBuffers, ClientError> {
+        let id = self.live()?;
+        self.client
+            .feed_buffers_with_reply_in(id, feeds, reply_bytes)
     }
 
     /// Runs one iteration on the values written into `buffers`.

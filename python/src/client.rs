@@ -191,6 +191,9 @@ struct State {
     no_buffers: bool,
     /// Another thread's `run` has the buffers out.
     buffers_out: bool,
+    /// Bytes of the reply slot the buffers are made with, when a Run's
+    /// outputs did not fit the default one.
+    reply_bytes: Option<usize>,
 }
 
 /// A job's session on the service.
@@ -362,10 +365,14 @@ impl Session {
             Some(b) if same(&b) => b,
             _ => {
                 let (conn, id, want) = (self.conn.clone(), self.id, types.clone());
+                let reply = self
+                    .state()
+                    .reply_bytes
+                    .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
                 let made = py.detach(move || {
                     let refs: Vec<(&str, TensorType)> =
                         want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
-                    with(&conn, |c| c.feed_buffers_in(id, &refs))
+                    with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
                 });
                 match made {
                     Ok(b) => b,
@@ -389,7 +396,15 @@ impl Session {
             let outs = with(&conn, |c| c.run_buffers_in(&mut buffers, &refs));
             (buffers, outs)
         });
-        self.state().buffers = Some(buffers);
+        {
+            let mut st = self.state();
+            match buffers.reply_wanted() {
+                // Outputs larger than the slot: the next `run` makes
+                // buffers whose slot holds them.
+                Some(n) if n > buffers.reply_bytes() => st.reply_bytes = Some(n),
+                _ => st.buffers = Some(buffers),
+            }
+        }
         fetch.build(py, outs.map_err(client_error)?).map(Some)
     }
 }

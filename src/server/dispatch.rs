@@ -41,6 +41,8 @@ pub enum Work {
     Run {
         feeds: RunFeeds,
         fetches: Vec<String>,
+        /// Where the client asked for the outputs in its segment as well.
+        reply: Option<lanes_adaptor::wire::shm::ReplySlot>,
     },
     ReadVariables {
         names: Vec<String>,
@@ -446,6 +448,7 @@ mod tests {
             let mut i = item(s, id);
             i.work = Work::Run {
                 feeds: RunFeeds::Frames(vec![]),
+                reply: None,
                 fetches: vec![],
             };
             i.expected_iterations = Some(10);
@@ -495,6 +498,7 @@ mod tests {
                 i.work = Work::Run {
                     feeds: RunFeeds::Frames(vec![]),
                     fetches: vec![],
+                    reply: None,
                 };
                 i
             };

@@ -707,15 +707,26 @@ impl Frontend {
                 fetches,
             } => {
                 let feeds = RunFeeds::Frames(feeds);
-                return self.queue(peer, request_id, session, Work::Run { feeds, fetches });
+                let work = Work::Run {
+                    feeds,
+                    fetches,
+                    reply: None,
+                };
+                return self.queue(peer, request_id, session, work);
             }
             Request::RunShared {
                 session,
                 feeds,
                 fetches,
+                reply,
             } => {
                 let feeds = RunFeeds::Shared(feeds);
-                return self.queue(peer, request_id, session, Work::Run { feeds, fetches });
+                let work = Work::Run {
+                    feeds,
+                    fetches,
+                    reply,
+                };
+                return self.queue(peer, request_id, session, work);
             }
             Request::ReadVariables { session, names } => {
                 return self.queue(peer, request_id, session, Work::ReadVariables { names })

@@ -407,6 +407,7 @@ mod tests {
         Work::Run {
             feeds: RunFeeds::Frames(vec![]),
             fetches: vec![],
+            reply: None,
         }
     }
 

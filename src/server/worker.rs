@@ -19,8 +19,9 @@ use crate::session::Session;
 /// Address of the socket thread's PULL socket for replies.
 pub(crate) const REPLIES: &str = "inproc://lanes-replies";
 
-/// Runs one item on its (locked) session and makes the reply.
-fn execute(session: &mut Session, work: Work, limits: &GraphLimits) -> Reply {
+/// Runs one item on its (locked) session and makes the reply. A Run's
+/// outputs written into the client's reply slot are left out of the reply.
+fn execute(session: &mut Session, work: Work, limits: &GraphLimits, request_id: u64) -> Reply {
     let id = session.id();
     let res = match work {
         Work::Load { graph, variables } => {
@@ -38,9 +39,19 @@ fn execute(session: &mut Session, work: Work, limits: &GraphLimits) -> Reply {
                     }
                 })
         }
-        Work::Run { feeds, fetches } => session
-            .run(feeds, &fetches)
-            .map(|outputs| Reply::RunDone { outputs }),
+        Work::Run {
+            feeds,
+            fetches,
+            reply,
+        } => session.run(feeds, &fetches).map(|outputs| {
+            // Written into the slot, they need not travel again.
+            match reply {
+                Some(slot) if wire::post_outputs(&slot, request_id, &outputs) => {
+                    Reply::RunDone { outputs: vec![] }
+                }
+                _ => Reply::RunDone { outputs },
+            }
+        }),
         Work::ReadVariables { names } => session
             .read_variables(&names)
             .map(|variables| Reply::Variables { variables }),
@@ -78,7 +89,7 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
     let reply = catch_unwind(AssertUnwindSafe(|| {
         let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
         switched_in = matches!(work, Work::Run { .. }) && s.is_loaded() && !s.is_resident();
-        execute(&mut s, work, limits)
+        execute(&mut s, work, limits, request_id)
     }))
     .unwrap_or_else(|_| {
         tracing::error!(%session, request = what, "executor panicked");

@@ -75,11 +75,20 @@ enum RequestBody<'a> {
     },
 }
 
-/// Where in which segment a Run's feeds are (one offset per feed, in order).
+/// Where in which segment a Run's feeds are (one offset per feed, in
+/// order), and the reply slot there for its outputs, if any.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct SharedFeeds {
     segment: u32,
     offsets: Vec<u64>,
+    reply: Option<SlotRange>,
+}
+
+/// A reply slot's place in a segment (see [`shm::ReplySlot`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotRange {
+    pub offset: u64,
+    pub bytes: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -305,6 +314,7 @@ pub fn encode_request_into(
             shared: Some(SharedFeeds {
                 segment: seg.id(),
                 offsets,
+                reply: None,
             }),
         };
         return Ok(vec![header(request_id, &body)?]);
@@ -351,10 +361,17 @@ pub fn encode_request_into(
             session,
             feeds,
             fetches,
+            reply,
         } => {
             // Re-encoded as the client sent it: the header alone.
-            let segment = feeds.first().map_or(0, |f| f.segment_id());
-            if feeds.iter().any(|f| f.segment_id() != segment) {
+            let segment = feeds
+                .first()
+                .map(|f| f.segment_id())
+                .or(reply.as_ref().map(|r| r.segment_id()))
+                .unwrap_or(0);
+            if feeds.iter().any(|f| f.segment_id() != segment)
+                || reply.as_ref().is_some_and(|r| r.segment_id() != segment)
+            {
                 return Err(WireError::Encode {
                     reason: "a shared Run's feeds lie in more than one segment".into(),
                 });
@@ -362,7 +379,11 @@ pub fn encode_request_into(
             let feeds = feeds
                 .iter()
                 .map(|f| (f.name.as_str(), &f.ty, f.offset() as u64));
-            return encode_shared_run(request_id, *session, feeds, segment, fetches);
+            let reply = reply.as_ref().map(|r| SlotRange {
+                offset: r.range().start as u64,
+                bytes: r.range().len() as u64,
+            });
+            return encode_shared_run(request_id, *session, feeds, segment, reply, fetches);
         }
         Request::ReadVariables { session, names } => (
             RequestBody::ReadVariables {
@@ -404,11 +425,14 @@ pub fn encode_request_into(
 /// `segment` (attached with a ShareMemory request), each `(name, type,
 /// offset)`: only the header travels. A job that writes its inputs into the
 /// segment in place (the client's feed buffers) sends each iteration so.
+/// With `reply`, the service also writes the fetched tensors into that
+/// slot of the segment (see [`shm::ReplySlot`], [`read_slot`]).
 pub fn encode_shared_run<'a>(
     request_id: u64,
     session: SessionId,
     feeds: impl IntoIterator<Item = (&'a str, &'a TensorType, u64)>,
     segment: u32,
+    reply: Option<SlotRange>,
     fetches: &[String],
 ) -> Result<Vec<Vec<u8>>, WireError> {
     let (metas, offsets): (Vec<TensorMeta>, Vec<u64>) = feeds
@@ -427,7 +451,11 @@ pub fn encode_shared_run<'a>(
         session,
         feeds: metas,
         fetches: fetches.to_vec(),
-        shared: Some(SharedFeeds { segment, offsets }),
+        shared: Some(SharedFeeds {
+            segment,
+            offsets,
+            reply,
+        }),
     };
     Ok(vec![header(request_id, &body)?])
 }
@@ -851,6 +879,167 @@ fn take_shared(
         .collect()
 }
 
+/// A Run's reply slot: inside the segment past its header, aligned, at
+/// least a header long, and disjoint from every feed of the Run.
+fn take_slot(
+    r: SlotRange,
+    feeds: &[shm::SharedFeed],
+    segment_id: u32,
+    seg: &std::sync::Arc<shm::AttachedSegment>,
+) -> Result<shm::ReplySlot, WireError> {
+    let bad = |why: &str| WireError::SharedMemory {
+        reason: format!(
+            "the reply slot of {} bytes at offset {} {why}",
+            r.bytes, r.offset
+        ),
+    };
+    let (Ok(offset), Ok(bytes)) = (usize::try_from(r.offset), usize::try_from(r.bytes)) else {
+        return Err(bad("is outside the segment"));
+    };
+    let slot = shm::ReplySlot::new(seg.clone(), segment_id, offset, bytes).ok_or_else(|| {
+        bad(&format!(
+            "is not a slot of the segment's {} bytes (past its {}-byte header, at a multiple of {}, at least {} bytes)",
+            seg.bytes().len(),
+            shm::SEGMENT_HEADER,
+            shm::FEED_ALIGN,
+            shm::REPLY_HEADER
+        ))
+    })?;
+    let range = slot.range();
+    if let Some(f) = feeds.iter().find(|f| {
+        let len = f.ty.bytes();
+        len > 0 && f.offset() < range.end && range.start < f.offset() + len
+    }) {
+        return Err(bad(&format!("overlaps feed `{}`", f.name)));
+    }
+    Ok(slot)
+}
+
+/// Writes `outputs` into `slot` as Run `seq`'s answer (see
+/// [`shm::ReplySlot::post`]); whether they are there (`false`: they go in
+/// the socket reply).
+pub fn post_outputs(slot: &shm::ReplySlot, seq: u64, outputs: &[Tensor]) -> bool {
+    let types: Vec<TensorType> = outputs.iter().map(Tensor::ty).collect();
+    let Ok(table) = options().serialize(&types) else {
+        return false;
+    };
+    let Some((offsets, need)) = slot_layout(table.len(), outputs.iter().map(|t| t.ty().bytes()))
+    else {
+        return false;
+    };
+    slot.post(seq, need, table.len(), |body| {
+        // `body` starts at the slot's header end; offsets are the slot's.
+        let at = |o: usize| o - shm::REPLY_HEADER;
+        body[..table.len()].copy_from_slice(&table);
+        for (t, o) in outputs.iter().zip(offsets) {
+            let bytes = tensor_bytes(t);
+            body[at(o)..at(o) + bytes.len()].copy_from_slice(bytes);
+        }
+    })
+}
+
+/// Offsets (from the slot's start) of values of `sizes` bytes after a
+/// table of `table` bytes, and the bytes the slot then needs.
+fn slot_layout(
+    table: usize,
+    sizes: impl IntoIterator<Item = usize>,
+) -> Option<(Vec<usize>, usize)> {
+    let mut at = shm::REPLY_HEADER
+        .checked_add(table)?
+        .checked_next_multiple_of(shm::FEED_ALIGN)?;
+    let mut offsets = Vec::new();
+    for s in sizes {
+        offsets.push(at);
+        at = at
+            .checked_add(s)?
+            .checked_next_multiple_of(shm::FEED_ALIGN)?;
+    }
+    Some((offsets, at))
+}
+
+/// A tensor's values as little-endian bytes.
+fn tensor_bytes(t: &Tensor) -> &[u8] {
+    match t.data() {
+        crate::TensorData::F32(v) => bytemuck::cast_slice(v),
+        crate::TensorData::I64(v) => bytemuck::cast_slice(v),
+    }
+}
+
+/// What a reply slot holds for one Run (see [`read_slot`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SlotRead {
+    /// Not answered here (yet): the sequence word names another Run.
+    NotYet,
+    /// The Run's outputs.
+    Here(Vec<Tensor>),
+    /// Its outputs travel in the socket reply; the slot would need `need`
+    /// bytes.
+    OnSocket { need: u64 },
+}
+
+/// Reads Run `seq`'s answer from the slot whose bytes are `slot` (header
+/// included), given its sequence word `word` as read with acquire ordering.
+/// The table and every range are checked against the slot and `limits`.
+pub fn read_slot(slot: &[u8], word: u64, seq: u64, limits: &Limits) -> Result<SlotRead, WireError> {
+    if word != seq {
+        return Ok(SlotRead::NotYet);
+    }
+    let bad = |reason: String| WireError::SharedMemory { reason };
+    let header = slot
+        .get(..shm::REPLY_HEADER)
+        .ok_or_else(|| bad("the reply slot is shorter than its header".into()))?;
+    let u32_at =
+        |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+    let mut need = [0u8; 8];
+    need.copy_from_slice(&header[16..24]);
+    let need = u64::from_le_bytes(need);
+    match u32_at(8) {
+        shm::SLOT_HERE => {}
+        shm::SLOT_ON_SOCKET => return Ok(SlotRead::OnSocket { need }),
+        other => return Err(bad(format!("the reply slot's status is {other}"))),
+    }
+    let table_len = u32_at(12) as usize;
+    let table = slot
+        .get(shm::REPLY_HEADER..shm::REPLY_HEADER.saturating_add(table_len))
+        .ok_or_else(|| {
+            bad(format!(
+                "the reply slot's table of {table_len} bytes is outside it"
+            ))
+        })?;
+    let types: Vec<TensorType> = options()
+        .with_limit(table_len as u64)
+        .deserialize(table)
+        .map_err(|e| bad(format!("the reply slot's table: {e}")))?;
+    if types.len() > limits.max_frames {
+        return Err(bad(format!(
+            "the reply slot names {} outputs, more than {}",
+            types.len(),
+            limits.max_frames
+        )));
+    }
+    let mut sizes = Vec::with_capacity(types.len());
+    for (i, ty) in types.iter().enumerate() {
+        let m = TensorMeta {
+            name: format!("output {i}"),
+            ty: ty.clone(),
+        };
+        sizes.push(checked_len(&m, limits)?);
+    }
+    let (offsets, _) = slot_layout(table_len, sizes.iter().copied())
+        .ok_or_else(|| bad("the reply slot's outputs overflow".into()))?;
+    types
+        .into_iter()
+        .zip(offsets.into_iter().zip(sizes))
+        .map(|(ty, (at, len))| {
+            let bytes = slot
+                .get(at..at.saturating_add(len))
+                .ok_or_else(|| bad(format!("output {ty} lies outside the reply slot")))?;
+            tensor_from_frame_in(&ty, bytes, None).map_err(|e| bad(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(SlotRead::Here)
+}
+
 /// A Run's feeds against the session's placeholders, when known: each a
 /// placeholder of that type, none twice. Checked from the header alone,
 /// before any tensor is copied, so a Run of feeds the graph does not take
@@ -984,11 +1173,17 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
                     ),
                 })
             })?;
+            let feeds =
+                take_shared(feeds, &shared.offsets, shared.segment, seg, limits).map_err(wrap)?;
+            let reply = match shared.reply {
+                Some(r) => Some(take_slot(r, &feeds, shared.segment, seg).map_err(wrap)?),
+                None => None,
+            };
             Request::RunShared {
                 session,
-                feeds: take_shared(feeds, &shared.offsets, shared.segment, seg, limits)
-                    .map_err(wrap)?,
+                feeds,
                 fetches,
+                reply,
             }
         }
         RequestBody::ReadVariables { session, names } => {

@@ -115,6 +115,9 @@ pub enum Request {
         session: SessionId,
         feeds: Vec<super::shm::SharedFeed>,
         fetches: Vec<String>,
+        /// Where in the segment to write the fetched tensors as well
+        /// (see [`super::shm::ReplySlot`]), when the client asked.
+        reply: Option<super::shm::ReplySlot>,
     },
     /// Current variable values; all variables when `names` is empty.
     ReadVariables {

@@ -21,8 +21,9 @@ pub mod shm;
 pub use codec::{
     bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
     decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
-    encode_shared_run, peek_request_id, peek_request_name, tensor_frame, tensor_from_frame,
-    tensor_from_frame_in, Envelope, MAGIC, MAX_ERROR_TEXT, PREFIX_BYTES,
+    encode_shared_run, peek_request_id, peek_request_name, post_outputs, read_slot, tensor_frame,
+    tensor_from_frame, tensor_from_frame_in, Envelope, SlotRange, SlotRead, MAGIC, MAX_ERROR_TEXT,
+    PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
@@ -36,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -361,6 +362,7 @@ mod tests {
             session,
             feeds,
             fetches,
+            reply: None,
         } = &env.message
         else {
             panic!("{:?}", env.message)

@@ -41,6 +41,20 @@ pub const TOKEN_BYTES: usize = 16;
 /// Feed offsets in a segment are multiples of this.
 pub const FEED_ALIGN: usize = 64;
 
+/// Bytes at the start of a reply slot before its table of outputs: the
+/// sequence word (u64, the request id of the Run last answered here),
+/// the status (u32, [`SLOT_HERE`] or [`SLOT_ON_SOCKET`]), the table's
+/// length (u32), the bytes the slot needs for that Run's outputs (u64),
+/// then padding to a cache line.
+pub const REPLY_HEADER: usize = 64;
+/// Status of a slot whose outputs are in it.
+pub const SLOT_HERE: u32 = 0;
+/// Status of a slot too small for the Run's outputs: they travel in the
+/// socket reply, and the slot's `need` says how many bytes would do.
+pub const SLOT_ON_SOCKET: u32 = 1;
+/// The sequence word of a slot no Run has answered into yet.
+pub const SLOT_EMPTY: u64 = u64::MAX;
+
 /// What a client tells the service about a segment whose descriptor it
 /// handed to the service's desk ([`OwnedSegment::hand_over`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,6 +253,56 @@ impl OwnedSegment {
     /// The whole segment, header included (callers write past the header).
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         &mut self.map
+    }
+
+    /// The sequence word of the reply slot at `offset` (acquire ordering:
+    /// what the service wrote before it is visible after); `None` when
+    /// `offset` is not a slot's place in this segment.
+    pub(crate) fn slot_seq(&self, offset: usize) -> Option<u64> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        if offset % FEED_ALIGN != 0 || offset.checked_add(REPLY_HEADER)? > self.map.len() {
+            return None;
+        }
+        // SAFETY: in bounds and 8-byte aligned (checked above, in a
+        // page-aligned mapping); the word is only ever accessed atomically,
+        // here and by the service.
+        #[allow(unsafe_code)]
+        let word =
+            unsafe { AtomicU64::from_ptr(self.map.as_ptr().add(offset).cast::<u64>().cast_mut()) };
+        Some(word.load(Ordering::Acquire))
+    }
+
+    /// Run `seq`'s answer in the reply slot of `bytes` bytes at `offset`
+    /// (see [`ReplySlot`]), checked against the slot and `limits`.
+    pub fn read_slot(
+        &self,
+        offset: usize,
+        bytes: usize,
+        seq: u64,
+        limits: &super::Limits,
+    ) -> Result<super::SlotRead, super::WireError> {
+        let word = self.slot_seq(offset).unwrap_or(SLOT_EMPTY);
+        let slot = offset
+            .checked_add(bytes)
+            .and_then(|end| self.map.get(offset..end))
+            .unwrap_or(&[]);
+        super::read_slot(slot, word, seq, limits)
+    }
+
+    /// Marks the slot at `offset` as answering no Run yet.
+    pub(crate) fn clear_slot(&mut self, offset: usize) {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        if offset % FEED_ALIGN != 0
+            || offset
+                .checked_add(REPLY_HEADER)
+                .is_none_or(|e| e > self.map.len())
+        {
+            return;
+        }
+        // SAFETY: as in `slot_seq`.
+        #[allow(unsafe_code)]
+        let word = unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(offset).cast::<u64>()) };
+        word.store(SLOT_EMPTY, Ordering::Release);
     }
 }
 
@@ -464,9 +528,12 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// The service's view of a client's segment: mapped read-only.
+/// The service's view of a client's segment: mapped read-only, and a
+/// second, writable mapping of the same pages for the reply slots of the
+/// client's Runs when the descriptor allows writing (see [`ReplySlot`]).
 pub struct AttachedSegment {
     map: memmap2::Mmap,
+    writable: Option<memmap2::MmapRaw>,
 }
 
 impl std::fmt::Debug for AttachedSegment {
@@ -532,7 +599,14 @@ impl AttachedSegment {
         if map[..TOKEN_BYTES] != offer.token {
             return Err(SharedMemoryError::Token);
         }
-        Ok(AttachedSegment { map })
+        // The same pages, writable, for reply slots; a descriptor opened
+        // read-only or sealed against writing gives none, and that
+        // client's outputs then travel in the socket replies.
+        let writable = memmap2::MmapOptions::new()
+            .len(len)
+            .map_raw(memfd.as_file())
+            .ok();
+        Ok(AttachedSegment { map, writable })
     }
 
     #[cfg(not(target_os = "linux"))]
@@ -547,6 +621,129 @@ impl AttachedSegment {
     /// The whole segment, header included.
     pub fn bytes(&self) -> &[u8] {
         &self.map
+    }
+
+    /// Whether the service can write reply slots into it.
+    pub fn is_writable(&self) -> bool {
+        self.writable.is_some()
+    }
+}
+
+/// Where in a client's segment the service writes a Run's fetched tensors,
+/// so that a client polling the slot's sequence word takes them without
+/// waiting for the socket reply (which still follows, without the
+/// tensors). The range was checked against the segment and the Run's
+/// feeds when the Run was decoded.
+///
+/// Layout (offsets from the slot's start): [`REPLY_HEADER`] bytes of
+/// header, then the table (the outputs' types, bincode), then each
+/// output's values at a multiple of [`FEED_ALIGN`]. The service writes
+/// the table and the values, then the status and `need`, and last the
+/// sequence word (release ordering); a client that reads the sequence word
+/// with acquire ordering and finds its request id sees the rest.
+#[derive(Clone)]
+pub struct ReplySlot {
+    segment: std::sync::Arc<AttachedSegment>,
+    segment_id: u32,
+    offset: usize,
+    bytes: usize,
+}
+
+impl ReplySlot {
+    /// The slot of `bytes` bytes at `offset` of `segment`: `None` unless it
+    /// starts past the segment's header at a multiple of [`FEED_ALIGN`],
+    /// holds at least its header, and lies inside the segment.
+    pub fn new(
+        segment: std::sync::Arc<AttachedSegment>,
+        segment_id: u32,
+        offset: usize,
+        bytes: usize,
+    ) -> Option<Self> {
+        let end = offset.checked_add(bytes)?;
+        (offset >= SEGMENT_HEADER
+            && offset % FEED_ALIGN == 0
+            && bytes >= REPLY_HEADER
+            && end <= segment.bytes().len())
+        .then_some(ReplySlot {
+            segment,
+            segment_id,
+            offset,
+            bytes,
+        })
+    }
+
+    /// The client's id of its segment.
+    pub fn segment_id(&self) -> u32 {
+        self.segment_id
+    }
+
+    /// Its range in the segment.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.bytes
+    }
+
+    /// Answers Run `seq` here: when `need` bytes fit the slot, `fill`
+    /// writes the slot's bytes past the header (the table from
+    /// [`REPLY_HEADER`], the values after it) and the status says
+    /// [`SLOT_HERE`]; otherwise nothing is filled and the status says
+    /// [`SLOT_ON_SOCKET`] with `need`. The sequence word is written last.
+    /// `table` is the table's length. Returns whether the outputs are in
+    /// the slot; `false` also when the segment is not writable (then
+    /// nothing is written at all).
+    pub fn post(&self, seq: u64, need: usize, table: usize, fill: impl FnOnce(&mut [u8])) -> bool {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let Some(map) = &self.segment.writable else {
+            return false;
+        };
+        let fits = need <= self.bytes && table <= u32::MAX as usize;
+        // SAFETY: `new` checked that offset..offset + bytes lies inside the
+        // mapping, which lives as long as `self.segment`; the file is
+        // sealed against shrinking, so every page stays backed. The
+        // decoder checked the slot disjoint from the Run's feeds, so no
+        // other thread of the service reads these bytes while this Run is
+        // answered (one Run of a session at a time). The client may write
+        // them concurrently; that spoils only its own outputs.
+        #[allow(unsafe_code)]
+        let slot: &mut [u8] = unsafe {
+            std::slice::from_raw_parts_mut(map.as_mut_ptr().add(self.offset), self.bytes)
+        };
+        let status = if fits {
+            fill(&mut slot[REPLY_HEADER..]);
+            SLOT_HERE
+        } else {
+            SLOT_ON_SOCKET
+        };
+        slot[8..12].copy_from_slice(&status.to_le_bytes());
+        slot[12..16].copy_from_slice(&(table.min(u32::MAX as usize) as u32).to_le_bytes());
+        slot[16..24].copy_from_slice(&(need as u64).to_le_bytes());
+        // SAFETY: the slot's start is a multiple of 64 in a page-aligned
+        // mapping, so its first 8 bytes are an aligned u64 inside it; the
+        // service touches this word only atomically, and the client reads
+        // it only atomically.
+        #[allow(unsafe_code)]
+        let word = unsafe { AtomicU64::from_ptr(slot.as_mut_ptr().cast::<u64>()) };
+        word.store(seq, Ordering::Release);
+        fits
+    }
+}
+
+impl std::fmt::Debug for ReplySlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplySlot")
+            .field("segment", &self.segment_id)
+            .field("offset", &self.offset)
+            .field("bytes", &self.bytes)
+            .field("writable", &self.segment.is_writable())
+            .finish()
+    }
+}
+
+/// Equal when they are the same range of the same mapping.
+impl PartialEq for ReplySlot {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.segment, &other.segment)
+            && self.offset == other.offset
+            && self.bytes == other.bytes
     }
 }
 
