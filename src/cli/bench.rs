@@ -142,6 +142,11 @@ struct RunOpts {
     /// Run sends only a header, as a job that writes its inputs in place.
     #[arg(long)]
     feed_buffers: bool,
+    /// Service path with feed buffers: no reply slot, so the outputs come
+    /// in the socket reply (by default the service writes them into the
+    /// buffers' segment, where a busy-polling client takes them at once).
+    #[arg(long)]
+    no_reply_slot: bool,
     /// Service path: busy polling for this many milliseconds in the
     /// embedded service (`lanes serve --busy-poll`) and the client
     /// (`ClientOptions::busy_poll`); 0 (the default) is off.
@@ -286,6 +291,7 @@ fn bench(
         shared_memory: !o.no_shared_memory,
         pinned_feeds: !o.pageable_feeds,
         feed_buffers: o.feed_buffers,
+        reply_slot: !o.no_reply_slot,
         busy_poll: super::busy_poll_window(o.busy_poll)?,
     };
     let feeds = w.random_feeds(7)?;

@@ -91,6 +91,8 @@ pub struct Timing {
     /// Service path: feeds written once into feed buffers, Runs send only a
     /// header.
     pub feed_buffers: bool,
+    /// Feed buffers with a reply slot for the outputs.
+    pub reply_slot: bool,
     /// Service path: busy polling in the embedded service and the client.
     pub busy_poll: Duration,
 }
@@ -412,8 +414,13 @@ pub fn service(
             let types: Vec<(&str, lanes_adaptor::TensorType)> =
                 feeds.iter().map(|(n, v)| (n.as_str(), v.ty())).collect();
             for _ in 0..2 {
+                let reply = if t.reply_slot {
+                    lanes_adaptor::client::DEFAULT_REPLY_BYTES
+                } else {
+                    0
+                };
                 let mut b = session
-                    .feed_buffers(&types)
+                    .feed_buffers_with_reply(&types, reply)
                     .context("feed buffers (a service on this host that shares memory)")?;
                 for (n, v) in feeds {
                     b.write(n, v)?;
@@ -516,6 +523,14 @@ pub fn service(
                 "shared memory"
             } else {
                 "socket"
+            }),
+        );
+        m.insert(
+            "outputs_via".into(),
+            json!(if t.feed_buffers && t.reply_slot {
+                "reply slot (the buffers' segment)"
+            } else {
+                "socket reply"
             }),
         );
         m.insert("busy_poll_ms".into(), json!(ms(t.busy_poll)));
