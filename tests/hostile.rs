@@ -672,11 +672,11 @@ fn aliased_shared_feeds_are_refused_before_any_copy() {
     };
     let mut frames = wire::encode_request_into(4, &run, Some(&mut seg)).unwrap();
     // The body ends with the feeds' offsets (u64 LE each), then the reply
-    // slot (none: one zero byte): point every offset at the first feed's
-    // range.
+    // slot and the doorbell (none: a zero byte each): point every offset
+    // at the first feed's range.
     let header = &mut frames[0];
-    assert_eq!(header.last(), Some(&0), "no reply slot");
-    let at = header.len() - 1 - 8 * N;
+    assert!(header.ends_with(&[0, 0]), "no reply slot, no doorbell");
+    let at = header.len() - 2 - 8 * N;
     let first: [u8; 8] = header[at..at + 8].try_into().unwrap();
     for i in 1..N {
         header[at + 8 * i..at + 8 * i + 8].copy_from_slice(&first);

@@ -331,9 +331,18 @@ fn reply_slots_carry_the_outputs_or_say_what_they_need() {
     let ty = TensorType::f32([ROWS, COLS]);
     let shared_run = |id: u64, reply: SlotRange| {
         let feeds = [("x", &ty, SEGMENT_HEADER as u64)];
-        let frames =
-            wire::encode_shared_run(id, session, feeds, 1, Some(reply), &["y".to_string()])
-                .unwrap();
+        let frames = wire::encode_shared_run(
+            id,
+            session,
+            feeds,
+            1,
+            wire::SharedAreas {
+                reply: Some(reply),
+                doorbell: None,
+            },
+            &["y".to_string()],
+        )
+        .unwrap();
         peer.call(frames).message
     };
     let limits = wire::Limits::default();
@@ -470,4 +479,175 @@ fn feed_buffers_take_their_outputs_from_the_reply_slot() {
         assert!(e.code().is_some(), "{e}");
         session.close().unwrap();
     }
+}
+
+/// Doorbells: a Run left in its feed buffers' doorbell is served from
+/// there by a service that polls it, without the socket; garbage or
+/// another id in a doorbell is ignored; and a Run that comes both ways is
+/// served once (the copy seen second is dropped).
+#[test]
+fn doorbell_runs_are_served_once() {
+    use lanes_adaptor::wire::shm::DOORBELL_HEADER;
+    use lanes_adaptor::wire::{SharedAreas, SlotRange};
+    let service = start_with(|c| c.busy_poll = std::time::Duration::from_millis(20));
+    let peer = RawPeer::connect(service.endpoint());
+    let session = peer.open_and_load(SessionSpec::inference("bell"), wide(3));
+    let desk = desk_of(&peer);
+    let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
+    seg.hand_over(&desk).unwrap();
+    assert!(matches!(
+        offer_reply(&peer, 4, session, seg.offer()),
+        Reply::MemoryShared { segment: 1, .. }
+    ));
+    let run = Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", x_for(5))],
+        fetches: vec!["y".into()],
+    };
+    let frames = wire::encode_request_into(5, &run, Some(&mut seg)).unwrap();
+    let want = match peer.call(frames).message {
+        Reply::RunDone { outputs } => outputs,
+        other => panic!("{other:?}"),
+    };
+    let ty = TensorType::f32([ROWS, COLS]);
+    let (bell_at, bell_len) = (3usize << 20, 4096usize);
+    let encode = |id: u64| {
+        let areas = SharedAreas {
+            reply: None,
+            doorbell: Some(SlotRange {
+                offset: bell_at as u64,
+                bytes: bell_len as u64,
+            }),
+        };
+        let feeds = [("x", &ty, wire::shm::SEGMENT_HEADER as u64)];
+        wire::encode_shared_run(id, session, feeds, 1, areas, &["y".to_string()]).unwrap()
+    };
+    let outputs = |r: wire::Envelope<Reply>| match r.message {
+        Reply::RunDone { outputs } => (r.request_id, outputs),
+        other => panic!("{other:?}"),
+    };
+    // Through the socket first: the service learns the doorbell.
+    assert_eq!(outputs(peer.call(encode(6))), (6, want.clone()));
+    // Rung only: served from the doorbell.
+    let frames = encode(7);
+    assert!(seg.ring(bell_at, bell_len, 7, &frames[0]));
+    assert_eq!(outputs(peer.recv()), (7, want.clone()));
+    // Rung and sent: one reply.
+    let frames = encode(8);
+    assert!(seg.ring(bell_at, bell_len, 8, &frames[0]));
+    peer.send(frames);
+    assert_eq!(outputs(peer.recv()), (8, want.clone()));
+    // Garbage, and a Run under another id than the word's: ignored.
+    assert!(seg.ring(bell_at, bell_len, 9, b"not a request"));
+    let frames = encode(11);
+    assert!(seg.ring(bell_at, bell_len, 10, &frames[0]));
+    // A frame longer than the doorbell is not rung.
+    assert!(!seg.ring(
+        bell_at,
+        bell_len,
+        12,
+        &vec![0; bell_len - DOORBELL_HEADER + 1]
+    ));
+    assert!(
+        peer.recv_raw(std::time::Duration::from_millis(300))
+            .is_none(),
+        "nothing is answered for them"
+    );
+    // The service still serves the session, and answers 8 no second time.
+    assert_eq!(outputs(peer.call(encode(13))), (13, want.clone()));
+    // A copy through the socket of a Run already taken: dropped.
+    let frames = encode(14);
+    assert!(seg.ring(bell_at, bell_len, 14, &frames[0]));
+    assert_eq!(outputs(peer.recv()), (14, want));
+    peer.send(encode(14));
+    assert!(peer
+        .recv_raw(std::time::Duration::from_millis(300))
+        .is_none());
+    // A doorbell over the feed is refused.
+    let areas = SharedAreas {
+        reply: None,
+        doorbell: Some(SlotRange {
+            offset: 64,
+            bytes: 4096,
+        }),
+    };
+    let feeds = [("x", &ty, wire::shm::SEGMENT_HEADER as u64)];
+    let frames = wire::encode_shared_run(15, session, feeds, 1, areas, &["y".to_string()]).unwrap();
+    assert_eq!(
+        error_code(&peer.call(frames).message),
+        ErrorCode::SharedMemory
+    );
+}
+
+/// A training job through a busy-polling client's feed buffers (each Run
+/// rung in the doorbell and sent through the socket) trains exactly as the
+/// same job through the socket alone: no iteration ran twice.
+#[test]
+fn a_training_job_through_doorbells_runs_each_iteration_once() {
+    use lanes_adaptor::optim::{training_graph, Optimizer};
+    const N: usize = 64;
+    const ITERS: u64 = 25;
+    let build = || {
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([N, COLS]));
+        let t = g.placeholder("t", TensorType::f32([N, OUTS]));
+        let w = g.variable(
+            "w",
+            Tensor::from_f32([COLS, OUTS], values(7, COLS * OUTS)).unwrap(),
+        );
+        let y = g.matmul(x, w);
+        let loss = g.mse_loss(y, t);
+        training_graph(g, loss, &Optimizer::sgd(0.05)).unwrap()
+    };
+    let x = Tensor::from_f32([N, COLS], values(8, N * COLS)).unwrap();
+    let t = Tensor::from_f32([N, OUTS], values(9, N * OUTS)).unwrap();
+    let service = start_with(|c| c.busy_poll = std::time::Duration::from_millis(20));
+    let train = |busy: bool| {
+        let options = ClientOptions {
+            busy_poll: if busy {
+                std::time::Duration::from_millis(50)
+            } else {
+                std::time::Duration::ZERO
+            },
+            ..ClientOptions::default()
+        };
+        let mut client = Client::connect_with(service.endpoint(), options).unwrap();
+        let tg = build();
+        let mut s = client
+            .open_session(SessionSpec::training(if busy { "bell" } else { "socket" }))
+            .unwrap();
+        s.load(&tg.graph, tg.vars.clone()).unwrap();
+        let mut losses = Vec::new();
+        if busy {
+            let mut b = s.feed_buffers(&[("x", x.ty()), ("t", t.ty())]).unwrap();
+            b.write("x", &x).unwrap();
+            b.write("t", &t).unwrap();
+            for _ in 0..ITERS {
+                losses.push(s.run_buffers(&mut b, &[tg.loss.as_str()]).unwrap());
+            }
+        } else {
+            for _ in 0..ITERS {
+                let feeds = vec![("x", x.clone()), ("t", t.clone())];
+                losses.push(s.run(feeds, &[tg.loss.as_str()]).unwrap());
+            }
+        }
+        let w = s.read_variables(&["w"]).unwrap();
+        let id = s.id();
+        let status = Client::connect(service.endpoint())
+            .unwrap()
+            .status()
+            .unwrap();
+        let iterations = status
+            .sessions
+            .iter()
+            .find(|e| e.session == id)
+            .map(|e| e.iterations);
+        (losses, w, iterations)
+    };
+    let (bell_losses, bell_w, bell_iters) = train(true);
+    let (socket_losses, socket_w, socket_iters) = train(false);
+    assert_eq!(bell_iters, Some(ITERS));
+    assert_eq!(socket_iters, Some(ITERS));
+    assert_eq!(bell_losses, socket_losses);
+    assert_eq!(bell_w, socket_w);
 }

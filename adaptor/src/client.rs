@@ -153,6 +153,10 @@ pub struct ClientOptions {
     /// a reply that arrives then is taken tens of microseconds sooner).
     /// Zero, the default, blocks at once.
     pub busy_poll: Duration,
+    /// While busy polling, also leave each Run from feed buffers in their
+    /// doorbell (see [`crate::wire::shm::Doorbell`]), where a service that
+    /// polls takes it without waiting for the socket. On by default.
+    pub doorbell: bool,
 }
 
 /// The environment variable naming the key file a client uses when its
@@ -168,6 +172,7 @@ impl Default for ClientOptions {
             shared_memory: true,
             auth_key: None,
             busy_poll: Duration::ZERO,
+            doorbell: true,
         }
     }
 }
@@ -212,6 +217,10 @@ pub const SHARED_FEEDS_MIN_BYTES: usize = 1 << 20;
 /// Bytes of the reply slot [`Client::feed_buffers_in`] makes beside the
 /// feeds (see [`Client::feed_buffers_with_reply_in`]).
 pub const DEFAULT_REPLY_BYTES: usize = 1 << 20;
+/// Bytes of the doorbell feed buffers have for their Runs' requests (see
+/// [`crate::wire::shm::Doorbell`]); a request larger than it goes through
+/// the socket only.
+pub const DOORBELL_BYTES: usize = 4096;
 /// Most segments one session keeps (one per Run in flight).
 const MAX_SEGMENTS_PER_SESSION: usize = 4;
 /// Segments are sized in multiples of this.
@@ -739,20 +748,27 @@ impl Client {
                 Some((need, bytes))
             })
             .flatten();
-        let end = match slot {
+        // Then the doorbell.
+        let bell_at = match slot {
             Some((at, bytes)) => at.checked_add(bytes),
             None => Some(need),
-        }
-        .and_then(|e| e.checked_next_multiple_of(4096))
-        .ok_or_else(|| ClientError::FeedBuffer {
-            reason: format!("a reply slot of {reply_bytes} bytes overflows"),
-        })?;
+        };
+        let end = bell_at
+            .and_then(|at| at.checked_add(DOORBELL_BYTES))
+            .and_then(|e| e.checked_next_multiple_of(4096))
+            .ok_or_else(|| ClientError::FeedBuffer {
+                reason: format!("a reply slot of {reply_bytes} bytes overflows"),
+            })?;
         let id = self.shared.next_id;
         self.shared.next_id = self.shared.next_id.wrapping_add(1);
         let mut seg = self
             .share_segment(session, id, end)?
             .map_err(|reason| ClientError::NoSharedMemory { reason })?;
         if let Some((at, _)) = slot {
+            seg.clear_slot(at);
+        }
+        let bell = bell_at.map(|at| (at, DOORBELL_BYTES));
+        if let Some((at, _)) = bell {
             seg.clear_slot(at);
         }
         Ok(FeedBuffers {
@@ -764,6 +780,7 @@ impl Client {
                 .map(|((n, ty), at)| (n.to_string(), ty.clone(), at))
                 .collect(),
             slot,
+            bell,
             wanted: None,
         })
     }
@@ -876,27 +893,32 @@ impl Client {
 
     fn send_buffers(
         &mut self,
-        buffers: &FeedBuffers,
+        buffers: &mut FeedBuffers,
         fetches: &[&str],
     ) -> Result<Sent, ClientError> {
         let fetches: Vec<String> = fetches.iter().map(|s| s.to_string()).collect();
-        let feeds = buffers
-            .feeds
-            .iter()
-            .map(|(n, ty, at)| (n.as_str(), ty, *at));
-        let reply = buffers.slot.map(|(offset, bytes)| wire::SlotRange {
+        let place = |(offset, bytes): (usize, usize)| wire::SlotRange {
             offset: offset as u64,
             bytes: bytes as u64,
+        };
+        // The doorbell only while nothing else of this client's is under
+        // way: a Run taken from it may not overtake an earlier request.
+        let bell = buffers.bell.filter(|_| {
+            self.options.doorbell && !self.options.busy_poll.is_zero() && self.ahead.is_empty()
         });
+        let areas = wire::SharedAreas {
+            reply: buffers.slot.map(place),
+            doorbell: bell.map(place),
+        };
+        let (session, segment) = (buffers.session, buffers.seg.id());
+        let FeedBuffers { feeds, seg, .. } = buffers;
+        let feeds = feeds.iter().map(|(n, ty, at)| (n.as_str(), ty, *at));
         self.send_encoded("run", |id| {
-            wire::encode_shared_run(
-                id,
-                buffers.session,
-                feeds,
-                buffers.seg.id(),
-                reply,
-                &fetches,
-            )
+            let frames = wire::encode_shared_run(id, session, feeds, segment, areas, &fetches)?;
+            if let (Some((at, len)), [frame]) = (bell, frames.as_slice()) {
+                seg.ring(at, len, id, frame);
+            }
+            Ok(frames)
         })
     }
 
@@ -1067,6 +1089,8 @@ pub struct FeedBuffers {
     feeds: Vec<(String, TensorType, u64)>,
     /// Offset and length of the reply slot, if any.
     slot: Option<(usize, usize)>,
+    /// Offset and length of the doorbell, if any.
+    bell: Option<(usize, usize)>,
     /// The slot's bytes a Run's outputs needed, when they did not fit.
     wanted: Option<usize>,
 }

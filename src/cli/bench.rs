@@ -147,6 +147,10 @@ struct RunOpts {
     /// buffers' segment, where a busy-polling client takes them at once).
     #[arg(long)]
     no_reply_slot: bool,
+    /// Service path with feed buffers and busy polling: no doorbell, so
+    /// each Run reaches the service through the socket only.
+    #[arg(long)]
+    no_doorbell: bool,
     /// Service path: busy polling for this many milliseconds in the
     /// embedded service (`lanes serve --busy-poll`) and the client
     /// (`ClientOptions::busy_poll`); 0 (the default) is off.
@@ -292,6 +296,7 @@ fn bench(
         pinned_feeds: !o.pageable_feeds,
         feed_buffers: o.feed_buffers,
         reply_slot: !o.no_reply_slot,
+        doorbell: !o.no_doorbell,
         busy_poll: super::busy_poll_window(o.busy_poll)?,
     };
     let feeds = w.random_feeds(7)?;

@@ -82,9 +82,18 @@ struct SharedFeeds {
     segment: u32,
     offsets: Vec<u64>,
     reply: Option<SlotRange>,
+    doorbell: Option<SlotRange>,
 }
 
-/// A reply slot's place in a segment (see [`shm::ReplySlot`]).
+/// The reply slot and doorbell a shared Run names, if any.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedAreas {
+    pub reply: Option<SlotRange>,
+    pub doorbell: Option<SlotRange>,
+}
+
+/// A reply slot's or a doorbell's place in a segment (see
+/// [`shm::ReplySlot`], [`shm::Doorbell`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlotRange {
     pub offset: u64,
@@ -315,6 +324,7 @@ pub fn encode_request_into(
                 segment: seg.id(),
                 offsets,
                 reply: None,
+                doorbell: None,
             }),
         };
         return Ok(vec![header(request_id, &body)?]);
@@ -362,6 +372,7 @@ pub fn encode_request_into(
             feeds,
             fetches,
             reply,
+            doorbell,
         } => {
             // Re-encoded as the client sent it: the header alone.
             let segment = feeds
@@ -371,6 +382,7 @@ pub fn encode_request_into(
                 .unwrap_or(0);
             if feeds.iter().any(|f| f.segment_id() != segment)
                 || reply.as_ref().is_some_and(|r| r.segment_id() != segment)
+                || doorbell.as_ref().is_some_and(|r| r.segment_id() != segment)
             {
                 return Err(WireError::Encode {
                     reason: "a shared Run's feeds lie in more than one segment".into(),
@@ -379,11 +391,15 @@ pub fn encode_request_into(
             let feeds = feeds
                 .iter()
                 .map(|f| (f.name.as_str(), &f.ty, f.offset() as u64));
-            let reply = reply.as_ref().map(|r| SlotRange {
-                offset: r.range().start as u64,
-                bytes: r.range().len() as u64,
-            });
-            return encode_shared_run(request_id, *session, feeds, segment, reply, fetches);
+            let place = |r: std::ops::Range<usize>| SlotRange {
+                offset: r.start as u64,
+                bytes: r.len() as u64,
+            };
+            let areas = SharedAreas {
+                reply: reply.as_ref().map(|r| place(r.range())),
+                doorbell: doorbell.as_ref().map(|r| place(r.range())),
+            };
+            return encode_shared_run(request_id, *session, feeds, segment, areas, fetches);
         }
         Request::ReadVariables { session, names } => (
             RequestBody::ReadVariables {
@@ -425,14 +441,16 @@ pub fn encode_request_into(
 /// `segment` (attached with a ShareMemory request), each `(name, type,
 /// offset)`: only the header travels. A job that writes its inputs into the
 /// segment in place (the client's feed buffers) sends each iteration so.
-/// With `reply`, the service also writes the fetched tensors into that
-/// slot of the segment (see [`shm::ReplySlot`], [`read_slot`]).
+/// With a reply slot, the service also writes the fetched tensors into
+/// that slot of the segment (see [`shm::ReplySlot`], [`read_slot`]); a
+/// doorbell names where the client may also leave the request itself (see
+/// [`shm::Doorbell`]).
 pub fn encode_shared_run<'a>(
     request_id: u64,
     session: SessionId,
     feeds: impl IntoIterator<Item = (&'a str, &'a TensorType, u64)>,
     segment: u32,
-    reply: Option<SlotRange>,
+    areas: SharedAreas,
     fetches: &[String],
 ) -> Result<Vec<Vec<u8>>, WireError> {
     let (metas, offsets): (Vec<TensorMeta>, Vec<u64>) = feeds
@@ -454,7 +472,8 @@ pub fn encode_shared_run<'a>(
         shared: Some(SharedFeeds {
             segment,
             offsets,
-            reply,
+            reply: areas.reply,
+            doorbell: areas.doorbell,
         }),
     };
     Ok(vec![header(request_id, &body)?])
@@ -879,40 +898,44 @@ fn take_shared(
         .collect()
 }
 
-/// A Run's reply slot: inside the segment past its header, aligned, at
-/// least a header long, and disjoint from every feed of the Run.
-fn take_slot(
+/// A Run's reply slot or doorbell (`what`) at `r`, made by `make`: inside
+/// the segment past its header, aligned, at least `min` bytes long, and
+/// disjoint from every feed of the Run and from `other` (the other area).
+fn take_area<A>(
+    what: &str,
     r: SlotRange,
+    min: usize,
     feeds: &[shm::SharedFeed],
-    segment_id: u32,
-    seg: &std::sync::Arc<shm::AttachedSegment>,
-) -> Result<shm::ReplySlot, WireError> {
+    other: Option<std::ops::Range<usize>>,
+    make: impl FnOnce(usize, usize) -> Option<(A, std::ops::Range<usize>)>,
+    seg_len: usize,
+) -> Result<A, WireError> {
     let bad = |why: &str| WireError::SharedMemory {
         reason: format!(
-            "the reply slot of {} bytes at offset {} {why}",
+            "the {what} of {} bytes at offset {} {why}",
             r.bytes, r.offset
         ),
     };
     let (Ok(offset), Ok(bytes)) = (usize::try_from(r.offset), usize::try_from(r.bytes)) else {
         return Err(bad("is outside the segment"));
     };
-    let slot = shm::ReplySlot::new(seg.clone(), segment_id, offset, bytes).ok_or_else(|| {
+    let (area, range) = make(offset, bytes).ok_or_else(|| {
         bad(&format!(
-            "is not a slot of the segment's {} bytes (past its {}-byte header, at a multiple of {}, at least {} bytes)",
-            seg.bytes().len(),
+            "is not inside the segment's {seg_len} bytes past its {}-byte header, at a multiple of {}, at least {min} bytes",
             shm::SEGMENT_HEADER,
             shm::FEED_ALIGN,
-            shm::REPLY_HEADER
         ))
     })?;
-    let range = slot.range();
     if let Some(f) = feeds.iter().find(|f| {
         let len = f.ty.bytes();
         len > 0 && f.offset() < range.end && range.start < f.offset() + len
     }) {
         return Err(bad(&format!("overlaps feed `{}`", f.name)));
     }
-    Ok(slot)
+    if other.is_some_and(|o| o.start < range.end && range.start < o.end) {
+        return Err(bad("overlaps the Run's other shared area"));
+    }
+    Ok(area)
 }
 
 /// Writes `outputs` into `slot` as Run `seq`'s answer (see
@@ -1175,8 +1198,41 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             })?;
             let feeds =
                 take_shared(feeds, &shared.offsets, shared.segment, seg, limits).map_err(wrap)?;
+            let (id, len) = (shared.segment, seg.bytes().len());
             let reply = match shared.reply {
-                Some(r) => Some(take_slot(r, &feeds, shared.segment, seg).map_err(wrap)?),
+                Some(r) => Some(
+                    take_area(
+                        "reply slot",
+                        r,
+                        shm::REPLY_HEADER,
+                        &feeds,
+                        None,
+                        |o, b| {
+                            let a = shm::ReplySlot::new(seg.clone(), id, o, b)?;
+                            Some((a.clone(), a.range()))
+                        },
+                        len,
+                    )
+                    .map_err(wrap)?,
+                ),
+                None => None,
+            };
+            let doorbell = match shared.doorbell {
+                Some(r) => Some(
+                    take_area(
+                        "doorbell",
+                        r,
+                        shm::DOORBELL_HEADER,
+                        &feeds,
+                        reply.as_ref().map(shm::ReplySlot::range),
+                        |o, b| {
+                            let a = shm::Doorbell::new(seg.clone(), id, o, b)?;
+                            Some((a.clone(), a.range()))
+                        },
+                        len,
+                    )
+                    .map_err(wrap)?,
+                ),
                 None => None,
             };
             Request::RunShared {
@@ -1184,6 +1240,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
                 feeds,
                 fetches,
                 reply,
+                doorbell,
             }
         }
         RequestBody::ReadVariables { session, names } => {

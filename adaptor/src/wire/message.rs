@@ -118,6 +118,9 @@ pub enum Request {
         /// Where in the segment to write the fetched tensors as well
         /// (see [`super::shm::ReplySlot`]), when the client asked.
         reply: Option<super::shm::ReplySlot>,
+        /// The doorbell the client may also leave such Runs in (see
+        /// [`super::shm::Doorbell`]).
+        doorbell: Option<super::shm::Doorbell>,
     },
     /// Current variable values; all variables when `names` is empty.
     ReadVariables {

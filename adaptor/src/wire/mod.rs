@@ -22,8 +22,8 @@ pub use codec::{
     bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
     decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
     encode_shared_run, peek_request_id, peek_request_name, post_outputs, read_slot, tensor_frame,
-    tensor_from_frame, tensor_from_frame_in, Envelope, SlotRange, SlotRead, MAGIC, MAX_ERROR_TEXT,
-    PREFIX_BYTES,
+    tensor_from_frame, tensor_from_frame_in, Envelope, SharedAreas, SlotRange, SlotRead, MAGIC,
+    MAX_ERROR_TEXT, PREFIX_BYTES,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use message::{
@@ -363,6 +363,7 @@ mod tests {
             feeds,
             fetches,
             reply: None,
+            doorbell: None,
         } = &env.message
         else {
             panic!("{:?}", env.message)

@@ -289,6 +289,34 @@ impl OwnedSegment {
         super::read_slot(slot, word, seq, limits)
     }
 
+    /// Leaves request `id`'s one frame `frame` in the doorbell of `bytes`
+    /// bytes at `offset` and rings it (see [`Doorbell`]); `false` (nothing
+    /// written) when the frame does not fit or `offset` is not a doorbell's
+    /// place.
+    pub fn ring(&mut self, offset: usize, bytes: usize, id: u64, frame: &[u8]) -> bool {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let fits = offset % FEED_ALIGN == 0
+            && DOORBELL_HEADER
+                .checked_add(frame.len())
+                .is_some_and(|n| n <= bytes)
+            && offset
+                .checked_add(bytes)
+                .is_some_and(|e| e <= self.map.len())
+            && u32::try_from(frame.len()).is_ok();
+        if !fits {
+            return false;
+        }
+        let at = offset + DOORBELL_HEADER;
+        self.map[at..at + frame.len()].copy_from_slice(frame);
+        self.map[offset + 8..offset + 12].copy_from_slice(&(frame.len() as u32).to_le_bytes());
+        // SAFETY: in bounds and 8-byte aligned (checked above, in a
+        // page-aligned mapping); the word is only ever accessed atomically.
+        #[allow(unsafe_code)]
+        let word = unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(offset).cast::<u64>()) };
+        word.store(id, Ordering::Release);
+        true
+    }
+
     /// Marks the slot at `offset` as answering no Run yet.
     pub(crate) fn clear_slot(&mut self, offset: usize) {
         use std::sync::atomic::{AtomicU64, Ordering};
@@ -629,6 +657,80 @@ impl AttachedSegment {
     }
 }
 
+/// A checked range of an attached segment: past its header, at a multiple
+/// of [`FEED_ALIGN`], at least `min` bytes, inside the mapping.
+#[derive(Clone)]
+struct Area {
+    segment: std::sync::Arc<AttachedSegment>,
+    segment_id: u32,
+    offset: usize,
+    bytes: usize,
+}
+
+impl Area {
+    fn new(
+        segment: std::sync::Arc<AttachedSegment>,
+        segment_id: u32,
+        offset: usize,
+        bytes: usize,
+        min: usize,
+    ) -> Option<Self> {
+        let end = offset.checked_add(bytes)?;
+        (offset >= SEGMENT_HEADER
+            && offset % FEED_ALIGN == 0
+            && bytes >= min
+            && end <= segment.bytes().len())
+        .then_some(Area {
+            segment,
+            segment_id,
+            offset,
+            bytes,
+        })
+    }
+
+    fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.bytes
+    }
+
+    /// The area's start in the writable mapping, `None` without one:
+    /// `bytes` bytes from it lie inside the mapping, which lives as long
+    /// as `self.segment` (checked by `new`); the file is sealed against
+    /// shrinking, so every page stays backed. The client may write them
+    /// concurrently from its process; that spoils only its own data.
+    fn start(&self) -> Option<*mut u8> {
+        let map = self.segment.writable.as_ref()?;
+        // SAFETY: `offset` is inside the mapping (checked by `new`).
+        #[allow(unsafe_code)]
+        Some(unsafe { map.as_mut_ptr().add(self.offset) })
+    }
+
+    /// The area's first 8 bytes as an atomic word (writable mapping only).
+    fn word(&self) -> Option<&std::sync::atomic::AtomicU64> {
+        let start = self.start()?;
+        // SAFETY: the offset is a multiple of 64 in a page-aligned mapping
+        // and the area is at least 8 bytes (`new`), so this is an aligned
+        // u64 inside the mapping, which outlives `&self`. Both sides only
+        // ever access this word atomically.
+        #[allow(unsafe_code)]
+        Some(unsafe { std::sync::atomic::AtomicU64::from_ptr(start.cast::<u64>()) })
+    }
+
+    fn same(&self, other: &Area) -> bool {
+        std::sync::Arc::ptr_eq(&self.segment, &other.segment)
+            && self.offset == other.offset
+            && self.bytes == other.bytes
+    }
+
+    fn debug(&self, name: &str, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(name)
+            .field("segment", &self.segment_id)
+            .field("offset", &self.offset)
+            .field("bytes", &self.bytes)
+            .field("writable", &self.segment.is_writable())
+            .finish()
+    }
+}
+
 /// Where in a client's segment the service writes a Run's fetched tensors,
 /// so that a client polling the slot's sequence word takes them without
 /// waiting for the socket reply (which still follows, without the
@@ -642,12 +744,7 @@ impl AttachedSegment {
 /// sequence word (release ordering); a client that reads the sequence word
 /// with acquire ordering and finds its request id sees the rest.
 #[derive(Clone)]
-pub struct ReplySlot {
-    segment: std::sync::Arc<AttachedSegment>,
-    segment_id: u32,
-    offset: usize,
-    bytes: usize,
-}
+pub struct ReplySlot(Area);
 
 impl ReplySlot {
     /// The slot of `bytes` bytes at `offset` of `segment`: `None` unless it
@@ -659,27 +756,17 @@ impl ReplySlot {
         offset: usize,
         bytes: usize,
     ) -> Option<Self> {
-        let end = offset.checked_add(bytes)?;
-        (offset >= SEGMENT_HEADER
-            && offset % FEED_ALIGN == 0
-            && bytes >= REPLY_HEADER
-            && end <= segment.bytes().len())
-        .then_some(ReplySlot {
-            segment,
-            segment_id,
-            offset,
-            bytes,
-        })
+        Area::new(segment, segment_id, offset, bytes, REPLY_HEADER).map(ReplySlot)
     }
 
     /// The client's id of its segment.
     pub fn segment_id(&self) -> u32 {
-        self.segment_id
+        self.0.segment_id
     }
 
     /// Its range in the segment.
     pub fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.bytes
+        self.0.range()
     }
 
     /// Answers Run `seq` here: when `need` bytes fit the slot, `fill`
@@ -691,22 +778,18 @@ impl ReplySlot {
     /// the slot; `false` also when the segment is not writable (then
     /// nothing is written at all).
     pub fn post(&self, seq: u64, need: usize, table: usize, fill: impl FnOnce(&mut [u8])) -> bool {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        let Some(map) = &self.segment.writable else {
+        let Some(start) = self.0.start() else {
             return false;
         };
-        let fits = need <= self.bytes && table <= u32::MAX as usize;
-        // SAFETY: `new` checked that offset..offset + bytes lies inside the
-        // mapping, which lives as long as `self.segment`; the file is
-        // sealed against shrinking, so every page stays backed. The
-        // decoder checked the slot disjoint from the Run's feeds, so no
-        // other thread of the service reads these bytes while this Run is
-        // answered (one Run of a session at a time). The client may write
-        // them concurrently; that spoils only its own outputs.
+        // SAFETY: `start` is valid for the area's bytes (`Area::start`).
+        // The decoder checked the slot disjoint from the Run's feeds and
+        // its doorbell, so no other thread of the service touches these
+        // bytes while this Run is answered (one Run of a session at a
+        // time); the word is written only below, after the slice's last
+        // use.
         #[allow(unsafe_code)]
-        let slot: &mut [u8] = unsafe {
-            std::slice::from_raw_parts_mut(map.as_mut_ptr().add(self.offset), self.bytes)
-        };
+        let slot = unsafe { std::slice::from_raw_parts_mut(start, self.0.bytes) };
+        let fits = need <= slot.len() && table <= u32::MAX as usize;
         let status = if fits {
             fill(&mut slot[REPLY_HEADER..]);
             SLOT_HERE
@@ -716,34 +799,105 @@ impl ReplySlot {
         slot[8..12].copy_from_slice(&status.to_le_bytes());
         slot[12..16].copy_from_slice(&(table.min(u32::MAX as usize) as u32).to_le_bytes());
         slot[16..24].copy_from_slice(&(need as u64).to_le_bytes());
-        // SAFETY: the slot's start is a multiple of 64 in a page-aligned
-        // mapping, so its first 8 bytes are an aligned u64 inside it; the
-        // service touches this word only atomically, and the client reads
-        // it only atomically.
-        #[allow(unsafe_code)]
-        let word = unsafe { AtomicU64::from_ptr(slot.as_mut_ptr().cast::<u64>()) };
-        word.store(seq, Ordering::Release);
+        if let Some(word) = self.0.word() {
+            word.store(seq, std::sync::atomic::Ordering::Release);
+        }
         fits
     }
 }
 
 impl std::fmt::Debug for ReplySlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplySlot")
-            .field("segment", &self.segment_id)
-            .field("offset", &self.offset)
-            .field("bytes", &self.bytes)
-            .field("writable", &self.segment.is_writable())
-            .finish()
+        self.0.debug("ReplySlot", f)
     }
 }
 
 /// Equal when they are the same range of the same mapping.
 impl PartialEq for ReplySlot {
     fn eq(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(&self.segment, &other.segment)
-            && self.offset == other.offset
-            && self.bytes == other.bytes
+        self.0.same(&other.0)
+    }
+}
+
+/// Bytes at the start of a doorbell before the request it holds: the word
+/// (u64, the request id last rung), the request's length (u32), padding.
+pub const DOORBELL_HEADER: usize = 64;
+
+/// A doorbell in a client's segment: where a busy-polling client also
+/// leaves a Run's request (its one header frame) and then writes the
+/// request's id into the doorbell's word (release ordering), so that a
+/// service whose socket thread is polling takes the Run from there without
+/// waiting for it to cross the socket. The same request also goes through
+/// the socket; the service serves whichever copy it sees first and drops
+/// the other (a Run whose header names a doorbell is served only if its id
+/// is above the last one taken through that doorbell). The service learns
+/// a doorbell from the first Run that names it, through the socket.
+///
+/// Layout: [`DOORBELL_HEADER`] bytes (the word, then the length as u32),
+/// then the request's bytes.
+#[derive(Clone)]
+pub struct Doorbell(Area);
+
+impl Doorbell {
+    /// The doorbell of `bytes` bytes at `offset` of `segment`, under the
+    /// same conditions as a [`ReplySlot`].
+    pub fn new(
+        segment: std::sync::Arc<AttachedSegment>,
+        segment_id: u32,
+        offset: usize,
+        bytes: usize,
+    ) -> Option<Self> {
+        Area::new(segment, segment_id, offset, bytes, DOORBELL_HEADER).map(Doorbell)
+    }
+
+    /// The client's id of its segment.
+    pub fn segment_id(&self) -> u32 {
+        self.0.segment_id
+    }
+
+    /// Its range in the segment.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.0.range()
+    }
+
+    /// Whether the two are the same range of the same mapping.
+    pub fn same(&self, other: &Doorbell) -> bool {
+        self.0.same(&other.0)
+    }
+
+    /// The request rung after `last`: its id and a copy of its bytes
+    /// (empty when the length word is out of range). `None` when nothing
+    /// was rung since, or the segment is not writable (the word is read
+    /// through the writable mapping).
+    pub fn take(&self, last: u64) -> Option<(u64, Vec<u8>)> {
+        let id = self.0.word()?.load(std::sync::atomic::Ordering::Acquire);
+        if id == SLOT_EMPTY || id <= last {
+            return None;
+        }
+        let start = self.0.start()?;
+        // SAFETY: `start` is valid for the area's bytes (`Area::start`);
+        // they are only copied out here, and the service never writes a
+        // doorbell.
+        #[allow(unsafe_code)]
+        let area = unsafe { std::slice::from_raw_parts(start.cast_const(), self.0.bytes) };
+        let len = u32::from_le_bytes([area[8], area[9], area[10], area[11]]) as usize;
+        let body = DOORBELL_HEADER
+            .checked_add(len)
+            .and_then(|end| area.get(DOORBELL_HEADER..end))
+            .map_or_else(Vec::new, <[u8]>::to_vec);
+        Some((id, body))
+    }
+}
+
+impl std::fmt::Debug for Doorbell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.debug("Doorbell", f)
+    }
+}
+
+impl PartialEq for Doorbell {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.same(&other.0)
     }
 }
 

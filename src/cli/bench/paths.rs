@@ -93,6 +93,8 @@ pub struct Timing {
     pub feed_buffers: bool,
     /// Feed buffers with a reply slot for the outputs.
     pub reply_slot: bool,
+    /// Feed buffers' Runs also left in their doorbell (with busy polling).
+    pub doorbell: bool,
     /// Service path: busy polling in the embedded service and the client.
     pub busy_poll: Duration,
 }
@@ -382,6 +384,7 @@ pub fn service(
                 name: "lanes-bench".into(),
                 shared_memory: t.shared_memory,
                 busy_poll: t.busy_poll,
+                doorbell: t.doorbell,
                 ..ClientOptions::default()
             },
         )
@@ -531,6 +534,14 @@ pub fn service(
                 "reply slot (the buffers' segment)"
             } else {
                 "socket reply"
+            }),
+        );
+        m.insert(
+            "requests_via".into(),
+            json!(if t.feed_buffers && t.doorbell && !t.busy_poll.is_zero() {
+                "doorbell and socket"
+            } else {
+                "socket"
             }),
         );
         m.insert("busy_poll_ms".into(), json!(ms(t.busy_poll)));
