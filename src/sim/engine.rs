@@ -386,9 +386,17 @@ fn simulate_from(
     let loads = !opts.load.is_zero();
     while engine.finished < trace.len() {
         let t_arrival = order.get(next).map(|&i| trace[i].submit);
-        let t_ready = engine.ready.peek().map(|Reverse((t, _))| *t);
         let t_lane = engine.lanes.iter().filter_map(|l| l.end).min();
-        let Some(now) = t_arrival.into_iter().chain(t_ready).chain(t_lane).min() else {
+        let mut t_next = match (t_arrival, t_lane) {
+            (Some(a), Some(d)) => Some(a.min(d)),
+            (a, d) => a.or(d),
+        };
+        if loads {
+            if let Some(&Reverse((t, _))) = engine.ready.peek() {
+                t_next = Some(t_next.map_or(t, |n| n.min(t)));
+            }
+        }
+        let Some(now) = t_next else {
             return Err(SimError::Stalled {
                 policy: engine.name,
                 jobs: trace.len() - engine.finished,
@@ -423,7 +431,7 @@ fn simulate_from(
             );
             fresh.push(slot_of[i]);
         }
-        while let Some(&Reverse((t, i))) = engine.ready.peek() {
+        while let Some(&Reverse((t, i))) = engine.ready.peek().filter(|_| loads) {
             if t != now {
                 break;
             }
