@@ -9,7 +9,9 @@
 # LANES names the binary (default: `bash .gpu/env.sh .gpu/bin/lanes`, the
 # carried build). Writes under $OUT (default ./replay-gpu-out): the trace,
 # each configuration's `lanes replay --json` and service log, and
-# summary.json; prints a table of live / simulated average JCT.
+# summary.json; prints a table of live / simulated average JCT (the
+# as-run simulation with each job's graph load holding a lane's worker
+# for the time the service's metrics give, and without, for comparison).
 # DEVICE, JOBS, ZOO, SCALE, MEMORY override the defaults (cuda, 16,
 # resnet18_cifar, 0.1, 16GiB), e.g. for a quick check on the CPU.
 # Each service is stopped after its replay. About 4-6 minutes.
@@ -56,10 +58,12 @@ trap stop_service EXIT
 run() {
     local name=$1 nlanes=$2 policy=$3 contention=$4
     local endpoint="tcp://127.0.0.1:$PORT"
+    # The replay reads the service's own timing of each LoadGraph here.
+    local metrics="127.0.0.1:$((PORT + 100))"
     PORT=$((PORT + 1))
     local log="$OUT/$name.serve.log"
     setsid "${LANES_CMD[@]}" serve --device "$DEVICE" --endpoint "$endpoint" --policy "$policy" \
-        --workers "$nlanes" --max-lanes "$nlanes" --memory "$MEMORY" \
+        --workers "$nlanes" --max-lanes "$nlanes" --memory "$MEMORY" --metrics "$metrics" \
         >"$log" 2>&1 &
     SERVICE_PID=$!
     # Wait for the endpoint (the service prints it once bound).
@@ -84,7 +88,7 @@ run() {
     local rc=0
     timeout "$REPLAY_TIMEOUT" "${LANES_CMD[@]}" replay --trace "$TRACE" \
         --endpoint "$endpoint" --zoo "$ZOO" --time-scale "$SCALE" \
-        --memory "$MEMORY" --lanes "$nlanes" --contention "$contention" --json \
+        --memory "$MEMORY" --lanes "$nlanes" --contention "$contention" --metrics "$metrics" --json \
         >"$OUT/$name.json" 2>"$OUT/$name.replay.log" || rc=$?
     stop_service
     if [[ $rc != 0 ]]; then
@@ -119,16 +123,24 @@ for name in ["one-lane-srtf", "one-lane-fifo", "two-lanes-srtf", "two-lanes-fifo
         "live_avg_jct_s": c["live"]["avg_jct_s"],
         "sim_as_run_avg_jct_s": c["simulated_as_run"]["avg_jct_s"],
         "live_over_sim_as_run": c["live_over_sim_as_run_avg_jct"],
+        "live_over_sim_as_run_without_loads": c.get("live_over_sim_as_run_without_loads_avg_jct"),
         "startup_ms": c.get("startup_ms"),
+        "load_ms": c.get("load_ms"),
+        "after_load_ms": c.get("after_load_ms"),
+        "load_measured_by": c.get("load_measured_by"),
     })
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(rows, f, indent=2)
-print(f"{'config':<16} {'live avg JCT s':>15} {'sim as-run s':>13} {'live/sim':>9}  start-up ms (train, infer)")
+print(f"{'config':<16} {'live avg JCT s':>15} {'sim as-run s':>13} {'live/sim':>9} {'no loads':>9}"
+      "  start-up ms (train, infer)  load ms (train, infer)")
 for r in rows:
     if "error" in r:
         print(f"{r['config']:<16} failed: {r['error']}")
         continue
     s = r["startup_ms"] or {}
+    l = r["load_ms"] or {}
+    nl = r["live_over_sim_as_run_without_loads"] or 0.0
     print(f"{r['config']:<16} {r['live_avg_jct_s']:>15.3f} {r['sim_as_run_avg_jct_s']:>13.3f} "
-          f"{r['live_over_sim_as_run']:>9.3f}  {s.get('training', 0):.0f}, {s.get('inference', 0):.0f}")
+          f"{r['live_over_sim_as_run']:>9.3f} {nl:>9.3f}  {s.get('training', 0):.0f}, {s.get('inference', 0):.0f}"
+          f"  {l.get('training', 0):.0f}, {l.get('inference', 0):.0f} ({r['load_measured_by']})")
 EOF

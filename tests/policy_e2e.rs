@@ -389,9 +389,13 @@ fn a_trace_replays_as_real_zoo_models() {
     use lanes::sim::TraceJob;
     use lanes::sim::{replay_remote, service_policy, Calibration, CostCurve, RemoteConfig};
     use lanes_policies::JobKind;
+    let metrics = std::sync::Arc::new(lanes::server::metrics::Metrics::new());
+    let http =
+        lanes::server::metrics::serve_http("127.0.0.1:0", std::sync::Arc::clone(&metrics)).unwrap();
     let service = start_with(|c| {
         c.workers = 1;
         c.policy = PolicyChoice::Fifo;
+        c.metrics = Some(std::sync::Arc::clone(&metrics));
     });
     let job = |id, submit_ms, kind, iterations| TraceJob {
         id,
@@ -457,6 +461,32 @@ fn a_trace_replays_as_real_zoo_models() {
         idle.solo.training > Duration::ZERO && idle.solo.inference > Duration::ZERO,
         "{idle:?}"
     );
+    // Without the metrics endpoint the load is timed by its round trip.
+    assert!(!idle.load_from_metrics);
+    assert_eq!(idle.load, idle.load_round_trip);
+    // With it, by the service: within the round trip, and the load and
+    // what follows its reply are parts of the start-up.
+    let timed = RemoteConfig {
+        metrics: Some(http.addr().to_string()),
+        ..cfg.clone()
+    };
+    let idle = lanes::sim::measure_idle(&timed, 1, 1).unwrap();
+    assert!(idle.load_from_metrics);
+    for kind in [JobKind::Training, JobKind::Inference] {
+        let (load, trip) = (idle.load.of(kind), idle.load_round_trip.of(kind));
+        assert!(load > Duration::ZERO && load <= trip, "{kind:?}: {idle:?}");
+        assert!(
+            load + idle.after_load.of(kind) <= idle.startup.of(kind) + Duration::from_micros(1),
+            "{kind:?}: {idle:?}"
+        );
+    }
+    // A metrics address where nothing answers is a typed error.
+    let nowhere = RemoteConfig {
+        metrics: Some("127.0.0.1:1".into()),
+        ..cfg.clone()
+    };
+    let err = lanes::sim::measure_idle(&nowhere, 1, 1).unwrap_err();
+    assert!(err.to_string().contains("metrics at 127.0.0.1:1"), "{err}");
     // An unknown model is a typed error before anything is sent.
     let bad = RemoteConfig {
         zoo: Some("alexnet".into()),

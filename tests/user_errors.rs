@@ -284,3 +284,99 @@ fn replay_warns_when_the_service_differs_from_the_simulation() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_load_must_be_part_of_the_start_up() {
+    let trace = trace_file("load");
+    let t = trace.to_str().unwrap();
+    let err = failed(&lanes(&["simulate", "--trace", t, "--load-ms", "5"]), 4);
+    assert!(err.contains("--startup-ms"), "{err}");
+    let err = failed(
+        &lanes(&[
+            "simulate",
+            "--trace",
+            t,
+            "--startup-ms",
+            "100,50",
+            "--load-ms",
+            "80,60",
+        ]),
+        2,
+    );
+    assert!(
+        err.contains("more than --startup-ms for Inference jobs"),
+        "{err}"
+    );
+    let ok = lanes(&[
+        "simulate",
+        "--trace",
+        t,
+        "--startup-ms",
+        "100,50",
+        "--load-ms",
+        "80,40",
+        "--after-load-ms",
+        "10",
+    ]);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let _ = std::fs::remove_file(trace);
+}
+
+/// `lanes replay --endpoint serve` serves its service's metrics and reads
+/// each kind's load there; the as-run simulation is reported with and
+/// without the loads on the lane.
+#[test]
+fn replay_against_its_own_service_reports_the_loads() {
+    let trace = std::env::temp_dir().join(format!("lanes-replay-load-{}.csv", std::process::id()));
+    std::fs::write(
+        &trace,
+        "job_id,submit_s,kind,iterations,iter_ms,persistent_bytes,ephemeral_bytes,priority\n\
+         1,0,training,6,10,1MiB,1MiB,0\n2,0.05,inference,4,5,1MiB,1MiB,0\n",
+    )
+    .unwrap();
+    let out = lanes(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--endpoint",
+        "serve",
+        "--policy",
+        "fifo",
+        "--zoo",
+        "mlp",
+        "--time-scale",
+        "0.1",
+        "--json",
+    ]);
+    let _ = std::fs::remove_file(trace);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let c = &v[0];
+    assert_eq!(c["load_measured_by"], "service metrics", "{c}");
+    for kind in ["training", "inference"] {
+        let load = c["load_ms"][kind].as_f64().unwrap();
+        let trip = c["load_round_trip_ms"][kind].as_f64().unwrap();
+        let startup = c["startup_ms"][kind].as_f64().unwrap();
+        assert!(load > 0.0 && load <= trip && trip <= startup, "{kind}: {c}");
+    }
+    assert!(
+        c["simulated_as_run_without_loads"]["avg_jct_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(
+        c["live_over_sim_as_run_without_loads_avg_jct"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+}

@@ -21,8 +21,12 @@
 //! error. Both runs are without iteration-time hints, as the service's
 //! sessions declare none; the as-run one also pays each kind's start-up
 //! (OpenSession to the first Run's reply, less that Run's service time),
-//! measured on the idle service before the replay. `--lanes N` simulates N
-//! equal lanes (start the service with `--workers N --max-lanes N`) under
+//! measured on the idle service before the replay, of which the
+//! LoadGraph holds a lane's worker (the service's own timing of it from
+//! its metrics endpoint, `--metrics`, else its round trip): the as-run
+//! simulation runs each job's load on a lane, delaying that lane's jobs,
+//! and is reported without loads too. `--lanes N` simulates N lanes
+//! (start the service with `--workers N --max-lanes N`) under
 //! `--contention`.
 
 use std::path::PathBuf;
@@ -34,7 +38,7 @@ use lanes::server::{self, PolicyChoice, ServerConfig};
 use lanes::sim::{
     calibrate, load_trace, measure_idle, replay_live, replay_remote, service_policy, simulate_with,
     table, Calibration, Contention, CostCurve, JobTimeline, LanePlacement, LiveConfig,
-    RemoteConfig, SimConfig, SimOptions, SleepWork, Summary, TraceJob,
+    RemoteConfig, SimConfig, SimOptions, SleepWork, Startup, Summary, TraceJob,
 };
 use lanes::size::{format_size, ByteSize};
 use lanes_policies::{by_name, JobKind, POLICY_NAMES};
@@ -84,6 +88,14 @@ pub struct Args {
     /// time is then the model's own; compare with *sim as-run*.
     #[arg(long)]
     pub zoo: Option<String>,
+    /// Against a running service: its metrics endpoint (`lanes serve
+    /// --metrics ADDR`, `host:port`), where the replay reads the
+    /// service's own timing of each LoadGraph on the idle service (the
+    /// time a load holds a worker). Without it the load is timed by its
+    /// round trip, which also counts the graph's transfer.
+    /// `--endpoint serve` serves metrics on a free port itself.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -114,13 +126,44 @@ struct Comparison {
     /// service (trace ms), given to the simulator as run.
     #[serde(skip_serializing_if = "Option::is_none")]
     startup_ms: Option<StartupMs>,
+    /// Against a service: the part of each kind's start-up during which
+    /// its LoadGraph held a worker (trace ms; measured as
+    /// `load_measured_by` says), a lane's worker in the as-run simulation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    load_ms: Option<StartupMs>,
+    /// Against a service: the LoadGraph's round trip on the idle service
+    /// (trace ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    load_round_trip_ms: Option<StartupMs>,
+    /// Against a service: the part of the start-up after the LoadGraph's
+    /// reply (the first Run's trips; trace ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    after_load_ms: Option<StartupMs>,
+    /// `service metrics` (the service's own timing of the LoadGraph) or
+    /// `round trip`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    load_measured_by: Option<&'static str>,
+    /// Against a service: the as-run simulation with the start-up only
+    /// delaying each job itself (no load on a lane), as before loads were
+    /// modelled, for comparison.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    simulated_as_run_without_loads: Option<Summary>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    live_over_sim_as_run_without_loads_avg_jct: Option<f64>,
     /// Against a service: each kind's iteration alone on the idle service
     /// (trace ms, the mean of a few Runs after the first).
     #[serde(skip_serializing_if = "Option::is_none")]
     solo_iteration_ms: Option<StartupMs>,
+    /// Against a service: each kind's warm-up on the idle service, the
+    /// service time of a session's first Runs beyond as many solo
+    /// iterations (trace ms); the as-run simulation from solo times
+    /// spreads it over each job's iterations.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warmup_ms: Option<StartupMs>,
     /// Against a service: which iteration times the as-run simulation
     /// took: `measured` (each job's mean during the replay) or `solo`
-    /// (its iteration alone: several lanes under a contention model).
+    /// (its iteration alone, with its kind's warm-up spread over its
+    /// iterations: several lanes under a contention model).
     #[serde(skip_serializing_if = "Option::is_none")]
     as_run_iterations: Option<&'static str>,
     /// Against a service: per job, arrival, admission, first reply and end.
@@ -136,6 +179,15 @@ struct Comparison {
 struct StartupMs {
     training: f64,
     inference: f64,
+}
+
+impl StartupMs {
+    fn of(s: &Startup) -> Self {
+        StartupMs {
+            training: s.training.as_secs_f64() * 1e3,
+            inference: s.inference.as_secs_f64() * 1e3,
+        }
+    }
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -190,6 +242,7 @@ fn against_service(
     policy: &'static str,
     memory: u64,
     contention: Option<Contention>,
+    metrics: Option<&str>,
 ) -> anyhow::Result<Comparison> {
     let cfg = RemoteConfig {
         time_scale: args.time_scale,
@@ -197,6 +250,7 @@ fn against_service(
         width: args.width,
         batch: args.batch,
         zoo: args.zoo.clone(),
+        metrics: metrics.map(str::to_string),
         ..RemoteConfig::new(endpoint)
     };
     let spin = crate::cli::spinner("calibrating the models on the service");
@@ -235,7 +289,8 @@ fn against_service(
     spin.finish_and_clear();
     // The replay's sessions declare their iterations but no iteration
     // time, so the service's policies have no hints: neither has the
-    // simulation. The as-run simulation also pays the measured start-up.
+    // simulation. The as-run simulation also pays the measured start-up,
+    // of which the load holds a lane's worker.
     let opts = SimOptions {
         hints: false,
         contention,
@@ -246,8 +301,9 @@ fn against_service(
     // With several lanes, a job's mean measured during the replay carries
     // the slowdown of the lanes beside it, which the contention model
     // applies again: the as-run simulation then takes each job's
-    // iteration alone (its kind's solo time for zoo models, the
-    // calibration at its depth for MLPs).
+    // iteration alone (its kind's solo time for zoo models, plus its
+    // warm-up spread over the job's iterations; the calibration at its
+    // depth for MLPs).
     let solo_as_run = args.lanes > 1 && contention.is_some();
     let mut as_run_trace = r.as_run.clone();
     if solo_as_run {
@@ -258,11 +314,33 @@ fn against_service(
             };
             a.iteration = match (&cfg.zoo, fit.cost_at(*depth)) {
                 (None, Some(s)) => Duration::from_secs_f64(s / args.time_scale),
-                _ => idle.solo.of(a.kind),
+                // The kind's solo iteration, with the first Runs' warm-up
+                // spread over the job's iterations (its mean alone).
+                _ => {
+                    idle.solo.of(a.kind)
+                        + idle
+                            .warmup
+                            .of(a.kind)
+                            .checked_div(u32::try_from(a.iterations.max(1)).unwrap_or(u32::MAX))
+                            .unwrap_or_default()
+                }
             };
         }
     }
+    // Each job's LoadGraph holds a lane's worker for the measured load.
     let as_run = sim_summary(
+        &as_run_trace,
+        policy,
+        memory,
+        args.lanes,
+        SimOptions {
+            startup,
+            load: idle.load,
+            after_load: idle.after_load,
+            ..opts
+        },
+    )?;
+    let without_loads = sim_summary(
         &as_run_trace,
         policy,
         memory,
@@ -274,6 +352,16 @@ fn against_service(
         policy: policy.to_string(),
         live_over_sim_avg_jct: ratio(&live, &simulated),
         live_over_sim_as_run_avg_jct: Some(ratio(&live, &as_run)),
+        live_over_sim_as_run_without_loads_avg_jct: Some(ratio(&live, &without_loads)),
+        simulated_as_run_without_loads: Some(without_loads),
+        load_ms: Some(StartupMs::of(&idle.load)),
+        load_round_trip_ms: Some(StartupMs::of(&idle.load_round_trip)),
+        after_load_ms: Some(StartupMs::of(&idle.after_load)),
+        load_measured_by: Some(if idle.load_from_metrics {
+            "service metrics"
+        } else {
+            "round trip"
+        }),
         simulated,
         simulated_as_run: Some(as_run),
         live,
@@ -292,14 +380,9 @@ fn against_service(
         ),
         calibration: Some(r.calibration),
         depths: Some(r.depths),
-        startup_ms: Some(StartupMs {
-            training: startup.training.as_secs_f64() * 1e3,
-            inference: startup.inference.as_secs_f64() * 1e3,
-        }),
-        solo_iteration_ms: Some(StartupMs {
-            training: idle.solo.training.as_secs_f64() * 1e3,
-            inference: idle.solo.inference.as_secs_f64() * 1e3,
-        }),
+        startup_ms: Some(StartupMs::of(&startup)),
+        solo_iteration_ms: Some(StartupMs::of(&idle.solo)),
+        warmup_ms: Some(StartupMs::of(&idle.warmup)),
         as_run_iterations: Some(if solo_as_run { "solo" } else { "measured" }),
         timelines: Some(r.timelines),
         lanes: args.lanes,
@@ -393,7 +476,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     depths: None,
                     iteration_ms: None,
                     startup_ms: None,
+                    load_ms: None,
+                    load_round_trip_ms: None,
+                    after_load_ms: None,
+                    load_measured_by: None,
+                    simulated_as_run_without_loads: None,
+                    live_over_sim_as_run_without_loads_avg_jct: None,
                     solo_iteration_ms: None,
+                    warmup_ms: None,
                     as_run_iterations: None,
                     timelines: None,
                     lanes: args.lanes,
@@ -404,14 +494,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "serve" => {
             for name in policy_names(args.policy.as_deref(), "srtf") {
                 let choice: PolicyChoice = name.parse()?;
+                // Metrics on a free port: the replay reads the service's
+                // timing of each LoadGraph there.
+                let metrics = Arc::new(server::metrics::Metrics::new());
+                let http = server::metrics::serve_http("127.0.0.1:0", Arc::clone(&metrics))?;
                 let service = server::start(ServerConfig {
                     endpoint: "tcp://127.0.0.1:*".into(),
                     workers: args.lanes,
                     max_lanes: args.lanes,
                     policy: choice,
+                    metrics: Some(metrics),
                     ..ServerConfig::default()
                 })?;
                 let endpoint = service.endpoint().to_string();
+                let addr = http.addr().to_string();
                 out.push(against_service(
                     &args,
                     &trace,
@@ -419,8 +515,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     choice.name(),
                     memory,
                     contention,
+                    Some(&addr),
                 )?);
                 service.shutdown()?;
+                drop(http);
             }
         }
         endpoint => {
@@ -445,7 +543,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 );
             }
             out.push(against_service(
-                &args, &trace, endpoint, policy, memory, contention,
+                &args,
+                &trace,
+                endpoint,
+                policy,
+                memory,
+                contention,
+                args.metrics.as_deref(),
             )?);
         }
     }
@@ -487,6 +591,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 s.training,
                 s.inference
             )?;
+        }
+        if let (Some(l), Some(by)) = (&c.load_ms, c.load_measured_by) {
+            outln!(
+                "of which the load held a worker (trace ms, {by}): training {:.1}, inference {:.1}",
+                l.training,
+                l.inference
+            )?;
+        }
+        if let Some(r) = c.live_over_sim_as_run_without_loads_avg_jct {
+            outln!("live / as-run simulated average JCT without loads on the lanes: {r:.3}")?;
         }
         if let (Some(cal), Some(d)) = (&c.calibration, &c.depths) {
             let ms = |c: &lanes::sim::CostCurve| {

@@ -47,6 +47,21 @@ pub struct Args {
     /// per kind (`lanes replay` measures them).
     #[arg(long, value_name = "MS[,MS]")]
     pub startup_ms: Option<String>,
+    /// The part of the start-up during which the job's graph load holds a
+    /// lane's worker, in milliseconds (`MS` or `TRAIN,INFER`): the load
+    /// starts on an idle lane, else at the first iteration boundary of a
+    /// busy one, whose jobs then wait for it (at most `max(1, lanes − 1)`
+    /// loads at once, first come first served). It asks for the worker
+    /// `startup − load − after-load` after the submission; the job enters
+    /// admission `--after-load-ms` after the load ends. Default: no load
+    /// (the start-up delays only the job itself).
+    #[arg(long, value_name = "MS[,MS]", requires = "startup_ms")]
+    pub load_ms: Option<String>,
+    /// With `--load-ms`: the part of the start-up after the load (its
+    /// reply and the first Run's trip), in milliseconds (`MS` or
+    /// `TRAIN,INFER`; default 0).
+    #[arg(long, value_name = "MS[,MS]", requires = "load_ms")]
+    pub after_load_ms: Option<String>,
     /// Where admitted jobs go: `policy` (= `equal-lanes`: `--lanes` equal
     /// lanes, the policy's placement) or `service` (a copy of `lanes
     /// serve`'s lane manager over the whole memory, at most `--lanes`
@@ -67,9 +82,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let contention = contention_model(&args.contention)?;
     let startup = match &args.startup_ms {
-        Some(s) => startup_ms(s)?,
+        Some(s) => ms_per_kind("--startup-ms", s)?,
         None => Startup::default(),
     };
+    let load = match &args.load_ms {
+        Some(s) => ms_per_kind("--load-ms", s)?,
+        None => Startup::default(),
+    };
+    let after_load = match &args.after_load_ms {
+        Some(s) => ms_per_kind("--after-load-ms", s)?,
+        None => Startup::default(),
+    };
+    for kind in [
+        lanes_policies::JobKind::Training,
+        lanes_policies::JobKind::Inference,
+    ] {
+        anyhow::ensure!(
+            load.of(kind) + after_load.of(kind) <= startup.of(kind),
+            "--load-ms plus --after-load-ms is more than --startup-ms for {kind:?} jobs: \
+             the load and what follows it are parts of the start-up"
+        );
+    }
     let names: Vec<&str> = if args.policy == "all" {
         POLICY_NAMES.to_vec()
     } else {
@@ -89,6 +122,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 contention,
                 hints: !args.no_hints,
                 startup,
+                load,
+                after_load,
                 placement: args.placement,
             },
         )?);
@@ -133,16 +168,17 @@ pub fn contention_model(arg: &str) -> anyhow::Result<Option<Contention>> {
     })
 }
 
-/// `--startup-ms MS` or `TRAIN,INFER` (milliseconds, finite, not negative).
-pub fn startup_ms(arg: &str) -> anyhow::Result<Startup> {
+/// `MS` or `TRAIN,INFER` given to `option` (milliseconds, finite, not
+/// negative).
+pub fn ms_per_kind(option: &str, arg: &str) -> anyhow::Result<Startup> {
     let ms = |s: &str| -> anyhow::Result<std::time::Duration> {
         let v: f64 = s
             .trim()
             .parse()
-            .with_context(|| format!("--startup-ms {arg}: {s:?} is not a number of ms"))?;
+            .with_context(|| format!("{option} {arg}: {s:?} is not a number of ms"))?;
         anyhow::ensure!(
             v.is_finite() && v >= 0.0,
-            "--startup-ms {arg}: {v} is not a duration in ms"
+            "{option} {arg}: {v} is not a duration in ms"
         );
         Ok(std::time::Duration::from_secs_f64(v / 1e3))
     };
@@ -169,6 +205,7 @@ mod tests {
 
     #[test]
     fn startup_takes_one_or_two_figures() {
+        let startup_ms = |s| ms_per_kind("--startup-ms", s);
         let s = startup_ms("250").unwrap();
         assert_eq!(s.training, Duration::from_millis(250));
         assert_eq!(s.inference, Duration::from_millis(250));

@@ -29,7 +29,7 @@
 //! compare it with.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Duration;
 
 use lanes_policies::{
@@ -184,6 +184,21 @@ pub struct SimOptions {
     /// transfer and load): the job enters admission this long after its
     /// submission; its JCT still counts from the submission.
     pub startup: Startup,
+    /// The part of [`SimOptions::startup`] during which the job's graph
+    /// load holds a worker, and with it a lane: the service runs a
+    /// LoadGraph on one of its workers, before any queued Run, so the lane
+    /// whose worker takes it runs none of its jobs' iterations meanwhile.
+    /// The load asks for a worker `startup − load − after_load` after the
+    /// job's submission; it starts on a lane that is idle, else at the
+    /// first iteration boundary of a busy one (the earliest), at most
+    /// `max(1, lanes − 1)` loads at once (the service keeps a worker for
+    /// Runs), first come first served. The job enters admission
+    /// `after_load` after its load ends. Zero: start-up is only the
+    /// job's own delay (the entry into admission is shifted by it).
+    pub load: Startup,
+    /// The part of [`SimOptions::startup`] after the load (the load's
+    /// reply and the first Run's trip); used only with a load.
+    pub after_load: Startup,
     /// Equal lanes and the policy's placement, or the service's lane
     /// manager over the whole memory ([`LanePlacement`]).
     pub placement: LanePlacement,
@@ -196,6 +211,8 @@ impl Default for SimOptions {
             contention: None,
             hints: true,
             startup: Startup::default(),
+            load: Startup::default(),
+            after_load: Startup::default(),
             placement: LanePlacement::Policy,
         }
     }
@@ -261,16 +278,28 @@ pub fn simulate_with(
     cfg: SimConfig,
     opts: SimOptions,
 ) -> Result<SimRun, SimError> {
-    if opts.startup.is_zero() {
+    if opts.startup.is_zero() && opts.load.is_zero() {
         return simulate_from(trace, policy, cfg, opts);
     }
     // A job becomes admissible once started up: simulate the trace with
-    // shifted submissions, then count JCTs from the real ones.
+    // shifted submissions, then count JCTs from the real ones. With a
+    // load, the shifted submission is when the load asks for a worker.
+    let loads = !opts.load.is_zero();
     let shifted: Vec<TraceJob> = trace
         .iter()
-        .map(|j| TraceJob {
-            submit: j.submit.saturating_add(opts.startup.of(j.kind)),
-            ..j.clone()
+        .map(|j| {
+            let k = j.kind;
+            let delay = if loads {
+                opts.startup
+                    .of(k)
+                    .saturating_sub(opts.load.of(k).saturating_add(opts.after_load.of(k)))
+            } else {
+                opts.startup.of(k)
+            };
+            TraceJob {
+                submit: j.submit.saturating_add(delay),
+                ..j.clone()
+            }
         })
         .collect();
     let mut run = simulate_from(&shifted, policy, cfg, opts)?;
@@ -352,19 +381,26 @@ fn simulate_from(
     let mut waiting = Waiting::new(&ephemeral);
     drop(ephemeral);
     let mut next = 0usize;
+    // With loads (`SimOptions::load`) the shifted submissions are the
+    // loads' requests for a worker; jobs enter admission from `ready`.
+    let loads = !opts.load.is_zero();
     while engine.finished < trace.len() {
         let t_arrival = order.get(next).map(|&i| trace[i].submit);
         let t_lane = engine.lanes.iter().filter_map(|l| l.end).min();
-        let now = match (t_arrival, t_lane) {
-            (Some(a), Some(d)) => a.min(d),
-            (Some(a), None) => a,
-            (None, Some(d)) => d,
-            (None, None) => {
-                return Err(SimError::Stalled {
-                    policy: engine.name,
-                    jobs: trace.len() - engine.finished,
-                });
+        let mut t_next = match (t_arrival, t_lane) {
+            (Some(a), Some(d)) => Some(a.min(d)),
+            (a, d) => a.or(d),
+        };
+        if loads {
+            if let Some(&Reverse((t, _))) = engine.ready.peek() {
+                t_next = Some(t_next.map_or(t, |n| n.min(t)));
             }
+        }
+        let Some(now) = t_next else {
+            return Err(SimError::Stalled {
+                policy: engine.name,
+                jobs: trace.len() - engine.finished,
+            });
         };
 
         // 1. Lanes whose run ends now (lane order): iterations and jobs
@@ -376,11 +412,17 @@ fn simulate_from(
             }
         }
 
-        // 2. Submissions.
+        // 2. Submissions (with loads: the loads' requests, then the jobs
+        //    whose load and its aftermath are over).
         let mut fresh = Vec::new();
         while let Some(&i) = order.get(next) {
             if trace[i].submit != now {
                 break;
+            }
+            next += 1;
+            if loads {
+                engine.request_load(i, now);
+                continue;
             }
             waiting.insert(
                 slot_of[i],
@@ -388,7 +430,18 @@ fn simulate_from(
                 trace[i].ephemeral_bytes,
             );
             fresh.push(slot_of[i]);
-            next += 1;
+        }
+        while let Some(&Reverse((t, i))) = engine.ready.peek().filter(|_| loads) {
+            if t != now {
+                break;
+            }
+            engine.ready.pop();
+            waiting.insert(
+                slot_of[i],
+                trace[i].persistent_bytes,
+                trace[i].ephemeral_bytes,
+            );
+            fresh.push(slot_of[i]);
         }
 
         // 3. Admission in the policy's order. Lanes only fill up between
@@ -451,6 +504,12 @@ fn simulate_from(
                 engine.admit(i, spec, l, now)?;
                 views[l] = engine.lanes[l].view(l);
             }
+        }
+
+        // 3½. Loads waiting for a worker take a free lane, before any of
+        //     its jobs' iterations (the service runs control items first).
+        if loads {
+            engine.start_loads(now)?;
         }
 
         // 4. Decisions on lanes that need one (lane order).
@@ -726,6 +785,9 @@ enum Plan {
         until: FairKey,
         kind: lanes_policies::JobKind,
     },
+    /// The graph load of this job holds the lane's worker: none of the
+    /// lane's jobs runs an iteration.
+    Load { job: usize },
 }
 
 struct Lane {
@@ -784,6 +846,17 @@ struct Engine<'a> {
     /// SRTF under a contention model: a run ends where the job picked
     /// stops ranking first ([`Engine::srtf_limit`]).
     srtf: bool,
+    /// Loads' durations and what follows them, per kind
+    /// ([`SimOptions::load`]).
+    load: Startup,
+    after_load: Startup,
+    /// Loads waiting for a worker, first come first served (trace index).
+    pending_loads: VecDeque<usize>,
+    /// Loads running now, and how many may at once.
+    loading: usize,
+    max_loads: usize,
+    /// Jobs whose load is over, by when they enter admission.
+    ready: BinaryHeap<Reverse<(Duration, usize)>>,
 }
 
 /// Whether the engine computes `name`'s runs in closed form under a
@@ -849,7 +922,93 @@ impl<'a> Engine<'a> {
             finished: 0,
             record: opts.schedule,
             schedule: Vec::new(),
+            load: opts.load,
+            after_load: opts.after_load,
+            pending_loads: VecDeque::new(),
+            loading: 0,
+            // The service runs at most `workers − 1` loads at once (at
+            // least one), so a worker stays for Runs.
+            max_loads: lanes.saturating_sub(1).max(1),
+            ready: BinaryHeap::new(),
         }
+    }
+
+    /// Job `i`'s load asks for a worker at `now` (a kind without a load
+    /// time goes straight to its aftermath).
+    fn request_load(&mut self, i: usize, now: Duration) {
+        let kind = self.trace[i].kind;
+        if self.load.of(kind).is_zero() {
+            self.ready
+                .push(Reverse((now.saturating_add(self.after_load.of(kind)), i)));
+        } else {
+            self.pending_loads.push_back(i);
+        }
+    }
+
+    /// Starts the waiting loads that may start at `now` on free lanes
+    /// (one without jobs first: its worker is idle, then the lowest), after
+    /// moving running loads off lanes with jobs onto free lanes without.
+    /// Busy lanes stop at their next iteration boundary, where the first
+    /// to get there takes the load.
+    fn start_loads(&mut self, now: Duration) -> Result<(), SimError> {
+        // A load holds a worker, not a lane: a lane holding one whose jobs
+        // could run hands it to a free lane without jobs (its idle worker
+        // would serve them).
+        for h in 0..self.lanes.len() {
+            if !matches!(self.lanes[h].plan, Plan::Load { .. }) || self.lanes[h].members.is_empty()
+            {
+                continue;
+            }
+            let Some(m) = self.lanes.iter().position(|l| {
+                l.end.is_none() && matches!(l.plan, Plan::Idle) && l.members.is_empty()
+            }) else {
+                break;
+            };
+            let plan = std::mem::replace(&mut self.lanes[h].plan, Plan::Idle);
+            let (origin, end) = (self.lanes[h].origin, self.lanes[h].end.take());
+            self.lanes[h].decide = true;
+            let lane = &mut self.lanes[m];
+            lane.plan = plan;
+            lane.origin = origin;
+            lane.end = end;
+            lane.decide = false;
+            lane.open = None;
+        }
+        if self.loading >= self.max_loads || self.pending_loads.is_empty() {
+            return Ok(());
+        }
+        // Every busy lane stops at its next iteration boundary (those at
+        // one now are free at once), where the first to get there takes
+        // the load; the others decide again, as at any boundary.
+        for l in 0..self.lanes.len() {
+            if matches!(self.lanes[l].plan, Plan::Run { .. } | Plan::Fair { .. }) {
+                self.cut(l, now)?;
+            }
+        }
+        while self.loading < self.max_loads {
+            let Some(&i) = self.pending_loads.front() else {
+                break;
+            };
+            let free = |l: &Lane| l.end.is_none() && matches!(l.plan, Plan::Idle);
+            let Some(l) = self
+                .lanes
+                .iter()
+                .position(|l| free(l) && l.members.is_empty())
+                .or_else(|| self.lanes.iter().position(free))
+            else {
+                break;
+            };
+            self.pending_loads.pop_front();
+            let took = self.load.of(self.trace[i].kind);
+            let lane = &mut self.lanes[l];
+            lane.plan = Plan::Load { job: i };
+            lane.origin = now;
+            lane.end = Some(now.saturating_add(took));
+            lane.decide = false;
+            lane.open = None;
+            self.loading += 1;
+        }
+        Ok(())
     }
 
     fn contract(&self, detail: String) -> SimError {
@@ -900,7 +1059,7 @@ impl<'a> Engine<'a> {
         }
         let delta = nanos(now - lane.origin);
         let boundary = match &mut lane.plan {
-            Plan::Idle => return Ok(()),
+            Plan::Idle | Plan::Load { .. } => return Ok(()),
             Plan::Run {
                 iterations, step, ..
             } => {
@@ -929,7 +1088,8 @@ impl<'a> Engine<'a> {
     fn complete(&mut self, l: LaneId, now: Duration) -> Result<bool, SimError> {
         let plan = std::mem::replace(&mut self.lanes[l].plan, Plan::Idle);
         let origin = self.lanes[l].origin;
-        if !matches!(plan, Plan::Idle) {
+        // A load is not an iteration: the lane is held, not busy.
+        if !matches!(plan, Plan::Idle | Plan::Load { .. }) {
             self.busy += nanos(now.saturating_sub(origin));
         }
         self.lanes[l].end = None;
@@ -938,6 +1098,11 @@ impl<'a> Engine<'a> {
         let mut ran: Vec<usize> = Vec::new();
         match plan {
             Plan::Idle => {}
+            Plan::Load { job } => {
+                self.loading = self.loading.saturating_sub(1);
+                let after = self.after_load.of(trace[job].kind);
+                self.ready.push(Reverse((now.saturating_add(after), job)));
+            }
             Plan::Run {
                 job,
                 iterations,
@@ -1101,7 +1266,7 @@ impl<'a> Engine<'a> {
             .map(|lane| match lane.plan {
                 Plan::Run { job, .. } => Some(self.trace[job].kind),
                 Plan::Fair { kind, .. } => Some(kind),
-                Plan::Idle => None,
+                Plan::Idle | Plan::Load { .. } => None,
             })
             .collect()
     }
@@ -1132,7 +1297,7 @@ impl<'a> Engine<'a> {
             let trace = self.trace;
             let lane = &mut self.lanes[l];
             match &mut lane.plan {
-                Plan::Idle => {}
+                Plan::Idle | Plan::Load { .. } => {}
                 Plan::Run {
                     iterations, step, ..
                 } => {
@@ -1242,7 +1407,8 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         for l in 0..self.lanes.len() {
-            if decided.contains(&l) || matches!(self.lanes[l].plan, Plan::Idle) {
+            if decided.contains(&l) || matches!(self.lanes[l].plan, Plan::Idle | Plan::Load { .. })
+            {
                 continue;
             }
             self.cut(l, now)?;

@@ -489,6 +489,47 @@ mod tests {
             }
         }
 
+        /// With loads holding lanes, the event-driven runs (cut at the
+        /// boundary where a load starts) give the result of asking the
+        /// policy at every iteration boundary, with and without a
+        /// contention model; a zero load is the plain start-up.
+        #[test]
+        fn loads_event_driven_match_per_iteration(
+            trace in traces(12), lanes in 1usize..4, tight in any::<bool>(),
+            load_ms in (1u64..30, 0u64..30), after_ms in (0u64..5, 0u64..5), contended in any::<bool>(),
+        ) {
+            let per_lane: u64 = if tight { 120 } else { 1 << 40 };
+            let cfg = SimConfig { memory: per_lane * lanes as u64, lanes };
+            let ms = |(t, i): (u64, u64)| Startup {
+                training: Duration::from_millis(t),
+                inference: Duration::from_millis(i),
+            };
+            let load = ms(load_ms);
+            let after_load = ms(after_ms);
+            let startup = ms((load_ms.0 + after_ms.0 + 7, load_ms.1 + after_ms.1 + 3));
+            let contention = contended.then(Contention::h100);
+            let opts = SimOptions { startup, load, after_load, contention, ..SimOptions::default() };
+            let close = |a: Duration, b: Duration| a.abs_diff(b) <= Duration::from_micros(1);
+            for name in POLICY_NAMES {
+                let fast = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, opts).unwrap();
+                let mut plain = NoPromise(by_name(name).unwrap());
+                let step = simulate_with(&trace, &mut plain, cfg, opts).unwrap();
+                prop_assert_eq!(fast.outcomes.len(), trace.len());
+                for (f, s) in fast.outcomes.iter().zip(&step.outcomes) {
+                    prop_assert_eq!(f.lane, s.lane, "{}", name);
+                    prop_assert!(close(f.admitted, s.admitted), "{}: {:?} vs {:?}", name, f, s);
+                    prop_assert!(close(f.finish, s.finish), "{}: {:?} vs {:?}", name, f, s);
+                }
+                prop_assert!(close(fast.busy, step.busy), "{}", name);
+                if contention.is_none() {
+                    prop_assert_eq!(fast.schedule_lines(), step.schedule_lines(), "{}", name);
+                    // The lanes' work is the same; only the waits differ.
+                    let shifted = simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, SimOptions { startup, ..SimOptions::default() }).unwrap();
+                    prop_assert_eq!(fast.busy, shifted.busy);
+                }
+            }
+        }
+
         /// Without hints the engine asks at every boundary; with a policy
         /// that ignores hints (fifo, fair, pack, priority) the result is
         /// the reference's.
@@ -504,6 +545,132 @@ mod tests {
                 same(&old, &new)?;
             }
         }
+    }
+
+    /// A job of `n` iterations of `iter_us` taking 60 of a lane's 100
+    /// bytes.
+    fn solo(id: u64, kind: JobKind, submit_ms: u64, n: u64, iter_us: u64) -> TraceJob {
+        TraceJob {
+            id,
+            submit: Duration::from_millis(submit_ms),
+            kind,
+            iterations: n,
+            iteration: Duration::from_micros(iter_us),
+            persistent_bytes: 60,
+            ephemeral_bytes: 0,
+            priority: 0,
+        }
+    }
+
+    /// Training jobs start up in 50 ms, of which the load takes 20 ms and
+    /// 5 ms follow it; inference jobs start at once.
+    fn with_load() -> SimOptions {
+        let ms = |m| Startup {
+            training: Duration::from_millis(m),
+            inference: Duration::ZERO,
+        };
+        SimOptions {
+            startup: ms(50),
+            load: ms(20),
+            after_load: ms(5),
+            ..SimOptions::default()
+        }
+    }
+
+    /// One lane: a training job submitted at 28 ms asks for the worker at
+    /// 53 ms; the running job reaches its boundary at 60 ms, the load
+    /// holds the lane until 80 ms, so the running job ends exactly the
+    /// load later; the newcomer enters admission at 85 ms.
+    #[test]
+    fn a_load_holds_the_lane_of_the_running_job() {
+        use JobKind::{Inference, Training};
+        let trace = [
+            solo(1, Inference, 0, 10, 10_000),
+            solo(2, Training, 28, 3, 10_000),
+        ];
+        let cfg = SimConfig {
+            memory: 1 << 20,
+            lanes: 1,
+        };
+        for name in POLICY_NAMES {
+            let startup_only = SimOptions {
+                startup: with_load().startup,
+                ..SimOptions::default()
+            };
+            let plain =
+                simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, startup_only).unwrap();
+            let held =
+                simulate_with(&trace, by_name(name).unwrap().as_mut(), cfg, with_load()).unwrap();
+            // The lane never idles: the last job ends the load later.
+            assert_eq!(
+                held.outcomes[0].finish,
+                plain.outcomes[0].finish + Duration::from_millis(20),
+                "{name}"
+            );
+            assert_eq!(plain.outcomes[1].admitted, Duration::from_millis(78));
+            assert_eq!(
+                held.outcomes[1].admitted,
+                Duration::from_millis(85),
+                "{name}"
+            );
+            // The load is not busy time.
+            assert_eq!(held.busy, plain.busy, "{name}");
+        }
+        let fifo =
+            simulate_with(&trace, by_name("fifo").unwrap().as_mut(), cfg, with_load()).unwrap();
+        assert_eq!(
+            fifo.schedule_lines(),
+            [
+                "t=0..60 lane=0 job=1 iters=6",
+                "t=80..120 lane=0 job=1 iters=4",
+                "t=120..150 lane=0 job=2 iters=3"
+            ]
+        );
+        // The load asks for the worker when the lane is idle: no wait, the
+        // job enters admission its start-up after its submission.
+        let late = [
+            solo(1, Inference, 0, 10, 10_000),
+            solo(2, Training, 100, 3, 10_000),
+        ];
+        let r = simulate_with(&late, by_name("fifo").unwrap().as_mut(), cfg, with_load()).unwrap();
+        assert_eq!(r.outcomes[0].finish, Duration::from_millis(100));
+        assert_eq!(r.outcomes[1].admitted, Duration::from_millis(150));
+        assert_eq!(r.outcomes[1].finish, Duration::from_millis(180));
+    }
+
+    /// Two lanes (one job each): with one idle, the load runs there and
+    /// the busy lane's job is not delayed; with both busy, the lane whose
+    /// iteration boundary comes first holds the load, and only its job is
+    /// delayed.
+    #[test]
+    fn a_load_takes_an_idle_lane_else_the_first_boundary() {
+        use JobKind::{Inference, Training};
+        let cfg = SimConfig {
+            memory: 200,
+            lanes: 2,
+        };
+        let trace = [
+            solo(1, Inference, 0, 10, 10_000),
+            solo(3, Training, 28, 3, 10_000),
+        ];
+        let r = simulate_with(&trace, by_name("fifo").unwrap().as_mut(), cfg, with_load()).unwrap();
+        assert_eq!(r.outcomes[0].finish, Duration::from_millis(100));
+        assert_eq!(r.outcomes[1].admitted, Duration::from_millis(78));
+        assert_eq!(r.outcomes[1].lane, 1);
+        // Job 2 (7 ms iterations) in lane 1 reaches its boundary at 56 ms,
+        // before job 1 (60 ms): lane 1 holds the load from 56 to 76 ms.
+        let trace = [
+            solo(1, Inference, 0, 10, 10_000),
+            solo(2, Inference, 0, 10, 7_000),
+            solo(3, Training, 28, 3, 10_000),
+        ];
+        let r = simulate_with(&trace, by_name("fifo").unwrap().as_mut(), cfg, with_load()).unwrap();
+        assert_eq!((r.outcomes[0].lane, r.outcomes[1].lane), (0, 1));
+        assert_eq!(r.outcomes[0].finish, Duration::from_millis(100));
+        assert_eq!(r.outcomes[1].finish, Duration::from_millis(90));
+        // Job 3 entered admission at 81 ms and waited for job 2's memory.
+        assert_eq!(r.outcomes[2].admitted, Duration::from_millis(90));
+        assert_eq!(r.outcomes[2].finish, Duration::from_millis(120));
     }
 
     /// SRTF without hints (as the service runs it): an unmeasured job

@@ -54,6 +54,10 @@ pub struct RemoteConfig {
     /// real and its iteration time the model's own (compare with the
     /// simulator on [`RemoteRun::as_run`]). No calibration is needed.
     pub zoo: Option<String>,
+    /// The service's metrics endpoint (`lanes serve --metrics ADDR`:
+    /// `host:port`): [`measure_idle`] reads its own timing of each
+    /// LoadGraph there. `None`: the load is timed by its round trip.
+    pub metrics: Option<String>,
 }
 
 /// Zoo models a replay can run every job as (`RemoteConfig::zoo`).
@@ -79,6 +83,7 @@ impl RemoteConfig {
             max_depth: 400,
             timeout: Duration::from_secs(120),
             zoo: None,
+            metrics: None,
         }
     }
 }
@@ -137,6 +142,14 @@ pub enum RemoteError {
     /// A job's thread panicked.
     #[error("replay: job {0}'s thread panicked")]
     Panicked(u64),
+    /// The service's metrics endpoint could not be read.
+    #[error("replay: metrics at {addr}: {reason}")]
+    Metrics {
+        /// The endpoint.
+        addr: String,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 /// Measured iteration cost of one kind of model at a few depths
@@ -359,6 +372,28 @@ impl Conn {
                 ephemeral_bytes,
                 ..
             } => Ok((session, persistent_bytes, ephemeral_bytes)),
+            other => Err(self.unexpected("graph_loaded", &other)),
+        }
+    }
+
+    /// [`Conn::open`], with when the LoadGraph was sent and when its reply
+    /// came.
+    fn open_timed(
+        &mut self,
+        spec: SessionSpec,
+        model: &Model,
+    ) -> Result<(SessionId, Instant, Instant), RemoteError> {
+        let session = match self.call(&Request::OpenSession(spec))? {
+            Reply::SessionOpened { session } => session,
+            other => return Err(self.unexpected("session_opened", &other)),
+        };
+        let sent = Instant::now();
+        match self.call(&Request::LoadGraph {
+            session,
+            graph: model.graph.clone(),
+            variables: model.vars.clone(),
+        })? {
+            Reply::GraphLoaded { .. } => Ok((session, sent, Instant::now())),
             other => Err(self.unexpected("graph_loaded", &other)),
         }
     }
@@ -765,9 +800,28 @@ pub fn replay_remote(
 pub struct IdleMeasure {
     /// Each kind's start-up.
     pub startup: Startup,
+    /// The part of the start-up during which the LoadGraph held a worker:
+    /// the service's own time for it (its metrics'
+    /// `lanes_request_duration_seconds`, arrival at the scheduler to the
+    /// reply; nothing else queued on the idle service) when
+    /// `RemoteConfig::metrics` is given, else its round trip (which also
+    /// counts the graph's transfer): see `load_from_metrics`.
+    pub load: Startup,
+    /// The LoadGraph's round trip (sent to its reply received).
+    pub load_round_trip: Startup,
+    /// The part of the start-up after the LoadGraph's reply: the first
+    /// Run's trip and its reply's, less its service time.
+    pub after_load: Startup,
+    /// Whether `load` is the service's own timing (else the round trip).
+    pub load_from_metrics: bool,
     /// Each kind's iteration alone: the service's mean over
     /// [`SOLO_RUNS`] Runs after [`SOLO_WARMUP`] more than the first.
     pub solo: Startup,
+    /// Each kind's warm-up: the service time of a session's first
+    /// `1 + SOLO_WARMUP` Runs beyond as many solo iterations (its first
+    /// Runs may run op by op, before its CUDA graph is recorded). A job's
+    /// mean iteration alone over `n` iterations is `solo + warmup / n`.
+    pub warmup: Startup,
 }
 
 /// Runs [`measure_idle`] sends after the first before it times the solo
@@ -783,7 +837,10 @@ pub const SOLO_RUNS: u64 = 10;
 /// first Run's reply, less the service time the service measured for that
 /// Run: what a job waits before its iterations count as service (the
 /// session's opening, the graph's transfer, compilation and load on the
-/// lane's worker, the replies' trips). The solo iteration is the service's
+/// lane's worker, the replies' trips), split into the part before the
+/// LoadGraph's reply less the load, the load (the time it holds a worker:
+/// the service's own timing with `cfg.metrics`, else its round trip), and
+/// the part after its reply. The solo iteration is the service's
 /// mean over [`SOLO_RUNS`] Runs after [`SOLO_WARMUP`] more: a job's speed with no lane
 /// beside it, which a contention model scales (a job's mean measured
 /// during a replay with several lanes already carries the slowdown). Each
@@ -801,22 +858,28 @@ pub fn measure_idle(
     }
     let ctx = zmq::Context::new();
     let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, 0)?;
-    let mut measure = |kind| -> Result<(Duration, Duration), RemoteError> {
+    let trace_time = |wall: f64| Duration::from_secs_f64(wall.max(0.0) / cfg.time_scale);
+    let mut measure = |kind| -> Result<Idle, RemoteError> {
         let m = match &cfg.zoo {
             Some(name) => zoo_model(name, kind, cfg.batch, 1)?,
             None => model(kind, depth, cfg, 1)?,
         };
-        let mut last = (Duration::ZERO, Duration::ZERO);
+        let mut last = Idle::default();
         for round in 0..rounds.max(1) {
             let spec = match kind {
                 JobKind::Training => SessionSpec::training(format!("startup-{round}")),
                 JobKind::Inference => SessionSpec::inference(format!("startup-{round}")),
             };
             let t0 = Instant::now();
-            let s = conn.open(spec, &m)?;
+            let (s, load_sent, loaded) = conn.open_timed(spec, &m)?;
             let first = conn.iterate(s, &m, 1, 1)?.unwrap_or_else(Instant::now);
             let wall = first.saturating_duration_since(t0);
             let (_, service) = conn.measured(s)?;
+            let round_trip = loaded.saturating_duration_since(load_sent);
+            let worker = match &cfg.metrics {
+                Some(addr) => Some(load_seconds(addr, s, cfg.timeout)?),
+                None => None,
+            };
             // A session's first iterations may run op by op before its
             // CUDA graph is recorded: the solo time is taken after them,
             // from the difference of the service's totals.
@@ -828,27 +891,111 @@ pub fn measure_idle(
             let total = |n: u64, mean: Duration| mean.as_secs_f64() * n as f64;
             let later =
                 (total(n, mean) - total(n0, mean0)).max(0.0) / n.saturating_sub(n0).max(1) as f64;
-            last = (
-                Duration::from_secs_f64(
-                    wall.saturating_sub(service).as_secs_f64() / cfg.time_scale,
+            let warmup = total(n0, mean0) - n0 as f64 * later;
+            // The worker's time is within the round trip.
+            let load = worker.map_or(round_trip.as_secs_f64(), |w| {
+                w.min(round_trip.as_secs_f64())
+            });
+            last = Idle {
+                startup: trace_time(wall.saturating_sub(service).as_secs_f64()),
+                solo: trace_time(later),
+                warmup: trace_time(warmup),
+                load: trace_time(load),
+                round_trip: trace_time(round_trip.as_secs_f64()),
+                after: trace_time(
+                    first
+                        .saturating_duration_since(loaded)
+                        .saturating_sub(service)
+                        .as_secs_f64(),
                 ),
-                Duration::from_secs_f64(later / cfg.time_scale),
-            );
+            };
         }
         Ok(last)
     };
-    let (training, training_solo) = measure(JobKind::Training)?;
-    let (inference, inference_solo) = measure(JobKind::Inference)?;
+    let t = measure(JobKind::Training)?;
+    let i = measure(JobKind::Inference)?;
+    let both = |f: fn(&Idle) -> Duration| Startup {
+        training: f(&t),
+        inference: f(&i),
+    };
     Ok(IdleMeasure {
-        startup: Startup {
-            training,
-            inference,
-        },
-        solo: Startup {
-            training: training_solo,
-            inference: inference_solo,
-        },
+        startup: both(|x| x.startup),
+        load: both(|x| x.load),
+        load_round_trip: both(|x| x.round_trip),
+        after_load: both(|x| x.after),
+        load_from_metrics: cfg.metrics.is_some(),
+        solo: both(|x| x.solo),
+        warmup: both(|x| x.warmup),
     })
+}
+
+/// One kind's figures in [`measure_idle`] (trace time).
+#[derive(Debug, Default, Clone, Copy)]
+struct Idle {
+    startup: Duration,
+    solo: Duration,
+    warmup: Duration,
+    load: Duration,
+    round_trip: Duration,
+    after: Duration,
+}
+
+/// The service's own time for `session`'s LoadGraph, in wall seconds:
+/// the sum of its `lanes_request_duration_seconds` series for
+/// `load_graph`, read from the metrics endpoint at `addr` (`host:port`,
+/// or `http://host:port/metrics`).
+pub fn load_seconds(addr: &str, session: SessionId, timeout: Duration) -> Result<f64, RemoteError> {
+    let text = scrape(addr, timeout)?;
+    let key = format!(
+        "lanes_request_duration_seconds_sum{{session=\"{}\",request=\"load_graph\"}}",
+        session.0
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .ok_or_else(|| RemoteError::Metrics {
+            addr: addr.to_string(),
+            reason: format!("no load_graph time for session {}", session.0),
+        })
+}
+
+/// `GET /metrics` from `addr` over plain HTTP/1.0.
+fn scrape(addr: &str, timeout: Duration) -> Result<String, RemoteError> {
+    use std::io::{Read, Write};
+    let fail = |reason: String| RemoteError::Metrics {
+        addr: addr.to_string(),
+        reason,
+    };
+    let host = addr.strip_prefix("http://").unwrap_or(addr);
+    let host = host.split('/').next().unwrap_or(host);
+    let sock = std::net::ToSocketAddrs::to_socket_addrs(host)
+        .map_err(|e| fail(e.to_string()))?
+        .next()
+        .ok_or_else(|| fail("no address".into()))?;
+    let mut stream =
+        std::net::TcpStream::connect_timeout(&sock, timeout).map_err(|e| fail(e.to_string()))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| fail(e.to_string()))?;
+    stream
+        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes())
+        .map_err(|e| fail(e.to_string()))?;
+    let mut body = String::new();
+    stream
+        .read_to_string(&mut body)
+        .map_err(|e| fail(e.to_string()))?;
+    let (head, text) = body
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| fail("not an HTTP reply".into()))?;
+    let ok = head.starts_with("HTTP/1.") && head.split_whitespace().nth(1) == Some("200");
+    if !ok {
+        return Err(fail(format!(
+            "answered {}",
+            head.lines().next().unwrap_or("")
+        )));
+    }
+    Ok(text.to_string())
 }
 
 #[cfg(test)]
@@ -876,6 +1023,43 @@ mod tests {
             CostCurve { points: vec![] }.depth_for(Duration::from_millis(5), 9),
             1
         );
+    }
+
+    /// Serves `reply` to each of `n` connections, after reading the request.
+    fn canned(reply: &'static str, n: usize) -> String {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        thread::spawn(move || {
+            for _ in 0..n {
+                let (mut c, _) = l.accept().unwrap();
+                let mut buf = [0u8; 1024];
+                let _ = c.read(&mut buf);
+                c.write_all(reply.as_bytes()).unwrap();
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn the_load_time_is_read_from_the_metrics_text() {
+        let t = Duration::from_secs(5);
+        let text = "HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n\
+            lanes_request_duration_seconds_sum{session=\"15\",request=\"load_graph\"} 9.0\n\
+            lanes_request_duration_seconds_sum{session=\"5\",request=\"run\"} 1.5\n\
+            lanes_request_duration_seconds_sum{session=\"5\",request=\"load_graph\"} 0.0625\n";
+        let addr = canned(text, 3);
+        assert_eq!(load_seconds(&addr, SessionId(5), t).unwrap(), 0.0625);
+        let url = format!("http://{addr}/metrics");
+        assert_eq!(load_seconds(&url, SessionId(15), t).unwrap(), 9.0);
+        let err = load_seconds(&addr, SessionId(6), t).unwrap_err();
+        assert!(
+            err.to_string().contains("no load_graph time for session 6"),
+            "{err}"
+        );
+        let addr = canned("HTTP/1.0 404 Not Found\r\n\r\nsee /metrics\n", 1);
+        let err = load_seconds(&addr, SessionId(5), t).unwrap_err();
+        assert!(err.to_string().contains("404"), "{err}");
     }
 
     #[test]
