@@ -43,6 +43,10 @@ use lanes::sim::{
 use lanes::size::{format_size, ByteSize};
 use lanes_policies::{by_name, JobKind, POLICY_NAMES};
 
+/// Rounds `lanes replay` measures each kind's start-up and solo iteration
+/// on the idle service (the first is not counted; the rest's median is).
+const IDLE_ROUNDS: usize = 4;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Trace file (CSV, see docs/scheduling.md).
@@ -279,7 +283,8 @@ fn against_service(
         d.sort_unstable();
         d.get(d.len() / 2).copied().unwrap_or(1)
     };
-    let idle = measure_idle(&cfg, depth, 2).context("measuring start-up on the service")?;
+    let idle =
+        measure_idle(&cfg, depth, IDLE_ROUNDS).context("measuring start-up on the service")?;
     let startup = idle.startup;
     spin.set_prefix(format!(
         "replaying {} jobs under {policy} on {endpoint}",

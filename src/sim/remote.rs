@@ -845,9 +845,9 @@ pub const SOLO_RUNS: u64 = 10;
 /// beside it, which a contention model scales (a job's mean measured
 /// during a replay with several lanes already carries the slowdown). Each
 /// kind is measured `rounds` times (each a new session of the replay's
-/// model: the zoo model, or an MLP of `depth` hidden layers); the last
-/// round counts, as the replay's jobs come after the service has seen the
-/// model once.
+/// model: the zoo model, or an MLP of `depth` hidden layers); each figure
+/// is the median of the rounds after the first, as the replay's jobs come
+/// after the service has seen the model once.
 pub fn measure_idle(
     cfg: &RemoteConfig,
     depth: usize,
@@ -864,7 +864,7 @@ pub fn measure_idle(
             Some(name) => zoo_model(name, kind, cfg.batch, 1)?,
             None => model(kind, depth, cfg, 1)?,
         };
-        let mut last = Idle::default();
+        let mut seen = Vec::with_capacity(rounds.max(1));
         for round in 0..rounds.max(1) {
             let spec = match kind {
                 JobKind::Training => SessionSpec::training(format!("startup-{round}")),
@@ -896,7 +896,7 @@ pub fn measure_idle(
             let load = worker.map_or(round_trip.as_secs_f64(), |w| {
                 w.min(round_trip.as_secs_f64())
             });
-            last = Idle {
+            seen.push(Idle {
                 startup: trace_time(wall.saturating_sub(service).as_secs_f64()),
                 solo: trace_time(later),
                 warmup: trace_time(warmup),
@@ -908,9 +908,9 @@ pub fn measure_idle(
                         .saturating_sub(service)
                         .as_secs_f64(),
                 ),
-            };
+            });
         }
-        Ok(last)
+        Ok(Idle::median(&seen))
     };
     let t = measure(JobKind::Training)?;
     let i = measure(JobKind::Inference)?;
@@ -940,6 +940,36 @@ struct Idle {
     after: Duration,
 }
 
+impl Idle {
+    /// Each figure's median over the rounds after the first (the replay's
+    /// jobs come after the service has seen the model once); the first
+    /// round's when there is only one.
+    fn median(rounds: &[Idle]) -> Idle {
+        let counted = if rounds.len() > 1 {
+            &rounds[1..]
+        } else {
+            rounds
+        };
+        let med = |f: fn(&Idle) -> Duration| {
+            let mut v: Vec<Duration> = counted.iter().map(f).collect();
+            v.sort_unstable();
+            match v.len() {
+                0 => Duration::ZERO,
+                n if n % 2 == 1 => v[n / 2],
+                n => (v[n / 2 - 1] + v[n / 2]) / 2,
+            }
+        };
+        Idle {
+            startup: med(|x| x.startup),
+            solo: med(|x| x.solo),
+            warmup: med(|x| x.warmup),
+            load: med(|x| x.load),
+            round_trip: med(|x| x.round_trip),
+            after: med(|x| x.after),
+        }
+    }
+}
+
 /// The service's own time for `session`'s LoadGraph, in wall seconds:
 /// the sum of its `lanes_request_duration_seconds` series for
 /// `load_graph`, read from the metrics endpoint at `addr` (`host:port`,
@@ -960,42 +990,30 @@ pub fn load_seconds(addr: &str, session: SessionId, timeout: Duration) -> Result
         })
 }
 
-/// `GET /metrics` from `addr` over plain HTTP/1.0.
+/// `GET /metrics` from `addr` (`host:port` or a URL).
 fn scrape(addr: &str, timeout: Duration) -> Result<String, RemoteError> {
-    use std::io::{Read, Write};
     let fail = |reason: String| RemoteError::Metrics {
         addr: addr.to_string(),
         reason,
     };
-    let host = addr.strip_prefix("http://").unwrap_or(addr);
-    let host = host.split('/').next().unwrap_or(host);
-    let sock = std::net::ToSocketAddrs::to_socket_addrs(host)
-        .map_err(|e| fail(e.to_string()))?
-        .next()
-        .ok_or_else(|| fail("no address".into()))?;
-    let mut stream =
-        std::net::TcpStream::connect_timeout(&sock, timeout).map_err(|e| fail(e.to_string()))?;
-    stream
-        .set_read_timeout(Some(timeout))
+    let url = if addr.starts_with("http://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}/metrics")
+    };
+    let r = minreq::get(&url)
+        .with_timeout(timeout.as_secs().max(1))
+        .send()
         .map_err(|e| fail(e.to_string()))?;
-    stream
-        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes())
-        .map_err(|e| fail(e.to_string()))?;
-    let mut body = String::new();
-    stream
-        .read_to_string(&mut body)
-        .map_err(|e| fail(e.to_string()))?;
-    let (head, text) = body
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| fail("not an HTTP reply".into()))?;
-    let ok = head.starts_with("HTTP/1.") && head.split_whitespace().nth(1) == Some("200");
-    if !ok {
+    if r.status_code != 200 {
         return Err(fail(format!(
-            "answered {}",
-            head.lines().next().unwrap_or("")
+            "answered {} {}",
+            r.status_code, r.reason_phrase
         )));
     }
-    Ok(text.to_string())
+    r.as_str()
+        .map(str::to_string)
+        .map_err(|e| fail(e.to_string()))
 }
 
 #[cfg(test)]
