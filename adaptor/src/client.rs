@@ -523,57 +523,65 @@ impl Client {
                     timeout: self.options.timeout,
                 });
             }
-            let ready = Instant::now();
-            let frames = recv_frames(&self.socket)?;
-            let received = Instant::now();
-            let decoded = wire::decode_reply_in(&frames, &self.options.limits, pool);
-            drop(frames);
-            // The service has read a Run's feeds once it answers.
-            let answered = match &decoded {
-                Ok(env) => Some(env.request_id),
-                Err(e) => e.request_id,
-            };
-            if let Some(id) = answered {
-                self.shared.release(id);
+            if let Some(r) = self.take_reply(sent, pool)? {
+                return r;
             }
-            match decoded {
-                Ok(env) if env.request_id != sent.id => {
-                    // A Run submitted ahead: keep its reply for its wait.
-                    if self.ahead.contains(&env.request_id) {
-                        let r = match env.message {
-                            Reply::Error(e) => Err(ClientError::Service {
-                                code: e.code,
-                                message: e.message,
-                            }),
-                            r => Ok(r),
-                        };
-                        self.early.insert(env.request_id, r);
-                    }
-                    continue;
+        }
+    }
+
+    /// Takes one message from the socket, which has one: `Some` when it
+    /// answers `sent`; a reply to a Run submitted ahead is kept for its
+    /// wait, any other (a request that timed out, a Run whose outputs came
+    /// through its reply slot) dropped.
+    fn take_reply(
+        &mut self,
+        sent: &Sent,
+        pool: Option<&BufferPool>,
+    ) -> Result<Option<Result<Reply, ClientError>>, ClientError> {
+        let ready = Instant::now();
+        let frames = recv_frames(&self.socket)?;
+        let received = Instant::now();
+        let decoded = wire::decode_reply_in(&frames, &self.options.limits, pool);
+        drop(frames);
+        // The service has read a Run's feeds once it answers.
+        let answered = match &decoded {
+            Ok(env) => Some(env.request_id),
+            Err(e) => e.request_id,
+        };
+        if let Some(id) = answered {
+            self.shared.release(id);
+        }
+        let service = |message: Reply| match message {
+            Reply::Error(e) => Err(ClientError::Service {
+                code: e.code,
+                message: e.message,
+            }),
+            r => Ok(r),
+        };
+        match decoded {
+            Ok(env) if env.request_id != sent.id => {
+                // A Run submitted ahead: keep its reply for its wait.
+                if self.ahead.contains(&env.request_id) {
+                    self.early.insert(env.request_id, service(env.message));
                 }
-                Ok(env) => {
-                    let us = |a: Instant, b: Instant| b.duration_since(a).as_micros() as u64;
-                    tracing::trace!(
-                        request = sent.request,
-                        bytes = sent.bytes,
-                        encode_us = us(sent.start, sent.encoded),
-                        send_us = us(sent.encoded, sent.sent),
-                        wait_us = us(sent.sent, ready),
-                        recv_us = us(ready, received),
-                        decode_us = received.elapsed().as_micros() as u64,
-                        "round trip"
-                    );
-                    return match env.message {
-                        Reply::Error(e) => Err(ClientError::Service {
-                            code: e.code,
-                            message: e.message,
-                        }),
-                        r => Ok(r),
-                    };
-                }
-                Err(e) if e.request_id.is_some_and(|r| r != sent.id) => continue,
-                Err(e) => return Err(e.into()),
+                Ok(None)
             }
+            Ok(env) => {
+                let us = |a: Instant, b: Instant| b.duration_since(a).as_micros() as u64;
+                tracing::trace!(
+                    request = sent.request,
+                    bytes = sent.bytes,
+                    encode_us = us(sent.start, sent.encoded),
+                    send_us = us(sent.encoded, sent.sent),
+                    wait_us = us(sent.sent, ready),
+                    recv_us = us(ready, received),
+                    decode_us = received.elapsed().as_micros() as u64,
+                    "round trip"
+                );
+                Ok(Some(service(env.message)))
+            }
+            Err(e) if e.request_id.is_some_and(|r| r != sent.id) => Ok(None),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -825,6 +833,8 @@ impl Client {
             }
             Ok(read)
         };
+        // Its socket reply, when taken while polling the slot.
+        let mut socket_reply = None;
         if !self.options.busy_poll.is_zero() && !self.early.contains_key(&sent.id) {
             let until =
                 (Instant::now() + self.options.busy_poll).min(sent.sent + self.options.timeout);
@@ -838,13 +848,24 @@ impl Client {
                     SlotRead::Here(_) | SlotRead::OnSocket { .. } => break,
                     SlotRead::NotYet => {}
                 }
-                if Instant::now() >= until || self.socket.poll(zmq::POLLIN, 0)? != 0 {
+                if Instant::now() >= until {
                     break;
+                }
+                // Replies to earlier Runs answered through their slots
+                // arrive meanwhile: taken and dropped without leaving.
+                if self.socket.poll(zmq::POLLIN, 0)? != 0 {
+                    if let Some(r) = self.take_reply(sent, None)? {
+                        socket_reply = Some(r);
+                        break;
+                    }
                 }
                 std::hint::spin_loop();
             }
         }
-        let reply = self.receive(sent, None);
+        let reply = match socket_reply {
+            Some(r) => r,
+            None => self.receive(sent, None),
+        };
         self.ahead.remove(&sent.id);
         let outputs = match reply? {
             Reply::RunDone { outputs } => outputs,
