@@ -108,3 +108,28 @@ def test_feed_buffers_follow_the_feeds(client, endpoint):
         with plain.session("no-buffers") as s:
             s.load_onnx(ONNX / "resnet18.onnx", batch=x.shape[0])
             np.testing.assert_array_equal(s.run({"input": x}, fetch="output"), a)
+
+
+def test_outputs_larger_than_the_reply_slot(endpoint):
+    """Outputs larger than the feed buffers' 1 MiB reply slot come through
+    the socket once; the buffers are then made again with a slot that holds
+    them. Every `run` gives the answer a client without shared memory gets,
+    with and without busy polling."""
+    # 512 x 1024 float32 outputs: 2 MiB.
+    shape = dict(batch=512, inputs=16, hidden=[32], classes=1024)
+    x = np.random.default_rng(3).standard_normal((512, 16), dtype=np.float32)
+    with lanes.Client(endpoint, shared_memory=False) as plain:
+        with plain.session("plain") as s:
+            s.load_zoo("mlp", seed=5, **shape)
+            name = s.inputs[0][0]
+            want = s.run({name: x})
+    for busy in (0.0, 0.05):
+        with lanes.Client(endpoint, busy_poll=busy) as c:
+            with c.session("large-outputs") as s:
+                s.load_zoo("mlp", seed=5, **shape)
+                for i in range(4):
+                    got = s.run({name: x})
+                    assert got.keys() == want.keys()
+                    for k, v in want.items():
+                        assert v.nbytes > 1 << 20
+                        np.testing.assert_array_equal(got[k], v, err_msg=f"run {i}, busy {busy}")
