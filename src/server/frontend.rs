@@ -503,6 +503,7 @@ impl Frontend {
                 tracing::info!(session = %id, name = %e.spec.name, dropped, "client gone: session reclaimed");
             }
         }
+        self.forget_bells();
         self.dispatcher.wake();
     }
 
@@ -723,6 +724,7 @@ impl Frontend {
                 Ok(_) => {
                     let dropped = self.dispatcher.cancel(session);
                     self.sessions.remove(&session);
+                    self.forget_bells();
                     self.dispatcher.wake(); // its memory may admit a waiting job
                     tracing::info!(%session, dropped, "session closed");
                     Reply::SessionClosed { session }
@@ -827,14 +829,19 @@ impl Frontend {
         true
     }
 
-    /// Takes the Runs rung in the doorbells since their last, and handles
-    /// each as if it came through the socket. A peer with requests held
-    /// behind a decode is skipped (its Run comes through the socket, in
-    /// order); doorbells of sessions gone are forgotten.
-    fn poll_bells(&mut self) -> Result<(), zmq::Error> {
+    /// Forgets the doorbells of sessions gone (and their segments'
+    /// mappings with them).
+    fn forget_bells(&mut self) {
         let sessions = &self.sessions;
         self.bells
             .retain(|b| sessions.get(&b.session).is_some_and(|e| e.owner == b.peer));
+    }
+
+    /// Takes the Runs rung in the doorbells since their last, and handles
+    /// each as if it came through the socket. A peer with requests held
+    /// behind a decode is skipped (its Run comes through the socket, in
+    /// order).
+    fn poll_bells(&mut self) -> Result<(), zmq::Error> {
         let mut taken = Vec::new();
         for b in &mut self.bells {
             if self.decoding.contains(&b.peer) || self.held.contains_key(&b.peer) {
@@ -1224,6 +1231,7 @@ impl Frontend {
                 self.dispatcher.wake();
             }
         }
+        self.forget_bells();
     }
 }
 
