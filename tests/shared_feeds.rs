@@ -297,6 +297,35 @@ fn feed_buffers_written_in_place_give_the_socket_results() {
     assert!(matches!(e, ClientError::NoSharedMemory { .. }), "{e}");
 }
 
+/// A raw peer with a session of `wide(3)` named `name`, a 4 MiB segment
+/// (id 1) attached to it, and the outputs of a Run (id 5) whose feed `x`
+/// (`x_for(5)`) went into the segment at its header's end.
+fn attached_with_a_run(
+    service: &lanes::server::ServerHandle,
+    name: &str,
+) -> (RawPeer, SessionId, OwnedSegment, Vec<Tensor>) {
+    let peer = RawPeer::connect(service.endpoint());
+    let session = peer.open_and_load(SessionSpec::inference(name), wide(3));
+    let desk = desk_of(&peer);
+    let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
+    seg.hand_over(&desk).unwrap();
+    assert!(matches!(
+        offer_reply(&peer, 4, session, seg.offer()),
+        Reply::MemoryShared { segment: 1, .. }
+    ));
+    let run = Request::Run {
+        session,
+        feeds: vec![NamedTensor::new("x", x_for(5))],
+        fetches: vec!["y".into()],
+    };
+    let frames = wire::encode_request_into(5, &run, Some(&mut seg)).unwrap();
+    let want = match peer.call(frames).message {
+        Reply::RunDone { outputs } => outputs,
+        other => panic!("{other:?}"),
+    };
+    (peer, session, seg, want)
+}
+
 /// Reply slots: a shared Run may ask the service to write its outputs into
 /// a slot of its segment; the socket reply then carries none, the slot
 /// holds what the socket would have, a slot too small says how large one
@@ -308,26 +337,7 @@ fn reply_slots_carry_the_outputs_or_say_what_they_need() {
     use lanes_adaptor::wire::shm::{REPLY_HEADER, SEGMENT_HEADER};
     use lanes_adaptor::wire::{SlotRange, SlotRead};
     let service = start();
-    let peer = RawPeer::connect(service.endpoint());
-    let session = peer.open_and_load(SessionSpec::inference("slots"), wide(3));
-    let desk = desk_of(&peer);
-    let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
-    seg.hand_over(&desk).unwrap();
-    assert!(matches!(
-        offer_reply(&peer, 4, session, seg.offer()),
-        Reply::MemoryShared { segment: 1, .. }
-    ));
-    // The feed's values go into the segment at its header's end.
-    let run = Request::Run {
-        session,
-        feeds: vec![NamedTensor::new("x", x_for(5))],
-        fetches: vec!["y".into()],
-    };
-    let frames = wire::encode_request_into(5, &run, Some(&mut seg)).unwrap();
-    let want = match peer.call(frames).message {
-        Reply::RunDone { outputs } => outputs,
-        other => panic!("{other:?}"),
-    };
+    let (peer, session, mut seg, want) = attached_with_a_run(&service, "slots");
     let ty = TensorType::f32([ROWS, COLS]);
     let shared_run = |id: u64, reply: SlotRange| {
         let feeds = [("x", &ty, SEGMENT_HEADER as u64)];
@@ -490,25 +500,7 @@ fn doorbell_runs_are_served_once() {
     use lanes_adaptor::wire::shm::DOORBELL_HEADER;
     use lanes_adaptor::wire::{SharedAreas, SlotRange};
     let service = start_with(|c| c.busy_poll = std::time::Duration::from_millis(20));
-    let peer = RawPeer::connect(service.endpoint());
-    let session = peer.open_and_load(SessionSpec::inference("bell"), wide(3));
-    let desk = desk_of(&peer);
-    let mut seg = OwnedSegment::create(1, 4 << 20).unwrap();
-    seg.hand_over(&desk).unwrap();
-    assert!(matches!(
-        offer_reply(&peer, 4, session, seg.offer()),
-        Reply::MemoryShared { segment: 1, .. }
-    ));
-    let run = Request::Run {
-        session,
-        feeds: vec![NamedTensor::new("x", x_for(5))],
-        fetches: vec!["y".into()],
-    };
-    let frames = wire::encode_request_into(5, &run, Some(&mut seg)).unwrap();
-    let want = match peer.call(frames).message {
-        Reply::RunDone { outputs } => outputs,
-        other => panic!("{other:?}"),
-    };
+    let (peer, session, mut seg, want) = attached_with_a_run(&service, "bell");
     let ty = TensorType::f32([ROWS, COLS]);
     let (bell_at, bell_len) = (3usize << 20, 4096usize);
     let encode = |id: u64| {
