@@ -337,7 +337,7 @@ fn reply_slots_carry_the_outputs_or_say_what_they_need() {
     use lanes_adaptor::wire::shm::{REPLY_HEADER, SEGMENT_HEADER};
     use lanes_adaptor::wire::{SlotRange, SlotRead};
     let service = start();
-    let (peer, session, mut seg, want) = attached_with_a_run(&service, "slots");
+    let (peer, session, seg, want) = attached_with_a_run(&service, "slots");
     let ty = TensorType::f32([ROWS, COLS]);
     let shared_run = |id: u64, reply: SlotRange| {
         let feeds = [("x", &ty, SEGMENT_HEADER as u64)];
