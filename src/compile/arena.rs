@@ -76,15 +76,47 @@ pub struct Assignment {
 /// rounds sizes up). Sizes must already be checked to sum without
 /// overflowing `u64`.
 pub fn assign(blocks: &[Block]) -> Assignment {
+    assign_preferring(blocks, &[])
+}
+
+/// [`assign`], where each pair `(i, j)` of `same` asks for blocks `i` and
+/// `j` (live at different steps) to start at the same offset: when the
+/// second of them is placed and the first one's offset is free for it
+/// over its whole lifetime, it goes there instead of into the best-fit
+/// gap (the executor's fused kernels need an output exactly over an
+/// input or apart from it; see the module docs). The preference never
+/// costs memory: the arena is also placed without it, and the preferred
+/// placement is kept only when it is no larger.
+pub fn assign_preferring(blocks: &[Block], same: &[(usize, usize)]) -> Assignment {
     if blocks.len() > EXACT_MAX {
         return assign_with(blocks, Strategy::Online);
     }
-    let a = assign_with(blocks, Strategy::GreedyBySize);
-    let b = assign_with(blocks, Strategy::GreedyByLifetime);
-    if b.size < a.size {
-        b
+    let smaller = |a: Assignment, b: Assignment| if b.size < a.size { b } else { a };
+    let plain = || {
+        smaller(
+            assign_with(blocks, Strategy::GreedyBySize),
+            assign_with(blocks, Strategy::GreedyByLifetime),
+        )
+    };
+    let mut partners: Vec<Vec<usize>> = vec![Vec::new(); blocks.len()];
+    for &(i, j) in same {
+        if i < blocks.len() && j < blocks.len() && i != j {
+            partners[i].push(j);
+            partners[j].push(i);
+        }
+    }
+    if partners.iter().all(Vec::is_empty) {
+        return plain();
+    }
+    let preferred = smaller(
+        place_greedy(blocks, Strategy::GreedyBySize, &partners),
+        place_greedy(blocks, Strategy::GreedyByLifetime, &partners),
+    );
+    let plain = plain();
+    if preferred.size <= plain.size {
+        preferred
     } else {
-        a
+        plain
     }
 }
 
@@ -93,6 +125,15 @@ pub fn assign_with(blocks: &[Block], strategy: Strategy) -> Assignment {
     if strategy == Strategy::Online {
         return assign_online(blocks);
     }
+    place_greedy(blocks, strategy, &[])
+}
+
+/// The greedy best-fit placement in `strategy`'s order. A block with
+/// `partners` takes the offset of the first one already placed whose
+/// bytes are free over its lifetime; failing that, with a partner of its
+/// size not yet placed, it goes into the best gap free over both
+/// lifetimes and the partner goes there with it.
+fn place_greedy(blocks: &[Block], strategy: Strategy, partners: &[Vec<usize>]) -> Assignment {
     let mut order: Vec<usize> = (0..blocks.len()).filter(|&i| blocks[i].size > 0).collect();
     match strategy {
         Strategy::GreedyBySize => order.sort_by(|&x, &y| {
@@ -114,29 +155,69 @@ pub fn assign_with(blocks: &[Block], strategy: Strategy) -> Assignment {
     let mut offsets = vec![0u64; blocks.len()];
     // Blocks placed so far, kept sorted by offset: (offset, index).
     let mut placed: Vec<(u64, usize)> = Vec::with_capacity(order.len());
+    let mut placed_set = vec![false; blocks.len()];
     let mut extent = 0u64;
     for &i in &order {
-        let blk = &blocks[i];
-        let mut best: Option<(u64, u64)> = None; // (gap size, offset)
-        let mut prev_end = 0u64;
-        for &(off, j) in &placed {
-            let other = &blocks[j];
-            if !blk.overlaps_in_time(other) {
-                continue;
-            }
-            if off > prev_end {
-                let gap = off - prev_end;
-                if gap >= blk.size && best.is_none_or(|(g, _)| gap < g) {
-                    best = Some((gap, prev_end));
-                }
-            }
-            prev_end = prev_end.max(off + other.size);
+        if placed_set[i] {
+            continue;
         }
-        let off = best.map_or(prev_end, |(_, o)| o);
-        offsets[i] = off;
-        extent = extent.max(off + blk.size);
-        let pos = placed.partition_point(|&(o, _)| o <= off);
-        placed.insert(pos, (off, i));
+        let blk = &blocks[i];
+        let own = partners.get(i).map_or(&[][..], Vec::as_slice);
+        // A partner already placed whose offset is free for this block.
+        let free_at = |at: u64, placed: &[(u64, usize)]| {
+            placed.iter().all(|&(o, k)| {
+                let other = &blocks[k];
+                !blk.overlaps_in_time(other) || o + other.size <= at || at + blk.size <= o
+            })
+        };
+        let taken = own
+            .iter()
+            .filter(|&&j| placed_set[j] && blocks[j].size >= blk.size)
+            .map(|&j| offsets[j])
+            .find(|&at| free_at(at, &placed));
+        // Else a partner not yet placed, of the same size: both go into
+        // one gap free over both lifetimes.
+        let twin = own.iter().copied().find(|&j| {
+            !placed_set[j] && blocks[j].size == blk.size && !blk.overlaps_in_time(&blocks[j])
+        });
+        let off = match taken {
+            Some(at) => at,
+            None => {
+                let conflicts = |other: &Block| {
+                    blk.overlaps_in_time(other)
+                        || twin.is_some_and(|j| blocks[j].overlaps_in_time(other))
+                };
+                let mut best: Option<(u64, u64)> = None; // (gap size, offset)
+                let mut prev_end = 0u64;
+                for &(off, j) in &placed {
+                    let other = &blocks[j];
+                    if !conflicts(other) {
+                        continue;
+                    }
+                    if off > prev_end {
+                        let gap = off - prev_end;
+                        if gap >= blk.size && best.is_none_or(|(g, _)| gap < g) {
+                            best = Some((gap, prev_end));
+                        }
+                    }
+                    prev_end = prev_end.max(off + other.size);
+                }
+                best.map_or(prev_end, |(_, o)| o)
+            }
+        };
+        let mut put = |k: usize, placed: &mut Vec<(u64, usize)>| {
+            offsets[k] = off;
+            placed_set[k] = true;
+            extent = extent.max(off + blocks[k].size);
+            let pos = placed.partition_point(|&(o, _)| o <= off);
+            placed.insert(pos, (off, k));
+        };
+        put(i, &mut placed);
+        if taken.is_none() {
+            if let Some(j) = twin {
+                put(j, &mut placed);
+            }
+        }
     }
     Assignment {
         offsets,
@@ -389,7 +470,47 @@ mod tests {
         ));
     }
 
+    /// A distractor live beside the chain's last output takes the
+    /// convolution's bytes under plain best-fit; with the pair the last
+    /// output goes exactly over the convolution's output, in no more bytes.
+    #[test]
+    fn preferred_pairs_share_an_offset() {
+        // conv out, batch norm out, distractor, relu out.
+        let blocks = [
+            blk(100, 0, 1),
+            blk(100, 1, 2),
+            blk(100, 2, 3),
+            blk(100, 2, 3),
+        ];
+        let plain = assign(&blocks);
+        assert_ne!(plain.offsets[3], plain.offsets[0]);
+        let a = assign_preferring(&blocks, &[(3, 0)]);
+        check(&blocks, &a.offsets, a.size, 1).unwrap();
+        assert_eq!(a.offsets[3], a.offsets[0]);
+        assert_eq!(a.size, lower_bound(&blocks));
+        assert!(a.size <= plain.size);
+        // Blocks live together are never put on one offset.
+        let a = assign_preferring(&blocks, &[(1, 0), (2, 3)]);
+        check(&blocks, &a.offsets, a.size, 1).unwrap();
+    }
+
     proptest! {
+        /// Any preferences: a sound arena, never larger than without them.
+        #[test]
+        fn preferences_never_cost_memory(
+            raw in prop::collection::vec((1u64..64, 0usize..40, 0usize..12), 1..60),
+            pairs in prop::collection::vec((0usize..60, 0usize..60), 0..30)
+        ) {
+            let blocks: Vec<Block> = raw
+                .iter()
+                .map(|&(s, f, len)| blk(s * 256, f, f + len))
+                .collect();
+            let a = assign_preferring(&blocks, &pairs);
+            check(&blocks, &a.offsets, a.size, 256).unwrap();
+            prop_assert!(a.size <= assign(&blocks).size);
+            prop_assert!(lower_bound(&blocks) <= a.size);
+        }
+
         #[test]
         fn random_blocks_never_overlap(
             raw in prop::collection::vec((1u64..64, 0usize..40, 0usize..12), 0..80)

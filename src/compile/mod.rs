@@ -275,7 +275,8 @@ pub fn plan_outlets(
             last: e.last,
         });
     }
-    let assignment = arena::assign(&blocks);
+    let same = same_offset_pairs(g, &tensors.ephemeral);
+    let assignment = arena::assign_preferring(&blocks, &same);
     let lower_bound = arena::lower_bound(&blocks);
     let slots: Vec<TensorSlot> = tensors
         .ephemeral
@@ -315,6 +316,97 @@ pub fn plan_outlets(
         persistent_slots,
         index,
     })
+}
+
+/// How many single-use elementwise producers [`same_offset_pairs`] walks
+/// back through (a convolution, then batch norm, Add, Relu: three).
+const CHAIN_DEPTH: usize = 3;
+
+/// Pairs of ephemeral tensors (indices into `ephemeral`) that the arena
+/// should start at one offset: the output of an elementwise op (Relu and
+/// the other unary maps, Add/Sub/Mul/Div of same-shape operands, batch
+/// norm) and an earlier tensor of its chain of single-use elementwise
+/// producers, nearest first, of at least its size and dead before it is
+/// written. So conv → batch norm → Relu leaves the Relu's output exactly
+/// over the convolution's (the batch norm's output lies apart from both),
+/// which is the layout under which the CUDA backend may fuse the chain
+/// into one kernel (`exec::cuda::fuse`). The pairs are only a preference:
+/// lifetimes, and so every guarantee of the plan, stay as they are.
+fn same_offset_pairs(g: &ValidGraph, ephemeral: &[lifetime::Ephemeral]) -> Vec<(usize, usize)> {
+    use lanes_adaptor::Op;
+    let graph = g.graph();
+    let index: HashMap<Outlet, usize> = ephemeral
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.outlet, i))
+        .collect();
+    let mut uses: HashMap<Outlet, usize> = HashMap::new();
+    for n in &graph.nodes {
+        for &o in &n.inputs {
+            *uses.entry(o).or_default() += 1;
+        }
+    }
+    // The operands of `id` that its output is computed elementwise from.
+    let operands = |id: NodeId| -> Vec<Outlet> {
+        let node = &graph.nodes[id.index()];
+        let Some(out) = node.outputs.first() else {
+            return Vec::new();
+        };
+        if node.outputs.len() != 1 {
+            return Vec::new();
+        }
+        let same = |o: &&Outlet| {
+            graph
+                .nodes
+                .get(o.node.index())
+                .and_then(|n| n.outputs.get(o.slot as usize))
+                == Some(out)
+        };
+        match node.op {
+            Op::Relu
+            | Op::Gelu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Exp
+            | Op::Log
+            | Op::Sqrt
+            | Op::Scale(_)
+            | Op::BatchNorm { .. } => node
+                .inputs
+                .first()
+                .filter(same)
+                .copied()
+                .into_iter()
+                .collect(),
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
+                node.inputs.iter().filter(same).copied().collect()
+            }
+            _ => Vec::new(),
+        }
+    };
+    let mut pairs = Vec::new();
+    for &id in g.order() {
+        let Some(&me) = index.get(&Outlet::new(id, 0)) else {
+            continue;
+        };
+        let mine = &ephemeral[me];
+        let mut frontier = operands(id);
+        for _ in 0..CHAIN_DEPTH {
+            let mut next = Vec::new();
+            for o in frontier {
+                let Some(&k) = index.get(&o) else { continue };
+                let e = &ephemeral[k];
+                if e.last < mine.first && e.bytes >= mine.bytes {
+                    pairs.push((me, k));
+                }
+                if uses.get(&o) == Some(&1) {
+                    next.extend(operands(o.node));
+                }
+            }
+            frontier = next;
+        }
+    }
+    pairs
 }
 
 /// Checks a plan independently of how it was made: every ephemeral slot is

@@ -227,3 +227,37 @@ proptest! {
         }
     }
 }
+
+/// conv → batch norm → Relu, beside a branch of the same size that lives
+/// over the Relu: the Relu's output starts exactly where the
+/// convolution's did (the layout the CUDA backend fuses), and T is still
+/// the lower bound. (Plain best-fit happens to place this small graph so
+/// too; `arena::tests::preferred_pairs_share_an_offset` has a case where it
+/// does not.)
+#[test]
+fn chain_output_goes_over_its_head() {
+    let mut b = GraphBuilder::new();
+    let x = b.placeholder("x", TensorType::f32([2, 4, 6, 6]));
+    let w = b.variable("w", Tensor::full([4, 4, 3, 3], 0.1));
+    let attrs = lanes_adaptor::Conv2dAttrs {
+        padding: [1, 1],
+        ..Default::default()
+    };
+    let c = b.conv2d(x, w, None, attrs);
+    let p: Vec<Outlet> = ["g", "b", "m", "v"]
+        .iter()
+        .map(|n| b.variable(n, Tensor::full([4], 1.0)))
+        .collect();
+    let side = b.relu(x);
+    let n = b.batch_norm(c, p[0], p[1], p[2], p[3], 1e-5);
+    let r = b.relu(n);
+    let y = b.add(r, side);
+    b.set_name(y, "y");
+    let g = valid(b);
+    let pl = plan(&g).unwrap();
+    verify(&pl).unwrap();
+    let at = |o: Outlet| pl.slot(o).unwrap().offset;
+    assert_eq!(at(r), at(c));
+    assert_ne!(at(n), at(c));
+    assert_eq!(pl.ephemeral, pl.lower_bound);
+}

@@ -342,3 +342,29 @@ fn bert_bias_gelu_fuses_in_every_layer() {
     );
     assert!(gelus > 0 && fused * 20 >= gelus * 17, "{fused} of {gelus}");
 }
+
+/// Inception-v3 (batch 8, 299×299) on the planner's layout: every chain
+/// the matcher finds on a layout where no two tensors share a byte also
+/// fuses on the plan (the planner puts a chain's last output exactly over
+/// its convolution's output, or apart from it).
+#[test]
+fn inception_chains_all_fuse_on_the_planner_layout() {
+    let m = lanes_adaptor::Arch::InceptionV3.inference(8, 0).unwrap();
+    let limits = GraphLimits {
+        max_nodes: 1 << 20,
+        ..Default::default()
+    };
+    let vg = validate(m.graph, &limits).unwrap();
+    let plan = compile::plan(&vg).unwrap();
+    compile::verify(&plan).unwrap();
+    assert_eq!(plan.ephemeral, plan.lower_bound);
+    let fetchable: HashSet<Outlet> = plan.fetched.iter().copied().collect();
+    let apart = |o: Outlet| {
+        let k = (o.node.index() * 8 + o.slot as usize) << 24;
+        Some((k, k + 1))
+    };
+    let all = find_chains(vg.graph(), vg.order(), &fetchable, &apart);
+    let f = find_chains(vg.graph(), vg.order(), &fetchable, &ranges(&plan));
+    assert_eq!(all.chains.len(), 94);
+    assert_eq!(f.chains, all.chains);
+}
