@@ -492,17 +492,21 @@ fn write_shared(feeds: &[NamedTensor], seg: &mut OwnedSegment) -> Result<Vec<u64
     let bytes = seg.bytes_mut();
     for ((f, &at), &len) in feeds.iter().zip(&offsets).zip(&sizes) {
         let at = at as usize;
-        let dst = &mut bytes[at..at + len];
-        match f.tensor.data() {
-            TensorData::F32(v) => {
-                write_le(dst, bytemuck::cast_slice::<f32, u8>(v), v, f32::to_le_bytes)
-            }
-            TensorData::I64(v) => {
-                write_le(dst, bytemuck::cast_slice::<i64, u8>(v), v, i64::to_le_bytes)
-            }
-        }
+        write_tensor(&mut bytes[at..at + len], &f.tensor);
     }
     Ok(offsets)
+}
+
+/// Copies a tensor's values into `dst` (exactly its bytes) little-endian.
+fn write_tensor(dst: &mut [u8], t: &Tensor) {
+    match t.data() {
+        TensorData::F32(v) => {
+            write_le(dst, bytemuck::cast_slice::<f32, u8>(v), v, f32::to_le_bytes)
+        }
+        TensorData::I64(v) => {
+            write_le(dst, bytemuck::cast_slice::<i64, u8>(v), v, i64::to_le_bytes)
+        }
+    }
 }
 
 /// Copies values into `dst` little-endian (one memory copy on
@@ -955,37 +959,20 @@ pub fn post_outputs(slot: &shm::ReplySlot, seq: u64, outputs: &[Tensor]) -> bool
         let at = |o: usize| o - shm::REPLY_HEADER;
         body[..table.len()].copy_from_slice(&table);
         for (t, o) in outputs.iter().zip(offsets) {
-            let bytes = tensor_bytes(t);
-            body[at(o)..at(o) + bytes.len()].copy_from_slice(bytes);
+            let o = at(o as usize);
+            write_tensor(&mut body[o..o + t.ty().bytes()], t);
         }
     })
 }
 
 /// Offsets (from the slot's start) of values of `sizes` bytes after a
-/// table of `table` bytes, and the bytes the slot then needs.
-fn slot_layout(
-    table: usize,
-    sizes: impl IntoIterator<Item = usize>,
-) -> Option<(Vec<usize>, usize)> {
-    let mut at = shm::REPLY_HEADER
+/// table of `table` bytes, packed as a segment's feeds are, and the bytes
+/// the slot then needs.
+fn slot_layout(table: usize, sizes: impl IntoIterator<Item = usize>) -> Option<(Vec<u64>, usize)> {
+    let start = shm::REPLY_HEADER
         .checked_add(table)?
         .checked_next_multiple_of(shm::FEED_ALIGN)?;
-    let mut offsets = Vec::new();
-    for s in sizes {
-        offsets.push(at);
-        at = at
-            .checked_add(s)?
-            .checked_next_multiple_of(shm::FEED_ALIGN)?;
-    }
-    Some((offsets, at))
-}
-
-/// A tensor's values as little-endian bytes.
-fn tensor_bytes(t: &Tensor) -> &[u8] {
-    match t.data() {
-        crate::TensorData::F32(v) => bytemuck::cast_slice(v),
-        crate::TensorData::I64(v) => bytemuck::cast_slice(v),
-    }
+    shm::layout_from(start, sizes)
 }
 
 /// What a reply slot holds for one Run (see [`read_slot`]).
@@ -1054,6 +1041,7 @@ pub fn read_slot(slot: &[u8], word: u64, seq: u64, limits: &Limits) -> Result<Sl
         .into_iter()
         .zip(offsets.into_iter().zip(sizes))
         .map(|(ty, (at, len))| {
+            let at = usize::try_from(at).unwrap_or(usize::MAX);
             let bytes = slot
                 .get(at..at.saturating_add(len))
                 .ok_or_else(|| bad(format!("output {ty} lies outside the reply slot")))?;

@@ -122,7 +122,16 @@ fn memfd_io(what: impl Into<String>) -> impl FnOnce(memfd::Error) -> SharedMemor
 /// to [`FEED_ALIGN`], and the bytes the segment then needs; `None` on
 /// overflow.
 pub fn layout(sizes: impl IntoIterator<Item = usize>) -> Option<(Vec<u64>, usize)> {
-    let mut at = SEGMENT_HEADER;
+    layout_from(SEGMENT_HEADER, sizes)
+}
+
+/// [`layout`] from byte `start` (a multiple of [`FEED_ALIGN`]) instead of
+/// the segment's header end: a reply slot's values after its table.
+pub(crate) fn layout_from(
+    start: usize,
+    sizes: impl IntoIterator<Item = usize>,
+) -> Option<(Vec<u64>, usize)> {
+    let mut at = start;
     let mut offsets = Vec::new();
     for s in sizes {
         offsets.push(u64::try_from(at).ok()?);
