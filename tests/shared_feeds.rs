@@ -44,6 +44,15 @@ fn wide_ref(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
     dense_relu_ref(x, w, b, ROWS, COLS, OUTS)
 }
 
+/// Loads `wide(3)` into `session`; what its `y` is for `x_for(seed)`.
+fn load_wide(session: &mut lanes_adaptor::Session<'_>) -> impl Fn(u64) -> Vec<f32> {
+    let (graph, vars) = wide(3);
+    let w = vars["w"].f32s().unwrap().to_vec();
+    let b = vars["b"].f32s().unwrap().to_vec();
+    session.load(&graph, vars).unwrap();
+    move |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b)
+}
+
 fn x_for(seed: u64) -> Tensor {
     Tensor::from_f32([ROWS, COLS], values(seed, ROWS * COLS)).unwrap()
 }
@@ -51,11 +60,7 @@ fn x_for(seed: u64) -> Tensor {
 /// Runs `iters` iterations (two in flight at a time) and checks each.
 fn run_checked(client: &mut Client, name: &str, iters: u64) {
     let mut session = client.open_session(SessionSpec::inference(name)).unwrap();
-    let (graph, vars) = wide(3);
-    let w = vars["w"].f32s().unwrap().to_vec();
-    let b = vars["b"].f32s().unwrap().to_vec();
-    session.load(&graph, vars).unwrap();
-    let want = |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b);
+    let want = load_wide(&mut session);
     let out = session.run(vec![("x", x_for(100))], &["y"]).unwrap();
     assert_close(out[0].f32s().unwrap(), &want(100));
     let mut pending = session.submit_run(vec![("x", x_for(0))], &["y"]).unwrap();
@@ -228,11 +233,7 @@ fn feed_buffers_written_in_place_give_the_socket_results() {
     let mut session = client
         .open_session(SessionSpec::inference("buffers"))
         .unwrap();
-    let (graph, vars) = wide(3);
-    let w = vars["w"].f32s().unwrap().to_vec();
-    let b = vars["b"].f32s().unwrap().to_vec();
-    session.load(&graph, vars).unwrap();
-    let want = |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b);
+    let want = load_wide(&mut session);
     let ty = TensorType::f32([ROWS, COLS]);
     let mut a = session.feed_buffers(&[("x", ty.clone())]).unwrap();
     let mut b2 = session.feed_buffers(&[("x", ty.clone())]).unwrap();
@@ -436,11 +437,7 @@ fn feed_buffers_take_their_outputs_from_the_reply_slot() {
         };
         let mut client = Client::connect_with(service.endpoint(), options).unwrap();
         let mut session = client.open_session(SessionSpec::inference("slot")).unwrap();
-        let (graph, vars) = wide(3);
-        let w = vars["w"].f32s().unwrap().to_vec();
-        let b = vars["b"].f32s().unwrap().to_vec();
-        session.load(&graph, vars).unwrap();
-        let want = |seed: u64| wide_ref(x_for(seed).f32s().unwrap(), &w, &b);
+        let want = load_wide(&mut session);
         let ty = TensorType::f32([ROWS, COLS]);
         let mut buffers = session.feed_buffers(&[("x", ty.clone())]).unwrap();
         assert_eq!(buffers.reply_bytes(), DEFAULT_REPLY_BYTES);
