@@ -844,7 +844,11 @@ impl Frontend {
     fn poll_bells(&mut self) -> Result<(), zmq::Error> {
         let mut taken = Vec::new();
         for b in &mut self.bells {
-            if self.decoding.contains(&b.peer) || self.held.contains_key(&b.peer) {
+            // The common turn: nothing rung, one load per doorbell.
+            if !b.bell.rung_since(b.last)
+                || self.decoding.contains(&b.peer)
+                || self.held.contains_key(&b.peer)
+            {
                 continue;
             }
             if let Some((id, bytes)) = b.bell.take(b.last) {

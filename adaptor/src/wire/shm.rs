@@ -874,15 +874,24 @@ impl Doorbell {
         self.0.same(&other.0)
     }
 
+    /// Whether a request was rung after `last` (one atomic load).
+    pub fn rung_since(&self, last: u64) -> bool {
+        self.id_after(last).is_some()
+    }
+
+    /// The doorbell's word, if it names a request after `last` (acquire
+    /// ordering: the request's bytes written before it are visible).
+    fn id_after(&self, last: u64) -> Option<u64> {
+        let id = self.0.word()?.load(std::sync::atomic::Ordering::Acquire);
+        (id != SLOT_EMPTY && id > last).then_some(id)
+    }
+
     /// The request rung after `last`: its id and a copy of its bytes
     /// (empty when the length word is out of range). `None` when nothing
     /// was rung since, or the segment is not writable (the word is read
     /// through the writable mapping).
     pub fn take(&self, last: u64) -> Option<(u64, Vec<u8>)> {
-        let id = self.0.word()?.load(std::sync::atomic::Ordering::Acquire);
-        if id == SLOT_EMPTY || id <= last {
-            return None;
-        }
+        let id = self.id_after(last)?;
         let start = self.0.start()?;
         // SAFETY: `start` is valid for the area's bytes (`Area::start`);
         // they are only copied out here, and the service never writes a
