@@ -281,6 +281,9 @@ pub fn executor(
                 &format!("executor: {chains} fused chains ({skipped} nodes launch nothing)"),
                 since,
             );
+            // Batch norms with batch statistics that run through cuDNN
+            // (LANES_NO_CUDNN_BN=1 keeps them on Lanes' own kernels).
+            m.insert("cudnn_batch_norms".into(), json!(p.cudnn_batch_norms()));
             m.insert("device_bytes".into(), json!(p.device_bytes()));
             let a = p.arena_parts();
             m.insert(

@@ -11,6 +11,7 @@
 //! - Precision defaults equal PyTorch's (see [`CudaOptions`]).
 #![allow(unsafe_code)]
 
+mod bn;
 mod conv;
 mod device;
 mod epilogue;

@@ -301,6 +301,11 @@ impl CudaProgram {
         self.k(name, grid(n), &[&out, &inp, &n32, &c.s, &ob, &ib])
     }
 
+    /// cuDNN's plan for batch-norm node `id`, when cuDNN runs it.
+    fn cudnn_bn(&self, id: NodeId) -> Option<(&super::bn::BnPlan, &super::bn::BnHandle)> {
+        Some((self.bns.get(&id.index())?, self.bn_handle.as_ref()?))
+    }
+
     /// Runs node `id`.
     pub(super) fn exec(&self, id: NodeId) -> Result<(), ExecError> {
         let g = self.graph.graph();
@@ -694,6 +699,21 @@ impl CudaProgram {
                 )
             }
             Op::BatchNormTrain { eps, momentum } => {
+                if let Some((plan, h)) = self.cudnn_bn(id) {
+                    // SAFETY: the plan was made from these types; the
+                    // handle is on the program's stream.
+                    return unsafe {
+                        plan.forward(
+                            h,
+                            inp[0],
+                            out[0],
+                            (inp[1], inp[2]),
+                            (inp[3], inp[4]),
+                            (out[1], out[2]),
+                        )
+                    }
+                    .map_err(|e| err(format!("cuDNN: {e:?}")));
+                }
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
                 if plane_parallel(d) && prod(&d[2..]) >= 2 {
@@ -731,6 +751,21 @@ impl CudaProgram {
                 )
             }
             Op::BatchNormTrainGrad => {
+                if let Some((plan, h)) = self.cudnn_bn(id) {
+                    // SAFETY: as for the forward.
+                    return unsafe {
+                        plan.backward(
+                            h,
+                            inp[0],
+                            inp[1],
+                            (inp[2], inp[3]),
+                            inp[4],
+                            out[0],
+                            (out[1], out[2]),
+                        )
+                    }
+                    .map_err(|e| err(format!("cuDNN: {e:?}")));
+                }
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
                 let m = i(d[0] * prod(&d[2..]));

@@ -14,6 +14,7 @@ use lanes_adaptor::{
     DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
 };
 
+use super::bn::{plan_batch_norms, BnHandle, BnPlan};
 use super::conv::ConvPlan;
 use super::device::{gpu, Gpu};
 use super::fuse::{find_chains, Fusion};
@@ -77,6 +78,11 @@ pub struct CudaOptions {
     /// (see `fuse.rs`). Default: on unless the environment variable
     /// `LANES_NO_FUSION` is `1`.
     pub fuse: bool,
+    /// Batch norm with batch statistics (training) and its gradient through
+    /// cuDNN's kernels, as PyTorch (see `bn.rs`); our own kernels where
+    /// cuDNN's definition differs. Default: on unless the environment
+    /// variable `LANES_NO_CUDNN_BN` is `1`.
+    pub cudnn_batch_norm: bool,
 }
 
 /// Process-wide default of [`CudaOptions::conv_tf32`] (`--no-tf32`).
@@ -98,6 +104,7 @@ impl Default for CudaOptions {
             cuda_graph: true,
             urgency: 0,
             fuse: std::env::var("LANES_NO_FUSION").as_deref() != Ok("1"),
+            cudnn_batch_norm: std::env::var("LANES_NO_CUDNN_BN").as_deref() != Ok("1"),
         }
     }
 }
@@ -143,6 +150,10 @@ pub struct CudaProgram {
     pub(super) slots: Vec<Vec<Slot>>,
     pub(super) base: u64,
     pub(super) convs: HashMap<usize, ConvPlan>,
+    /// Batch norms with batch statistics that cuDNN runs, and its handle
+    /// for them (made only when there are any).
+    pub(super) bns: HashMap<usize, BnPlan>,
+    pub(super) bn_handle: Option<BnHandle>,
     pub(super) options: CudaOptions,
     /// Fused chains for the current arena layout (re-matched when a new
     /// fetch re-plans it).
@@ -747,6 +758,7 @@ impl std::fmt::Debug for CudaProgram {
             .field("cudnn_workspace_bytes", &self.mem.cudnn_bytes)
             .field("options", &self.options)
             .field("fused_chains", &self.fusion.chains.len())
+            .field("cudnn_batch_norms", &self.bns.len())
             .finish()
     }
 }
@@ -918,6 +930,13 @@ impl CudaProgram {
         }
 
         let (convs, ws_bytes) = plan_convs(&cudnn, &graph, options)?;
+        let bns = plan_batch_norms(&graph, options.cudnn_batch_norm)
+            .map_err(|(k, e)| op_err(NodeId(k as u32), &g.nodes[k], format!("cuDNN: {e:?}")))?;
+        let bn_handle = if bns.is_empty() {
+            None
+        } else {
+            Some(BnHandle::new(&stream).map_err(|e| dev_err("cuDNN", e))?)
+        };
         let gran = granularity(&gpu.ctx)?;
         let (mem, plan) = ArenaLayout::new(
             &graph,
@@ -953,6 +972,8 @@ impl CudaProgram {
             slots,
             base,
             convs,
+            bns,
+            bn_handle,
             options,
             fusion: Fusion::default(),
             captured: None,
@@ -1510,6 +1531,12 @@ impl CudaProgram {
     /// nothing of their own.
     pub fn fused_chains(&self) -> (usize, usize) {
         (self.fusion.chains.len(), self.fusion.skipped())
+    }
+
+    /// How many batch-norm nodes (forward and gradient, batch statistics)
+    /// run through cuDNN's kernels rather than ours.
+    pub fn cudnn_batch_norms(&self) -> usize {
+        self.bns.len()
     }
 
     /// Matches fusable chains against the current slots and fetchable

@@ -1,0 +1,291 @@
+//! Batch normalisation with batch statistics (training) through cuDNN:
+//! `cudnnBatchNormalizationForwardTraining` and
+//! `cudnnBatchNormalizationBackward` in spatial mode, the kernels PyTorch
+//! runs for an NCHW `BatchNorm2d` in `train()`. They read the input once
+//! where a channel fits on chip, where our own kernels (`kernels/nn.cu`:
+//! plane statistics, then a separate normalising pass) read it twice; on
+//! the ResNet-50 training step that is half the batch-norm time.
+//!
+//! The same quantities as our kernels: the batch mean and 1/sqrt(var + eps)
+//! (biased variance) are saved for the backward pass, the running statistics
+//! are updated with the unbiased variance. No workspace, so the memory plan
+//! is the same with or without cuDNN. A tensor of any rank >= 2 is viewed as
+//! [N, C, inner, 1].
+//!
+//! cuDNN is used where it is defined exactly as our op: eps >= 1e-5 (cuDNN's
+//! historical minimum), more than one value per channel, and for the
+//! gradient, mean and 1/std saved by a cuDNN forward of the same graph.
+//! Elsewhere, and with [`CudaOptions::cudnn_batch_norm`] off, our kernels
+//! run.
+//!
+//! [`CudaOptions::cudnn_batch_norm`]: super::CudaOptions::cudnn_batch_norm
+
+use std::collections::HashMap;
+
+use cudarc::cudnn::result::{self as cudnn, CudnnError};
+use cudarc::cudnn::sys::{
+    cudnnBatchNormMode_t, cudnnDataType_t, cudnnHandle_t, cudnnTensorDescriptor_t,
+    cudnnTensorFormat_t,
+};
+use cudarc::driver::CudaStream;
+use lanes_adaptor::{DType, Op, Outlet, ValidGraph};
+
+/// Smallest eps handed to cuDNN (its `CUDNN_BN_MIN_EPSILON` was 1e-5; a
+/// graph's f32 1e-5 counts as that).
+const MIN_EPS: f32 = 1e-5;
+
+/// A cuDNN handle of its own, bound to the program's stream (cudarc's
+/// handle does not expose its raw pointer, which the batch-norm calls need).
+/// Not `Send`: the program that owns it is (see `CudaProgram`).
+#[derive(Debug)]
+pub(super) struct BnHandle(cudnnHandle_t);
+
+impl BnHandle {
+    pub fn new(stream: &CudaStream) -> Result<Self, CudnnError> {
+        let h = cudnn::create_handle()?;
+        let handle = BnHandle(h);
+        // SAFETY: `h` is a live handle; the stream outlives the program
+        // that owns both.
+        unsafe { cudnn::set_stream(h, stream.cu_stream() as _) }?;
+        Ok(handle)
+    }
+}
+
+impl Drop for BnHandle {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created in `new` and is destroyed once.
+        // Nothing to do about a failure while dropping.
+        let _ = unsafe { cudnn::destroy_handle(self.0) };
+    }
+}
+
+/// One tensor descriptor, destroyed on drop.
+#[derive(Debug)]
+struct Desc(cudnnTensorDescriptor_t);
+
+impl Desc {
+    /// An NCHW f32 descriptor.
+    fn nchw(n: usize, c: usize, h: usize, w: usize) -> Result<Self, CudnnError> {
+        let bad = || CudnnError(cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM);
+        let dim = |v: usize| i32::try_from(v).map_err(|_| bad());
+        let (n, c, h, w) = (dim(n)?, dim(c)?, dim(h)?, dim(w)?);
+        let d = Desc(cudnn::create_tensor_descriptor()?);
+        // SAFETY: `d.0` is a live descriptor.
+        unsafe {
+            cudnn::set_tensor4d_descriptor(
+                d.0,
+                cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                cudnnDataType_t::CUDNN_DATA_FLOAT,
+                [n, c, h, w],
+            )
+        }?;
+        Ok(d)
+    }
+}
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created in `nchw`, destroyed once.
+        let _ = unsafe { cudnn::destroy_tensor_descriptor(self.0) };
+    }
+}
+
+/// The descriptors and constants of one batch-norm node run by cuDNN.
+#[derive(Debug)]
+pub(super) struct BnPlan {
+    /// x, y, dy and dx: [N, C, inner, 1].
+    x: Desc,
+    /// Scale, bias, means and variances: [1, C, 1, 1].
+    per_channel: Desc,
+    eps: f64,
+    /// Forward only: the running statistics' update factor.
+    momentum: f64,
+}
+
+/// `dims` viewed as (N, C, inner), when it has rank >= 2.
+fn ncx(dims: &[usize]) -> Option<(usize, usize, usize)> {
+    match dims {
+        [n, c, rest @ ..] => Some((*n, *c, rest.iter().product())),
+        _ => None,
+    }
+}
+
+/// Whether cuDNN computes a `BatchNormTrain` of these attributes and input
+/// dims exactly as our op.
+fn forward_fits(eps: f32, dims: &[usize]) -> bool {
+    eps >= MIN_EPS && ncx(dims).is_some_and(|(n, _, inner)| n * inner >= 2)
+}
+
+fn plan(dims: &[usize], eps: f32, momentum: f32) -> Result<BnPlan, CudnnError> {
+    let bad = || CudnnError(cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM);
+    let (n, c, inner) = ncx(dims).ok_or_else(bad)?;
+    Ok(BnPlan {
+        x: Desc::nchw(n, c, inner, 1)?,
+        per_channel: Desc::nchw(1, c, 1, 1)?,
+        // f64::from(1e-5f32) is just below 1e-5.
+        eps: f64::from(eps).max(1e-5),
+        momentum: f64::from(momentum),
+    })
+}
+
+/// The cuDNN plan of every batch-norm node (forward and gradient) that
+/// cuDNN runs exactly as our op, keyed by node index; empty when `on` is
+/// false.
+pub(super) fn plan_batch_norms(
+    graph: &ValidGraph,
+    on: bool,
+) -> Result<HashMap<usize, BnPlan>, (usize, CudnnError)> {
+    let g = graph.graph();
+    let mut plans = HashMap::new();
+    if !on {
+        return Ok(plans);
+    }
+    let x_dims = |node: &lanes_adaptor::Node| {
+        let o = node.inputs.first()?;
+        let ty = g.nodes.get(o.node.index())?.outputs.get(o.slot as usize)?;
+        (ty.dtype == DType::F32).then(|| ty.shape.dims().to_vec())
+    };
+    for &id in graph.order() {
+        let node = &g.nodes[id.index()];
+        let p = match node.op {
+            Op::BatchNormTrain { eps, momentum } => match x_dims(node) {
+                Some(d) if forward_fits(eps, &d) => Some(plan(&d, eps, momentum)),
+                _ => None,
+            },
+            Op::BatchNormTrainGrad => {
+                // Mean and 1/std from a forward that cuDNN ran (so cuDNN's
+                // own eps goes with them).
+                let fwd = node
+                    .inputs
+                    .get(2)
+                    .filter(|o| o.slot == 1 && node.inputs.get(3) == Some(&Outlet::new(o.node, 2)))
+                    .filter(|o| plans.contains_key(&o.node.index()))
+                    .map(|o| &g.nodes[o.node.index()].op);
+                match (fwd, x_dims(node)) {
+                    (Some(&Op::BatchNormTrain { eps, .. }), Some(d)) => Some(plan(&d, eps, 0.0)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        if let Some(p) = p {
+            plans.insert(id.index(), p.map_err(|e| (id.index(), e))?);
+        }
+    }
+    Ok(plans)
+}
+
+const ONE: f32 = 1.0;
+const ZERO: f32 = 0.0;
+
+impl BnPlan {
+    /// y = batch norm of x with its batch statistics; saves mean and 1/std,
+    /// updates the running statistics in place.
+    ///
+    /// # Safety
+    /// Every address is an arena range of the type the plan was made from:
+    /// x and y [N, C, ...], the others [C], all f32, on the handle's stream.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn forward(
+        &self,
+        h: &BnHandle,
+        x: u64,
+        y: u64,
+        (scale, bias): (u64, u64),
+        (running_mean, running_var): (u64, u64),
+        (save_mean, save_invstd): (u64, u64),
+    ) -> Result<(), CudnnError> {
+        let p = |a: u64| a as *const std::ffi::c_void;
+        let m = |a: u64| a as *mut std::ffi::c_void;
+        // SAFETY: the caller's contract; alpha and beta are host f32s as
+        // cuDNN expects for float data.
+        unsafe {
+            cudarc::cudnn::sys::cudnnBatchNormalizationForwardTraining(
+                h.0,
+                cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                (&ONE as *const f32).cast(),
+                (&ZERO as *const f32).cast(),
+                self.x.0,
+                p(x),
+                self.x.0,
+                m(y),
+                self.per_channel.0,
+                p(scale),
+                p(bias),
+                self.momentum,
+                m(running_mean),
+                m(running_var),
+                self.eps,
+                m(save_mean),
+                m(save_invstd),
+            )
+        }
+        .result()
+    }
+
+    /// dx, dscale, dbias of the batch norm from x, its scale, the saved mean
+    /// and 1/std, and dy.
+    ///
+    /// # Safety
+    /// As [`BnPlan::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn backward(
+        &self,
+        h: &BnHandle,
+        x: u64,
+        scale: u64,
+        (mean, invstd): (u64, u64),
+        dy: u64,
+        dx: u64,
+        (dscale, dbias): (u64, u64),
+    ) -> Result<(), CudnnError> {
+        let p = |a: u64| a as *const std::ffi::c_void;
+        let m = |a: u64| a as *mut std::ffi::c_void;
+        let (one, zero) = ((&ONE as *const f32).cast(), (&ZERO as *const f32).cast());
+        // SAFETY: the caller's contract; the scaling factors are host f32s.
+        unsafe {
+            cudarc::cudnn::sys::cudnnBatchNormalizationBackward(
+                h.0,
+                cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
+                one,
+                zero,
+                one,
+                zero,
+                self.x.0,
+                p(x),
+                self.x.0,
+                p(dy),
+                self.x.0,
+                m(dx),
+                self.per_channel.0,
+                p(scale),
+                m(dscale),
+                m(dbias),
+                self.eps,
+                p(mean),
+                p(invstd),
+            )
+        }
+        .result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn which_batch_norms_cudnn_takes() {
+        assert!(forward_fits(1e-5, &[32, 64, 112, 112]));
+        assert!(forward_fits(1e-3, &[8, 16]));
+        assert!(forward_fits(1e-5, &[2, 3, 1]));
+        // Below cuDNN's minimum eps, one value per channel, rank 1.
+        assert!(!forward_fits(1e-6, &[32, 64, 7, 7]));
+        assert!(!forward_fits(1e-5, &[1, 64, 1, 1]));
+        assert!(!forward_fits(1e-5, &[1, 64]));
+        assert!(!forward_fits(1e-5, &[64]));
+        assert_eq!(ncx(&[2, 3, 4, 5]), Some((2, 3, 20)));
+        assert_eq!(ncx(&[2, 3]), Some((2, 3, 1)));
+        assert_eq!(ncx(&[3]), None);
+    }
+}
