@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 
 use lanes::exec::cpu::CpuProgram;
 use lanes::exec::cuda::{CudaOptions, CudaProgram};
+use lanes::exec::{Backend, GpuShare, Program};
 use lanes_adaptor::{
     validate, Conv2dAttrs, Graph, GraphBuilder, GraphLimits, Op, Outlet, Pool2dAttrs, Tensor,
     VarValues,
@@ -1359,6 +1360,15 @@ fn cudnn_batch_norm_matches_ours_in_training() {
         worst = worst.max(compare(name, x, &b.1[name], tol).unwrap());
     }
     println!("cuDNN batch norm vs ours, one step: worst {worst:.3} of tolerance");
+
+    // A job that urgent lanes may outrank keeps to our kernels.
+    for (yields, expected) in [(true, 0), (false, 2 * 20)] {
+        let share = GpuShare { urgency: 0, yields };
+        match Program::sharing(Backend::Cuda, vg.clone(), t.vars.clone(), share).unwrap() {
+            Program::Cuda(p) => assert_eq!(p.cudnn_batch_norms(), expected, "yields {yields}"),
+            Program::Cpu(_) => panic!("a CPU program for the CUDA backend"),
+        }
+    }
 
     // Below cuDNN's smallest eps our kernels run.
     let mut g = GraphBuilder::new();

@@ -8,7 +8,7 @@ pub mod cpu;
 pub mod cuda;
 mod program;
 
-pub use program::{Backend, Program};
+pub use program::{Backend, GpuShare, Program};
 
 use std::sync::Arc;
 

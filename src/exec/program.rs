@@ -26,27 +26,46 @@ pub enum Program {
     Cuda(Box<CudaProgram>),
 }
 
+/// How a job's GPU work shares the device with the other lanes (the
+/// service sets it from its policy).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuShare {
+    /// Levels above the device's least stream priority
+    /// (`CudaOptions::urgency`).
+    pub urgency: u8,
+    /// Lanes whose streams outrank this job's may run beside it. The job
+    /// then keeps to kernels whose thread blocks are short, so the block
+    /// scheduler can start an urgent lane's blocks between them: its
+    /// training batch norms run on Lanes' own kernels, not cuDNN's, which
+    /// keep every block of a channel resident across a grid-wide barrier
+    /// (`CudaOptions::cudnn_batch_norm`; on the H100 they made a
+    /// ResNet-50 training step 11 % faster alone and the p99 of ResNet-152
+    /// inference beside it 25 % slower under `priority`, docs/benchmarks.md).
+    pub yields: bool,
+}
+
 impl Program {
     /// Builds the program for `backend` (see `CpuProgram::new`, `CudaProgram::new`).
     pub fn new(backend: Backend, graph: ValidGraph, vars: VarValues) -> Result<Self, ExecError> {
-        Self::with_urgency(backend, graph, vars, 0)
+        Self::sharing(backend, graph, vars, GpuShare::default())
     }
 
-    /// [`Program::new`] whose GPU work has `urgency` (see
-    /// `CudaOptions::urgency`; the CPU backend's lanes are threads and
-    /// ignore it).
-    pub fn with_urgency(
+    /// [`Program::new`] whose GPU work shares the device as `share` says
+    /// (the CPU backend's lanes are threads and ignore it).
+    pub fn sharing(
         backend: Backend,
         graph: ValidGraph,
         vars: VarValues,
-        urgency: u8,
+        share: GpuShare,
     ) -> Result<Self, ExecError> {
         Ok(match backend {
             Backend::Cpu => Program::Cpu(CpuProgram::new(graph, vars)?),
             Backend::Cuda => {
+                let d = super::cuda::CudaOptions::default();
                 let options = super::cuda::CudaOptions {
-                    urgency,
-                    ..Default::default()
+                    urgency: share.urgency,
+                    cudnn_batch_norm: d.cudnn_batch_norm && !share.yields,
+                    ..d
                 };
                 Program::Cuda(Box::new(CudaProgram::with_options(graph, vars, options)?))
             }

@@ -959,11 +959,11 @@ impl Frontend {
                         .with_pool(self.pool.clone())
                         .with_backend(super::backend_of(&self.config.device))
                         .with_admission_rank(self.config.policy.admission_rank(&spec))
-                        .with_urgency(if self.config.stream_priority {
-                            self.config.policy.urgency(spec.kind, spec.priority)
-                        } else {
-                            0
-                        }),
+                        .with_share(self.config.policy.share(
+                            spec.kind,
+                            spec.priority,
+                            self.config.stream_priority,
+                        )),
                 )),
                 spec,
                 last_seen: Instant::now(),

@@ -37,6 +37,7 @@ use lanes_adaptor::wire::{JobKind as WireKind, SessionId, SessionSpec};
 use lanes_policies::{JobKind, JobSpec, Policy};
 
 use super::dispatch::{ReadyQueue, Work, WorkItem};
+use crate::exec::GpuShare;
 use crate::sched::{JobStats, Scheduler};
 
 /// The policies `lanes serve --policy` accepts.
@@ -90,6 +91,21 @@ impl PolicyChoice {
                 priority.clamp(0, i32::from(MAX_URGENCY) - 1) as u8
             }
             _ => 0,
+        }
+    }
+
+    /// How a job's GPU work shares the device under this policy: its
+    /// [`urgency`](Self::urgency) when stream priorities are on (else 0),
+    /// and whether a lane of greater urgency may run beside it (only under
+    /// `priority`, for every job below inference's [`MAX_URGENCY`]).
+    pub fn share(self, kind: WireKind, priority: i32, stream_priority: bool) -> GpuShare {
+        if !stream_priority {
+            return GpuShare::default();
+        }
+        let urgency = self.urgency(kind, priority);
+        GpuShare {
+            urgency,
+            yields: self == PolicyChoice::Priority && urgency < MAX_URGENCY,
         }
     }
 
@@ -445,6 +461,28 @@ mod tests {
         let train = SessionSpec::training("t");
         assert!(Priority.admission_rank(&inf) < Priority.admission_rank(&train));
         assert_eq!(Fifo.admission_rank(&inf), Fifo.admission_rank(&train));
+    }
+
+    #[test]
+    fn only_jobs_an_urgent_lane_may_outrank_yield() {
+        use PolicyChoice::*;
+        let share = |urgency, yields| GpuShare { urgency, yields };
+        assert_eq!(Priority.share(WireKind::Training, 0, true), share(0, true));
+        assert_eq!(Priority.share(WireKind::Training, 3, true), share(3, true));
+        assert_eq!(
+            Priority.share(WireKind::Inference, 0, true),
+            share(MAX_URGENCY, false)
+        );
+        // Without stream priorities nobody outranks anybody.
+        assert_eq!(
+            Priority.share(WireKind::Training, 0, false),
+            GpuShare::default()
+        );
+        for p in [Fifo, Srtf, Fair, Pack] {
+            for kind in [WireKind::Training, WireKind::Inference] {
+                assert_eq!(p.share(kind, 4, true), share(0, false), "{p}");
+            }
+        }
     }
 
     #[test]

@@ -19,8 +19,8 @@ use lanes_adaptor::{
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuMemory;
 pub use crate::exec::Backend;
-use crate::exec::Program;
 use crate::exec::{ExecError, HostFeed};
+use crate::exec::{GpuShare, Program};
 use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
 
@@ -128,8 +128,9 @@ pub struct Session {
     /// Where the feeds' storage goes after a run (the service decodes the
     /// next request's tensors into it).
     pool: Option<BufferPool>,
-    /// How urgent the job's GPU work is (see `CudaOptions::urgency`).
-    urgency: u8,
+    /// How the job's GPU work shares the device (its streams' urgency, and
+    /// whether urgent lanes may run beside it).
+    share: GpuShare,
     /// Its place in the lanes' admission queue when it has to wait (the
     /// policy's `admission_rank`).
     rank: crate::lanes::AdmissionRank,
@@ -190,7 +191,7 @@ impl Session {
             backend: Backend::Cpu,
             switches: (0, 0),
             pool: None,
-            urgency: 0,
+            share: GpuShare::default(),
             rank: Default::default(),
             feed_types: None,
         }
@@ -209,10 +210,9 @@ impl Session {
         self
     }
 
-    /// Gives the job's GPU streams `urgency` levels above the least
-    /// priority (see `CudaOptions::urgency`).
-    pub fn with_urgency(mut self, urgency: u8) -> Self {
-        self.urgency = urgency;
+    /// How the job's GPU work shares the device (see [`GpuShare`]).
+    pub fn with_share(mut self, share: GpuShare) -> Self {
+        self.share = share;
         self
     }
 
@@ -505,7 +505,7 @@ impl Session {
         if let Some((_, Admission::Queued { reason, .. })) = &lease {
             tracing::info!(session = %self.id, %reason, "waiting for memory");
         }
-        let mut program = Program::with_urgency(self.backend, valid, values, self.urgency)?;
+        let mut program = Program::sharing(self.backend, valid, values, self.share)?;
         if self.spec.kind == JobKind::Inference {
             // Admitted: warm up in the lane's memory, in the lane's turn.
             let turn = lease.as_ref().and_then(|(l, _)| l.turn());
