@@ -1106,20 +1106,32 @@ fn backward_ops() {
             FP32,
         ));
     }
-    // Batch norm with batch statistics: cuDNN's kernels (eps >= 1e-5), ours
-    // (cuDNN off, or eps below cuDNN's minimum), over shapes whose planes
-    // are large, odd (7x7), one value (rank 2) and a channel of 6 values.
-    for (what, dims, eps, cudnn) in [
-        ("cudnn", vec![2, 4, 9, 9], 1e-5, true),
-        ("ours", vec![2, 4, 9, 9], 1e-5, false),
-        ("eps 1e-6 (ours)", vec![2, 4, 9, 9], 1e-6, true),
-        ("cudnn 7x7", vec![4, 8, 7, 7], 1e-3, true),
-        ("cudnn 64x64", vec![3, 2, 64, 64], 1e-5, true),
-        ("cudnn rank 2", vec![6, 4], 1e-5, true),
-        ("cudnn rank 3", vec![2, 4, 3], 1e-5, true),
-    ] {
+    // Batch norm with batch statistics: cuDNN's kernels (eps >= 1e-5) and
+    // ours (cuDNN off, or eps below cuDNN's minimum) over planes of a
+    // multiple of 4 floats (float4 paths), odd planes (9x9, 7x7), planes
+    // under 32 floats and one value per plane (rank 2 and 3: flat kernels).
+    let shapes: [(&[usize], f32); 7] = [
+        (&[2, 4, 9, 9], 1e-5),
+        (&[2, 4, 9, 9], 1e-6),
+        (&[4, 8, 7, 7], 1e-3),
+        (&[3, 2, 64, 64], 1e-5),
+        (&[6, 4], 1e-5),
+        (&[2, 4, 3], 1e-5),
+        // 66,000 planes: more than a grid's y dimension holds.
+        (&[2, 33_000, 2, 16], 1e-5),
+    ];
+    for ((dims, eps), cudnn) in shapes.iter().flat_map(|&s| [(s, true), (s, false)]) {
+        let dims = dims.to_vec();
+        let what = if cudnn && eps >= 1e-5 {
+            "cudnn"
+        } else {
+            "ours"
+        };
         let ch = dims[1];
-        let mut c = Case::new(&format!("batch_norm_train (+grad) {what} {dims:?}")).tol(ACCUM);
+        let mut c = Case::new(&format!(
+            "batch_norm_train (+grad) {what} {dims:?} eps {eps:e}"
+        ))
+        .tol(ACCUM);
         c.opts.cudnn_batch_norm = cudnn;
         let xi = c.input("x", rnd(&mut rng, &dims, -2.0, 3.0));
         let g = c.var("gamma", rnd(&mut rng, &[ch], 0.5, 1.5));

@@ -82,10 +82,12 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "bn_plane_stats",
             "bn_stats_finish",
             "bn_apply",
+            "bn_apply_planes",
             "bn_grad_reduce",
             "bn_grad_plane",
             "bn_grad_finish",
             "bn_grad_dx",
+            "bn_grad_dx_planes",
         ],
     ),
 ];

@@ -716,13 +716,14 @@ impl CudaProgram {
                 }
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
+                let vec4 = i32::from(plane_vec4(d, &[out[0], inp[0]]));
                 if plane_parallel(d) && prod(&d[2..]) >= 2 {
                     // Plane sums and M2s (2·N·C values) go into y's range,
                     // which bn_apply then writes.
                     self.k(
                         "bn_plane_stats",
                         plane_grid(d),
-                        &[&out[0], &inp[0], &nb, &c, &inner],
+                        &[&out[0], &inp[0], &nb, &c, &inner, &vec4],
                     )?;
                     self.k(
                         "bn_stats_finish",
@@ -741,6 +742,15 @@ impl CudaProgram {
                             momentum,
                         ],
                     )?;
+                }
+                if let Some(cfg) = plane_cols(d, vec4 != 0) {
+                    return self.k(
+                        "bn_apply_planes",
+                        cfg,
+                        &[
+                            &out[0], &inp[0], &out[1], &out[2], &inp[1], &inp[2], &c, &inner, &vec4,
+                        ],
+                    );
                 }
                 self.k(
                     "bn_apply",
@@ -769,13 +779,16 @@ impl CudaProgram {
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
                 let m = i(d[0] * prod(&d[2..]));
+                let vec4 = i32::from(plane_vec4(d, &[out[0], inp[0], inp[4]]));
                 if plane_parallel(d) && prod(&d[2..]) >= 2 {
                     // Plane sums (2·N·C values) go into dx's range, which
                     // bn_grad_dx then writes.
                     self.k(
                         "bn_grad_plane",
                         plane_grid(d),
-                        &[&out[0], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner],
+                        &[
+                            &out[0], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner, &vec4,
+                        ],
                     )?;
                     self.k(
                         "bn_grad_finish",
@@ -790,6 +803,16 @@ impl CudaProgram {
                             &out[1], &out[2], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner,
                         ],
                     )?;
+                }
+                if let Some(cfg) = plane_cols(d, vec4 != 0) {
+                    return self.k(
+                        "bn_grad_dx_planes",
+                        cfg,
+                        &[
+                            &out[0], &inp[0], &inp[1], &inp[2], &inp[3], &inp[4], &out[1], &out[2],
+                            &c, &inner, &m, &vec4,
+                        ],
+                    );
                 }
                 self.k(
                     "bn_grad_dx",
@@ -1105,13 +1128,43 @@ pub(super) fn plane_rows(units: usize, planes: usize) -> cudarc::driver::LaunchC
     }
 }
 
-/// One block of 256 threads per (n, c) plane.
+/// One block per (n, c) plane (grid x: n, y: c), of up to 256 threads (a
+/// multiple of 32, no more than a plane's floats, or float4s, need).
 fn plane_grid(dims: &[usize]) -> cudarc::driver::LaunchConfig {
+    let inner = prod(&dims[2..]);
+    let units = if inner % 4 == 0 { inner / 4 } else { inner };
     cudarc::driver::LaunchConfig {
         grid_dim: (dims[0] as u32, dims[1] as u32, 1),
-        block_dim: (256, 1, 1),
+        block_dim: ((units.div_ceil(32).clamp(1, 8) * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Whether a per-plane kernel over `dims` ([N, C, …]) may move four floats
+/// at a time: planes of a multiple of 4 floats, every address 16-byte
+/// aligned.
+fn plane_vec4(dims: &[usize], addrs: &[u64]) -> bool {
+    prod(dims.get(2..).unwrap_or(&[])) % 4 == 0 && addrs.iter().all(|a| a % 16 == 0)
+}
+
+/// Launch geometry of the elementwise per-plane kernels (`bn_apply_planes`,
+/// `bn_grad_dx_planes`): the N·C planes along grid x (no 65,535 limit there)
+/// and up to 8 blocks per plane along y, as [`plane_rows`]; `None` where
+/// planes are too small for a block each (under 32 floats: the flat kernels
+/// run) or too many for grid x.
+fn plane_cols(dims: &[usize], vec4: bool) -> Option<cudarc::driver::LaunchConfig> {
+    let inner = prod(dims.get(2..)?);
+    let planes = dims.first()?.checked_mul(*dims.get(1)?)?;
+    if inner < 32 || planes == 0 || planes > i32::MAX as usize {
+        return None;
+    }
+    let units = if vec4 { inner / 4 } else { inner };
+    let r = plane_rows(units, 1);
+    Some(cudarc::driver::LaunchConfig {
+        grid_dim: (planes as u32, r.grid_dim.0, 1),
+        block_dim: r.block_dim,
+        shared_mem_bytes: 0,
+    })
 }
 
 #[cfg(test)]

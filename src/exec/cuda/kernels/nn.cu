@@ -181,15 +181,26 @@ extern "C" __global__ void bn_stats(float* mean, float* invstd, float* rmean, fl
 // the same plane, from cache). partial[c * N + n] = plane sum,
 // partial[C * N + c * N + n] = plane M2. bn_stats_finish merges the planes
 // in order with Chan's formula.
-extern "C" __global__ void bn_plane_stats(float* partial, const float* x, int N, int C, int inner) {
+extern "C" __global__ void bn_plane_stats(float* partial, const float* x, int N, int C, int inner, int vec4) {
     int n = blockIdx.x, c = blockIdx.y;
     const float* p = x + ((long long)n * C + c) * inner;
+    const float4* p4 = reinterpret_cast<const float4*>(p);
+    int n4 = vec4 ? inner / 4 : 0;
     float s = 0.0f;
-    for (int k = threadIdx.x; k < inner; k += blockDim.x) s += p[k];
+    for (int k = threadIdx.x; k < n4; k += blockDim.x) {
+        float4 a = p4[k];
+        s += (a.x + a.y) + (a.z + a.w);
+    }
+    for (int k = 4 * n4 + threadIdx.x; k < inner; k += blockDim.x) s += p[k];
     s = block_sum(s);
     float mu = s / inner;
     float m2 = 0.0f;
-    for (int k = threadIdx.x; k < inner; k += blockDim.x) {
+    for (int k = threadIdx.x; k < n4; k += blockDim.x) {
+        float4 a = p4[k];
+        float d0 = a.x - mu, d1 = a.y - mu, d2 = a.z - mu, d3 = a.w - mu;
+        m2 += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+    }
+    for (int k = 4 * n4 + threadIdx.x; k < inner; k += blockDim.x) {
         float d = p[k] - mu;
         m2 += d * d;
     }
@@ -230,6 +241,35 @@ extern "C" __global__ void bn_apply(float* y, const float* x, const float* mean,
     }
 }
 
+// bn_apply with planes along grid x (blockIdx.x = n * C + c, any count) and
+// gridDim.y blocks per plane: no index division per element; vec4: four
+// floats at a time (inner % 4 == 0, y and x 16-byte aligned; the host
+// checks). Same arithmetic as bn_apply.
+extern "C" __global__ void bn_apply_planes(float* y, const float* x, const float* mean, const float* invstd,
+                                           const float* g, const float* b, int C, int inner, int vec4) {
+    long long p = blockIdx.x;
+    int c = (int)(p % C);
+    float mc = mean[c], is = invstd[c], gc = g[c], bc = b[c];
+    long long base = p * inner;
+    int step = blockDim.x * gridDim.y;
+    int first = blockIdx.y * blockDim.x + threadIdx.x;
+    if (vec4) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        float4* y4 = reinterpret_cast<float4*>(y + base);
+        for (int j = first; j < inner / 4; j += step) {
+            float4 a = x4[j];
+            float4 o;
+            o.x = (a.x - mc) * is * gc + bc;
+            o.y = (a.y - mc) * is * gc + bc;
+            o.z = (a.z - mc) * is * gc + bc;
+            o.w = (a.w - mc) * is * gc + bc;
+            y4[j] = o;
+        }
+    } else {
+        for (int j = first; j < inner; j += step) y[base + j] = (x[base + j] - mc) * is * gc + bc;
+    }
+}
+
 // One block per channel: dbeta = sum dy, dgamma = sum dy * xhat.
 extern "C" __global__ void bn_grad_reduce(float* dg, float* db, const float* x, const float* mean, const float* invstd,
                                           const float* dy, int N, int C, int inner) {
@@ -251,12 +291,20 @@ extern "C" __global__ void bn_grad_reduce(float* dg, float* db, const float* x, 
 // partial[C * N + c * N + n] = sum dy * xhat over the plane, then one thread
 // per channel adds its planes in order.
 extern "C" __global__ void bn_grad_plane(float* partial, const float* x, const float* mean, const float* invstd,
-                                         const float* dy, int N, int C, int inner) {
+                                         const float* dy, int N, int C, int inner, int vec4) {
     int n = blockIdx.x, c = blockIdx.y;
     long long at = ((long long)n * C + c) * inner;
     float mu = mean[c], is = invstd[c];
+    int n4 = vec4 ? inner / 4 : 0;
+    const float4* x4 = reinterpret_cast<const float4*>(x + at);
+    const float4* g4 = reinterpret_cast<const float4*>(dy + at);
     float s1 = 0.0f, s2 = 0.0f;
-    for (int k = threadIdx.x; k < inner; k += blockDim.x) {
+    for (int k = threadIdx.x; k < n4; k += blockDim.x) {
+        float4 a = x4[k], g = g4[k];
+        s1 += (g.x + g.y) + (g.z + g.w);
+        s2 += (g.x * (a.x - mu) * is + g.y * (a.y - mu) * is) + (g.z * (a.z - mu) * is + g.w * (a.w - mu) * is);
+    }
+    for (int k = 4 * n4 + threadIdx.x; k < inner; k += blockDim.x) {
         float g = dy[at + k];
         s1 += g;
         s2 += g * (x[at + k] - mu) * is;
@@ -287,5 +335,38 @@ extern "C" __global__ void bn_grad_dx(float* dx, const float* x, const float* g,
         int c = (i / inner) % C;
         float xh = (x[i] - mean[c]) * invstd[c];
         dx[i] = g[c] * invstd[c] / M * (M * dy[i] - db[c] - xh * dg[c]);
+    }
+}
+
+// bn_grad_dx over planes, as bn_apply_planes (same arithmetic as bn_grad_dx).
+extern "C" __global__ void bn_grad_dx_planes(float* dx, const float* x, const float* g, const float* mean,
+                                             const float* invstd, const float* dy, const float* dg, const float* db,
+                                             int C, int inner, int M, int vec4) {
+    long long p = blockIdx.x;
+    int c = (int)(p % C);
+    float mc = mean[c], is = invstd[c], dgc = dg[c], dbc = db[c];
+    float k = g[c] * is / M;
+    float fm = (float)M;
+    long long base = p * inner;
+    int step = blockDim.x * gridDim.y;
+    int first = blockIdx.y * blockDim.x + threadIdx.x;
+    if (vec4) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + base);
+        const float4* d4 = reinterpret_cast<const float4*>(dy + base);
+        float4* o4 = reinterpret_cast<float4*>(dx + base);
+        for (int j = first; j < inner / 4; j += step) {
+            float4 a = x4[j], d = d4[j];
+            float4 o;
+            o.x = k * (fm * d.x - dbc - (a.x - mc) * is * dgc);
+            o.y = k * (fm * d.y - dbc - (a.y - mc) * is * dgc);
+            o.z = k * (fm * d.z - dbc - (a.z - mc) * is * dgc);
+            o.w = k * (fm * d.w - dbc - (a.w - mc) * is * dgc);
+            o4[j] = o;
+        }
+    } else {
+        for (int j = first; j < inner; j += step) {
+            float xh = (x[base + j] - mc) * is;
+            dx[base + j] = k * (fm * dy[base + j] - dbc - xh * dgc);
+        }
     }
 }
