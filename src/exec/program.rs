@@ -38,9 +38,8 @@ pub struct GpuShare {
     /// scheduler can start an urgent lane's blocks between them: its
     /// training batch norms run on Lanes' own kernels, not cuDNN's, which
     /// keep every block of a channel resident across a grid-wide barrier
-    /// (`CudaOptions::cudnn_batch_norm`; on the H100 they made a
-    /// ResNet-50 training step 11 % faster alone and the p99 of ResNet-152
-    /// inference beside it 25 % slower under `priority`, docs/benchmarks.md).
+    /// (`CudaOptions::cudnn_batch_norm`; docs/scheduling.md has what they
+    /// cost an inference lane beside them on the H100).
     pub yields: bool,
 }
 

@@ -1,22 +1,24 @@
-//! Batch normalisation with batch statistics (training) through cuDNN:
-//! `cudnnBatchNormalizationForwardTraining` and
-//! `cudnnBatchNormalizationBackward` in spatial mode, the kernels PyTorch
-//! runs for an NCHW `BatchNorm2d` in `train()`. They read the input once
-//! where a channel fits on chip, where our own kernels (`kernels/nn.cu`:
-//! plane statistics, then a separate normalising pass) read it twice; on
-//! the ResNet-50 training step that is half the batch-norm time.
+//! Batch normalisation with batch statistics (training), forward, through
+//! cuDNN: `cudnnBatchNormalizationForwardTraining` in spatial mode, the
+//! kernels PyTorch runs for an NCHW `BatchNorm2d` in `train()`. Where a
+//! channel fits on chip they read the input once (holding it across a
+//! grid-wide barrier) where our kernels (`kernels/nn.cu`: plane sums, then
+//! a normalising pass) read it twice: on the ResNet-50 training step 2.07
+//! against 3.07 ms. The gradient stays on our kernels, which took 3.49 ms
+//! where cuDNN's `cudnnBatchNormalizationBackward` took 4.19 (H100,
+//! `lanes bench train --op-profile`, docs/benchmarks.md).
 //!
 //! The same quantities as our kernels: the batch mean and 1/sqrt(var + eps)
-//! (biased variance) are saved for the backward pass, the running statistics
-//! are updated with the unbiased variance. No workspace, so the memory plan
-//! is the same with or without cuDNN. A tensor of any rank >= 2 is viewed as
+//! (biased variance) are saved for the gradient, the running statistics are
+//! updated with the unbiased variance. No workspace, so the memory plan is
+//! the same with or without cuDNN. A tensor of any rank >= 2 is viewed as
 //! [N, C, inner, 1].
 //!
 //! cuDNN is used where it is defined exactly as our op: eps >= 1e-5 (cuDNN's
-//! historical minimum), more than one value per channel, and for the
-//! gradient, mean and 1/std saved by a cuDNN forward of the same graph.
-//! Elsewhere, and with [`CudaOptions::cudnn_batch_norm`] off, our kernels
-//! run.
+//! historical minimum) and more than one value per channel. Elsewhere, and
+//! with [`CudaOptions::cudnn_batch_norm`] off (a job that yields to more
+//! urgent lanes: those grid-resident kernels hold SMs that stream
+//! priorities cannot take back), our kernels run.
 //!
 //! [`CudaOptions::cudnn_batch_norm`]: super::CudaOptions::cudnn_batch_norm
 
@@ -28,7 +30,7 @@ use cudarc::cudnn::sys::{
     cudnnTensorFormat_t,
 };
 use cudarc::driver::CudaStream;
-use lanes_adaptor::{DType, Op, Outlet, ValidGraph};
+use lanes_adaptor::{DType, Op, ValidGraph};
 
 /// Smallest eps handed to cuDNN (its `CUDNN_BN_MIN_EPSILON` was 1e-5; a
 /// graph's f32 1e-5 counts as that).
@@ -93,12 +95,12 @@ impl Drop for Desc {
 /// The descriptors and constants of one batch-norm node run by cuDNN.
 #[derive(Debug)]
 pub(super) struct BnPlan {
-    /// x, y, dy and dx: [N, C, inner, 1].
+    /// x and y: [N, C, inner, 1].
     x: Desc,
     /// Scale, bias, means and variances: [1, C, 1, 1].
     per_channel: Desc,
     eps: f64,
-    /// Forward only: the running statistics' update factor.
+    /// The running statistics' update factor.
     momentum: f64,
 }
 
@@ -128,9 +130,8 @@ fn plan(dims: &[usize], eps: f32, momentum: f32) -> Result<BnPlan, CudnnError> {
     })
 }
 
-/// The cuDNN plan of every batch-norm node (forward and gradient) that
-/// cuDNN runs exactly as our op, keyed by node index; empty when `on` is
-/// false.
+/// The cuDNN plan of every batch-norm forward that cuDNN runs exactly as
+/// our op, keyed by node index; empty when `on` is false.
 pub(super) fn plan_batch_norms(
     graph: &ValidGraph,
     on: bool,
@@ -140,36 +141,21 @@ pub(super) fn plan_batch_norms(
     if !on {
         return Ok(plans);
     }
-    let x_dims = |node: &lanes_adaptor::Node| {
-        let o = node.inputs.first()?;
-        let ty = g.nodes.get(o.node.index())?.outputs.get(o.slot as usize)?;
-        (ty.dtype == DType::F32).then(|| ty.shape.dims().to_vec())
-    };
     for &id in graph.order() {
         let node = &g.nodes[id.index()];
-        let p = match node.op {
-            Op::BatchNormTrain { eps, momentum } => match x_dims(node) {
-                Some(d) if forward_fits(eps, &d) => Some(plan(&d, eps, momentum)),
-                _ => None,
-            },
-            Op::BatchNormTrainGrad => {
-                // Mean and 1/std from a forward that cuDNN ran (so cuDNN's
-                // own eps goes with them).
-                let fwd = node
-                    .inputs
-                    .get(2)
-                    .filter(|o| o.slot == 1 && node.inputs.get(3) == Some(&Outlet::new(o.node, 2)))
-                    .filter(|o| plans.contains_key(&o.node.index()))
-                    .map(|o| &g.nodes[o.node.index()].op);
-                match (fwd, x_dims(node)) {
-                    (Some(&Op::BatchNormTrain { eps, .. }), Some(d)) => Some(plan(&d, eps, 0.0)),
-                    _ => None,
-                }
-            }
-            _ => None,
+        let Op::BatchNormTrain { eps, momentum } = node.op else {
+            continue;
         };
-        if let Some(p) = p {
-            plans.insert(id.index(), p.map_err(|e| (id.index(), e))?);
+        let x = node
+            .inputs
+            .first()
+            .and_then(|o| g.nodes.get(o.node.index())?.outputs.get(o.slot as usize));
+        match x {
+            Some(ty) if ty.dtype == DType::F32 && forward_fits(eps, ty.shape.dims()) => {
+                let p = plan(ty.shape.dims(), eps, momentum).map_err(|e| (id.index(), e))?;
+                plans.insert(id.index(), p);
+            }
+            _ => {}
         }
     }
     Ok(plans)
@@ -218,52 +204,6 @@ impl BnPlan {
                 self.eps,
                 m(save_mean),
                 m(save_invstd),
-            )
-        }
-        .result()
-    }
-
-    /// dx, dscale, dbias of the batch norm from x, its scale, the saved mean
-    /// and 1/std, and dy.
-    ///
-    /// # Safety
-    /// As [`BnPlan::forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn backward(
-        &self,
-        h: &BnHandle,
-        x: u64,
-        scale: u64,
-        (mean, invstd): (u64, u64),
-        dy: u64,
-        dx: u64,
-        (dscale, dbias): (u64, u64),
-    ) -> Result<(), CudnnError> {
-        let p = |a: u64| a as *const std::ffi::c_void;
-        let m = |a: u64| a as *mut std::ffi::c_void;
-        let (one, zero) = ((&ONE as *const f32).cast(), (&ZERO as *const f32).cast());
-        // SAFETY: the caller's contract; the scaling factors are host f32s.
-        unsafe {
-            cudarc::cudnn::sys::cudnnBatchNormalizationBackward(
-                h.0,
-                cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
-                one,
-                zero,
-                one,
-                zero,
-                self.x.0,
-                p(x),
-                self.x.0,
-                p(dy),
-                self.x.0,
-                m(dx),
-                self.per_channel.0,
-                p(scale),
-                m(dscale),
-                m(dbias),
-                self.eps,
-                p(mean),
-                p(invstd),
             )
         }
         .result()

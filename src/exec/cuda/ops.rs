@@ -301,7 +301,7 @@ impl CudaProgram {
         self.k(name, grid(n), &[&out, &inp, &n32, &c.s, &ob, &ib])
     }
 
-    /// cuDNN's plan for batch-norm node `id`, when cuDNN runs it.
+    /// cuDNN's plan for batch-norm forward `id`, when cuDNN runs it.
     fn cudnn_bn(&self, id: NodeId) -> Option<(&super::bn::BnPlan, &super::bn::BnHandle)> {
         Some((self.bns.get(&id.index())?, self.bn_handle.as_ref()?))
     }
@@ -761,21 +761,6 @@ impl CudaProgram {
                 )
             }
             Op::BatchNormTrainGrad => {
-                if let Some((plan, h)) = self.cudnn_bn(id) {
-                    // SAFETY: as for the forward.
-                    return unsafe {
-                        plan.backward(
-                            h,
-                            inp[0],
-                            inp[1],
-                            (inp[2], inp[3]),
-                            inp[4],
-                            out[0],
-                            (out[1], out[2]),
-                        )
-                    }
-                    .map_err(|e| err(format!("cuDNN: {e:?}")));
-                }
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));
                 let m = i(d[0] * prod(&d[2..]));

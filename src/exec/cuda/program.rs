@@ -78,10 +78,10 @@ pub struct CudaOptions {
     /// (see `fuse.rs`). Default: on unless the environment variable
     /// `LANES_NO_FUSION` is `1`.
     pub fuse: bool,
-    /// Batch norm with batch statistics (training) and its gradient through
-    /// cuDNN's kernels, as PyTorch (see `bn.rs`); our own kernels where
-    /// cuDNN's definition differs. Default: on unless the environment
-    /// variable `LANES_NO_CUDNN_BN` is `1`.
+    /// Batch norm with batch statistics (training), forward, through
+    /// cuDNN's kernels, as PyTorch (see `bn.rs`; the gradient always runs on
+    /// ours); our own kernels where cuDNN's definition differs. Default: on
+    /// unless the environment variable `LANES_NO_CUDNN_BN` is `1`.
     pub cudnn_batch_norm: bool,
 }
 
@@ -1533,8 +1533,8 @@ impl CudaProgram {
         (self.fusion.chains.len(), self.fusion.skipped())
     }
 
-    /// How many batch-norm nodes (forward and gradient, batch statistics)
-    /// run through cuDNN's kernels rather than ours.
+    /// How many batch-norm forwards with batch statistics run through
+    /// cuDNN's kernels rather than ours.
     pub fn cudnn_batch_norms(&self) -> usize {
         self.bns.len()
     }
