@@ -151,13 +151,22 @@ pub struct ClientOptions {
     /// Busy polling: wait for each reply this long by polling the socket
     /// without sleeping before blocking on it (a core is busy meanwhile;
     /// a reply that arrives then is taken tens of microseconds sooner).
-    /// Zero, the default, blocks at once.
+    /// Zero, the default, blocks at once. A Run from feed buffers whose
+    /// last Run took longer than this window (a training step, say) first
+    /// sleeps until [`SPIN_FROM`] of that time has passed and polls from
+    /// there, so that the window covers the reply's arrival.
     pub busy_poll: Duration,
     /// While busy polling, also leave each Run from feed buffers in their
     /// doorbell (see [`crate::wire::shm::Doorbell`]), where a service that
     /// polls takes it without waiting for the socket. On by default.
     pub doorbell: bool,
 }
+
+/// Where, as a fraction of the last Run's round trip, a busy-polling wait
+/// for a longer Run from the same feed buffers starts to spin (it sleeps on
+/// the socket before): early enough for the step-to-step jitter of a GPU
+/// iteration (about 1 %) and a sleeping thread's wake-up.
+pub const SPIN_FROM: f64 = 0.9;
 
 /// The environment variable naming the key file a client uses when its
 /// options give no key.
@@ -790,6 +799,7 @@ impl Client {
             slot,
             bell,
             wanted: None,
+            last_round_trip: None,
         })
     }
 
@@ -835,14 +845,34 @@ impl Client {
         };
         // Its socket reply, when taken while polling the slot.
         let mut socket_reply = None;
-        if !self.options.busy_poll.is_zero() && !self.early.contains_key(&sent.id) {
-            let until =
-                (Instant::now() + self.options.busy_poll).min(sent.sent + self.options.timeout);
+        let busy = self.options.busy_poll;
+        let deadline = sent.sent + self.options.timeout;
+        if !busy.is_zero() && !self.early.contains_key(&sent.id) {
+            // A Run longer than the window: sleep on the socket until
+            // shortly before its reply is due.
+            if let Some(last) = buffers.last_round_trip.filter(|&t| t > busy) {
+                let wake = (sent.sent + last.mul_f64(SPIN_FROM)).min(deadline);
+                loop {
+                    let left = wake.saturating_duration_since(Instant::now());
+                    let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
+                    if ms == 0 || self.socket.poll(zmq::POLLIN, ms)? == 0 {
+                        break;
+                    }
+                    if let Some(r) = self.take_reply(sent, None)? {
+                        socket_reply = Some(r);
+                        break;
+                    }
+                }
+            }
+        }
+        if socket_reply.is_none() && !busy.is_zero() && !self.early.contains_key(&sent.id) {
+            let until = (Instant::now() + busy).min(deadline);
             loop {
                 match read(buffers)? {
                     SlotRead::Here(outputs) if outputs.len() == fetches => {
                         // Its socket reply, when it comes, is dropped.
                         self.ahead.remove(&sent.id);
+                        buffers.last_round_trip = Some(sent.sent.elapsed());
                         return Ok(outputs);
                     }
                     SlotRead::Here(_) | SlotRead::OnSocket { .. } => break,
@@ -871,6 +901,7 @@ impl Client {
             Reply::RunDone { outputs } => outputs,
             other => return Err(unexpected("run", &other)),
         };
+        buffers.last_round_trip = Some(sent.sent.elapsed());
         // Read after the reply (also to learn whether the slot was too
         // small): what the service wrote before replying is visible.
         match read(buffers) {
@@ -1114,6 +1145,10 @@ pub struct FeedBuffers {
     bell: Option<(usize, usize)>,
     /// The slot's bytes a Run's outputs needed, when they did not fit.
     wanted: Option<usize>,
+    /// How long the last Run from these buffers took, send to outputs:
+    /// where that is longer than the busy-poll window, the next wait sleeps
+    /// until shortly before then and spins from there.
+    last_round_trip: Option<Duration>,
 }
 
 impl std::fmt::Debug for FeedBuffers {
