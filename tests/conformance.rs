@@ -167,6 +167,23 @@ fn compare(what: &str, cpu: &Tensor, gpu: &Tensor, tol: Tol) -> Result<f32, Stri
     Ok(worst)
 }
 
+/// Graph limits that admit the zoo's models.
+fn large_limits() -> GraphLimits {
+    GraphLimits {
+        max_nodes: 1 << 20,
+        ..GraphLimits::default()
+    }
+}
+
+/// The tolerance for variable `name`: `state` for the optimizer's state
+/// (named `opt/…`) where given, else `tol`.
+fn var_tol(name: &str, tol: Tol, state: Option<Tol>) -> Tol {
+    match state {
+        Some(t) if name.starts_with("opt/") => t,
+        _ => tol,
+    }
+}
+
 /// Runs the case on both backends; returns the worst error as a fraction of
 /// the tolerance (<= 1 passes).
 fn run_case(c: Case) -> Result<f32, String> {
@@ -174,10 +191,7 @@ fn run_case(c: Case) -> Result<f32, String> {
         Some(p) => p,
         None => c.g.finish().map_err(|e| format!("build: {e}"))?,
     };
-    let limits = GraphLimits {
-        max_nodes: 1 << 20,
-        ..GraphLimits::default()
-    };
+    let limits = large_limits();
     let vg = validate(graph, &limits).map_err(|e| format!("validate: {e}"))?;
     let mut cpu = CpuProgram::new(vg.clone(), vars.clone()).map_err(|e| format!("cpu: {e}"))?;
     let mut gpu = CudaProgram::with_options(vg, vars, c.opts).map_err(|e| format!("cuda: {e}"))?;
@@ -201,10 +215,7 @@ fn run_case(c: Case) -> Result<f32, String> {
         let vb = gpu.read_variables(&[]).map_err(|e| e.to_string())?;
         for (name, x) in &va {
             let y = vb.get(name).ok_or(format!("variable {name} missing"))?;
-            let tol = match c.opt_state_tol {
-                Some(t) if name.starts_with("opt/") => t,
-                _ => c.tol,
-            };
+            let tol = var_tol(name, c.tol, c.opt_state_tol);
             worst = worst.max(compare(&format!("run {r} var {name}"), x, y, tol)?);
         }
     }
@@ -946,10 +957,7 @@ fn fusion_matches_unfused() {
             .unwrap(),
         ),
     ];
-    let limits = GraphLimits {
-        max_nodes: 1 << 20,
-        ..GraphLimits::default()
-    };
+    let limits = large_limits();
     for (name, b) in built {
         let mut rng = StdRng::seed_from_u64(5);
         let feeds: BTreeMap<String, Tensor> = b
@@ -1340,10 +1348,7 @@ fn models_training() {
 #[ignore = "needs a GPU"]
 fn cudnn_batch_norm_matches_ours_in_training() {
     let (t, feeds) = small_training();
-    let limits = GraphLimits {
-        max_nodes: 1 << 20,
-        ..GraphLimits::default()
-    };
+    let limits = large_limits();
     let vg = validate(t.graph, &limits).unwrap();
     let fetch = vec![t.loss.clone()];
     let mut results = Vec::new();
@@ -1364,11 +1369,7 @@ fn cudnn_batch_norm_matches_ours_in_training() {
     let mut worst = compare("loss", &a.0, &b.0, FP32).unwrap();
     assert_eq!(a.1.len(), b.1.len());
     for (name, x) in &a.1 {
-        let tol = if name.starts_with("opt/") {
-            TRAIN_VARS
-        } else {
-            ACCUM
-        };
+        let tol = var_tol(name, ACCUM, Some(TRAIN_VARS));
         worst = worst.max(compare(name, x, &b.1[name], tol).unwrap());
     }
     println!("cuDNN batch norm vs ours, one step: worst {worst:.3} of tolerance");
@@ -1427,10 +1428,7 @@ fn graph_replay_matches_op_by_op() {
                 (n.clone(), t)
             })
             .collect();
-        let limits = GraphLimits {
-            max_nodes: 1 << 20,
-            ..GraphLimits::default()
-        };
+        let limits = large_limits();
         let vg = validate(built.graph, &limits).unwrap();
         let fetch = vec![built.output.clone()];
         let mut outs = Vec::new();

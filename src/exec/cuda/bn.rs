@@ -61,6 +61,11 @@ impl Drop for BnHandle {
     }
 }
 
+/// What a dimension cuDNN cannot take, or a rank below 2, answers.
+fn bad_param() -> CudnnError {
+    CudnnError(cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM)
+}
+
 /// One tensor descriptor, destroyed on drop.
 #[derive(Debug)]
 struct Desc(cudnnTensorDescriptor_t);
@@ -68,8 +73,7 @@ struct Desc(cudnnTensorDescriptor_t);
 impl Desc {
     /// An NCHW f32 descriptor.
     fn nchw(n: usize, c: usize, h: usize, w: usize) -> Result<Self, CudnnError> {
-        let bad = || CudnnError(cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM);
-        let dim = |v: usize| i32::try_from(v).map_err(|_| bad());
+        let dim = |v: usize| i32::try_from(v).map_err(|_| bad_param());
         let (n, c, h, w) = (dim(n)?, dim(c)?, dim(h)?, dim(w)?);
         let d = Desc(cudnn::create_tensor_descriptor()?);
         // SAFETY: `d.0` is a live descriptor.
@@ -119,8 +123,7 @@ fn forward_fits(eps: f32, dims: &[usize]) -> bool {
 }
 
 fn plan(dims: &[usize], eps: f32, momentum: f32) -> Result<BnPlan, CudnnError> {
-    let bad = || CudnnError(cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM);
-    let (n, c, inner) = ncx(dims).ok_or_else(bad)?;
+    let (n, c, inner) = ncx(dims).ok_or_else(bad_param)?;
     Ok(BnPlan {
         x: Desc::nchw(n, c, inner, 1)?,
         per_channel: Desc::nchw(1, c, 1, 1)?,

@@ -722,7 +722,7 @@ impl CudaProgram {
                     // which bn_apply then writes.
                     self.k(
                         "bn_plane_stats",
-                        plane_grid(d),
+                        plane_grid(d, vec4 != 0),
                         &[&out[0], &inp[0], &nb, &c, &inner, &vec4],
                     )?;
                     self.k(
@@ -770,7 +770,7 @@ impl CudaProgram {
                     // bn_grad_dx then writes.
                     self.k(
                         "bn_grad_plane",
-                        plane_grid(d),
+                        plane_grid(d, vec4 != 0),
                         &[
                             &out[0], &inp[0], &inp[2], &inp[3], &inp[4], &nb, &c, &inner, &vec4,
                         ],
@@ -1113,14 +1113,14 @@ pub(super) fn plane_rows(units: usize, planes: usize) -> cudarc::driver::LaunchC
     }
 }
 
-/// One block per (n, c) plane (grid x: n, y: c), of up to 256 threads (a
-/// multiple of 32, no more than a plane's floats, or float4s, need).
-fn plane_grid(dims: &[usize]) -> cudarc::driver::LaunchConfig {
+/// One block per (n, c) plane (grid x: n, y: c), as many threads as
+/// [`plane_rows`] gives a plane of its floats (float4s with `vec4`).
+fn plane_grid(dims: &[usize], vec4: bool) -> cudarc::driver::LaunchConfig {
     let inner = prod(&dims[2..]);
-    let units = if inner % 4 == 0 { inner / 4 } else { inner };
+    let units = if vec4 { inner / 4 } else { inner };
     cudarc::driver::LaunchConfig {
         grid_dim: (dims[0] as u32, dims[1] as u32, 1),
-        block_dim: ((units.div_ceil(32).clamp(1, 8) * 32) as u32, 1, 1),
+        block_dim: plane_rows(units, 1).block_dim,
         shared_mem_bytes: 0,
     }
 }
