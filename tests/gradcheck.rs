@@ -444,3 +444,20 @@ fn check_transformer(mut g: GraphBuilder, loss: Outlet, ids: Tensor, labels: Ten
             .unwrap();
     }
 }
+
+#[test]
+fn where_routes_the_gradient_to_the_chosen_branch() {
+    let mut r = Lcg(5);
+    let mut g = GraphBuilder::new();
+    let a = var(&mut g, "a", r.tensor(&[3, 4]));
+    let b = var(&mut g, "b", r.tensor(&[4]));
+    // A 0/1 mask, broadcast over rows: the causal-mask shape of attention.
+    let mask = Tensor::from_f32(
+        [3, 4],
+        (0..12).map(|i| f32::from(u8::from(i % 3 != 0))).collect(),
+    )
+    .unwrap();
+    let cond = g.constant(mask);
+    let y = g.op1(Op::Where, &[cond, a, b]);
+    check("where", g, y);
+}

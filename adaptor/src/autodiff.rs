@@ -49,6 +49,8 @@ fn differentiable_input(op: &Op, k: usize) -> bool {
         Op::BatchNorm { .. } | Op::BatchNormTrain { .. } => k < 3,
         Op::Embedding => k == 0,
         Op::CrossEntropy => k == 0,
+        // The condition is a 0/1 mask.
+        Op::Where => k > 0,
         _ => true,
     }
 }
@@ -535,6 +537,21 @@ fn backward(
             ]
         }
         Op::CrossEntropy => vec![Some(g.op1(Op::CrossEntropyGrad, &[x(0), x(1), dy])), None],
+        Op::Where => {
+            // dy flows to the branch each element was taken from.
+            let (sa, sb) = (dims(g, 1), dims(g, 2));
+            let da = want[1].then(|| {
+                let zero = g.scalar(0.0);
+                let t = g.op1(Op::Where, &[x(0), dy, zero]);
+                unbroadcast(g, t, &sa)
+            });
+            let db = want[2].then(|| {
+                let zero = g.scalar(0.0);
+                let t = g.op1(Op::Where, &[x(0), zero, dy]);
+                unbroadcast(g, t, &sb)
+            });
+            vec![None, da, db]
+        }
         Op::MseLoss => {
             let n = g.ty(x(0)).map(|t| t.shape.numel()).unwrap_or(1).max(1);
             let diff = g.sub(x(0), x(1));

@@ -25,7 +25,10 @@ pub use graph::{
     validate, Conv2dAttrs, Graph, GraphBuilder, GraphError, GraphLimits, Node, NodeId, Op, Outlet,
     Pool2dAttrs, ValidGraph, VarValues,
 };
-pub use optim::{training_graph, training_graph_from, Optimizer, TrainError, TrainingGraph};
+pub use optim::{
+    lr_variable, training_graph, training_graph_from, training_graph_grouped, Optimizer,
+    ParamGroup, TrainError, TrainOptions, TrainingGraph,
+};
 pub use tensor::{DType, Shape, Tensor, TensorData, TensorError, TensorType};
 pub use wire::auth::AuthKey;
 pub use wire::{ErrorCode, JobKind, Limits, SessionId, SessionSpec, WireError};

@@ -88,6 +88,15 @@ impl Optimizer {
             | Optimizer::AdamW { lr, .. } => lr,
         }
     }
+    /// The same optimizer with learning rate `lr`.
+    pub fn with_lr(mut self, new: f32) -> Self {
+        match &mut self {
+            Optimizer::Sgd { lr, .. }
+            | Optimizer::Adam { lr, .. }
+            | Optimizer::AdamW { lr, .. } => *lr = new,
+        }
+        self
+    }
     /// Optimizer state tensors per parameter (to size persistent memory).
     pub fn state_per_param(&self) -> usize {
         match self {
@@ -99,6 +108,18 @@ impl Optimizer {
     /// Appends the in-place update of `param` by `grad`; returns the names
     /// of the state variables it created.
     fn append_update(&self, g: &mut GraphBuilder, param: Outlet, grad: Outlet) -> Vec<String> {
+        self.append_update_scaled(g, param, grad, None)
+    }
+
+    /// [`Self::append_update`] whose learning rate is `lr` times the value
+    /// of `scale` (a one-element variable) when given.
+    fn append_update_scaled(
+        &self,
+        g: &mut GraphBuilder,
+        param: Outlet,
+        grad: Outlet,
+        scale: Option<Outlet>,
+    ) -> Vec<String> {
         let name = g.name_of(param).to_string();
         let ty = g.ty(param).cloned();
         let Some(ty) = ty else {
@@ -120,7 +141,7 @@ impl Optimizer {
                         weight_decay,
                         nesterov,
                     },
-                    &[param, grad, buf],
+                    &[&[param, grad, buf][..], scale.as_slice()].concat(),
                 );
                 debug_assert!(upd.is_empty());
                 vec![buf_name]
@@ -157,7 +178,7 @@ impl Optimizer {
                         weight_decay,
                         decoupled,
                     },
-                    &[param, grad, m, v, step],
+                    &[&[param, grad, m, v, step][..], scale.as_slice()].concat(),
                 );
                 names.to_vec()
             }
@@ -176,6 +197,44 @@ pub enum TrainError {
     UnknownLoss { name: String },
     #[error("the loss depends on no trainable variable")]
     NoParameters,
+    #[error(
+        "parameter group {group} names `{name}`, which is not a trainable variable of the loss"
+    )]
+    UnknownParameter { group: usize, name: String },
+    #[error("`{name}` is in parameter groups {first} and {second}")]
+    DuplicateParameter {
+        name: String,
+        first: usize,
+        second: usize,
+    },
+    #[error("max_grad_norm must be positive and finite, got {0}")]
+    BadClipNorm(f32),
+}
+
+/// One parameter group (as in `torch.optim`): an optimizer and the
+/// variables it updates.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamGroup {
+    pub params: Vec<String>,
+    pub optimizer: Optimizer,
+}
+
+/// How [`training_graph_grouped`] builds the step.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TrainOptions {
+    /// The groups; variables in none are not updated (their gradients are
+    /// not computed).
+    pub groups: Vec<ParamGroup>,
+    /// Clip the gradients by their global 2-norm, as
+    /// `torch.nn.utils.clip_grad_norm_(params, max_norm)` before the update.
+    pub max_grad_norm: Option<f32>,
+}
+
+/// Name of the variable holding group `k`'s learning rate in a graph built
+/// by [`training_graph_grouped`]: writing it changes the rate of the next
+/// steps (a scheduler's step).
+pub fn lr_variable(group: usize) -> String {
+    format!("opt/group{group}/lr")
 }
 
 /// A graph whose single Run is one training iteration.
@@ -239,6 +298,116 @@ pub fn training_graph(
         params: names,
         state,
     })
+}
+
+/// The training graph of `loss` with parameter groups, learning rates held
+/// in variables ([`lr_variable`]) and optional gradient clipping.
+pub fn training_graph_grouped(
+    mut g: GraphBuilder,
+    loss: Outlet,
+    opts: &TrainOptions,
+) -> Result<TrainingGraph, TrainError> {
+    if let Some(e) = g.error() {
+        return Err(TrainError::Graph(e.clone()));
+    }
+    if let Some(c) = opts.max_grad_norm {
+        if !(c > 0.0 && c.is_finite()) {
+            return Err(TrainError::BadClipNorm(c));
+        }
+    }
+    let trainable = trainable_variables(&g, loss);
+    let by_name: std::collections::HashMap<String, Outlet> = trainable
+        .iter()
+        .map(|o| (g.name_of(*o).to_string(), *o))
+        .collect();
+    // (variable, group) in group order.
+    let mut chosen: Vec<(Outlet, usize)> = Vec::new();
+    let mut group_of: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (k, grp) in opts.groups.iter().enumerate() {
+        for name in &grp.params {
+            let Some(&o) = by_name.get(name) else {
+                return Err(TrainError::UnknownParameter {
+                    group: k,
+                    name: name.clone(),
+                });
+            };
+            if let Some(&first) = group_of.get(name.as_str()) {
+                return Err(TrainError::DuplicateParameter {
+                    name: name.clone(),
+                    first,
+                    second: k,
+                });
+            }
+            group_of.insert(name, k);
+            chosen.push((o, k));
+        }
+    }
+    if chosen.is_empty() {
+        return Err(TrainError::NoParameters);
+    }
+    let wrt: Vec<Outlet> = chosen.iter().map(|(o, _)| *o).collect();
+    let grads = gradients(&mut g, loss, &wrt)?;
+    let mut grads: Vec<(Outlet, usize, Outlet)> = chosen
+        .iter()
+        .zip(grads)
+        .filter_map(|(&(p, k), gr)| Some((p, k, gr?)))
+        .collect();
+    if let Some(max_norm) = opts.max_grad_norm {
+        clip_by_global_norm(&mut g, &mut grads, max_norm);
+    }
+    let scales: Vec<Outlet> = opts
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(k, grp)| g.variable(&lr_variable(k), Tensor::full([1], grp.optimizer.lr())))
+        .collect();
+    let mut state: Vec<String> = (0..opts.groups.len()).map(lr_variable).collect();
+    let mut names = Vec::with_capacity(grads.len());
+    for (p, k, gr) in grads {
+        names.push(g.name_of(p).to_string());
+        // The rate is the variable's value: the op's own factor is 1.
+        let opt = opts.groups[k].optimizer.with_lr(1.0);
+        state.extend(opt.append_update_scaled(&mut g, p, gr, Some(scales[k])));
+    }
+    let loss_key = if loss.slot == 0 {
+        g.name_of(loss).to_string()
+    } else {
+        format!("{}:{}", g.name_of(loss), loss.slot)
+    };
+    let (graph, vars) = g.finish()?;
+    Ok(TrainingGraph {
+        graph,
+        vars,
+        loss: loss_key,
+        params: names,
+        state,
+    })
+}
+
+/// Scales every gradient by `min(1, max_norm / (‖g‖ + 1e-6))`, ‖g‖ the
+/// 2-norm of all of them together (PyTorch's `clip_grad_norm_`).
+fn clip_by_global_norm(g: &mut GraphBuilder, grads: &mut [(Outlet, usize, Outlet)], max_norm: f32) {
+    let mut total: Option<Outlet> = None;
+    for &(_, _, gr) in grads.iter() {
+        let rank = g.dims(gr).len();
+        let sq = g.mul(gr, gr);
+        let axes: Vec<usize> = (0..rank).collect();
+        let s = g.sum(sq, &axes, false);
+        total = Some(match total {
+            None => s,
+            Some(t) => g.add(t, s),
+        });
+    }
+    let Some(total) = total else { return };
+    let norm = g.sqrt(total);
+    let eps = g.scalar(1e-6);
+    let denom = g.add(norm, eps);
+    let max = g.scalar(max_norm);
+    let coef = g.div(max, denom);
+    let coef = g.op1(Op::Clip { min: 0.0, max: 1.0 }, &[coef]);
+    for (_, _, gr) in grads.iter_mut() {
+        *gr = g.mul(*gr, coef);
+    }
 }
 
 /// [`training_graph`] for a finished forward graph whose loss is fetched as

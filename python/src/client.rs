@@ -8,13 +8,16 @@
 use crate::convert::{
     feed_type, tensor_from_numpy, tensor_to_numpy, values_from_dict, values_to_dict, write_feed,
 };
-use crate::errors::{client_error, local, onnx_error, zoo_error, FeedError, SessionClosedError};
-use crate::{optim, zoo};
+use crate::errors::{
+    client_error, local, onnx_error, zoo_error, FeedError, ModelError, SessionClosedError,
+};
+use crate::{graph, optim, zoo};
 use lanes_adaptor::onnx::{import_file, ImportOptions};
 use lanes_adaptor::{
     Client as Conn, ClientError, ClientOptions, FeedBuffers, Graph, JobKind, PendingRun, SessionId,
     SessionSpec, Tensor, TensorType, VarValues,
 };
+use lanes_adaptor::{training_graph_grouped, ParamGroup, TrainOptions};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
@@ -502,6 +505,73 @@ impl Session {
         }
     }
 
+    /// Loads a graph built with `GraphBuilder` (for inference, or any graph
+    /// whose Runs need no training step appended). `outputs`: the names
+    /// `run` fetches by default. The builder is used up.
+    #[pyo3(signature = (builder, outputs))]
+    fn load_graph(
+        &self,
+        py: Python<'_>,
+        builder: &Bound<'_, graph::GraphBuilder>,
+        outputs: Vec<String>,
+    ) -> PyResult<()> {
+        let b = builder.get().take()?;
+        let (g, vars) = b
+            .finish()
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        let inputs = placeholders(&g);
+        self.load(py, g, vars, inputs, outputs)
+    }
+
+    /// Appends the training step to a forward graph built with
+    /// `GraphBuilder` and loads it: gradients of `loss` (a node name) with
+    /// respect to every variable of `groups` (a list of (names, optimizer)
+    /// pairs, as `torch.optim` parameter groups), clipped by their global
+    /// norm when `max_grad_norm` is given, then one in-place update each.
+    /// Group k's learning rate is the variable `opt/group{k}/lr`. Returns
+    /// (trained variables, optimizer-state variables). `outputs`: what
+    /// `run` fetches by default (the loss when empty).
+    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None))]
+    fn load_training(
+        &self,
+        py: Python<'_>,
+        builder: &Bound<'_, graph::GraphBuilder>,
+        loss: &str,
+        groups: Vec<(Vec<String>, Bound<'_, PyAny>)>,
+        max_grad_norm: Option<f32>,
+        outputs: Option<Vec<String>>,
+    ) -> PyResult<(Vec<String>, Vec<String>)> {
+        let b = builder.get().take()?;
+        let out = graph::GraphBuilder::resolve(&b, loss).ok_or_else(|| {
+            local(
+                py,
+                ModelError::new_err(format!("no node `{loss}` to train as the loss")),
+            )
+        })?;
+        let groups = groups
+            .into_iter()
+            .map(|(params, o)| {
+                Ok(ParamGroup {
+                    params,
+                    optimizer: optim::extract(&o)?,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let opts = TrainOptions {
+            groups,
+            max_grad_norm,
+        };
+        let t = py
+            .detach(|| training_graph_grouped(b, out, &opts))
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        let inputs = placeholders(&t.graph);
+        let outputs = outputs
+            .filter(|o| !o.is_empty())
+            .unwrap_or_else(|| vec![t.loss.clone()]);
+        self.load(py, t.graph, t.vars, inputs, outputs)?;
+        Ok((t.params, t.state))
+    }
+
     /// Runs one iteration. `feeds` maps placeholder names to float32/int64
     /// arrays. `fetch`: None → a dict of the model's outputs; a name → that
     /// array; a list of names → a list of arrays.
@@ -669,6 +739,17 @@ impl RunHandle {
     fn done(&self) -> bool {
         self.pending.lock().map(|p| p.is_none()).unwrap_or(true)
     }
+}
+
+/// The placeholders of `g`, in graph order.
+fn placeholders(g: &Graph) -> Vec<(String, TensorType)> {
+    g.nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            lanes_adaptor::graph::Op::Placeholder(t) => Some((n.name.clone(), t.clone())),
+            _ => None,
+        })
+        .collect()
 }
 
 fn dtype_name(t: &TensorType) -> String {

@@ -5,6 +5,7 @@
 mod client;
 mod convert;
 mod errors;
+mod graph;
 mod optim;
 mod zoo;
 
@@ -18,6 +19,7 @@ fn _lanes(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::Client>()?;
     m.add_class::<client::Session>()?;
     m.add_class::<client::RunHandle>()?;
+    m.add_class::<graph::GraphBuilder>()?;
     m.add_class::<optim::Sgd>()?;
     m.add_class::<optim::Adam>()?;
     m.add_class::<optim::AdamW>()?;

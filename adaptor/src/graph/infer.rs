@@ -385,8 +385,9 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             weight_decay,
             ..
         } => {
-            arity(inputs, 3)?;
+            arity_between(inputs, 3, 4)?;
             f32s(inputs)?;
+            lr_scale(inputs, 3)?;
             non_negative(*lr, "lr")?;
             non_negative(*momentum, "momentum")?;
             non_negative(*weight_decay, "weight_decay")?;
@@ -402,8 +403,9 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             weight_decay,
             ..
         } => {
-            arity(inputs, 5)?;
+            arity_between(inputs, 5, 6)?;
             f32s(inputs)?;
+            lr_scale(inputs, 5)?;
             non_negative(*lr, "lr")?;
             positive(*eps, "eps")?;
             non_negative(*weight_decay, "weight_decay")?;
@@ -462,6 +464,24 @@ fn arity(inputs: &[TensorType], n: usize) -> R<()> {
         return Err(format!("expects {n} inputs, got {}", inputs.len()));
     }
     Ok(())
+}
+
+fn arity_between(inputs: &[TensorType], lo: usize, hi: usize) -> R<()> {
+    if inputs.len() < lo || inputs.len() > hi {
+        return Err(format!("expects {lo} to {hi} inputs, got {}", inputs.len()));
+    }
+    Ok(())
+}
+
+/// An optimizer's optional learning-rate scale (input `k`): one element.
+fn lr_scale(inputs: &[TensorType], k: usize) -> R<()> {
+    match inputs.get(k) {
+        Some(t) if t.shape.numel() != 1 => Err(format!(
+            "the learning-rate scale must hold one element, got {}",
+            t.shape
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn f32s(inputs: &[TensorType]) -> R<()> {

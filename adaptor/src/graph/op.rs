@@ -194,7 +194,9 @@ pub enum Op {
     CrossEntropyGrad,
 
     // ---- in-place updates --------------------------------------------------------
-    /// PyTorch's SGD: (param (mut), grad, momentum_buf (mut)); no outputs.
+    /// PyTorch's SGD: (param (mut), grad, momentum_buf (mut), lr_scale [1]
+    /// optional); no outputs. With `lr_scale` the step uses `lr * lr_scale`,
+    /// so a job changes its learning rate by writing that variable.
     SgdUpdate {
         lr: f32,
         momentum: f32,
@@ -202,7 +204,8 @@ pub enum Op {
         nesterov: bool,
     },
     /// Adam, or AdamW when `decoupled`: (param (mut), grad, m (mut), v (mut),
-    /// step (mut) f32 [1]); no outputs.
+    /// step (mut) f32 [1], lr_scale [1] optional); no outputs. With
+    /// `lr_scale` the step uses `lr * lr_scale` (decoupled decay included).
     AdamUpdate {
         lr: f32,
         beta1: f32,

@@ -889,6 +889,8 @@ impl CudaProgram {
             } => {
                 let n = ity[0].shape.numel();
                 let (n32, nest) = (i(n), i32::from(*nesterov));
+                // The optional learning-rate scale; any valid pointer when absent.
+                let (scale, has) = (inp.get(3).unwrap_or(&inp[1]), i32::from(inp.len() > 3));
                 self.k(
                     "sgd_update",
                     grid(n),
@@ -901,6 +903,8 @@ impl CudaProgram {
                         momentum,
                         weight_decay,
                         &nest,
+                        scale,
+                        &has,
                     ],
                 )
             }
@@ -914,6 +918,7 @@ impl CudaProgram {
             } => {
                 let n = ity[0].shape.numel();
                 let (n32, dec) = (i(n), i32::from(*decoupled));
+                let (scale, has) = (inp.get(5).unwrap_or(&inp[1]), i32::from(inp.len() > 5));
                 self.k(
                     "adam_update",
                     grid(n),
@@ -930,6 +935,8 @@ impl CudaProgram {
                         eps,
                         weight_decay,
                         &dec,
+                        scale,
+                        &has,
                     ],
                 )?;
                 self.k("step_incr", blocks(1, 32), &[&inp[4]])

@@ -14,6 +14,7 @@ pub(super) fn sgd(
     inplace: &mut [TensorMut<'_>],
 ) -> R {
     let grad = fin(inputs, 1)?;
+    let lr = lr * lr_scale(inputs, 3)?;
     let [p, buf] = inplace else {
         return Err("SGD updates a parameter and a momentum buffer".into());
     };
@@ -35,6 +36,17 @@ pub(super) fn sgd(
     Ok(())
 }
 
+/// The optional learning-rate scale at input `k` (1 when absent).
+fn lr_scale(inputs: &[TensorRef<'_>], k: usize) -> Result<f32, String> {
+    if inputs.len() <= k {
+        return Ok(1.0);
+    }
+    fin(inputs, k)?
+        .first()
+        .copied()
+        .ok_or_else(|| "the learning-rate scale is empty".to_string())
+}
+
 /// Hyper-parameters of one Adam step.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct AdamParams {
@@ -50,6 +62,10 @@ pub(super) struct AdamParams {
 /// AdamW when `decoupled` (weight decay applied to the parameter directly).
 pub(super) fn adam(h: AdamParams, inputs: &[TensorRef<'_>], inplace: &mut [TensorMut<'_>]) -> R {
     let grad = fin(inputs, 1)?;
+    let h = AdamParams {
+        lr: h.lr * lr_scale(inputs, 5)?,
+        ..h
+    };
     let [p, m, v, step] = inplace else {
         return Err("Adam updates a parameter, two moments and a step".into());
     };

@@ -398,8 +398,12 @@ extern "C" __global__ void channel_bias(float* y, const float* bias, int n, int 
     GRID_LOOP(i, n) { y[i] += bias[(i / inner) % C]; }
 }
 
+// lr_scale: the optimizer's optional learning-rate scale (one element), read
+// when has_scale is set.
 extern "C" __global__ void sgd_update(float* p, const float* g, float* buf, int n, float lr,
-                                      float momentum, float wd, int nesterov) {
+                                      float momentum, float wd, int nesterov,
+                                      const float* lr_scale, int has_scale) {
+    if (has_scale) lr *= lr_scale[0];
     GRID_LOOP(i, n) {
         float d = g[i] + wd * p[i];
         if (momentum != 0.0f) {
@@ -414,7 +418,9 @@ extern "C" __global__ void sgd_update(float* p, const float* g, float* buf, int 
 // step holds the number of steps taken so far; the update uses step + 1 and
 // `step_incr` stores it afterwards.
 extern "C" __global__ void adam_update(float* p, const float* g, float* m, float* v, const float* step, int n,
-                                       float lr, float b1, float b2, float eps, float wd, int decoupled) {
+                                       float lr, float b1, float b2, float eps, float wd, int decoupled,
+                                       const float* lr_scale, int has_scale) {
+    if (has_scale) lr *= lr_scale[0];
     float t = step[0] + 1.0f;
     float bc1 = 1.0f - powf(b1, t);
     float bc2 = 1.0f - powf(b2, t);
