@@ -1,4 +1,4 @@
-"""Python client of Lanes: run ONNX and zoo models on a shared ``lanes serve``.
+"""Python client of Lanes: run PyTorch, ONNX and zoo models on a shared ``lanes serve``.
 
     import numpy as np, lanes
     with lanes.Client("tcp://127.0.0.1:5555") as client:
@@ -6,7 +6,9 @@
             s.load_onnx("resnet50.onnx", batch=8)
             out = s.run({"input": np.zeros((8, 3, 224, 224), np.float32)})
 
-See docs/python.md in the repository.
+PyTorch models (training and inference, captured with torch.export):
+``lanes.torch`` (imported on its own, as it needs torch). See docs/python.md
+and docs/torch.md in the repository.
 """
 
 from ._lanes import (
@@ -16,6 +18,7 @@ from ._lanes import (
     AdamW,
     Client,
     FeedError,
+    GraphBuilder,
     LanesError,
     LanesTimeoutError,
     ModelError,
@@ -34,6 +37,7 @@ __all__ = [
     "AdamW",
     "Client",
     "FeedError",
+    "GraphBuilder",
     "LanesError",
     "LanesTimeoutError",
     "ModelError",

@@ -1,7 +1,9 @@
 """Fixtures: a `lanes serve --device cpu` child process per test session.
 
 The binary is $LANES_BIN, by default the repository's target/release/lanes
-(build it with `cargo build --release`).
+(build it with `cargo build --release`). LANES_TEST_DEVICE=cuda runs the
+service on the GPU instead (convolutions in plain FP32, `--no-tf32`, so that
+results compare with the CPU references at the same tolerances).
 """
 
 import os
@@ -27,13 +29,21 @@ def lanes_bin() -> Path:
     return path
 
 
+def device_args() -> list:
+    """`lanes serve` flags for LANES_TEST_DEVICE (cpu by default)."""
+    device = os.environ.get("LANES_TEST_DEVICE", "cpu")
+    if device == "cuda":
+        return ["--device", "cuda", "--no-tf32", "--memory", "16GiB"]
+    return ["--device", device]
+
+
 @pytest.fixture(scope="session")
 def endpoint(tmp_path_factory):
     sock = tmp_path_factory.mktemp("lanes") / "serve.sock"
     ep = f"ipc://{sock}"
     log = open(sock.with_name("serve.log"), "wb")
     proc = subprocess.Popen(
-        [str(lanes_bin()), "serve", "--device", "cpu", "--endpoint", ep, "--workers", "2"],
+        [str(lanes_bin()), "serve", "--endpoint", ep, "--workers", "2", *device_args()],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
