@@ -1237,6 +1237,60 @@ fn in_place_updates() {
         c.runs = 3;
         cases.push(c);
     }
+    // The learning rate from a variable (a job's scheduler writes it).
+    {
+        let mut c = Case::new("sgd lr from a variable");
+        let p = c.var("p", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        let buf = c.var("buf", Tensor::full([5, 7], 0.0));
+        let lr = c.var("lr", Tensor::full([1], 0.05));
+        let gi = c.input("g", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        let sgd = Op::SgdUpdate {
+            lr: 1.0,
+            momentum: 0.9,
+            weight_decay: 1e-2,
+            nesterov: true,
+        };
+        c.g.op(sgd, &[p, gi, buf, lr]);
+        c.runs = 3;
+        cases.push(c);
+        let mut c = Case::new("adamw lr from a variable");
+        let p = c.var("p", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        let m = c.var("m", Tensor::full([5, 7], 0.0));
+        let v = c.var("v", Tensor::full([5, 7], 0.0));
+        let step = c.var("step", Tensor::full([1], 0.0));
+        let lr = c.var("lr", Tensor::full([1], 3e-3));
+        let gi = c.input("g", rnd(&mut rng, &[5, 7], -1.0, 1.0));
+        let adam = Op::AdamUpdate {
+            lr: 1.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 1e-2,
+            decoupled: true,
+        };
+        c.g.op(adam, &[p, gi, m, v, step, lr]);
+        c.runs = 3;
+        cases.push(c);
+    }
+    // Dropout masks: the same elements dropped on both backends (exact).
+    for (p, salt) in [(0.1f32, 0u32), (0.5, 7)] {
+        let mut c = Case::new(&format!("dropout mask p {p}"));
+        let seed = c.input("seed", Tensor::from_i64([1], vec![12345]).unwrap());
+        let y = c.g.op1(
+            Op::DropoutMask {
+                p,
+                salt,
+                shape: vec![3, 33, 65],
+            },
+            &[seed],
+        );
+        c.fetch(y, "mask");
+        c.tol = Tol {
+            rtol: 0.0,
+            atol: 0.0,
+        };
+        cases.push(c);
+    }
     {
         let mut c = Case::new("assign");
         let t = c.var("t", Tensor::full([4], 0.0));

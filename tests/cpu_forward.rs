@@ -116,3 +116,51 @@ fn erf_clip_is_nan_where_and_cast() {
     assert_eq!(out[4].i64s().unwrap(), &[0, 1, -2, 0]);
     assert_eq!(out[5].f32s().unwrap(), &[-3.0, 0.0, (1u64 << 40) as f32]);
 }
+
+#[test]
+fn dropout_masks_drop_p_of_the_elements_and_follow_the_seed() {
+    use lanes_adaptor::Op;
+    let p = 0.3f32;
+    let mut g = GraphBuilder::new();
+    let seed = g.placeholder("seed", TensorType::i64([1]));
+    let a = g.op1(
+        Op::DropoutMask {
+            p,
+            salt: 1,
+            shape: vec![100, 100],
+        },
+        &[seed],
+    );
+    let b = g.op1(
+        Op::DropoutMask {
+            p,
+            salt: 2,
+            shape: vec![100, 100],
+        },
+        &[seed],
+    );
+    g.set_name(a, "a");
+    g.set_name(b, "b");
+    let (graph, vars) = g.finish().unwrap();
+    let mut prog =
+        CpuProgram::new(validate(graph, &GraphLimits::default()).unwrap(), vars).unwrap();
+    let run = |prog: &mut CpuProgram, s: i64| {
+        let feeds = BTreeMap::from([("seed".to_string(), Tensor::from_i64([1], vec![s]).unwrap())]);
+        let out = prog.run(&feeds, &["a".into(), "b".into()]).unwrap();
+        (
+            out[0].f32s().unwrap().to_vec(),
+            out[1].f32s().unwrap().to_vec(),
+        )
+    };
+    let (a1, b1) = run(&mut prog, 1);
+    let keep = 1.0 / (1.0 - p);
+    assert!(a1.iter().all(|&v| v == 0.0 || v == keep));
+    let dropped = a1.iter().filter(|&&v| v == 0.0).count() as f32 / a1.len() as f32;
+    // 10,000 draws: the fraction is within 0.02 of p (4.4 standard deviations).
+    assert!((dropped - p).abs() < 0.02, "dropped {dropped}");
+    assert_ne!(a1, b1, "two dropout ops of one graph draw different masks");
+    let (a1_again, _) = run(&mut prog, 1);
+    assert_eq!(a1, a1_again, "the mask is a function of the seed");
+    let (a2, _) = run(&mut prog, 2);
+    assert_ne!(a1, a2, "another seed, another mask");
+}

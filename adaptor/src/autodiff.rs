@@ -49,6 +49,7 @@ fn differentiable_input(op: &Op, k: usize) -> bool {
         Op::BatchNorm { .. } | Op::BatchNormTrain { .. } => k < 3,
         Op::Embedding => k == 0,
         Op::CrossEntropy => k == 0,
+        Op::DropoutMask { .. } => false,
         // The condition is a 0/1 mask.
         Op::Where => k > 0,
         _ => true,
@@ -537,6 +538,8 @@ fn backward(
             ]
         }
         Op::CrossEntropy => vec![Some(g.op1(Op::CrossEntropyGrad, &[x(0), x(1), dy])), None],
+        // A mask of constants given its seed: nothing to differentiate.
+        Op::DropoutMask { .. } => vec![None],
         Op::Where => {
             // dy flows to the branch each element was taken from.
             let (sa, sb) = (dims(g, 1), dims(g, 2));

@@ -443,6 +443,20 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             arity(inputs, 1)?;
             one(TensorType::new(*to, inputs[0].shape.clone()))
         }
+        DropoutMask { p, shape, .. } => {
+            arity(inputs, 1)?;
+            dtype(&inputs[0], DType::I64, "seed")?;
+            if inputs[0].shape.numel() != 1 {
+                return Err(format!(
+                    "the seed must hold one element, got {}",
+                    inputs[0].shape
+                ));
+            }
+            if !(0.0..1.0).contains(p) {
+                return Err(format!("dropout probability {p} is not in [0, 1)"));
+            }
+            one(TensorType::f32(shape.clone()))
+        }
         Assign => {
             arity(inputs, 2)?;
             if inputs[0] != inputs[1] {

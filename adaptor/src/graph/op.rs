@@ -230,6 +230,38 @@ pub enum Op {
     IsNan,
     /// (x) -> the same values as `to` (f32 to i64 truncates toward zero).
     Cast { to: DType },
+    /// (seed i64 [1]) -> f32 `shape`: a dropout mask, each element 0 with
+    /// probability `p`, else 1 / (1 - p); a pure function of the seed, the
+    /// salt and the element's index ([`dropout_keep`]), the same on every
+    /// backend. A job feeds a new seed each iteration; `salt` tells a
+    /// graph's dropout ops apart.
+    DropoutMask {
+        p: f32,
+        salt: u32,
+        shape: Vec<usize>,
+    },
+}
+
+/// The 24-bit threshold below which [`dropout_keep`]'s draw drops an element.
+pub fn dropout_threshold(p: f32) -> u32 {
+    ((f64::from(p) * f64::from(1u32 << 24)).round() as u32).min(1 << 24)
+}
+
+/// Whether element `i` of a [`Op::DropoutMask`] with `seed` and `salt`
+/// is kept: a 24-bit draw (SplitMix64's finaliser of a combination of the
+/// three) at or above `threshold` ([`dropout_threshold`]). The CUDA kernel
+/// computes the same integers.
+pub fn dropout_keep(seed: i64, salt: u32, i: u64, threshold: u32) -> bool {
+    let mut z = (seed as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(u64::from(salt).wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+        .wrapping_add(i);
+    z ^= z >> 30;
+    z = z.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z ^= z >> 27;
+    z = z.wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    ((z >> 40) as u32) >= threshold
 }
 
 impl Op {
@@ -297,6 +329,7 @@ impl Op {
             Op::Where => "where",
             Op::IsNan => "is_nan",
             Op::Cast { .. } => "cast",
+            Op::DropoutMask { .. } => "dropout_mask",
         }
     }
 

@@ -50,6 +50,7 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "where_flat",
             "where_flat4",
             "cast_f32_i64",
+            "dropout_mask",
             "cast_i64_f32",
         ],
     ),

@@ -477,6 +477,15 @@ impl CudaProgram {
                 }
                 _ => self.copy(out[0], inp[0], oty[0].bytes()),
             },
+            Op::DropoutMask { p, salt, .. } => {
+                let threshold = lanes_adaptor::graph::op::dropout_threshold(*p);
+                let scale = 1.0f32 / (1.0 - p);
+                self.k(
+                    "dropout_mask",
+                    grid(n_out),
+                    &[&out[0], &inp[0], &n32, salt, &threshold, &scale],
+                )
+            }
             Op::ReluGrad | Op::GeluGrad | Op::SigmoidGrad | Op::TanhGrad => {
                 let code: i32 = match node.op {
                     Op::ReluGrad => 0,

@@ -1,5 +1,6 @@
 //! Elementwise ops with numpy broadcasting, activations, softmax.
 
+use lanes_adaptor::graph::op::{dropout_keep, dropout_threshold};
 use lanes_adaptor::Op;
 use rayon::prelude::*;
 
@@ -72,6 +73,32 @@ pub(super) fn cast(
                 *y = x as f32;
             }
         }
+    }
+    Ok(())
+}
+
+/// A dropout mask: 0 where `dropout_keep` drops the element, else 1 / (1 - p).
+pub(super) fn dropout_mask(
+    p: f32,
+    salt: u32,
+    inputs: &[TensorRef<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    let seed = inputs[0].i64s()?.first().copied().unwrap_or(0);
+    let y = outputs[0].f32s()?;
+    let threshold = dropout_threshold(p);
+    let scale = 1.0 / (1.0 - p);
+    let f = |(i, y): (usize, &mut f32)| {
+        *y = if dropout_keep(seed, salt, i as u64, threshold) {
+            scale
+        } else {
+            0.0
+        };
+    };
+    if y.len() >= PAR_MIN {
+        y.par_iter_mut().enumerate().for_each(f);
+    } else {
+        y.iter_mut().enumerate().for_each(f);
     }
     Ok(())
 }

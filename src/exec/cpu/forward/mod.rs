@@ -46,6 +46,7 @@ pub(super) fn run(
         | Op::Clip { .. } => elementwise::unary(op, inputs, outputs),
         Op::Where => elementwise::select(inputs, outputs),
         Op::Cast { .. } => elementwise::cast(inputs, outputs),
+        Op::DropoutMask { p, salt, .. } => elementwise::dropout_mask(*p, *salt, inputs, outputs),
         Op::Softmax { axis } => elementwise::softmax(*axis, false, inputs, outputs),
         Op::LogSoftmax { axis } => elementwise::softmax(*axis, true, inputs, outputs),
         Op::Reshape { .. } => shape::copy(inputs, outputs),

@@ -187,6 +187,24 @@ extern "C" __global__ void where_flat4(float4* out, const float* c, const float*
 
 // f32 -> i64 truncates toward zero, saturating; NaN becomes 0 (as the CPU
 // backend's Rust `as`).
+// A dropout mask: the same integers as lanes_adaptor's dropout_keep (a 24-bit
+// draw from SplitMix64's finaliser of seed, salt and index), so the CPU and
+// the GPU drop the same elements.
+extern "C" __global__ void dropout_mask(float* out, const long long* seed, int n, unsigned int salt,
+                                        unsigned int threshold, float scale) {
+    unsigned long long s = (unsigned long long)seed[0];
+    GRID_LOOP(i, n) {
+        unsigned long long z = s * 0x9E3779B97F4A7C15ULL + (unsigned long long)salt * 0xC2B2AE3D27D4EB4FULL
+            + (unsigned long long)i;
+        z ^= z >> 30;
+        z *= 0xBF58476D1CE4E5B9ULL;
+        z ^= z >> 27;
+        z *= 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        out[i] = (unsigned int)(z >> 40) >= threshold ? scale : 0.0f;
+    }
+}
+
 extern "C" __global__ void cast_f32_i64(long long* out, const float* x, int n) {
     GRID_LOOP(i, n) {
         float v = x[i];

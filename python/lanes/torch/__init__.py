@@ -1,0 +1,382 @@
+"""PyTorch models on Lanes: training and inference jobs captured with torch.export.
+
+    import torch, lanes, lanes.torch
+    with lanes.Client("tcp://127.0.0.1:5555") as client:
+        job = lanes.torch.training_job(client, model, example=(x, y),
+                                       loss=torch.nn.CrossEntropyLoss(),
+                                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in loader:
+            loss = job.step(x, y)          # one Run: forward, loss, backward, update
+        model.load_state_dict(job.state_dict())
+
+The model (with its loss, for training) is captured with ``torch.export.export``
+at the example's shapes; this module translates the captured ATen graph into
+Lanes' graph IR, op by op (the only place that knows torch's op set), and the
+service differentiates it and runs the optimizer next to the weights. What is
+supported, and what not yet: docs/torch.md in the repository.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import _lanes
+from .._lanes import ModelError
+from ._ir import DROPOUT_SEED, TorchImportError, _new_seed
+from ._translate import _Translator
+
+__all__ = [
+    "TorchImportError",
+    "TrainingJob",
+    "InferenceJob",
+    "training_job",
+    "inference_job",
+    "translate",
+    "MIN_TORCH",
+    "DROPOUT_SEED",
+]
+
+#: Oldest torch release this module is tested with (its training IR).
+MIN_TORCH = (2, 9)
+
+
+def _torch_version() -> Tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+# ---------------------------------------------------------------------------
+# capture
+
+
+def _check_torch() -> None:
+    if _torch_version() < MIN_TORCH:
+        raise ModelError(
+            f"lanes.torch needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (torch.export's training IR); "
+            f"this is torch {torch.__version__}"
+        )
+
+
+def _export(module: torch.nn.Module, args: Sequence[Any], what: str) -> "torch.export.ExportedProgram":
+    _check_torch()
+    try:
+        return torch.export.export(module, tuple(args))
+    except Exception as e:  # torch.export's own message, with what to do about it
+        hint = (
+            "hint: torch.export captures one graph per shape; control flow that depends on a "
+            "tensor's values cannot be captured (rewrite it with torch.where or torch.cond), "
+            "and Hugging Face models need use_cache=False"
+        )
+        raise TorchImportError(f"torch.export could not capture the {what}: {e}\n{hint}", op="torch.export") from e
+
+
+class _WithLoss(torch.nn.Module):
+    """The user's model followed by its loss: one graph whose output is the loss."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[..., Any], n_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+        self.n_inputs = n_inputs
+
+    def forward(self, *args: Any) -> Any:
+        out = self.model(*args[: self.n_inputs])
+        if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
+            out = out.logits
+        return self.loss(out, *args[self.n_inputs :])
+
+
+def translate(ep: "torch.export.ExportedProgram", *, training: bool = False, prefix: str = "") -> _Translator:
+    """Translates a captured program into a `lanes.GraphBuilder` (the
+    translator's `b`), its feeds (`inputs`) and outputs (`outputs`).
+    Variables are named by their state_dict key less `prefix`."""
+    t = _Translator(ep, training=training, prefix=prefix)
+    t.run()
+    return t
+
+
+def _to_numpy(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.dtype == torch.bool:
+            x = x.to(torch.float32)
+        elif x.is_floating_point():
+            x = x.to(torch.float32)
+        else:
+            x = x.to(torch.int64)
+        return np.ascontiguousarray(x.cpu().numpy())
+    a = np.asarray(x)
+    if a.dtype.kind == "f" or a.dtype == np.bool_:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if a.dtype.kind in "iu":
+        return np.ascontiguousarray(a, dtype=np.int64)
+    raise TypeError(f"input {name}: expected a tensor or array, got {type(x).__name__}")
+
+
+def _feeds(inputs: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[Any], what: str) -> Dict[str, np.ndarray]:
+    if len(args) != len(inputs):
+        raise TypeError(f"{what} takes {len(inputs)} tensors (as in the example), got {len(args)}")
+    feeds = {}
+    for (name, shape, _), a in zip(inputs, args):
+        arr = _to_numpy(a, name)
+        if tuple(arr.shape) != tuple(shape):
+            raise _lanes.FeedError(
+                f"{what}: input {name[len('input_'):]} has shape {list(arr.shape)}; the job was captured at "
+                f"{list(shape)} (capture another job for another batch size)"
+            )
+        feeds[name] = arr
+    return feeds
+
+
+# ---------------------------------------------------------------------------
+# optimizers
+
+
+def _lanes_optimizer(opt: "torch.optim.Optimizer", group: Dict[str, Any]) -> Any:
+    kind = type(opt).__name__
+    if group.get("maximize"):
+        raise ModelError(f"{kind}(maximize=True) is not supported")
+    if kind == "SGD":
+        if group.get("dampening", 0):
+            raise ModelError("SGD with dampening is not supported")
+        return _lanes.SGD(
+            lr=float(group["lr"]),
+            momentum=float(group.get("momentum", 0.0)),
+            weight_decay=float(group.get("weight_decay", 0.0)),
+            nesterov=bool(group.get("nesterov", False)),
+        )
+    if kind in ("Adam", "AdamW"):
+        if group.get("amsgrad"):
+            raise ModelError(f"{kind}(amsgrad=True) is not supported")
+        if kind == "Adam" and group.get("decoupled_weight_decay"):
+            kind = "AdamW"
+        cls = _lanes.Adam if kind == "Adam" else _lanes.AdamW
+        b1, b2 = group.get("betas", (0.9, 0.999))
+        return cls(
+            lr=float(group["lr"]),
+            betas=(float(b1), float(b2)),
+            eps=float(group.get("eps", 1e-8)),
+            weight_decay=float(group.get("weight_decay", 0.0)),
+        )
+    raise ModelError(f"optimizer {kind} is not supported (SGD, Adam and AdamW are)")
+
+
+# ---------------------------------------------------------------------------
+# jobs
+
+
+class TrainingJob:
+    """A PyTorch model training in the service: weights, optimizer state and
+    BatchNorm statistics live there; `step` is one Run."""
+
+    def __init__(self, session: Any, t: _Translator, model: torch.nn.Module,
+                 optimizer: "torch.optim.Optimizer", groups: List[List[str]]):
+        self.session = session
+        self.inputs = t.inputs
+        self._model = model
+        self._optimizer = optimizer
+        self._counters = dict(t.counters)
+        self._dropout = t.seed is not None
+        self._steps = 0
+        self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._group_names = groups
+        # state_dict key → Lanes variable (tied weights share one).
+        var_of_id = {id(tensor): name for name, tensor in t.variables.items()}
+        self._key_var: Dict[str, str] = {}
+        self._counter_start: Dict[str, torch.Tensor] = {}
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in var_of_id:
+                self._key_var[key] = var_of_id[id(tensor)]
+            elif key in self._counters:
+                self._counter_start[key] = tensor.detach().clone()
+
+    @property
+    def steps(self) -> int:
+        """Steps taken through this job."""
+        return self._steps
+
+    def _sync_lr(self) -> None:
+        # A scheduler changes optimizer.param_groups[k]["lr"]: the service's
+        # group rate follows before the next step.
+        changed = {}
+        for k, g in enumerate(self._optimizer.param_groups[: len(self._lrs)]):
+            lr = float(g["lr"])
+            if lr != self._lrs[k]:
+                changed[f"opt/group{k}/lr"] = np.array([lr], dtype=np.float32)
+                self._lrs[k] = lr
+        if changed:
+            self.session.write_variables(changed)
+
+    def step(self, *args: Any) -> float:
+        """One training iteration on a batch (the model's inputs, then the
+        loss's targets, as in `example`); returns the loss."""
+        self._sync_lr()
+        feeds = _feeds(self.inputs, args, "step")
+        if self._dropout:
+            feeds[DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
+        loss = self.session.run(feeds, fetch="loss")
+        self._steps += 1
+        # The optimizer's step ran in the service: tell torch's learning-rate
+        # schedulers so (they warn of a scheduler step before any optimizer
+        # step otherwise).
+        self._optimizer._opt_called = True  # type: ignore[attr-defined]
+        return float(np.asarray(loss).reshape(-1)[0])
+
+    def set_lr(self, lr: float, group: Optional[int] = None) -> None:
+        """Sets the learning rate of one parameter group (all when None), in
+        the service and in the torch optimizer."""
+        ks = range(len(self._lrs)) if group is None else [group]
+        for k in ks:
+            self._optimizer.param_groups[k]["lr"] = float(lr)
+        self._sync_lr()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The model's state_dict with the service's current values."""
+        values = self.session.read_variables(sorted(set(self._key_var.values())))
+        out: Dict[str, torch.Tensor] = {}
+        for key, tensor in self._model.state_dict().items():
+            if key in self._key_var:
+                v = torch.from_numpy(np.array(values[self._key_var[key]]))
+                out[key] = v.to(tensor.dtype).reshape(tensor.shape)
+            elif key in self._counter_start:
+                out[key] = self._counter_start[key] + self._counters[key] * self._steps
+            else:
+                out[key] = tensor.detach().clone()
+        return out
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Overwrites the service's weights and buffers from a state_dict
+        (a checkpoint); optimizer state is kept."""
+        values = {}
+        for key, var in self._key_var.items():
+            if key in state:
+                values[var] = _to_numpy(state[key], key)
+        missing = [k for k in self._key_var if k not in state]
+        if missing:
+            raise KeyError(f"state_dict lacks {missing[:5]}")
+        self.session.write_variables(values)
+        for key in self._counter_start:
+            if key in state:
+                self._counter_start[key] = state[key].detach().clone() - self._counters[key] * self._steps
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "TrainingJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.close()
+        return False
+
+
+class InferenceJob:
+    """A PyTorch model served by the service; calling it is one Run."""
+
+    def __init__(self, session: Any, t: _Translator, names: List[str]):
+        self.session = session
+        self.inputs = t.inputs
+        self.outputs = names
+        self._dropout = t.seed is not None
+
+    def __call__(self, *args: Any) -> Any:
+        feeds = _feeds(self.inputs, args, "the model")
+        if self._dropout:  # a model captured in training mode
+            feeds[DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
+        outs = self.session.run(feeds, fetch=self.outputs)
+        ts = [torch.from_numpy(np.asarray(o)) for o in outs]
+        return ts[0] if len(ts) == 1 else tuple(ts)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "InferenceJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.close()
+        return False
+
+
+def training_job(
+    client: Any,
+    model: torch.nn.Module,
+    example: Sequence[Any],
+    loss: Callable[..., Any],
+    optimizer: "torch.optim.Optimizer",
+    *,
+    targets: int = 1,
+    max_grad_norm: Optional[float] = None,
+    name: Optional[str] = None,
+    priority: int = 0,
+    expected_iterations: Optional[int] = None,
+) -> TrainingJob:
+    """Captures `loss(model(*inputs), *targets)` at the example's shapes and
+    loads it as a training session: the example is the model's inputs
+    followed by `targets` loss targets. `optimizer` is a torch.optim SGD,
+    Adam or AdamW over the model's parameters (its parameter groups, learning
+    rates and weight decays are used; the service keeps its state).
+    `max_grad_norm` clips gradients by their global norm each step, as
+    `torch.nn.utils.clip_grad_norm_`."""
+    example = tuple(example)
+    if targets < 0 or targets >= len(example):
+        raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
+    n_inputs = len(example) - targets
+    model.train()
+    ep = _export(_WithLoss(model, loss, n_inputs), example, "training step")
+    t = translate(ep, training=True, prefix="model.")
+    if len(t.outputs) != 1 or t.outputs[0].shape not in ((), (1,)):
+        raise ModelError("the loss must be one scalar tensor")
+    t.b.set_name(t.outputs[0].outlet, "loss")
+    var_of_id = {id(tensor): name for name, tensor in t.variables.items()}
+    groups = []
+    group_names = []
+    for g in optimizer.param_groups:
+        names = []
+        for p in g["params"]:
+            n = var_of_id.get(id(p))
+            if n is not None and n not in names and p.requires_grad:
+                names.append(n)
+        groups.append((names, _lanes_optimizer(optimizer, g)))
+        group_names.append(names)
+    session = client.session(
+        name or f"torch-{type(model).__name__}",
+        kind="training",
+        priority=priority,
+        expected_iterations=expected_iterations,
+    )
+    try:
+        session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm)
+    except BaseException:
+        session.close()
+        raise
+    return TrainingJob(session, t, model, optimizer, group_names)
+
+
+def inference_job(
+    client: Any,
+    model: torch.nn.Module,
+    example: Any,
+    *,
+    name: Optional[str] = None,
+    priority: int = 0,
+) -> InferenceJob:
+    """Captures `model` (as it is: call `model.eval()` first for inference
+    behaviour) at the example's shapes and loads it as an inference session.
+    `example` is one tensor or a tuple of the model's inputs."""
+    example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    ep = _export(model, example, "model")
+    t = translate(ep, training=model.training)
+    names = ["output"] if len(t.outputs) == 1 else [f"output_{k}" for k in range(len(t.outputs))]
+    for o, n in zip(t.outputs, names):
+        t.b.set_name(o.outlet, n)
+    session = client.session(name or f"torch-{type(model).__name__}", kind="inference", priority=priority)
+    try:
+        session.load_graph(t.b, names)
+    except BaseException:
+        session.close()
+        raise
+    return InferenceJob(session, t, names)

@@ -1,0 +1,310 @@
+"""The walk over a captured program: placeholders become feeds, variables
+and known values; each call is folded by torch (when all its inputs are
+known) or translated by its rule; the outputs are the job's fetches."""
+
+from __future__ import annotations
+
+import json
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .. import _lanes
+from .._lanes import ModelError
+from ._ir import (
+    DROPOUT_SEED,
+    TorchImportError,
+    _Buffer,
+    _feed_dtype,
+    _has_out,
+    _op,
+    _Out,
+    _Param,
+    _unwrap_known,
+    _where_from,
+)
+from ._rules import _RULES
+
+#: Known tensors larger than this travel as variables, not inside the graph.
+_BIG_CONSTANT = 1 << 20
+
+_IGNORED = {
+    "_assert_tensor_metadata",
+    "_assert_scalar",
+    "_assert_async",
+    "sym_constrain_range",
+    "sym_constrain_range_for_size",
+    "_set_grad_enabled",
+}
+
+
+# ---------------------------------------------------------------------------
+# the translator
+
+
+class _Translator:
+    def __init__(self, ep: "torch.export.ExportedProgram", *, training: bool, prefix: str):
+        self.ep = ep
+        self.training = training
+        self.prefix = prefix
+        self.b = _lanes.GraphBuilder()
+        self.env: Dict[torch.fx.Node, Any] = {}
+        #: Lanes variable name → the torch tensor it started from.
+        self.variables: Dict[str, torch.Tensor] = {}
+        self._var_of_tensor: Dict[int, _Out] = {}
+        self._buffer_vars: Dict[str, _Out] = {}
+        #: Integer buffers counted on the client (num_batches_tracked): name → increment per step.
+        self.counters: Dict[str, int] = {}
+        self.inputs: List[Tuple[str, Tuple[int, ...], str]] = []
+        self.outputs: List[_Out] = []
+        self.node: Optional[torch.fx.Node] = None
+        self._constants: Dict[int, Tuple[torch.Tensor, _Out]] = {}
+        self._n_big = 0
+        #: The dropout seed's placeholder, once a dropout op needs it.
+        self.seed: Optional[_Out] = None
+        self._salt = 0
+
+    # -- errors --------------------------------------------------------------
+
+    def fail(self, message: str, node: Optional[torch.fx.Node] = None) -> TorchImportError:
+        node = node or self.node
+        op = str(node.target) if node is not None else ""
+        module, source = _where_from(node) if node is not None else ("", "")
+        where = []
+        if module:
+            where.append(f"in module `{module}`")
+        if source:
+            where.append(f"at {source}")
+        text = f"{op}: {message}" if op else message
+        if where:
+            text += " (" + ", ".join(where) + ")"
+        return TorchImportError(text, op=op, module=module, source=source)
+
+    # -- emitting ------------------------------------------------------------
+
+    def emit(self, op: str, inputs: Sequence[Any], n_out: int = 1, **attrs: Any) -> Any:
+        ins = [self.lanes(x) for x in inputs]
+        try:
+            outs = self.b.op(_op(op, **attrs), [i.outlet for i in ins])
+        except ModelError as e:
+            raise self.fail(f"Lanes refused the translated op {op}: {e}") from None
+        res = []
+        for o in outs[: max(n_out, 1)]:
+            shape, dtype = self.b.type_of(o)
+            res.append(_Out(o, tuple(shape), dtype))
+        return res[0] if n_out == 1 else tuple(res)
+
+    def dropout_mask(self, shape: Tuple[int, ...], p: float) -> _Out:
+        """A fresh dropout mask (0, or 1 / (1 − p)) of `shape`, drawn in the
+        service from the seed fed with each Run (`DROPOUT_SEED`)."""
+        if self.seed is None:
+            o = self.b.placeholder(DROPOUT_SEED, [1], "int64")
+            self.seed = _Out(o, (1,), "int64")
+        self._salt += 1
+        return self.emit("DropoutMask", [self.seed], p=p, salt=self._salt, shape=list(shape))
+
+    def emit_scale(self, x: Any, factor: float) -> _Out:
+        """x · factor (one `Scale` op; nothing for 1)."""
+        if factor == 1.0:
+            return self.lanes(x)
+        x = self.lanes(x)
+        try:
+            outs = self.b.op(json.dumps({"Scale": float(factor)}), [x.outlet])
+        except ModelError as e:
+            raise self.fail(f"Lanes refused the translated op Scale: {e}") from None
+        shape, dtype = self.b.type_of(outs[0])
+        return _Out(outs[0], tuple(shape), dtype)
+
+    def constant(self, value: Any, like_dtype: str = "float32") -> _Out:
+        """A known value as a tensor of the graph. A tensor broadcast along
+        some axes (an expanded mask) is sent once, at its compact size, and
+        broadcast in the graph; one above `_BIG_CONSTANT` bytes travels as a
+        variable (a tensor frame of its own, not inside the graph message)."""
+        if not isinstance(value, torch.Tensor):
+            arr = np.asarray(value, dtype=np.float32 if like_dtype == "float32" else np.int64)
+            o = self.b.constant(np.ascontiguousarray(arr))
+            shape, dtype = self.b.type_of(o)
+            return _Out(o, tuple(shape), dtype)
+        t = value.detach()
+        full = tuple(int(d) for d in t.shape)
+        if t.dtype == torch.bool or t.is_floating_point():
+            # Axes along which every element is the same (stride 0): keep
+            # one (BroadcastTo takes float32 tensors).
+            for d in range(t.dim()):
+                if t.stride(d) == 0 and t.shape[d] > 1:
+                    t = t.narrow(d, 0, 1)
+            t = t.to(torch.float32)
+        else:
+            t = t.to(torch.int64)
+        arr = np.ascontiguousarray(t.contiguous().numpy())
+        if arr.nbytes > _BIG_CONSTANT:
+            self._n_big += 1
+            o = self.b.variable(f"const/{self._n_big}", arr)
+        else:
+            o = self.b.constant(arr)
+        shape, dtype = self.b.type_of(o)
+        out = _Out(o, tuple(shape), dtype)
+        if out.shape != full:
+            out = self.emit("BroadcastTo", [out], shape=list(full))
+        return out
+
+    def variable(self, name: str, tensor: torch.Tensor) -> _Out:
+        key = id(tensor)
+        if key in self._var_of_tensor:
+            return self._var_of_tensor[key]
+        t = tensor.detach()
+        if t.is_floating_point():
+            if t.dtype != torch.float32:
+                raise self.fail(
+                    f"`{name}` is {t.dtype}: Lanes computes in float32 for now (call model.float())"
+                )
+            arr = t.contiguous().numpy()
+        elif t.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            arr = t.to(torch.int64).contiguous().numpy()
+        elif t.dtype == torch.bool:
+            arr = t.to(torch.float32).contiguous().numpy()
+        else:
+            raise self.fail(f"`{name}` has dtype {t.dtype}, which Lanes does not hold")
+        o = self.b.variable(name, np.ascontiguousarray(arr))
+        shape, dtype = self.b.type_of(o)
+        out = _Out(o, tuple(shape), dtype)
+        self._var_of_tensor[key] = out
+        self.variables[name] = tensor
+        return out
+
+    def lanes(self, v: Any) -> _Out:
+        """`v` as a tensor of the Lanes graph."""
+        if isinstance(v, _Out):
+            return v
+        if isinstance(v, _Buffer):
+            if v.name not in self._buffer_vars:
+                self._buffer_vars[v.name] = self.variable(v.name, v.tensor)
+            return self._buffer_vars[v.name]
+        if isinstance(v, (bool, int, float)):
+            return self.constant(float(v))
+        if isinstance(v, torch.Tensor):
+            # One node per known tensor, however many ops read it (the
+            # tensor is kept so that its id stays its own).
+            hit = self._constants.get(id(v))
+            if hit is None:
+                hit = (v, self.constant(v))
+                self._constants[id(v)] = hit
+            return hit[1]
+        raise self.fail(f"cannot use {type(v).__name__} as a tensor")
+
+    # -- the walk ------------------------------------------------------------
+
+    def run(self) -> None:
+        sig = self.ep.graph_signature
+        specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+        state = self.ep.state_dict
+        consts = getattr(self.ep, "constants", {}) or {}
+        n_user = 0
+        for node in self.ep.graph.nodes:
+            self.node = node
+            if node.op == "placeholder":
+                spec = specs.get(node.name)
+                kind = spec.kind.name if spec is not None else "USER_INPUT"
+                if kind == "PARAMETER":
+                    self.env[node] = _Param(self._name(spec.target), state[spec.target])
+                elif kind == "BUFFER":
+                    t = state[spec.target] if spec.target in state else consts[spec.target]
+                    self.env[node] = _Buffer(self._name(spec.target), t)
+                elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
+                    self.env[node] = consts[spec.target]
+                elif kind == "USER_INPUT":
+                    val = node.meta.get("val")
+                    if not isinstance(val, torch.Tensor):
+                        raise self.fail("only tensor inputs are supported", node)
+                    dtype = _feed_dtype(val.dtype)
+                    if dtype is None:
+                        raise self.fail(f"input of dtype {val.dtype}: Lanes takes float32 and integer inputs", node)
+                    name = f"input_{n_user}"
+                    n_user += 1
+                    shape = tuple(int(d) for d in val.shape)
+                    o = self.b.placeholder(name, list(shape), dtype)
+                    self.inputs.append((name, shape, dtype))
+                    self.env[node] = _Out(o, shape, dtype)
+                else:
+                    raise self.fail(f"graph input of kind {kind} is not supported", node)
+            elif node.op == "call_function":
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                outs = node.args[0]
+                user = [o for o, s in zip(outs, sig.output_specs) if s.kind.name == "USER_OUTPUT"]
+                for s in sig.output_specs:
+                    if s.kind.name not in ("USER_OUTPUT",):
+                        raise self.fail(f"output of kind {s.kind.name} is not supported", node)
+                for o in user:
+                    v = self.env[o] if isinstance(o, torch.fx.Node) else o
+                    if isinstance(v, _Param):
+                        v = self.param(v)
+                    self.outputs.append(self.lanes(v))
+            else:
+                raise self.fail(f"graph node kind {node.op} is not supported", node)
+
+    def _name(self, target: str) -> str:
+        return target[len(self.prefix):] if target.startswith(self.prefix) else target
+
+    def param(self, p: "_Param") -> _Out:
+        return self.variable(p.name, p.tensor)
+
+    def arg(self, a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            v = self.env[a]
+            return self.param(v) if isinstance(v, _Param) else v
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self.arg(x) for k, x in a.items()}
+        return a
+
+    def call(self, node: torch.fx.Node) -> Any:
+        target = node.target
+        if target is operator.getitem:
+            seq, i = self.arg(node.args[0]), node.args[1]
+            return seq[i]
+        name = getattr(getattr(target, "_overloadpacket", None), "__name__", None) or getattr(target, "__name__", str(target))
+        if name in _IGNORED:
+            return None
+        args = [self.arg(a) for a in node.args]
+        kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
+        # Counted on the client: BatchNorm's num_batches_tracked += 1.
+        if name == "add_" and isinstance(args[0], _Buffer) and not _has_out(args[1:]):
+            t = args[0].tensor
+            if not t.is_floating_point():
+                self.counters[args[0].name] = self.counters.get(args[0].name, 0) + int(args[1])
+                return args[0]
+        if not _has_out(args) and not _has_out(kwargs):
+            # Known at import: shapes, masks, positions. torch computes it.
+            return self.fold(node, name, args, kwargs)
+        rule = _RULES.get(name)
+        if rule is None:
+            raise self.fail(
+                "Lanes has no translation for this op yet (docs/torch.md lists the supported ones)"
+            )
+        out = rule(self, node, *args, **kwargs)
+        self.check_shape(node, out)
+        return out
+
+    def fold(self, node: torch.fx.Node, name: str, args: List[Any], kwargs: Dict[str, Any]) -> Any:
+        a = _unwrap_known(args)
+        k = _unwrap_known(kwargs)
+        if name.endswith("_") and a and isinstance(a[0], torch.Tensor):
+            a = [a[0].clone()] + list(a[1:])  # never mutate the user's tensors
+        if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout"):
+            return a[0]
+        try:
+            with torch.no_grad():
+                return node.target(*a, **k)
+        except Exception as e:  # torch's own error, kept
+            raise self.fail(f"evaluating this constant at import failed: {e}") from None
+
+    def check_shape(self, node: torch.fx.Node, out: Any) -> None:
+        val = node.meta.get("val")
+        if isinstance(out, _Out) and isinstance(val, torch.Tensor):
+            want = tuple(int(d) for d in val.shape)
+            if out.shape != want:
+                raise self.fail(f"translated to shape {list(out.shape)}, torch says {list(want)}")
