@@ -11,6 +11,7 @@ model and a summary; needs a `lanes serve` at --endpoint (on the GPU:
 
     python3 benches/torch_train.py --endpoint ipc:///tmp/lanes.sock
     python3 benches/torch_train.py --models resnet50,bert --steps 50 --compile
+    python3 benches/torch_train.py --save-jobs /tmp/jobs   # then: lanes bench train --job /tmp/jobs/bert --op-profile
 """
 
 import argparse
@@ -160,6 +161,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the step")
+    ap.add_argument("--save-jobs", metavar="DIR",
+                    help="also save each job in DIR/<model> (profile it with `lanes bench train --job`)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = []
@@ -171,8 +174,9 @@ def main():
             r = {"model": name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                  "torch": torch.__version__, "steps": args.steps}
             t0 = time.perf_counter()
+            save = f"{args.save_jobs}/{name}" if args.save_jobs else None
             job = lt.training_job(client, model, example=(*xs, y), loss=loss,
-                                  optimizer=make_opt(model.parameters()), name=f"bench-{name}")
+                                  optimizer=make_opt(model.parameters()), name=f"bench-{name}", save_to=save)
             r["load_s"] = round(time.perf_counter() - t0, 2)
             print(f"{name}: loaded in {r['load_s']} s", file=sys.stderr, flush=True)
             ours, ours_t = [], []

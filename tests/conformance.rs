@@ -402,6 +402,32 @@ fn elementwise_and_shape_ops() {
             FP32,
         ));
     }
+    // Leading axes reduced, trailing kept: the column kernel (a bias
+    // gradient), with a partial last block of columns.
+    cases.push(single(
+        "sum_to columns",
+        Op::SumTo { shape: vec![100] },
+        vec![rnd(&mut rng, &[16, 129, 100], -1.0, 1.0)],
+        ACCUM,
+    ));
+    cases.push(single(
+        "reduce_mean columns",
+        Op::ReduceMean {
+            axes: vec![0, 1],
+            keep_dims: true,
+        },
+        vec![rnd(&mut rng, &[7, 50, 3, 33], -1.0, 1.0)],
+        ACCUM,
+    ));
+    cases.push(single(
+        "reduce_max columns",
+        Op::ReduceMax {
+            axes: vec![0],
+            keep_dims: false,
+        },
+        vec![rnd(&mut rng, &[300, 65], -1.0, 1.0)],
+        FP32,
+    ));
     cases.push(single(
         "reduce_sum long",
         Op::ReduceSum {

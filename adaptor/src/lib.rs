@@ -11,6 +11,7 @@ pub mod nn;
 #[cfg(feature = "onnx")]
 pub mod onnx;
 pub mod optim;
+pub mod saved;
 pub mod tensor;
 pub mod wire;
 pub mod zoo;

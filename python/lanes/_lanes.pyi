@@ -88,7 +88,13 @@ class Session:
         seed: int = 0,
         **params: Any,
     ) -> None: ...
-    def load_graph(self, builder: GraphBuilder, outputs: Sequence[str]) -> None: ...
+    def load_graph(
+        self,
+        builder: GraphBuilder,
+        outputs: Sequence[str],
+        save_to: Optional[Union[str, "PathLike[str]"]] = None,
+        example: Optional[Feeds] = None,
+    ) -> None: ...
     def load_training(
         self,
         builder: GraphBuilder,
@@ -96,6 +102,8 @@ class Session:
         groups: Sequence[Tuple[Sequence[str], Union[SGD, Adam, AdamW]]],
         max_grad_norm: Optional[float] = None,
         outputs: Optional[Sequence[str]] = None,
+        save_to: Optional[Union[str, "PathLike[str]"]] = None,
+        example: Optional[Feeds] = None,
     ) -> Tuple[List[str], List[str]]: ...
     @overload
     def run(self, feeds: Feeds, fetch: None = None) -> Dict[str, Array]: ...

@@ -508,17 +508,25 @@ impl Session {
     /// Loads a graph built with `GraphBuilder` (for inference, or any graph
     /// whose Runs need no training step appended). `outputs`: the names
     /// `run` fetches by default. The builder is used up.
-    #[pyo3(signature = (builder, outputs))]
+    /// With `save_to` (a directory) and `example` (a feed of every
+    /// placeholder), the job is also saved there (`lanes bench infer --job`).
+    #[pyo3(signature = (builder, outputs, save_to=None, example=None))]
     fn load_graph(
         &self,
         py: Python<'_>,
         builder: &Bound<'_, graph::GraphBuilder>,
         outputs: Vec<String>,
+        save_to: Option<std::path::PathBuf>,
+        example: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
         let b = builder.get().take()?;
         let (g, vars) = b
             .finish()
             .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        if let Some(dir) = save_to {
+            let fetch = outputs.first().cloned().unwrap_or_default();
+            save_job(py, &dir, &g, &vars, fetch, false, example)?;
+        }
         let inputs = placeholders(&g);
         self.load(py, g, vars, inputs, outputs)
     }
@@ -531,7 +539,10 @@ impl Session {
     /// Group k's learning rate is the variable `opt/group{k}/lr`. Returns
     /// (trained variables, optimizer-state variables). `outputs`: what
     /// `run` fetches by default (the loss when empty).
-    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None))]
+    /// `save_to` and `example` save the job as `load_graph`'s do (`lanes
+    /// bench train --job`).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None))]
     fn load_training(
         &self,
         py: Python<'_>,
@@ -540,6 +551,8 @@ impl Session {
         groups: Vec<(Vec<String>, Bound<'_, PyAny>)>,
         max_grad_norm: Option<f32>,
         outputs: Option<Vec<String>>,
+        save_to: Option<std::path::PathBuf>,
+        example: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
         let b = builder.get().take()?;
         let out = graph::GraphBuilder::resolve(&b, loss).ok_or_else(|| {
@@ -564,6 +577,9 @@ impl Session {
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))
             .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        if let Some(dir) = save_to {
+            save_job(py, &dir, &t.graph, &t.vars, t.loss.clone(), true, example)?;
+        }
         let inputs = placeholders(&t.graph);
         let outputs = outputs
             .filter(|o| !o.is_empty())
@@ -739,6 +755,35 @@ impl RunHandle {
     fn done(&self) -> bool {
         self.pending.lock().map(|p| p.is_none()).unwrap_or(true)
     }
+}
+
+/// Saves a job (`lanes_adaptor::saved`) with its example feeds.
+fn save_job(
+    py: Python<'_>,
+    dir: &std::path::Path,
+    graph: &Graph,
+    vars: &VarValues,
+    fetch: String,
+    training: bool,
+    example: Option<&Bound<'_, PyDict>>,
+) -> PyResult<()> {
+    let feeds = match example {
+        Some(d) => values_from_dict(d)?,
+        None => {
+            return Err(PyValueError::new_err(
+                "save_to needs `example`: a feed of every placeholder",
+            ))
+        }
+    };
+    let job = lanes_adaptor::saved::SavedJob {
+        graph: graph.clone(),
+        fetch,
+        training,
+        vars: vars.clone(),
+        feeds,
+    };
+    py.detach(|| lanes_adaptor::saved::save(dir, &job))
+        .map_err(|e| local(py, ModelError::new_err(e.to_string())))
 }
 
 /// The placeholders of `g`, in graph order.

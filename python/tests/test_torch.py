@@ -9,9 +9,10 @@ sensitive. Each model trains on one fixed batch (it memorises it): a smooth
 path on which rounding differences stay at rounding size (ResNet-18 over 50
 SGD steps: 6e-7 relative), where fresh random batches with random labels make
 the path chaotic and any difference grows until the curves part. A loss
-within 1e-3 relative of PyTorch's at every step and weights within 5e-3 after
-the run (5e-3: the service on the H100, without TF32, ends 50 ResNet-18 steps
-1.5e-3 from PyTorch's CPU weights, its loss within 1e-3 throughout) are far
+within 1e-3 relative of PyTorch's at every step and weights and buffers
+within 1e-2 after the run (the service on the H100, without TF32, ends 50
+ResNet-18 steps with weights 1.5e-3 and a BatchNorm running mean 8.3e-3 of
+1.39 from PyTorch's on the CPU, its loss within 1e-3 throughout) are far
 tighter than any real difference (a wrong gradient or a
 missed update moves the loss in the first digits). Adam and AdamW normalise
 each gradient element: an element whose true gradient is ~0 steps by up to lr
@@ -46,7 +47,7 @@ def _logits(o):
 
 
 def _assert_trains_like_torch(client, model, inputs, target, loss, make_opt, steps=STEPS, batches=None, rtol=1e-3,
-                              wtol=5e-3):
+                              wtol=1e-2):
     """Trains `model` through Lanes and a copy with PyTorch eager; asserts
     the loss curves and final weights agree. Returns the two loss curves."""
     torch.manual_seed(0)
@@ -269,6 +270,22 @@ def test_state_dict_round_trip_and_checkpoint_load(client):
         job.close()
 
 
+def test_a_saved_job_reloads_as_it_was(client, tmp_path):
+    torch.manual_seed(6)
+    m = _Mlp()
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    job = lt.training_job(client, m, example=(x, y), loss=torch.nn.CrossEntropyLoss(),
+                          optimizer=torch.optim.Adam(m.parameters(), lr=1e-3), save_to=tmp_path / "job")
+    job.close()
+    names = {p.name for p in (tmp_path / "job").iterdir()}
+    assert names == {"job.json", "variables.safetensors", "feeds.safetensors"}
+    out = subprocess.run([str(lanes_bin()), "bench", "train", "--job", str(tmp_path / "job"), "--device", "cpu",
+                          "--path", "executor", "--iters", "2", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert '"median' in out.stdout
+
+
 def test_inference_job_of_a_hugging_face_model(client):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
@@ -366,9 +383,11 @@ def test_dropout_draws_a_new_mask_each_step_repeatably(client):
             job.close()
 
     a, b = losses(1), losses(1)
-    assert a == b, "torch.manual_seed repeats the masks"
-    assert len(set(a)) == 4, "each step draws a new mask (the rate is 0: only the mask changes the loss)"
-    assert losses(2) != a
+    # The same masks (on the GPU the sums may differ in their last bits).
+    assert np.allclose(a, b, rtol=1e-5, atol=0), "torch.manual_seed repeats the masks"
+    spread = min(abs(x - y) for i, x in enumerate(a) for y in a[i + 1 :])
+    assert spread > 1e-3, f"each step draws a new mask (the rate is 0: only the mask moves the loss): {a}"
+    assert not np.allclose(losses(2), a, rtol=1e-5, atol=0)
 
 
 def test_dropout_model_learns_digits_as_pytorch_does(client):

@@ -208,6 +208,12 @@ struct TrainArgs {
     /// SGD momentum (PyTorch's reference uses 0.9).
     #[arg(long, default_value_t = 0.9)]
     momentum: f64,
+    /// Time a saved job instead of a zoo model: a directory written by
+    /// `lanes.torch.training_job(..., save_to=DIR)` (its own graph, optimizer
+    /// and example batch; --model, --batch, --seq, --lr and --momentum are
+    /// not used).
+    #[arg(long)]
+    job: Option<std::path::PathBuf>,
     #[command(flatten)]
     run: RunOpts,
 }
@@ -237,6 +243,9 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
 }
 
 fn train(a: TrainArgs) -> anyhow::Result<()> {
+    if let Some(dir) = &a.job {
+        return saved_job(dir, &a.run);
+    }
     if !(a.lr.is_finite() && a.lr > 0.0 && (0.0..1.0).contains(&a.momentum)) {
         bail!("--lr must be positive and --momentum in [0, 1)");
     }
@@ -265,6 +274,25 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         "nesterov": false,
     });
     let out = bench(&w, a.batch, &a.run, device, seq, optimizer, since)?;
+    outln!("{out}")?;
+    Ok(())
+}
+
+/// `bench train --job DIR`: a saved job timed as it was captured.
+fn saved_job(dir: &std::path::Path, run: &RunOpts) -> anyhow::Result<()> {
+    let (w, batch) = workload::saved(dir)?;
+    run.check(batch)?;
+    if run.isolated() {
+        outln!("{}", isolate::both()?)?;
+        return Ok(());
+    }
+    let device = paths::resolve(run.device)?;
+    let since = Instant::now();
+    progress(
+        &format!("saved job {} (batch {batch})", dir.display()),
+        since,
+    );
+    let out = bench(&w, batch, run, device, None, json!("saved"), since)?;
     outln!("{out}")?;
     Ok(())
 }

@@ -131,6 +131,13 @@ def _feeds(inputs: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[An
     return feeds
 
 
+def _example_feeds(t: _Translator, example: Sequence[Any]) -> Dict[str, np.ndarray]:
+    feeds = _feeds(t.inputs, example[: len(t.inputs)], "example")
+    if t.seed is not None:
+        feeds[DROPOUT_SEED] = np.array([0], dtype=np.int64)
+    return feeds
+
+
 # ---------------------------------------------------------------------------
 # optimizers
 
@@ -313,6 +320,7 @@ def training_job(
     name: Optional[str] = None,
     priority: int = 0,
     expected_iterations: Optional[int] = None,
+    save_to: Optional[str] = None,
 ) -> TrainingJob:
     """Captures `loss(model(*inputs), *targets)` at the example's shapes and
     loads it as a training session: the example is the model's inputs
@@ -320,7 +328,9 @@ def training_job(
     Adam or AdamW over the model's parameters (its parameter groups, learning
     rates and weight decays are used; the service keeps its state).
     `max_grad_norm` clips gradients by their global norm each step, as
-    `torch.nn.utils.clip_grad_norm_`."""
+    `torch.nn.utils.clip_grad_norm_`. `save_to` (a directory) also saves
+    the job with the example batch, to time and profile it on its own:
+    `lanes bench train --job DIR --op-profile`."""
     example = tuple(example)
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
@@ -349,7 +359,8 @@ def training_job(
         expected_iterations=expected_iterations,
     )
     try:
-        session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm)
+        session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm,
+                              save_to=save_to, example=_example_feeds(t, example) if save_to else None)
     except BaseException:
         session.close()
         raise
@@ -363,6 +374,7 @@ def inference_job(
     *,
     name: Optional[str] = None,
     priority: int = 0,
+    save_to: Optional[str] = None,
 ) -> InferenceJob:
     """Captures `model` (as it is: call `model.eval()` first for inference
     behaviour) at the example's shapes and loads it as an inference session.
@@ -375,7 +387,8 @@ def inference_job(
         t.b.set_name(o.outlet, n)
     session = client.session(name or f"torch-{type(model).__name__}", kind="inference", priority=priority)
     try:
-        session.load_graph(t.b, names)
+        session.load_graph(t.b, names, save_to=save_to,
+                           example=_example_feeds(t, example) if save_to else None)
     except BaseException:
         session.close()
         raise

@@ -16,6 +16,10 @@ from ._ir import _Buffer, _Out, _feed_dtype, _norm_axis, _pair
 
 _RULES: Dict[str, Callable[..., Any]] = {}
 
+#: What masked attention scores become: float32's lowest value, as Hugging
+#: Face's masks use (finite, so a saved job's JSON holds it; softmax gives 0).
+_MASKED = float(torch.finfo(torch.float32).min)
+
 
 def _rule(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -516,10 +520,10 @@ def _sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     lq, lk = q.shape[-2], k.shape[-2]
     if is_causal:
         mask = torch.ones(lq, lk, dtype=torch.bool).tril()
-        s = t.emit("Where", [mask, s, float("-inf")])
+        s = t.emit("Where", [mask, s, _MASKED])
     if attn_mask is not None:
         if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:
-            s = t.emit("Where", [attn_mask, s, float("-inf")])
+            s = t.emit("Where", [attn_mask, s, _MASKED])
         else:
             s = t.emit("Add", [s, attn_mask])
     p = t.emit("Softmax", [s], axis=s.rank - 1)

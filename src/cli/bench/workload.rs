@@ -67,12 +67,18 @@ pub struct Workload {
     pub fetch: String,
     /// Trained scalars (training) or all variable scalars (inference).
     pub params: usize,
+    /// The feeds to time with, when the workload came with them (a saved
+    /// job); else seeded random ones.
+    pub example: Option<BTreeMap<String, Tensor>>,
 }
 
 impl Workload {
     /// Seeded random feeds: f32 inputs uniform in [-1, 1), integer inputs
     /// uniform over their range.
     pub fn random_feeds(&self, seed: u64) -> anyhow::Result<BTreeMap<String, Tensor>> {
+        if let Some(ex) = &self.example {
+            return Ok(ex.clone());
+        }
         let mut rng = StdRng::seed_from_u64(seed);
         self.inputs
             .iter()
@@ -193,6 +199,7 @@ pub fn inference(model: &str, batch: usize, seq: usize) -> anyhow::Result<Worklo
                 int_ranges,
                 fetch: b.output,
                 params,
+                example: None,
             })
         }
         _ => {
@@ -209,6 +216,7 @@ pub fn inference(model: &str, batch: usize, seq: usize) -> anyhow::Result<Worklo
                 int_ranges,
                 fetch: m.output,
                 params,
+                example: None,
             })
         }
     }
@@ -238,7 +246,51 @@ pub fn training(
         int_ranges,
         fetch: t.loss,
         params,
+        example: None,
     })
+}
+
+/// A job saved by an importer (`lanes.torch`'s `save_to=`), with its own
+/// example feeds; the batch is the first input's leading dimension.
+pub fn saved(dir: &std::path::Path) -> anyhow::Result<(Workload, usize)> {
+    let job = lanes_adaptor::saved::load(dir)
+        .with_context(|| format!("reading the saved job in {}", dir.display()))?;
+    let inputs: Vec<(String, TensorType)> = job
+        .graph
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            lanes_adaptor::Op::Placeholder(t) => Some((n.name.clone(), t.clone())),
+            _ => None,
+        })
+        .collect();
+    let batch = inputs
+        .first()
+        .and_then(|(_, t)| t.shape.dims().first().copied())
+        .unwrap_or(1);
+    let params = job.vars.values().map(Tensor::numel).sum();
+    let model = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "saved".into());
+    Ok((
+        Workload {
+            kind: if job.training {
+                Kind::Train
+            } else {
+                Kind::Infer
+            },
+            model,
+            graph: job.graph,
+            vars: job.vars,
+            inputs,
+            int_ranges: BTreeMap::new(),
+            fetch: job.fetch,
+            params,
+            example: Some(job.feeds),
+        },
+        batch,
+    ))
 }
 
 #[cfg(test)]

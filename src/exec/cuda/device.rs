@@ -58,6 +58,7 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
         "reduce",
         &[
             "reduce_warp",
+            "reduce_cols",
             "reduce_block",
             "reduce_max_grad",
             "softmax",

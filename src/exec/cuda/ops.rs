@@ -974,6 +974,22 @@ impl CudaProgram {
         let scale = if mean { 1.0 / nr.max(1) as f32 } else { 1.0 };
         let op = i32::from(max);
         let (no32, nr32) = (i(no), i(nr));
+        // The reduced axes lead, the kept ones trail: columns of a
+        // [nr, no] matrix, which one warp per output would read strided.
+        let k = flags.iter().take_while(|&&f| f).count();
+        if k > 0 && flags[k..].iter().all(|&f| !f) && no >= 32 && nr >= 32 {
+            return self
+                .k(
+                    "reduce_cols",
+                    LaunchConfig {
+                        grid_dim: (no.div_ceil(32) as u32, 1, 1),
+                        block_dim: (32, 32, 1),
+                        shared_mem_bytes: 0,
+                    },
+                    &[&out, &inp, &no32, &nr32, &op, &scale],
+                )
+                .map(Some);
+        }
         if nr >= 4096 && no < 1024 {
             self.k(
                 "reduce_block",

@@ -79,6 +79,35 @@ extern "C" __global__ void reduce_warp(float* out, const float* in, int n_out, i
     if (lane == 0) out[warp] = op ? acc : acc * scale;
 }
 
+// Over the leading axes of a row-major [n_red, n_out] tensor: out[c] combines
+// in[r * n_out + c] over r (a bias gradient: dy [rows, features] summed to
+// [features]). A block takes 32 neighbouring columns, read coalesced, with 32
+// rows in flight for each; the 32 partial results of a column are combined
+// in shared memory in a fixed order (deterministic, no atomics).
+extern "C" __global__ void reduce_cols(float* out, const float* in, int n_out, int n_red, int op, float scale) {
+    __shared__ float part[32][33];
+    int c = blockIdx.x * 32 + threadIdx.x;
+    float acc = op ? NEG_INF : 0.0f;
+    if (c < n_out) {
+        const float* p = in + c;
+        #pragma unroll 4
+        for (int r = threadIdx.y; r < n_red; r += 32) {
+            float v = p[(long long)r * n_out];
+            acc = op ? fmaxf(acc, v) : acc + v;
+        }
+    }
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < n_out) {
+        float s = part[0][threadIdx.x];
+        for (int k = 1; k < 32; k++) {
+            float v = part[k][threadIdx.x];
+            s = op ? fmaxf(s, v) : s + v;
+        }
+        out[c] = op ? s : s * scale;
+    }
+}
+
 // One block per output, for long reductions.
 extern "C" __global__ void reduce_block(float* out, const float* in, int n_out, int n_red, Red r, int op, float scale) {
     int o = blockIdx.x;
