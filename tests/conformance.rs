@@ -1043,6 +1043,13 @@ fn backward_ops() {
         vec![xt(&mut rng), xt(&mut rng)],
         FP32,
     ));
+    for (name, op) in [
+        ("hard_sigmoid_grad", Op::HardSigmoidGrad),
+        ("hard_swish_grad", Op::HardSwishGrad),
+    ] {
+        let x = rnd(&mut rng, &s, -5.0, 5.0);
+        cases.push(single(name, op, vec![x, xt(&mut rng)], FP32));
+    }
     cases.push(single(
         "sigmoid_grad",
         Op::SigmoidGrad,
@@ -1674,6 +1681,8 @@ fn imported_model_ops_and_onnx_fixtures() {
     let mut cases = vec![
         unary("erf", Op::Erf, -3.0, 3.0),
         unary("is_nan", Op::IsNan, -3.0, 3.0),
+        unary("hard_sigmoid", Op::HardSigmoid, -5.0, 5.0),
+        unary("hard_swish", Op::HardSwish, -5.0, 5.0),
         unary(
             "clip",
             Op::Clip {

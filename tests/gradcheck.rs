@@ -461,3 +461,20 @@ fn where_routes_the_gradient_to_the_chosen_branch() {
     let y = g.op1(Op::Where, &[cond, a, b]);
     check("where", g, y);
 }
+
+#[test]
+fn hard_sigmoid_and_hard_swish() {
+    // Values on every piece of the functions, away from the kinks at ±3
+    // where finite differences do not apply.
+    let xs: Vec<f32> = (0..24).map(|i| -5.4 + 0.45 * i as f32).collect();
+    assert!(xs.iter().all(|x| (x.abs() - 3.0).abs() > 0.05));
+    for (name, op) in [
+        ("hard_sigmoid", Op::HardSigmoid),
+        ("hard_swish", Op::HardSwish),
+    ] {
+        let mut g = GraphBuilder::new();
+        let x = var(&mut g, "x", Tensor::from_f32([4, 6], xs.clone()).unwrap());
+        let y = g.op1(op, &[x]);
+        check(name, g, y);
+    }
+}

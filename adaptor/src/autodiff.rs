@@ -114,6 +114,8 @@ fn has_rule(op: &Op) -> bool {
     !matches!(
         op,
         Op::ReluGrad
+            | Op::HardSigmoidGrad
+            | Op::HardSwishGrad
             | Op::GeluGrad
             | Op::SigmoidGrad
             | Op::TanhGrad
@@ -335,6 +337,8 @@ fn backward(
             vec![da, db]
         }
         Op::Relu => vec![Some(g.op1(Op::ReluGrad, &[x(0), dy]))],
+        Op::HardSigmoid => vec![Some(g.op1(Op::HardSigmoidGrad, &[x(0), dy]))],
+        Op::HardSwish => vec![Some(g.op1(Op::HardSwishGrad, &[x(0), dy]))],
         Op::Gelu => vec![Some(g.op1(Op::GeluGrad, &[x(0), dy]))],
         Op::Sigmoid => vec![Some(g.op1(Op::SigmoidGrad, &[y, dy]))],
         Op::Tanh => vec![Some(g.op1(Op::TanhGrad, &[y, dy]))],
@@ -428,6 +432,21 @@ fn backward(
                 unbroadcast(g, t, &sa)
             });
             let db = want[1].then(|| {
+                // A weight shared by a batch of rows (a linear layer on
+                // [B, S, K]): one product over all B·S rows, instead of B
+                // products summed afterwards.
+                if sb.len() == 2 && sa.len() > 2 && !*ta {
+                    let k = sa[sa.len() - 1];
+                    let n = g.dims(dy).last().copied().unwrap_or(0);
+                    let rows = sa[..sa.len() - 1].iter().product::<usize>();
+                    let a2 = g.reshape(a, &[rows, k]);
+                    let dy2 = g.reshape(dy, &[rows, n]);
+                    return if *tb {
+                        g.matmul_t(dy2, a2, true, false)
+                    } else {
+                        g.matmul_t(a2, dy2, true, false)
+                    };
+                }
                 let t = match (ta, tb) {
                     (false, false) => g.matmul_t(a, dy, true, false),
                     (false, true) => g.matmul_t(dy, a, true, false),

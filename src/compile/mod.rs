@@ -364,6 +364,8 @@ fn same_offset_pairs(g: &ValidGraph, ephemeral: &[lifetime::Ephemeral]) -> Vec<(
         };
         match node.op {
             Op::Relu
+            | Op::HardSigmoid
+            | Op::HardSwish
             | Op::Gelu
             | Op::Sigmoid
             | Op::Tanh

@@ -29,7 +29,8 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                 &inputs[1].shape,
             )?))
         }
-        Relu | Gelu | Sigmoid | Tanh | Exp | Log | Sqrt | Scale(_) | Erf | IsNan => {
+        Relu | Gelu | Sigmoid | Tanh | Exp | Log | Sqrt | Scale(_) | Erf | IsNan | HardSigmoid
+        | HardSwish => {
             arity(inputs, 1)?;
             f32s(inputs)?;
             one(inputs[0].clone())
@@ -241,7 +242,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             same_shape(&inputs[0], &inputs[1])?;
             one(TensorType::f32(Shape::scalar()))
         }
-        ReluGrad | GeluGrad | SigmoidGrad | TanhGrad => {
+        ReluGrad | GeluGrad | SigmoidGrad | TanhGrad | HardSigmoidGrad | HardSwishGrad => {
             arity(inputs, 2)?;
             f32s(inputs)?;
             same_shape(&inputs[0], &inputs[1])?;

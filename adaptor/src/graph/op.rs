@@ -240,6 +240,14 @@ pub enum Op {
         salt: u32,
         shape: Vec<usize>,
     },
+    /// (x) -> relu6(x + 3) / 6, PyTorch's `hardsigmoid`.
+    HardSigmoid,
+    /// (x) -> x · relu6(x + 3) / 6, PyTorch's `hardswish`.
+    HardSwish,
+    /// (x, dy) -> dx: dy / 6 where -3 < x < 3, else 0.
+    HardSigmoidGrad,
+    /// (x, dy) -> dx: 0 below -3, dy · (x / 3 + 1/2) up to 3, dy above (as PyTorch).
+    HardSwishGrad,
 }
 
 /// The 24-bit threshold below which [`dropout_keep`]'s draw drops an element.
@@ -330,6 +338,10 @@ impl Op {
             Op::IsNan => "is_nan",
             Op::Cast { .. } => "cast",
             Op::DropoutMask { .. } => "dropout_mask",
+            Op::HardSigmoid => "hard_sigmoid",
+            Op::HardSwish => "hard_swish",
+            Op::HardSigmoidGrad => "hard_sigmoid_grad",
+            Op::HardSwishGrad => "hard_swish_grad",
         }
     }
 

@@ -254,14 +254,8 @@ def _relu6(t, node, x):
     return _clamp_out(t, x, 0.0, 6.0)
 
 
-@_rule("hardsigmoid", "hardsigmoid_")
-def _hardsigmoid(t, node, x):
-    return t.emit_scale(_clamp_out(t, t.emit("Add", [x, 3.0]), 0.0, 6.0), 1.0 / 6.0)
-
-
-@_rule("hardswish", "hardswish_")
-def _hardswish(t, node, x):
-    return t.emit("Mul", [x, _hardsigmoid(t, node, x)])
+_RULES["hardsigmoid"] = _RULES["hardsigmoid_"] = _unary("HardSigmoid")
+_RULES["hardswish"] = _RULES["hardswish_"] = _unary("HardSwish")
 
 
 @_rule("pow")

@@ -388,7 +388,9 @@ impl CudaProgram {
             | Op::Sqrt
             | Op::Scale(_)
             | Op::Erf
-            | Op::IsNan => {
+            | Op::IsNan
+            | Op::HardSigmoid
+            | Op::HardSwish => {
                 let (code, p): (i32, f32) = match node.op {
                     Op::Relu => (0, 0.0),
                     Op::Gelu => (1, 0.0),
@@ -400,6 +402,8 @@ impl CudaProgram {
                     Op::Scale(f) => (7, f),
                     Op::Erf => (8, 0.0),
                     Op::IsNan => (9, 0.0),
+                    Op::HardSigmoid => (10, 0.0),
+                    Op::HardSwish => (11, 0.0),
                     _ => (7, 1.0),
                 };
                 if n_out % 4 == 0 && (out[0] | inp[0]) % 16 == 0 {
@@ -486,11 +490,18 @@ impl CudaProgram {
                     &[&out[0], &inp[0], &n32, salt, &threshold, &scale],
                 )
             }
-            Op::ReluGrad | Op::GeluGrad | Op::SigmoidGrad | Op::TanhGrad => {
+            Op::ReluGrad
+            | Op::GeluGrad
+            | Op::SigmoidGrad
+            | Op::TanhGrad
+            | Op::HardSigmoidGrad
+            | Op::HardSwishGrad => {
                 let code: i32 = match node.op {
                     Op::ReluGrad => 0,
                     Op::GeluGrad => 1,
                     Op::SigmoidGrad => 2,
+                    Op::HardSigmoidGrad => 4,
+                    Op::HardSwishGrad => 5,
                     _ => 3,
                 };
                 self.k(
@@ -977,13 +988,13 @@ impl CudaProgram {
         // The reduced axes lead, the kept ones trail: columns of a
         // [nr, no] matrix, which one warp per output would read strided.
         let k = flags.iter().take_while(|&&f| f).count();
-        if k > 0 && flags[k..].iter().all(|&f| !f) && no >= 32 && nr >= 32 {
+        if k > 0 && flags[k..].iter().all(|&f| !f) && no >= 32 && nr >= 2 {
             return self
                 .k(
                     "reduce_cols",
                     LaunchConfig {
                         grid_dim: (no.div_ceil(32) as u32, 1, 1),
-                        block_dim: (32, 32, 1),
+                        block_dim: (32, nr.min(32) as u32, 1),
                         shared_mem_bytes: 0,
                     },
                     &[&out, &inp, &no32, &nr32, &op, &scale],

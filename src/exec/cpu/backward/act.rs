@@ -24,6 +24,31 @@ pub(super) fn relu(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> R
     pointwise(inputs, outputs, |x, g| if x > 0.0 { g } else { 0.0 })
 }
 
+/// (x, dy) -> dy / 6 where -3 < x < 3, else 0 (PyTorch's hardsigmoid_backward).
+pub(super) fn hard_sigmoid(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> R {
+    pointwise(inputs, outputs, |x, g| {
+        if x > -3.0 && x < 3.0 {
+            g / 6.0
+        } else {
+            0.0
+        }
+    })
+}
+
+/// (x, dy) -> 0 below -3, dy · (x / 3 + 1/2) up to 3, dy above
+/// (PyTorch's hardswish_backward).
+pub(super) fn hard_swish(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> R {
+    pointwise(inputs, outputs, |x, g| {
+        if x < -3.0 {
+            0.0
+        } else if x <= 3.0 {
+            g * (x / 3.0 + 0.5)
+        } else {
+            g
+        }
+    })
+}
+
 /// (x, dy) -> dy · (Φ(x) + x φ(x)), the exact (erf) GELU's derivative.
 pub(super) fn gelu(inputs: &[TensorRef<'_>], outputs: &mut [TensorMut<'_>]) -> R {
     const INV_SQRT2: f32 = std::f32::consts::FRAC_1_SQRT_2;

@@ -31,6 +31,8 @@ pub(super) fn run(
 ) -> Option<Result<(), ExecError>> {
     let r = match op {
         Op::ReluGrad => act::relu(inputs, outputs),
+        Op::HardSigmoidGrad => act::hard_sigmoid(inputs, outputs),
+        Op::HardSwishGrad => act::hard_swish(inputs, outputs),
         Op::GeluGrad => act::gelu(inputs, outputs),
         Op::SigmoidGrad => act::sigmoid(inputs, outputs),
         Op::TanhGrad => act::tanh(inputs, outputs),

@@ -152,6 +152,8 @@ pub(super) fn unary(
             Op::Sqrt => x.sqrt(),
             Op::Erf => libm::erff(x),
             Op::IsNan => f32::from(u8::from(x.is_nan())),
+            Op::HardSigmoid => (x + 3.0).clamp(0.0, 6.0) / 6.0,
+            Op::HardSwish => x * (x + 3.0).clamp(0.0, 6.0) / 6.0,
             // NaN stays NaN, as PyTorch's clamp and ONNX Clip give it.
             Op::Clip { min, max } if !x.is_nan() => x.clamp(*min, *max),
             Op::Clip { .. } => x,

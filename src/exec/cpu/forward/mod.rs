@@ -43,6 +43,8 @@ pub(super) fn run(
         | Op::Scale(_)
         | Op::Erf
         | Op::IsNan
+        | Op::HardSigmoid
+        | Op::HardSwish
         | Op::Clip { .. } => elementwise::unary(op, inputs, outputs),
         Op::Where => elementwise::select(inputs, outputs),
         Op::Cast { .. } => elementwise::cast(inputs, outputs),

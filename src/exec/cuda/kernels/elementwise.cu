@@ -30,6 +30,8 @@ __device__ __forceinline__ float unary_f(int op, float x, float p) {
     case 6: return sqrtf(x);
     case 8: return erff(x);
     case 9: return isnan(x) ? 1.0f : 0.0f;
+    case 10: return fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) / 6.0f;
+    case 11: return x * fminf(fmaxf(x + 3.0f, 0.0f), 6.0f) / 6.0f;
     default: return x * p;
     }
 }
@@ -236,6 +238,8 @@ extern "C" __global__ void unary_grad(float* dx, const float* v, const float* dy
             break;
         }
         case 2: r = g * x * (1.0f - x); break;
+        case 4: r = (x > -3.0f && x < 3.0f) ? g / 6.0f : 0.0f; break;
+        case 5: r = x < -3.0f ? 0.0f : (x <= 3.0f ? g * (x / 3.0f + 0.5f) : g); break;
         default: r = g * (1.0f - x * x); break;
         }
         dx[i] = r;

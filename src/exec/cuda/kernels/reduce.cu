@@ -81,8 +81,8 @@ extern "C" __global__ void reduce_warp(float* out, const float* in, int n_out, i
 
 // Over the leading axes of a row-major [n_red, n_out] tensor: out[c] combines
 // in[r * n_out + c] over r (a bias gradient: dy [rows, features] summed to
-// [features]). A block takes 32 neighbouring columns, read coalesced, with 32
-// rows in flight for each; the 32 partial results of a column are combined
+// [features]). A block takes 32 neighbouring columns, read coalesced, with
+// blockDim.y (at most 32) rows in flight for each; the 32 partial results of a column are combined
 // in shared memory in a fixed order (deterministic, no atomics).
 extern "C" __global__ void reduce_cols(float* out, const float* in, int n_out, int n_red, int op, float scale) {
     __shared__ float part[32][33];
@@ -91,7 +91,7 @@ extern "C" __global__ void reduce_cols(float* out, const float* in, int n_out, i
     if (c < n_out) {
         const float* p = in + c;
         #pragma unroll 4
-        for (int r = threadIdx.y; r < n_red; r += 32) {
+        for (int r = threadIdx.y; r < n_red; r += blockDim.y) {
             float v = p[(long long)r * n_out];
             acc = op ? fmaxf(acc, v) : acc + v;
         }
@@ -100,7 +100,7 @@ extern "C" __global__ void reduce_cols(float* out, const float* in, int n_out, i
     __syncthreads();
     if (threadIdx.y == 0 && c < n_out) {
         float s = part[0][threadIdx.x];
-        for (int k = 1; k < 32; k++) {
+        for (int k = 1; k < blockDim.y; k++) {
             float v = part[k][threadIdx.x];
             s = op ? fmaxf(s, v) : s + v;
         }
