@@ -72,7 +72,11 @@ def _assert_trains_like_torch(client, model, inputs, target, loss, make_opt, ste
             wtol = max(wtol, max(g["lr"] for g in ref_opt.param_groups) * steps)
         for k in rsd:
             d = (sd[k].double() - rsd[k].double()).abs().max().item()
-            assert d <= wtol * max(1.0, rsd[k].double().abs().max().item()), (k, d)
+            # BatchNorm's running statistics average the batch statistics
+            # of every step: 5e-2 (the H100 ends ResNet-18's 50 steps with a
+            # running variance 1.2 % from PyTorch's on the CPU).
+            tol = max(wtol, 5e-2) if "running_" in k else wtol
+            assert d <= tol * max(1.0, rsd[k].double().abs().max().item()), (k, d)
     finally:
         job.close()
     return ours, theirs
