@@ -241,6 +241,44 @@ def test_parameter_groups_schedulers_and_clipping_follow_pytorch(client, kind):
         job.close()
 
 
+def test_gradient_accumulation_over_micro_batches_follows_pytorch(client):
+    torch.manual_seed(8)
+    k = 3
+    m = _Mlp()
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ce = torch.nn.CrossEntropyLoss()
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    job = lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, accumulate=k)
+    try:
+        for i in range(4 * k):
+            g = torch.Generator().manual_seed(i)
+            xb, yb = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+            got = job.step(xb, yb)
+            # PyTorch's loop: backward of loss / k each micro-batch, a step every k.
+            rl = ce(ref(xb), yb)
+            (rl / k).backward()
+            if i % k == 0:
+                mean = 0.0
+            mean += rl.item() / k
+            if i % k == k - 1:
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert got is not None and abs(got - mean) <= 1e-5 * max(1.0, mean), (i, got, mean)
+            else:
+                assert got is None
+        sd = job.state_dict()
+        for key, v in ref.state_dict().items():
+            assert torch.allclose(sd[key], v, atol=1e-5), key
+    finally:
+        job.close()
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    with pytest.raises(lanes.ModelError, match="BatchNorm"):
+        lt.training_job(client, bn, example=(x, y), loss=ce,
+                        optimizer=torch.optim.SGD(bn.parameters(), lr=0.1), accumulate=2)
+
+
 def test_state_dict_round_trip_and_checkpoint_load(client):
     torch.manual_seed(2)
     m = _small_resnet18()

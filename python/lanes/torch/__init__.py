@@ -132,7 +132,10 @@ def _feeds(inputs: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[An
 
 
 def _example_feeds(t: _Translator, example: Sequence[Any]) -> Dict[str, np.ndarray]:
-    feeds = _feeds(t.inputs, example[: len(t.inputs)], "example")
+    n = len(example)
+    feeds: Dict[str, np.ndarray] = {}
+    for j in range(0, len(t.inputs), n):  # each micro-batch of an accumulating job
+        feeds.update(_feeds(t.inputs[j : j + n], example, "example"))
     if t.seed is not None:
         feeds[DROPOUT_SEED] = np.array([0], dtype=np.int64)
     return feeds
@@ -180,9 +183,14 @@ class TrainingJob:
     BatchNorm statistics live there; `step` is one Run."""
 
     def __init__(self, session: Any, t: _Translator, model: torch.nn.Module,
-                 optimizer: "torch.optim.Optimizer", groups: List[List[str]]):
+                 optimizer: "torch.optim.Optimizer", groups: List[List[str]], accumulate: int = 1):
         self.session = session
-        self.inputs = t.inputs
+        self.accumulate = accumulate
+        #: One micro-batch's feeds (the first walk's names).
+        self.inputs = t.inputs[: len(t.inputs) // accumulate]
+        self._all_inputs = t.inputs
+        self._pending: Dict[str, np.ndarray] = {}
+        self._micro = 0
         self._model = model
         self._optimizer = optimizer
         self._counters = dict(t.counters)
@@ -217,11 +225,20 @@ class TrainingJob:
         if changed:
             self.session.write_variables(changed)
 
-    def step(self, *args: Any) -> float:
+    def step(self, *args: Any) -> Optional[float]:
         """One training iteration on a batch (the model's inputs, then the
-        loss's targets, as in `example`); returns the loss."""
+        loss's targets, as in `example`); returns the loss. With
+        `accumulate=k`, one micro-batch: the first k − 1 calls keep theirs
+        (and return None), the k-th sends all k in one Run, whose update
+        uses their summed gradients, and returns their mean loss."""
+        n = len(self.inputs)
+        part = self._all_inputs[self._micro * n : (self._micro + 1) * n]
+        self._pending.update(_feeds(part, args, "step"))
+        self._micro += 1
+        if self._micro < self.accumulate:
+            return None
+        feeds, self._pending, self._micro = self._pending, {}, 0
         self._sync_lr()
-        feeds = _feeds(self.inputs, args, "step")
         if self._dropout:
             feeds[DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
         loss = self.session.run(feeds, fetch="loss")
@@ -321,6 +338,7 @@ def training_job(
     priority: int = 0,
     expected_iterations: Optional[int] = None,
     save_to: Optional[str] = None,
+    accumulate: int = 1,
 ) -> TrainingJob:
     """Captures `loss(model(*inputs), *targets)` at the example's shapes and
     loads it as a training session: the example is the model's inputs
@@ -328,7 +346,11 @@ def training_job(
     Adam or AdamW over the model's parameters (its parameter groups, learning
     rates and weight decays are used; the service keeps its state).
     `max_grad_norm` clips gradients by their global norm each step, as
-    `torch.nn.utils.clip_grad_norm_`. `save_to` (a directory) also saves
+    `torch.nn.utils.clip_grad_norm_`. `accumulate=k` accumulates gradients
+    over k micro-batches (each of the example's shapes) before an update, as
+    a PyTorch loop that steps the optimizer every k backward passes of
+    `loss / k` (models with BatchNorm in training mode: not yet).
+    `save_to` (a directory) also saves
     the job with the example batch, to time and profile it on its own:
     `lanes bench train --job DIR --op-profile`."""
     example = tuple(example)
@@ -337,9 +359,25 @@ def training_job(
     n_inputs = len(example) - targets
     model.train()
     ep = _export(_WithLoss(model, loss, n_inputs), example, "training step")
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be at least 1, got {accumulate}")
     t = translate(ep, training=True, prefix="model.")
     if len(t.outputs) != 1 or t.outputs[0].shape not in ((), (1,)):
         raise ModelError("the loss must be one scalar tensor")
+    if accumulate > 1:
+        if t.updates_buffers:
+            raise ModelError(
+                "gradient accumulation of a model with BatchNorm in training mode is not supported yet "
+                "(each micro-batch would update the running statistics)"
+            )
+        # One walk per micro-batch into the same graph, weights shared; the
+        # loss is their mean, so the gradients are their summed loss / k.
+        for j in range(1, accumulate):
+            t.run(prefix=f"m{j}/")
+        total = t.outputs[0]
+        for o in t.outputs[1:]:
+            total = t.emit("Add", [total, o])
+        t.outputs = [t.emit_scale(total, 1.0 / accumulate)]
     t.b.set_name(t.outputs[0].outlet, "loss")
     var_of_id = {id(tensor): name for name, tensor in t.variables.items()}
     groups = []
@@ -364,7 +402,7 @@ def training_job(
     except BaseException:
         session.close()
         raise
-    return TrainingJob(session, t, model, optimizer, group_names)
+    return TrainingJob(session, t, model, optimizer, group_names, accumulate)
 
 
 def inference_job(

@@ -101,6 +101,7 @@ def _batch_norm(t, node, x, w, b, rm, rv, training, momentum, eps, cudnn_enabled
             raise t.fail("BatchNorm with momentum=None (cumulative average) is not supported")
         if not isinstance(rm, _Buffer) or not isinstance(rv, _Buffer):
             raise t.fail("BatchNorm's running statistics must be module buffers")
+        t.updates_buffers = True
         return t.emit("BatchNormTrain", [x, w, b, rm, rv], n_out=1, eps=float(eps), momentum=float(momentum))
     return t.emit("BatchNorm", [x, w, b, rm, rv], eps=float(eps))
 

@@ -62,6 +62,8 @@ class _Translator:
         self.node: Optional[torch.fx.Node] = None
         self._constants: Dict[int, Tuple[torch.Tensor, _Out]] = {}
         self._n_big = 0
+        #: A BatchNorm in training mode updates running statistics in place.
+        self.updates_buffers = False
         #: The dropout seed's placeholder, once a dropout op needs it.
         self.seed: Optional[_Out] = None
         self._salt = 0
@@ -196,7 +198,12 @@ class _Translator:
 
     # -- the walk ------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, prefix: str = "") -> None:
+        """Translates the program once more into the same graph: its feeds
+        are named `{prefix}input_{i}`; weights, buffers and constants are
+        shared with the earlier walks (gradient accumulation walks once per
+        micro-batch)."""
+        self.env = {}
         sig = self.ep.graph_signature
         specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
         state = self.ep.state_dict
@@ -221,7 +228,7 @@ class _Translator:
                     dtype = _feed_dtype(val.dtype)
                     if dtype is None:
                         raise self.fail(f"input of dtype {val.dtype}: Lanes takes float32 and integer inputs", node)
-                    name = f"input_{n_user}"
+                    name = f"{prefix}input_{n_user}"
                     n_user += 1
                     shape = tuple(int(d) for d in val.shape)
                     o = self.b.placeholder(name, list(shape), dtype)
