@@ -505,3 +505,23 @@ def test_a_model_larger_than_the_service_gets_the_admission_error(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.mark.parametrize("name", ["squeezenet1_1", "googlenet", "densenet121", "shufflenet_v2_x0_5",
+                                  "efficientnet_b0", "convnext_tiny", "regnet_y_400mf", "resnext50_32x4d"])
+def test_more_torchvision_models_serve_like_pytorch(client, name):
+    """Other architectures (ceil-mode pooling, dense concatenations, channel
+    shuffles, SiLU and squeeze-excitation, LayerNorm over channels,
+    grouped convolutions) served in eval mode against PyTorch's forward."""
+    torch.manual_seed(9)
+    kw = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
+    m = getattr(torchvision.models, name)(num_classes=10, **kw).eval()
+    x = torch.randn(2, 3, 64, 64)
+    job = lt.inference_job(client, m, x)
+    try:
+        got = job(x)
+    finally:
+        job.close()
+    with torch.no_grad():
+        want = m(x)
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-4), (got - want).abs().max()

@@ -123,6 +123,27 @@ def _layer_norm(t, node, x, shape, w=None, b=None, eps=1e-5, cudnn_enable=True):
     return t.emit("LayerNorm", [x, w, b], eps=float(eps))
 
 
+@_rule("index")
+def _index(t, node, x, indices):
+    """x[idx] with one integer index tensor on the first axis (a table
+    lookup, e.g. a relative-position bias): an embedding."""
+    x = t.lanes(x)
+    if len(indices) != 1 or indices[0] is None:
+        raise t.fail("only indexing the first axis with one integer tensor is supported")
+    idx = indices[0]
+    if isinstance(idx, torch.Tensor):
+        if idx.dtype == torch.bool:
+            raise t.fail("indexing with a boolean mask is not supported")
+        idx = t.constant(idx.to(torch.int64))
+    idx = t.lanes(idx)
+    if idx.dtype != "int64":
+        raise t.fail("the index must be an integer tensor")
+    rest = math.prod(x.shape[1:])
+    table = x if x.rank == 2 else t.emit("Reshape", [x], shape=[x.shape[0], rest])
+    y = t.emit("Embedding", [table, idx])
+    return _reshape_to(t, y, _val_shape(node))
+
+
 @_rule("embedding")
 def _embedding(t, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if scale_grad_by_freq or sparse:
@@ -467,11 +488,27 @@ def _cat(t, node, xs, dim=0):
 
 @_rule("max_pool2d")
 def _max_pool2d(t, node, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
-    if _pair(dilation) != [1, 1] or ceil_mode:
-        raise t.fail("max pooling with dilation or ceil_mode is not supported")
+    if _pair(dilation) != [1, 1]:
+        raise t.fail("max pooling with dilation is not supported")
     k = _pair(kernel)
     s = _pair(stride) if stride else k
-    return t.emit("MaxPool2d", [x], kernel=k, stride=s, padding=_pair(padding))
+    p = _pair(padding)
+    if ceil_mode:
+        # The windows that ceil_mode adds overhang the bottom and right
+        # edges: extend those edges with the lowest float (max pooling never
+        # picks it, its gradient is sliced away) so that floor mode counts them.
+        x = t.lanes(x)
+        want = _val_shape(node)[2:]
+        for axis in (2, 3):
+            a = axis - 2
+            size = x.shape[axis]
+            extra = (want[a] - 1) * s[a] + k[a] - 2 * p[a] - size
+            if extra > 0:
+                shape = list(x.shape)
+                shape[axis] = extra
+                fill = torch.full(shape, _MASKED)
+                x = t.emit("Concat", [x, fill], axis=axis)
+    return t.emit("MaxPool2d", [x], kernel=k, stride=s, padding=p)
 
 
 @_rule("avg_pool2d")
