@@ -7,11 +7,13 @@ use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::auth::{self, AuthKey, AUTH_BYTES};
 
-/// Most connections with a challenge outstanding; a new Hello beyond it
-/// drops the oldest challenge (that connection must say Hello again).
+/// Most connections with a challenge outstanding; a Hello from another
+/// connection beyond it is refused (never an outstanding challenge
+/// evicted: a flood of Hellos cannot take a well-behaved client's).
 pub(super) const MAX_PENDING: usize = 1024;
-/// How long a challenge stays good.
-pub(super) const CHALLENGE_TTL: Duration = Duration::from_secs(30);
+/// How long a challenge stays good (a client answers at once; a
+/// connection that never answers holds its slot this long).
+pub(super) const CHALLENGE_TTL: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 struct PeerAuth {
@@ -40,6 +42,13 @@ pub(super) enum Refused {
     WrongProof,
 }
 
+/// Too many connections are authenticating at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{MAX_PENDING} connections are authenticating at once, the service's limit: try again in a few seconds"
+)]
+pub(super) struct Busy;
+
 impl Gate {
     pub(super) fn new(key: AuthKey) -> Self {
         Gate {
@@ -52,9 +61,11 @@ impl Gate {
         self.peers.get(peer).is_some_and(|p| p.authenticated)
     }
 
-    /// A fresh challenge for `peer`'s Hello; the connection is not
-    /// authenticated until it answers it.
-    pub(super) fn challenge(&mut self, peer: &[u8]) -> [u8; AUTH_BYTES] {
+    /// A fresh challenge for `peer`'s Hello (replacing its own earlier
+    /// one); the connection is not authenticated until it answers it.
+    /// Refused while [`MAX_PENDING`] other connections have challenges
+    /// outstanding (they expire after [`CHALLENGE_TTL`]).
+    pub(super) fn challenge(&mut self, peer: &[u8]) -> Result<[u8; AUTH_BYTES], Busy> {
         let now = Instant::now();
         self.peers.retain(|_, p| {
             if p.challenge
@@ -64,25 +75,14 @@ impl Gate {
             }
             p.authenticated || p.challenge.is_some()
         });
+        let own = self.peers.get(peer).is_some_and(|p| p.challenge.is_some());
         let pending = self
             .peers
             .values()
             .filter(|p| p.challenge.is_some())
             .count();
-        if pending >= MAX_PENDING && !self.peers.contains_key(peer) {
-            let oldest = self
-                .peers
-                .iter()
-                .filter_map(|(id, p)| Some((p.challenge?.1, id.clone())))
-                .min();
-            if let Some((_, id)) = oldest {
-                if let Some(p) = self.peers.get_mut(&id) {
-                    p.challenge = None;
-                    if !p.authenticated {
-                        self.peers.remove(&id);
-                    }
-                }
-            }
+        if pending >= MAX_PENDING && !own {
+            return Err(Busy);
         }
         let challenge = auth::random_bytes();
         self.peers.insert(
@@ -92,7 +92,7 @@ impl Gate {
                 authenticated: false,
             },
         );
-        challenge
+        Ok(challenge)
     }
 
     /// Checks `peer`'s answer to its challenge (which it uses up): the
@@ -156,7 +156,7 @@ mod tests {
             gate.authenticate(b"p", &nonce, &[0; AUTH_BYTES]),
             Err(Refused::NoChallenge)
         );
-        let c = gate.challenge(b"p");
+        let c = gate.challenge(b"p").unwrap();
         let proof = key().client_proof(&c, &nonce);
         let theirs = gate.authenticate(b"p", &nonce, &proof).unwrap();
         assert!(key().check_service(&c, &nonce, &theirs));
@@ -168,39 +168,57 @@ mod tests {
             Err(Refused::NoChallenge)
         );
         // Another connection cannot use that answer, nor a wrong key's.
-        let c2 = gate.challenge(b"q");
+        let c2 = gate.challenge(b"q").unwrap();
         assert_eq!(
             gate.authenticate(b"q", &nonce, &proof),
             Err(Refused::WrongProof)
         );
         assert!(!gate.is_authenticated(b"q"));
         let wrong = AuthKey::new(*b"not the key of the service......").unwrap();
-        gate.challenge(b"q");
+        gate.challenge(b"q").unwrap();
         assert_ne!(c2, [0; AUTH_BYTES]);
         assert_eq!(
             gate.authenticate(b"q", &nonce, &wrong.client_proof(&c2, &nonce)),
             Err(Refused::WrongProof)
         );
         // A new Hello starts over.
-        gate.challenge(b"p");
+        gate.challenge(b"p").unwrap();
         assert!(!gate.is_authenticated(b"p"));
         gate.forget(b"p");
         assert_eq!(gate.authenticated().count(), 0);
     }
 
     #[test]
-    fn outstanding_challenges_are_bounded() {
+    fn a_flood_of_hellos_is_refused_and_evicts_no_outstanding_challenge() {
         let mut gate = Gate::new(key());
+        // A well-behaved client says Hello first.
+        let c = gate.challenge(b"good").unwrap();
+        let mut refused = 0;
         for i in 0..(MAX_PENDING + 100) as u32 {
-            gate.challenge(&i.to_le_bytes());
+            if gate.challenge(&i.to_le_bytes()) == Err(Busy) {
+                refused += 1;
+            }
         }
-        assert!(gate.len() <= MAX_PENDING + 1, "{}", gate.len());
-        // The newest still answer.
-        let last = (MAX_PENDING as u32 + 99).to_le_bytes();
-        let c = gate.challenge(&last);
+        assert!(gate.len() <= MAX_PENDING, "{}", gate.len());
+        assert_eq!(refused, 101, "the Hellos beyond the limit are refused");
+        // A connection with a challenge may say Hello again while full.
+        let mine = 7u32.to_le_bytes();
+        assert!(gate.challenge(&mine).is_ok());
+        assert!(gate.challenge(b"late").is_err());
+        // The flood took nothing from the first client: its answer is
+        // still good (and frees its slot).
         let n = auth::random_bytes();
         assert!(gate
-            .authenticate(&last, &n, &key().client_proof(&c, &n))
+            .authenticate(b"good", &n, &key().client_proof(&c, &n))
             .is_ok());
+        assert!(gate.challenge(b"late").is_ok());
+        assert!(gate.challenge(b"later").is_err());
+        // Expired challenges free their slots.
+        for p in gate.peers.values_mut() {
+            if let Some((_, t)) = p.challenge.as_mut() {
+                *t -= CHALLENGE_TTL + Duration::from_secs(1);
+            }
+        }
+        assert!(gate.challenge(b"latest").is_ok());
     }
 }

@@ -56,6 +56,8 @@ const METRICS_EVERY: Duration = Duration::from_millis(500);
 struct Entry {
     /// Routing id of the connection that opened it; only it may use it.
     owner: Vec<u8>,
+    /// The peer that connection is from (see `ServerConfig::max_sessions_per_peer`).
+    origin: String,
     spec: SessionSpec,
     state: Arc<Mutex<Session>>,
     last_seen: Instant,
@@ -145,6 +147,9 @@ struct Frontend {
     /// Doorbells of busy-polling clients' feed buffers, learned from the
     /// Runs that name them (see `wire::shm::Doorbell`).
     bells: Vec<Bell>,
+    /// The peer address of the OpenSession being handled (ZeroMQ's
+    /// `Peer-Address` of its message).
+    opening_from: String,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -268,6 +273,7 @@ pub(super) fn spawn(
         decoding: HashSet::new(),
         held: HashMap::new(),
         bells: Vec::new(),
+        opening_from: String::new(),
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -532,10 +538,7 @@ impl Frontend {
                 .unwrap_or(0);
             let message =
                 format!("more than {waiting} requests wait behind a large one being decoded");
-            return self.send(
-                &peer,
-                wire::encode_error(id, ErrorCode::Overloaded, &message),
-            );
+            return self.send_error(&peer, id, ErrorCode::Overloaded, &message);
         }
         self.held
             .entry(peer)
@@ -589,9 +592,14 @@ impl Frontend {
     fn handle_now(
         &mut self,
         peer: Vec<u8>,
-        frames: Vec<zmq::Message>,
+        mut frames: Vec<zmq::Message>,
         t0: Instant,
     ) -> Result<(), zmq::Error> {
+        if let Some(first) = frames.first_mut() {
+            if wire::peek_request_name(first) == Some("open_session") {
+                self.opening_from = first.gets("Peer-Address").unwrap_or("").to_string();
+            }
+        }
         // A connection that has not authenticated may only say Hello and
         // Authenticate: one small frame. Anything else is refused before it
         // is decoded.
@@ -669,10 +677,7 @@ impl Frontend {
                     tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %wire::bounded_text(&e.to_string()), suppressed, "bad message");
                 }
                 let id = e.request_id.unwrap_or(0);
-                return self.send(
-                    &peer,
-                    wire::encode_error(id, e.error.code(), &e.to_string()),
-                );
+                return self.send_error(&peer, id, e.error.code(), &e.to_string());
             }
         };
         let Envelope {
@@ -691,12 +696,15 @@ impl Frontend {
         let reply = match message {
             Request::Hello { client } => {
                 tracing::debug!(peer = %hex(&peer), %client, "hello");
-                Reply::Hello {
-                    server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
-                    version: wire::PROTOCOL_VERSION,
-                    limits: self.config.limits,
-                    desk: self.desk.as_ref().map(|d| d.name().to_string()),
-                    challenge: self.gate.as_mut().map(|g| g.challenge(&peer)),
+                match self.gate.as_mut().map(|g| g.challenge(&peer)).transpose() {
+                    Ok(challenge) => Reply::Hello {
+                        server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
+                        version: wire::PROTOCOL_VERSION,
+                        limits: self.config.limits,
+                        desk: self.desk.as_ref().map(|d| d.name().to_string()),
+                        challenge,
+                    },
+                    Err(busy) => Reply::error(ErrorCode::Overloaded, busy.to_string()),
                 }
             }
             Request::Authenticate { nonce, proof } => match self.gate.as_mut() {
@@ -893,12 +901,27 @@ impl Frontend {
 
     /// Answers a request of a connection that has not authenticated.
     fn refuse_unauthenticated(&mut self, peer: &[u8], request_id: u64) -> Result<(), zmq::Error> {
-        let frames = wire::encode_error(
+        self.send_error(
+            peer,
             request_id,
             ErrorCode::Unauthenticated,
             "this service authenticates its peers: send Hello, then Authenticate with the key",
-        );
-        self.send(peer, frames)
+        )
+    }
+
+    /// An error reply built here (not by a worker), counted in the metrics
+    /// like every other.
+    fn send_error(
+        &mut self,
+        peer: &[u8],
+        request_id: u64,
+        code: ErrorCode,
+        message: &str,
+    ) -> Result<(), zmq::Error> {
+        if let Some(m) = &self.config.metrics {
+            m.error(code);
+        }
+        self.send(peer, wire::encode_error(request_id, code, message))
     }
 
     /// The session if `peer` opened it; else an UnknownSession reply.
@@ -926,8 +949,23 @@ impl Frontend {
             return Reply::error(
                 ErrorCode::Overloaded,
                 format!(
-                    "the service is at its limit of {} sessions",
+                    "the service is at its limit of {} sessions (--max-sessions)",
                     self.config.max_sessions
+                ),
+            );
+        }
+        let origin = std::mem::take(&mut self.opening_from);
+        let from_peer = self
+            .sessions
+            .values()
+            .filter(|e| e.origin == origin)
+            .count();
+        if from_peer >= self.config.max_sessions_per_peer {
+            return Reply::error(
+                ErrorCode::Overloaded,
+                format!(
+                    "this peer ({}) already has {from_peer} sessions open over its connections, its limit (--max-sessions-per-peer)",
+                    if origin.is_empty() { "address unknown" } else { origin.as_str() }
                 ),
             );
         }
@@ -952,6 +990,7 @@ impl Frontend {
             session,
             Entry {
                 owner: peer.to_vec(),
+                origin,
                 state: Arc::new(Mutex::new(
                     Session::new(session, spec.clone())
                         .with_feed_types(Arc::clone(&feed_types))
