@@ -150,6 +150,8 @@ struct Frontend {
     /// The peer address of the OpenSession being handled (ZeroMQ's
     /// `Peer-Address` of its message).
     opening_from: String,
+    /// Gives memory back to the system after sessions go (trim.rs).
+    trim: Option<super::trim::Trimmer>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -274,6 +276,7 @@ pub(super) fn spawn(
         held: HashMap::new(),
         bells: Vec::new(),
         opening_from: String::new(),
+        trim: super::trim::Trimmer::start(),
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -507,6 +510,7 @@ impl Frontend {
             if let Some(e) = self.sessions.remove(&id) {
                 let dropped = self.dispatcher.cancel(id);
                 tracing::info!(session = %id, name = %e.spec.name, dropped, "client gone: session reclaimed");
+                self.trim_soon();
             }
         }
         self.forget_bells();
@@ -735,6 +739,7 @@ impl Frontend {
                     self.forget_bells();
                     self.dispatcher.wake(); // its memory may admit a waiting job
                     tracing::info!(%session, dropped, "session closed");
+                    self.trim_soon();
                     Reply::SessionClosed { session }
                 }
                 Err(e) => Reply::Error(e),
@@ -897,6 +902,13 @@ impl Frontend {
             self.handle_decoded_from(peer, decoded, Some(&bell))?;
         }
         Ok(())
+    }
+
+    /// A session went: its memory goes back to the system soon.
+    fn trim_soon(&self) {
+        if let Some(t) = &self.trim {
+            t.soon();
+        }
     }
 
     /// Answers a request of a connection that has not authenticated.
@@ -1271,6 +1283,7 @@ impl Frontend {
             if let Some(e) = self.sessions.remove(&id) {
                 self.dispatcher.cancel(id); // its job leaves the policy
                 tracing::info!(session = %id, name = %e.spec.name, idle_s = e.last_seen.elapsed().as_secs_f64(), "idle session reclaimed");
+                self.trim_soon();
                 self.dispatcher.wake();
             }
         }

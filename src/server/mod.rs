@@ -28,6 +28,7 @@ mod frontend;
 pub mod memory;
 pub mod metrics;
 pub mod policy_queue;
+mod trim;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, Ordering};
