@@ -147,8 +147,8 @@ struct Frontend {
     /// Doorbells of busy-polling clients' feed buffers, learned from the
     /// Runs that name them (see `wire::shm::Doorbell`).
     bells: Vec<Bell>,
-    /// The peer address of the OpenSession being handled (ZeroMQ's
-    /// `Peer-Address` of its message).
+    /// The peer address of the OpenSession or Hello being handled
+    /// (ZeroMQ's `Peer-Address` of its message).
     opening_from: String,
     /// Gives memory back to the system after sessions go (trim.rs).
     trim: Option<super::trim::Trimmer>,
@@ -600,7 +600,10 @@ impl Frontend {
         t0: Instant,
     ) -> Result<(), zmq::Error> {
         if let Some(first) = frames.first_mut() {
-            if wire::peek_request_name(first) == Some("open_session") {
+            if matches!(
+                wire::peek_request_name(first),
+                Some("open_session" | "hello")
+            ) {
                 self.opening_from = first.gets("Peer-Address").unwrap_or("").to_string();
             }
         }
@@ -700,7 +703,13 @@ impl Frontend {
         let reply = match message {
             Request::Hello { client } => {
                 tracing::debug!(peer = %hex(&peer), %client, "hello");
-                match self.gate.as_mut().map(|g| g.challenge(&peer)).transpose() {
+                let origin = std::mem::take(&mut self.opening_from);
+                match self
+                    .gate
+                    .as_mut()
+                    .map(|g| g.challenge(&peer, &origin))
+                    .transpose()
+                {
                     Ok(challenge) => Reply::Hello {
                         server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
                         version: wire::PROTOCOL_VERSION,
