@@ -4,16 +4,17 @@
 //! dropped with its connection instead), and its resident memory
 //! (`/proc/PID/status`) once they are gone stays near what it was after
 //! the first 4,000. `LANES_CHURN_SESSIONS` sets the count (default
-//! 16,000; about 15 s on the 2-core development VM).
+//! 16,000; about 25 s on the 2-core development VM).
 //!
 //! Why after 4,000 and not after the first hundred: the allocator's
 //! per-thread arenas and the reservation's pages grow over the first
 //! thousands of sessions towards a plateau (measured: 13 MiB idle, 20 MiB
-//! after 1,000 sessions, 30 MiB after 4,000, 36 MiB from 16,000 to
-//! 25,000) and keep that memory for reuse. What this guards against grows
-//! without a plateau: every closed session's metric series left behind
-//! cost about 2.4 KiB a session (18.5 MiB over 8,000 sessions after the
-//! first 4,000, and each scrape longer).
+//! after 1,000 sessions, 20 to 40 MiB after 4,000 depending on how soon
+//! free memory was given back) and keep part of it for reuse. What this
+//! guards against grows without a plateau: every closed session's metric
+//! series left behind, and the heap they fragmented, took 36 MiB more over
+//! the 12,000 sessions after the first 4,000 (and each scrape got longer);
+//! without them, 1 to 5 MiB more.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -186,16 +187,19 @@ fn churn(endpoint: &str, jobs: &[Job; 2], from: usize, count: usize) {
 }
 
 /// Waits until the service has no session open (the dropped ones are
-/// reclaimed within seconds) and has published it.
+/// reclaimed within seconds) and has published it, then until it has given
+/// the freed memory back (within about 4 s of the last close).
 fn drained(url: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    let text = loop {
         let text = scrape(url);
         if text.contains("lanes_sessions_open 0") || Instant::now() > deadline {
-            return text;
+            break text;
         }
         std::thread::sleep(Duration::from_millis(200));
-    }
+    };
+    std::thread::sleep(Duration::from_secs(5));
+    text
 }
 
 #[test]
@@ -233,10 +237,8 @@ fn memory_stays_flat_as_sessions_come_and_go() {
     assert!(text.contains("lanes_sessions_open 0"), "{text}");
     // No series of any session is left.
     assert!(!text.contains("session=\""), "{text}");
-    // Generous: measured 3 to 10 MiB more over these 12,000 sessions (the
-    // arenas' plateau varies from run to run). The series check above is
-    // the exact one; this bound catches state kept per session of more
-    // than about 1.4 KiB.
+    // Generous: measured 1 to 5 MiB more; with the series left behind, 36
+    // MiB more. The series check above is the exact one.
     let bound = after_warm + (16 << 20);
     assert!(
         end <= bound,
