@@ -205,6 +205,15 @@ fn metrics_move_as_a_job_runs_and_status_reads_as_json() {
     let sessions = v["sessions"].as_array().unwrap();
     assert_eq!(sessions.len(), 1, "{v}");
     assert_eq!(sessions[0]["spec"]["name"], "scraped");
+    // The lanes as structured JSON: the session's job in lane 0.
+    let lanes = &v["lanes"];
+    assert_eq!(lanes["capacity"], 1073741824u64, "{v}");
+    let lane = &lanes["lanes"][0];
+    assert!(lane["used"].as_u64().unwrap() > 0, "{lanes}");
+    assert_eq!(lane["jobs"].as_array().unwrap().len(), 1, "{lanes}");
+    assert!(lane["jobs"][0]["p"].as_u64().unwrap() > 0, "{lanes}");
+    assert!(lanes["queue"].as_array().unwrap().is_empty(), "{lanes}");
+    assert!(v.get("lanes_json").is_none(), "{v}");
     // The scheduler's count includes the Run that failed.
     assert!(sessions[0]["iterations"].as_u64().unwrap() >= 3, "{v}");
 

@@ -1260,16 +1260,18 @@ impl Frontend {
                 shared_bytes: e.segments.values().map(|s| s.bytes().len() as u64).sum(),
             });
         }
+        let snapshot = self.lanes.as_ref().map(|l| l.snapshot());
         StatusReport {
             server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
             version: wire::PROTOCOL_VERSION,
             device: self.config.device.clone(),
             policy: self.dispatcher.policy().to_string(),
             memory_bytes: self.config.memory_bytes,
-            lanes: self
-                .lanes
+            lanes: snapshot.as_ref().map(|l| Box::new(l.to_string())),
+            lanes_json: snapshot
                 .as_ref()
-                .map(|l| Box::new(l.snapshot().to_string())),
+                .and_then(|l| serde_json::to_string(l).ok())
+                .map(Box::new),
             max_lanes: u32::try_from(self.config.max_lanes).unwrap_or(u32::MAX),
             workers: self.workers.len() as u32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
