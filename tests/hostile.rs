@@ -456,6 +456,47 @@ fn a_session_hog_is_refused_while_a_bystander_is_served() {
     ));
 }
 
+/// One process opening many connections cannot take every slot either:
+/// its sessions over all its connections count against
+/// `--max-sessions-per-peer` (on loopback every client is one peer), and
+/// the refusal says which limit it met.
+#[test]
+fn many_connections_of_one_peer_meet_the_per_peer_limit() {
+    let service = start_with(|c| {
+        c.max_sessions = 100;
+        c.max_sessions_per_client = 2;
+        c.max_sessions_per_peer = 5;
+    });
+    let ep = service.endpoint().to_string();
+    let open =
+        |c: &mut Client, name: &str| c.request(&Request::OpenSession(SessionSpec::inference(name)));
+    let mut conns: Vec<Client> = (0..4).map(|_| Client::connect(&ep).unwrap()).collect();
+    let mut opened = Vec::new();
+    let mut refusals = Vec::new();
+    for (i, c) in conns.iter_mut().enumerate() {
+        for j in 0..2 {
+            match open(c, &format!("p{i}-{j}")) {
+                Ok(Reply::SessionOpened { session }) => opened.push((i, session)),
+                Ok(other) => panic!("{other:?}"),
+                Err(e) => refusals.push(e),
+            }
+        }
+    }
+    assert_eq!(opened.len(), 5, "five of eight, over three connections");
+    assert_eq!(refusals.len(), 3);
+    for e in &refusals {
+        assert_eq!(e.code(), Some(ErrorCode::Overloaded));
+        assert!(e.to_string().contains("--max-sessions-per-peer"), "{e}");
+    }
+    // Closing one frees a slot for any of its connections.
+    let (i, s) = opened[0];
+    conns[i].close_in(s).unwrap();
+    assert!(matches!(
+        open(&mut conns[3], "after a close").unwrap(),
+        Reply::SessionOpened { .. }
+    ));
+}
+
 /// A chain of `n` ReLUs after one placeholder, or (`fan`) `n` ReLUs of the
 /// placeholder, `n + 1` nodes in all.
 fn huge(n: usize, fan: bool) -> (Graph, VarValues) {

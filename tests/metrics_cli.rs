@@ -139,6 +139,23 @@ fn metrics_move_as_a_job_runs_and_status_reads_as_json() {
     // A bad fetch: an error reply, counted by code.
     let f: Vec<(String, _)> = feeds.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
     assert!(session.run(f, &["no_such_node"]).is_err());
+    // A feed of the wrong shape: refused as BadFeed when the Run is
+    // decoded, on the socket thread, and counted too.
+    let bad: Vec<(String, _)> = feeds
+        .keys()
+        .map(|n| {
+            (
+                n.clone(),
+                lanes_adaptor::Tensor::from_f32(vec![1, 1], vec![0.0]).unwrap(),
+            )
+        })
+        .collect();
+    match session.run(bad, &[m.output.as_str()]) {
+        Err(lanes_adaptor::ClientError::Service { code, .. }) => {
+            assert_eq!(code, lanes_adaptor::wire::ErrorCode::BadFeed)
+        }
+        other => panic!("a BadFeed reply: {other:?}"),
+    }
     let sid = session.id().0;
 
     let after = scrape_until(&url, |t| t.contains("lanes_sessions_open 1"));
@@ -157,6 +174,11 @@ fn metrics_move_as_a_job_runs_and_status_reads_as_json() {
         after
             .lines()
             .any(|l| l.starts_with("lanes_errors_total{code=") && l.ends_with(" 1")),
+        "{after}"
+    );
+    assert_eq!(
+        value(&after, "lanes_errors_total{code=\"BadFeed\"}"),
+        Some(1.0),
         "{after}"
     );
     assert!(after.contains("name=\"scraped\""), "{after}");
@@ -183,6 +205,15 @@ fn metrics_move_as_a_job_runs_and_status_reads_as_json() {
     let sessions = v["sessions"].as_array().unwrap();
     assert_eq!(sessions.len(), 1, "{v}");
     assert_eq!(sessions[0]["spec"]["name"], "scraped");
+    // The lanes as structured JSON: the session's job in lane 0.
+    let lanes = &v["lanes"];
+    assert_eq!(lanes["capacity"], 1073741824u64, "{v}");
+    let lane = &lanes["lanes"][0];
+    assert!(lane["used"].as_u64().unwrap() > 0, "{lanes}");
+    assert_eq!(lane["jobs"].as_array().unwrap().len(), 1, "{lanes}");
+    assert!(lane["jobs"][0]["p"].as_u64().unwrap() > 0, "{lanes}");
+    assert!(lanes["queue"].as_array().unwrap().is_empty(), "{lanes}");
+    assert!(v.get("lanes_json").is_none(), "{v}");
     // The scheduler's count includes the Run that failed.
     assert!(sessions[0]["iterations"].as_u64().unwrap() >= 3, "{v}");
 

@@ -157,3 +157,54 @@ fn a_remote_endpoint_needs_an_explicit_opt_in() {
         "{stderr}"
     );
 }
+
+/// `--memory 0` would start a service on which every load fails: refused
+/// at start, naming the flag.
+#[test]
+fn memory_zero_is_refused_at_start() {
+    let out = Command::new(util::lanes_bin())
+        .args(["serve", "--device", "cpu", "--memory", "0"])
+        .args(["--endpoint", "tcp://127.0.0.1:*"])
+        .output()
+        .expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("--memory 0"), "{stderr}");
+}
+
+/// A log that is not a terminal (a file, a pipe) has no colour codes, even
+/// without `NO_COLOR`.
+#[test]
+fn a_log_off_a_terminal_has_no_colour_codes() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(util::lanes_bin())
+        .args(["serve", "--device", "cpu", "--memory", "none"])
+        .args(["--endpoint", "tcp://127.0.0.1:*"])
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("lanes runs");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("lanes serving on"), "{line:?}");
+    // The log up to the service's ready line (logged as its socket thread
+    // starts, about when the serving line is printed).
+    let mut log = String::new();
+    for l in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let l = l.unwrap();
+        log.push_str(&l);
+        log.push('\n');
+        if l.contains("lanes service ready") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(log.contains("lanes service ready"), "{log}");
+    assert!(log.contains("WARN"), "{log}");
+    assert!(!log.contains('\u{1b}'), "{log:?}");
+}

@@ -28,6 +28,7 @@ pub mod pack;
 pub mod parallel;
 mod paths;
 pub mod sim;
+mod soak;
 pub mod sweep;
 pub mod switch;
 mod workload;
@@ -69,6 +70,16 @@ enum What {
     /// Speed of the trace simulator: a large (generated or given) trace
     /// under every policy; seconds per policy and peak memory.
     Sim(sim::SimArgs),
+    /// Session churn against a real `lanes serve` for `--duration` seconds:
+    /// clients open, run, close, drop and are killed at random while the
+    /// service's memory, sessions and errors are sampled; JSON samples and
+    /// a verdict (every Run answered, killed clients reclaimed within 5 s,
+    /// memory flat).
+    Soak(soak::SoakArgs),
+    /// A client `bench soak` starts and kills (opens and runs sessions
+    /// until killed).
+    #[command(hide = true)]
+    SoakClient(soak::SoakClientArgs),
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -84,6 +95,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Colocate(a) => colocate::colocate(a),
         What::Sweep(a) => sweep::sweep(a),
         What::Sim(a) => sim::sim(a),
+        What::Soak(a) => soak::soak(a),
+        What::SoakClient(a) => soak::soak_client(a),
     }
 }
 

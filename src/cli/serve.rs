@@ -63,9 +63,15 @@ pub struct Args {
     pub policy: PolicyChoice,
     #[command(flatten)]
     pub limits: LimitArgs,
-    /// Most open sessions.
-    #[arg(long, default_value_t = 4096)]
+    /// Most open sessions in all (more are refused with Overloaded).
+    #[arg(long, default_value_t = server::DEFAULT_MAX_SESSIONS)]
     pub max_sessions: usize,
+    /// Most open sessions of one peer across all its connections: one
+    /// host's IP address for TCP (every client on loopback is one peer),
+    /// one process for ipc:// (so one process opening many connections
+    /// cannot take every slot of --max-sessions).
+    #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_PEER)]
+    pub max_sessions_per_peer: usize,
     /// Most open sessions of one client connection (one client cannot
     /// take every slot).
     #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_CLIENT)]
@@ -152,8 +158,10 @@ impl LimitArgs {
 pub fn init_tracing(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colours only on a terminal: a log file or pipe gets plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
 }
@@ -176,6 +184,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         tracing::warn!(endpoint = %args.endpoint, "serving peers on other hosts without authentication");
     }
+    if args.max_sessions == 0 || args.max_sessions_per_peer == 0 {
+        anyhow::bail!("--max-sessions and --max-sessions-per-peer must be at least 1");
+    }
     if args.max_sessions_per_client == 0 {
         anyhow::bail!("--max-sessions-per-client must be at least 1");
     }
@@ -184,6 +195,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if !(args.idle_timeout.is_finite() && args.idle_timeout > 0.0) {
         anyhow::bail!("--idle-timeout must be a positive number of seconds");
+    }
+    if args.memory == MemoryChoice::Size(ByteSize(0)) {
+        anyhow::bail!(
+            "--memory 0 leaves the lanes no memory, and every LoadGraph would be refused: give a size (e.g. 8GiB), auto, or none (no admission)"
+        );
     }
     if args.reserve && args.memory == MemoryChoice::Off {
         anyhow::bail!(
@@ -201,6 +217,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
         max_sessions_per_client: args.max_sessions_per_client,
+        max_sessions_per_peer: args.max_sessions_per_peer,
         max_requests_per_client: args.max_requests_per_client,
         device,
         memory_bytes,

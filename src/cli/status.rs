@@ -63,6 +63,12 @@ fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
         let mut v = serde_json::to_value(&s)?;
         if let Some(o) = v.as_object_mut() {
             o.insert("endpoint".into(), args.endpoint.clone().into());
+            // The lanes as one structured object, not the rendered text.
+            let lanes = o
+                .remove("lanes_json")
+                .and_then(|j| j.as_str().and_then(|t| serde_json::from_str(t).ok()))
+                .unwrap_or(serde_json::Value::Null);
+            o.insert("lanes".into(), lanes);
         }
         outln!("{}", serde_json::to_string(&v)?)?;
         return Ok(());

@@ -7,16 +7,24 @@ use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::auth::{self, AuthKey, AUTH_BYTES};
 
-/// Most connections with a challenge outstanding; a new Hello beyond it
-/// drops the oldest challenge (that connection must say Hello again).
+/// Most connections with a challenge outstanding; a Hello from another
+/// connection beyond it is refused (never an outstanding challenge
+/// evicted: a flood of Hellos cannot take a well-behaved client's).
 pub(super) const MAX_PENDING: usize = 1024;
-/// How long a challenge stays good.
-pub(super) const CHALLENGE_TTL: Duration = Duration::from_secs(30);
+/// Most of them from one peer address (ZeroMQ's `Peer-Address`: a TCP
+/// client's IP, an `ipc://` client's process), so that one peer's flood
+/// cannot fill the table for the others.
+pub(super) const MAX_PENDING_PER_PEER: usize = 64;
+/// How long a challenge stays good (a client answers at once; a
+/// connection that never answers holds its slot this long).
+pub(super) const CHALLENGE_TTL: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 struct PeerAuth {
     /// The challenge of its last Hello, until answered (one try).
     challenge: Option<([u8; AUTH_BYTES], Instant)>,
+    /// The address the connection is from.
+    origin: String,
     authenticated: bool,
 }
 
@@ -40,6 +48,13 @@ pub(super) enum Refused {
     WrongProof,
 }
 
+/// Too many connections are authenticating at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "too many connections are authenticating at once ({MAX_PENDING} in all or {MAX_PENDING_PER_PEER} from one address, the service's limits): try again in a few seconds"
+)]
+pub(super) struct Busy;
+
 impl Gate {
     pub(super) fn new(key: AuthKey) -> Self {
         Gate {
@@ -52,9 +67,16 @@ impl Gate {
         self.peers.get(peer).is_some_and(|p| p.authenticated)
     }
 
-    /// A fresh challenge for `peer`'s Hello; the connection is not
-    /// authenticated until it answers it.
-    pub(super) fn challenge(&mut self, peer: &[u8]) -> [u8; AUTH_BYTES] {
+    /// A fresh challenge for `peer`'s Hello (replacing its own earlier
+    /// one); the connection is not authenticated until it answers it.
+    /// Refused while [`MAX_PENDING`] other connections, or
+    /// [`MAX_PENDING_PER_PEER`] other connections from `origin`, have
+    /// challenges outstanding (they expire after [`CHALLENGE_TTL`]).
+    pub(super) fn challenge(
+        &mut self,
+        peer: &[u8],
+        origin: &str,
+    ) -> Result<[u8; AUTH_BYTES], Busy> {
         let now = Instant::now();
         self.peers.retain(|_, p| {
             if p.challenge
@@ -64,35 +86,25 @@ impl Gate {
             }
             p.authenticated || p.challenge.is_some()
         });
-        let pending = self
-            .peers
-            .values()
-            .filter(|p| p.challenge.is_some())
-            .count();
-        if pending >= MAX_PENDING && !self.peers.contains_key(peer) {
-            let oldest = self
-                .peers
-                .iter()
-                .filter_map(|(id, p)| Some((p.challenge?.1, id.clone())))
-                .min();
-            if let Some((_, id)) = oldest {
-                if let Some(p) = self.peers.get_mut(&id) {
-                    p.challenge = None;
-                    if !p.authenticated {
-                        self.peers.remove(&id);
-                    }
-                }
-            }
+        let own = self.peers.get(peer).is_some_and(|p| p.challenge.is_some());
+        let (mut pending, mut from_origin) = (0, 0);
+        for p in self.peers.values().filter(|p| p.challenge.is_some()) {
+            pending += 1;
+            from_origin += usize::from(p.origin == origin);
+        }
+        if !own && (pending >= MAX_PENDING || from_origin >= MAX_PENDING_PER_PEER) {
+            return Err(Busy);
         }
         let challenge = auth::random_bytes();
         self.peers.insert(
             peer.to_vec(),
             PeerAuth {
                 challenge: Some((challenge, now)),
+                origin: origin.to_string(),
                 authenticated: false,
             },
         );
-        challenge
+        Ok(challenge)
     }
 
     /// Checks `peer`'s answer to its challenge (which it uses up): the
@@ -156,7 +168,7 @@ mod tests {
             gate.authenticate(b"p", &nonce, &[0; AUTH_BYTES]),
             Err(Refused::NoChallenge)
         );
-        let c = gate.challenge(b"p");
+        let c = gate.challenge(b"p", "").unwrap();
         let proof = key().client_proof(&c, &nonce);
         let theirs = gate.authenticate(b"p", &nonce, &proof).unwrap();
         assert!(key().check_service(&c, &nonce, &theirs));
@@ -168,39 +180,78 @@ mod tests {
             Err(Refused::NoChallenge)
         );
         // Another connection cannot use that answer, nor a wrong key's.
-        let c2 = gate.challenge(b"q");
+        let c2 = gate.challenge(b"q", "").unwrap();
         assert_eq!(
             gate.authenticate(b"q", &nonce, &proof),
             Err(Refused::WrongProof)
         );
         assert!(!gate.is_authenticated(b"q"));
         let wrong = AuthKey::new(*b"not the key of the service......").unwrap();
-        gate.challenge(b"q");
+        gate.challenge(b"q", "").unwrap();
         assert_ne!(c2, [0; AUTH_BYTES]);
         assert_eq!(
             gate.authenticate(b"q", &nonce, &wrong.client_proof(&c2, &nonce)),
             Err(Refused::WrongProof)
         );
         // A new Hello starts over.
-        gate.challenge(b"p");
+        gate.challenge(b"p", "").unwrap();
         assert!(!gate.is_authenticated(b"p"));
         gate.forget(b"p");
         assert_eq!(gate.authenticated().count(), 0);
     }
 
+    /// Distinct addresses, as from many hosts.
+    fn addr(i: u32) -> String {
+        format!("10.0.{}.{}", i / 256, i % 256)
+    }
+
     #[test]
-    fn outstanding_challenges_are_bounded() {
+    fn a_flood_of_hellos_is_refused_and_evicts_no_outstanding_challenge() {
         let mut gate = Gate::new(key());
+        // A well-behaved client says Hello first.
+        let c = gate.challenge(b"good", "192.168.0.1").unwrap();
+        let mut refused = 0;
         for i in 0..(MAX_PENDING + 100) as u32 {
-            gate.challenge(&i.to_le_bytes());
+            if gate.challenge(&i.to_le_bytes(), &addr(i)) == Err(Busy) {
+                refused += 1;
+            }
         }
-        assert!(gate.len() <= MAX_PENDING + 1, "{}", gate.len());
-        // The newest still answer.
-        let last = (MAX_PENDING as u32 + 99).to_le_bytes();
-        let c = gate.challenge(&last);
+        assert!(gate.len() <= MAX_PENDING, "{}", gate.len());
+        assert_eq!(refused, 101, "the Hellos beyond the limit are refused");
+        // A connection with a challenge may say Hello again while full.
+        let mine = 7u32.to_le_bytes();
+        assert!(gate.challenge(&mine, &addr(7)).is_ok());
+        assert!(gate.challenge(b"late", "192.168.0.2").is_err());
+        // The flood took nothing from the first client: its answer is
+        // still good (and frees its slot).
         let n = auth::random_bytes();
         assert!(gate
-            .authenticate(&last, &n, &key().client_proof(&c, &n))
+            .authenticate(b"good", &n, &key().client_proof(&c, &n))
+            .is_ok());
+        assert!(gate.challenge(b"late", "192.168.0.2").is_ok());
+        assert!(gate.challenge(b"later", "192.168.0.3").is_err());
+        // Expired challenges free their slots.
+        for p in gate.peers.values_mut() {
+            if let Some((_, t)) = p.challenge.as_mut() {
+                *t -= CHALLENGE_TTL + Duration::from_secs(1);
+            }
+        }
+        assert!(gate.challenge(b"latest", "192.168.0.3").is_ok());
+    }
+
+    #[test]
+    fn one_address_cannot_fill_the_table() {
+        let mut gate = Gate::new(key());
+        for i in 0..MAX_PENDING_PER_PEER as u32 {
+            assert!(gate.challenge(&i.to_le_bytes(), "10.9.9.9").is_ok());
+        }
+        let e = gate.challenge(b"one more", "10.9.9.9").unwrap_err();
+        assert!(e.to_string().contains("from one address"), "{e}");
+        // Another address is served.
+        let c = gate.challenge(b"other", "10.1.1.1").unwrap();
+        let n = auth::random_bytes();
+        assert!(gate
+            .authenticate(b"other", &n, &key().client_proof(&c, &n))
             .is_ok());
     }
 }

@@ -56,6 +56,8 @@ const METRICS_EVERY: Duration = Duration::from_millis(500);
 struct Entry {
     /// Routing id of the connection that opened it; only it may use it.
     owner: Vec<u8>,
+    /// The peer that connection is from (see `ServerConfig::max_sessions_per_peer`).
+    origin: String,
     spec: SessionSpec,
     state: Arc<Mutex<Session>>,
     last_seen: Instant,
@@ -145,6 +147,11 @@ struct Frontend {
     /// Doorbells of busy-polling clients' feed buffers, learned from the
     /// Runs that name them (see `wire::shm::Doorbell`).
     bells: Vec<Bell>,
+    /// The peer address of the OpenSession or Hello being handled
+    /// (ZeroMQ's `Peer-Address` of its message).
+    opening_from: String,
+    /// Gives memory back to the system after sessions go (trim.rs).
+    trim: Option<super::trim::Trimmer>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
 }
 
@@ -268,6 +275,8 @@ pub(super) fn spawn(
         decoding: HashSet::new(),
         held: HashMap::new(),
         bells: Vec::new(),
+        opening_from: String::new(),
+        trim: super::trim::Trimmer::start(),
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -501,6 +510,7 @@ impl Frontend {
             if let Some(e) = self.sessions.remove(&id) {
                 let dropped = self.dispatcher.cancel(id);
                 tracing::info!(session = %id, name = %e.spec.name, dropped, "client gone: session reclaimed");
+                self.trim_soon();
             }
         }
         self.forget_bells();
@@ -532,10 +542,7 @@ impl Frontend {
                 .unwrap_or(0);
             let message =
                 format!("more than {waiting} requests wait behind a large one being decoded");
-            return self.send(
-                &peer,
-                wire::encode_error(id, ErrorCode::Overloaded, &message),
-            );
+            return self.send_error(&peer, id, ErrorCode::Overloaded, &message);
         }
         self.held
             .entry(peer)
@@ -589,9 +596,17 @@ impl Frontend {
     fn handle_now(
         &mut self,
         peer: Vec<u8>,
-        frames: Vec<zmq::Message>,
+        mut frames: Vec<zmq::Message>,
         t0: Instant,
     ) -> Result<(), zmq::Error> {
+        if let Some(first) = frames.first_mut() {
+            if matches!(
+                wire::peek_request_name(first),
+                Some("open_session" | "hello")
+            ) {
+                self.opening_from = first.gets("Peer-Address").unwrap_or("").to_string();
+            }
+        }
         // A connection that has not authenticated may only say Hello and
         // Authenticate: one small frame. Anything else is refused before it
         // is decoded.
@@ -669,10 +684,7 @@ impl Frontend {
                     tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %wire::bounded_text(&e.to_string()), suppressed, "bad message");
                 }
                 let id = e.request_id.unwrap_or(0);
-                return self.send(
-                    &peer,
-                    wire::encode_error(id, e.error.code(), &e.to_string()),
-                );
+                return self.send_error(&peer, id, e.error.code(), &e.to_string());
             }
         };
         let Envelope {
@@ -691,12 +703,21 @@ impl Frontend {
         let reply = match message {
             Request::Hello { client } => {
                 tracing::debug!(peer = %hex(&peer), %client, "hello");
-                Reply::Hello {
-                    server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
-                    version: wire::PROTOCOL_VERSION,
-                    limits: self.config.limits,
-                    desk: self.desk.as_ref().map(|d| d.name().to_string()),
-                    challenge: self.gate.as_mut().map(|g| g.challenge(&peer)),
+                let origin = std::mem::take(&mut self.opening_from);
+                match self
+                    .gate
+                    .as_mut()
+                    .map(|g| g.challenge(&peer, &origin))
+                    .transpose()
+                {
+                    Ok(challenge) => Reply::Hello {
+                        server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
+                        version: wire::PROTOCOL_VERSION,
+                        limits: self.config.limits,
+                        desk: self.desk.as_ref().map(|d| d.name().to_string()),
+                        challenge,
+                    },
+                    Err(busy) => Reply::error(ErrorCode::Overloaded, busy.to_string()),
                 }
             }
             Request::Authenticate { nonce, proof } => match self.gate.as_mut() {
@@ -727,6 +748,7 @@ impl Frontend {
                     self.forget_bells();
                     self.dispatcher.wake(); // its memory may admit a waiting job
                     tracing::info!(%session, dropped, "session closed");
+                    self.trim_soon();
                     Reply::SessionClosed { session }
                 }
                 Err(e) => Reply::Error(e),
@@ -891,14 +913,36 @@ impl Frontend {
         Ok(())
     }
 
+    /// A session went: its memory goes back to the system soon.
+    fn trim_soon(&self) {
+        if let Some(t) = &self.trim {
+            t.soon();
+        }
+    }
+
     /// Answers a request of a connection that has not authenticated.
     fn refuse_unauthenticated(&mut self, peer: &[u8], request_id: u64) -> Result<(), zmq::Error> {
-        let frames = wire::encode_error(
+        self.send_error(
+            peer,
             request_id,
             ErrorCode::Unauthenticated,
             "this service authenticates its peers: send Hello, then Authenticate with the key",
-        );
-        self.send(peer, frames)
+        )
+    }
+
+    /// An error reply built here (not by a worker), counted in the metrics
+    /// like every other.
+    fn send_error(
+        &mut self,
+        peer: &[u8],
+        request_id: u64,
+        code: ErrorCode,
+        message: &str,
+    ) -> Result<(), zmq::Error> {
+        if let Some(m) = &self.config.metrics {
+            m.error(code);
+        }
+        self.send(peer, wire::encode_error(request_id, code, message))
     }
 
     /// The session if `peer` opened it; else an UnknownSession reply.
@@ -926,8 +970,23 @@ impl Frontend {
             return Reply::error(
                 ErrorCode::Overloaded,
                 format!(
-                    "the service is at its limit of {} sessions",
+                    "the service is at its limit of {} sessions (--max-sessions)",
                     self.config.max_sessions
+                ),
+            );
+        }
+        let origin = std::mem::take(&mut self.opening_from);
+        let from_peer = self
+            .sessions
+            .values()
+            .filter(|e| e.origin == origin)
+            .count();
+        if from_peer >= self.config.max_sessions_per_peer {
+            return Reply::error(
+                ErrorCode::Overloaded,
+                format!(
+                    "this peer ({}) already has {from_peer} sessions open over its connections, its limit (--max-sessions-per-peer)",
+                    if origin.is_empty() { "address unknown" } else { origin.as_str() }
                 ),
             );
         }
@@ -952,6 +1011,7 @@ impl Frontend {
             session,
             Entry {
                 owner: peer.to_vec(),
+                origin,
                 state: Arc::new(Mutex::new(
                     Session::new(session, spec.clone())
                         .with_feed_types(Arc::clone(&feed_types))
@@ -1200,16 +1260,18 @@ impl Frontend {
                 shared_bytes: e.segments.values().map(|s| s.bytes().len() as u64).sum(),
             });
         }
+        let snapshot = self.lanes.as_ref().map(|l| l.snapshot());
         StatusReport {
             server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
             version: wire::PROTOCOL_VERSION,
             device: self.config.device.clone(),
             policy: self.dispatcher.policy().to_string(),
             memory_bytes: self.config.memory_bytes,
-            lanes: self
-                .lanes
+            lanes: snapshot.as_ref().map(|l| Box::new(l.to_string())),
+            lanes_json: snapshot
                 .as_ref()
-                .map(|l| Box::new(l.snapshot().to_string())),
+                .and_then(|l| serde_json::to_string(l).ok())
+                .map(Box::new),
             max_lanes: u32::try_from(self.config.max_lanes).unwrap_or(u32::MAX),
             workers: self.workers.len() as u32,
             uptime_ms: self.started.elapsed().as_millis() as u64,
@@ -1232,6 +1294,7 @@ impl Frontend {
             if let Some(e) = self.sessions.remove(&id) {
                 self.dispatcher.cancel(id); // its job leaves the policy
                 tracing::info!(session = %id, name = %e.spec.name, idle_s = e.last_seen.elapsed().as_secs_f64(), "idle session reclaimed");
+                self.trim_soon();
                 self.dispatcher.wake();
             }
         }

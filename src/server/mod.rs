@@ -28,6 +28,7 @@ mod frontend;
 pub mod memory;
 pub mod metrics;
 pub mod policy_queue;
+mod trim;
 mod worker;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -180,6 +181,13 @@ pub struct ServerConfig {
     /// Most open sessions of one connection (peer); more are refused with
     /// `Overloaded`, so that one client cannot take every slot.
     pub max_sessions_per_client: usize,
+    /// Most open sessions of one peer across all its connections (a peer
+    /// is the source ZeroMQ reports for a connection: the IP address of a
+    /// TCP client, so every client on loopback is one peer; the user,
+    /// group and process of an `ipc://` client); more are refused with
+    /// `Overloaded`, so that one process opening many connections cannot
+    /// take every slot of `max_sessions`.
+    pub max_sessions_per_peer: usize,
     /// Most requests of one connection queued or running at once (Loads,
     /// Runs, variable reads and writes); more are refused with
     /// `Overloaded`. Also sizes the connection's reply queue (see
@@ -236,6 +244,13 @@ pub struct ServerConfig {
 /// global cap, enough for a process that packs many models.
 pub const DEFAULT_SESSIONS_PER_CLIENT: usize = 64;
 
+/// Default of [`ServerConfig::max_sessions`].
+pub const DEFAULT_MAX_SESSIONS: usize = 4096;
+
+/// Default of [`ServerConfig::max_sessions_per_peer`]: a quarter of the
+/// global cap.
+pub const DEFAULT_SESSIONS_PER_PEER: usize = 1024;
+
 /// Default of [`ServerConfig::max_requests_per_client`]: a client keeps
 /// at most 4 Runs in flight per session (`lanes_adaptor::Client`), so this
 /// is room for 16 busy sessions.
@@ -252,8 +267,9 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
             idle_timeout: Duration::from_secs(300),
-            max_sessions: 4096,
+            max_sessions: DEFAULT_MAX_SESSIONS,
             max_sessions_per_client: DEFAULT_SESSIONS_PER_CLIENT,
+            max_sessions_per_peer: DEFAULT_SESSIONS_PER_PEER,
             max_requests_per_client: DEFAULT_REQUESTS_PER_CLIENT,
             device: "cpu".into(),
             memory_bytes: None,

@@ -296,9 +296,14 @@ impl Conn {
     /// service's unrequested pings (sent to clients quiet for a second) are
     /// skipped.
     fn recv(&mut self, request: &'static str) -> Result<Envelope<Reply>, RemoteError> {
-        let ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
+        // One deadline for the reply: the pings the service sends a quiet
+        // client every second must not restart the wait (a reply that never
+        // came then waited for ever).
+        let deadline = Instant::now() + self.timeout;
         let env = loop {
-            if self.socket.poll(zmq::POLLIN, ms)? == 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
+            if left.is_zero() || self.socket.poll(zmq::POLLIN, ms)? == 0 {
                 return Err(RemoteError::Timeout {
                     job: self.job,
                     timeout: self.timeout,
@@ -601,16 +606,22 @@ const ROUNDS: usize = 3;
 const RUNS_PER_ROUND: u64 = 8;
 
 /// Measures the iteration cost of both kinds on the service (which should
-/// be otherwise idle) at [`CALIBRATION_DEPTHS`] up to `cfg.max_depth`: one
-/// session per depth, one warm-up iteration each, then rounds that visit
-/// every depth in turn (so a change in machine load hits all depths alike),
-/// keeping `cfg.pipeline` Runs outstanding as the replay does;
-/// a depth's cost is the median over rounds of the service's measured mean.
+/// be otherwise idle) at [`CALIBRATION_DEPTHS`] up to `cfg.max_depth`, one
+/// depth at a time: a session of that depth, one warm-up iteration, then
+/// [`ROUNDS`] rounds of [`RUNS_PER_ROUND`] iterations keeping
+/// `cfg.pipeline` Runs outstanding as the replay does, and the session
+/// closed before the next depth's opens; a depth's cost is the median over
+/// rounds of the service's measured mean.
+///
+/// One session at a time: with every depth's session open at once, the
+/// deepest one's LoadGraph could wait for room in the service's `--memory`
+/// that only the calibration's own idle sessions held, and calibration
+/// waited for itself (`--batch 2048 --width 256`).
 pub fn calibrate(cfg: &RemoteConfig) -> Result<Calibration, RemoteError> {
     let ctx = zmq::Context::new();
     let mut conn = Conn::connect(&ctx, &cfg.endpoint, cfg.timeout, 0)?;
     let mut curve = |kind| -> Result<CostCurve, RemoteError> {
-        let mut jobs = Vec::new();
+        let mut points = Vec::new();
         for d in CALIBRATION_DEPTHS {
             if d > cfg.max_depth.max(1) {
                 break;
@@ -622,20 +633,15 @@ pub fn calibrate(cfg: &RemoteConfig) -> Result<Calibration, RemoteError> {
             };
             let s = conn.open(spec, &m)?;
             conn.iterate(s, &m, 1, 1)?;
-            jobs.push((d, s, m, Vec::with_capacity(ROUNDS)));
-        }
-        for _ in 0..ROUNDS {
-            for (_, s, m, rounds) in &mut jobs {
-                let (n1, t1) = service_total(&mut conn, *s)?;
+            let mut rounds = Vec::with_capacity(ROUNDS);
+            for _ in 0..ROUNDS {
+                let (n1, t1) = service_total(&mut conn, s)?;
                 // Back to back, as in the replay (an idle worker between
                 // iterations runs them cold and measures them slower).
-                conn.iterate(*s, m, RUNS_PER_ROUND, cfg.pipeline)?;
-                let (n2, t2) = service_total(&mut conn, *s)?;
+                conn.iterate(s, &m, RUNS_PER_ROUND, cfg.pipeline)?;
+                let (n2, t2) = service_total(&mut conn, s)?;
                 rounds.push((t2 - t1) / n2.saturating_sub(n1).max(1) as f64);
             }
-        }
-        let mut points = Vec::with_capacity(jobs.len());
-        for (d, s, _, mut rounds) in jobs {
             conn.close(s)?;
             rounds.sort_by(f64::total_cmp);
             points.push((d, rounds[rounds.len() / 2]));
@@ -1020,6 +1026,44 @@ fn scrape(addr: &str, timeout: Duration) -> Result<String, RemoteError> {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// Under a `--memory` with room for the deepest calibration session
+    /// alone and not beside the shallower ones, calibration still
+    /// finishes: each depth's session is closed before the next opens
+    /// (all open at once, the deepest one's LoadGraph waited for memory
+    /// that only the calibration's own idle sessions held, and the
+    /// service's pings kept the client's timeout from ever firing).
+    #[test]
+    fn calibration_does_not_wait_for_its_own_sessions() {
+        let mut cfg = RemoteConfig {
+            width: 64,
+            batch: 64,
+            max_depth: 48,
+            timeout: Duration::from_secs(30),
+            ..RemoteConfig::new("")
+        };
+        let size = |kind, d| {
+            let m = model(kind, d, &cfg, 1).unwrap();
+            let vg =
+                lanes_adaptor::validate(m.graph, &lanes_adaptor::GraphLimits::default()).unwrap();
+            let (p, t) = crate::server::admission_sizes("cpu", &vg, false).unwrap();
+            p + t
+        };
+        let deepest = size(JobKind::Training, 48).max(size(JobKind::Inference, 48));
+        let service = crate::server::start(crate::server::ServerConfig {
+            endpoint: "tcp://127.0.0.1:*".into(),
+            workers: 1,
+            memory_bytes: Some(deepest),
+            ..crate::server::ServerConfig::default()
+        })
+        .unwrap();
+        cfg.endpoint = service.endpoint().to_string();
+        let cal = calibrate(&cfg).unwrap();
+        let depths: Vec<usize> = cal.training.points.iter().map(|p| p.0).collect();
+        assert_eq!(depths, [1, 4, 16, 48]);
+        assert_eq!(cal.inference.points.len(), 4);
+        service.shutdown().unwrap();
+    }
 
     #[test]
     fn depth_follows_the_measured_curve_and_stays_in_range() {

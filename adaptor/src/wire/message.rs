@@ -247,6 +247,10 @@ pub struct StatusReport {
     /// The lanes, their jobs (P/T) and the admission queue, rendered
     /// (boxed: keeps `Reply` small).
     pub lanes: Option<Box<String>>,
+    /// The same as one JSON object (capacity, free, lanes with their
+    /// jobs' P, T and offsets, the queue with reasons), for tools:
+    /// `lanes status --json` shows it as `lanes`. Opaque to this crate.
+    pub lanes_json: Option<Box<String>>,
     /// Most lanes the service opens at once (`--max-lanes`).
     pub max_lanes: u32,
     pub workers: u32,

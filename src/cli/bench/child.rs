@@ -62,6 +62,11 @@ impl Drop for Service {
 const READY_WITHIN: Duration = Duration::from_secs(120);
 
 impl Service {
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Starts `lanes serve` (on `o.endpoint`, or a free loopback port) and
     /// waits until it answers; returns it with its endpoint.
     pub fn start(o: &ServeOpts, since: Instant) -> anyhow::Result<(Service, String)> {

@@ -5,13 +5,12 @@
 //! switch-in latency), and the socket thread, about twice a second (open
 //! sessions, the lanes' capacity and use, the reservation, evictions).
 //! [`serve_http`] answers `GET /metrics` with the text exposition format
-//! on a thread of its own; nothing on the request path waits for it.
+//! on a thread of its own, holding a bounded number of connections
+//! (http.rs); nothing on the request path waits for it.
 //! Series of a session are removed when the session closes.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use lanes_adaptor::wire::{ErrorCode, SessionId, StatusReport};
@@ -24,6 +23,9 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::lanes::LanesSnapshot;
+
+mod http;
+pub use http::{serve_http, MetricsError, MetricsServer, MAX_CONNECTIONS, REQUEST_WITHIN};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -53,6 +55,10 @@ struct LaneLabels {
     lane: u64,
 }
 
+/// The request kinds workers answer (`Work::name`), the values of the
+/// `request` label.
+const REQUEST_KINDS: [&str; 4] = ["load_graph", "run", "read_variables", "write_variables"];
+
 fn seconds_histogram() -> Histogram {
     // 100 µs … about 52 s.
     Histogram::new(exponential_buckets(1e-4, 2.0, 20))
@@ -61,6 +67,7 @@ fn seconds_histogram() -> Histogram {
 /// What the socket thread remembers between two publications.
 #[derive(Debug, Default)]
 struct Seen {
+    /// Sessions open at the last publication, or with series since.
     sessions: HashSet<u64>,
     infos: HashMap<u64, InfoLabels>,
     lanes: HashSet<u64>,
@@ -89,6 +96,10 @@ pub struct Metrics {
     reservation_bytes: Gauge,
     reservation_used_bytes: Gauge,
     seen: Mutex<Seen>,
+    /// Sessions a worker created series for since the last publication: a
+    /// session opened and closed between two publications is never in a
+    /// report, and its series would stay for good.
+    answered_for: Mutex<HashSet<u64>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -129,6 +140,7 @@ impl Metrics {
             reservation_bytes: Gauge::default(),
             reservation_used_bytes: Gauge::default(),
             seen: Mutex::new(Seen::default()),
+            answered_for: Mutex::new(HashSet::new()),
             registry: Registry::default(),
         };
         registry.register(
@@ -215,6 +227,13 @@ impl Metrics {
         switched_in: bool,
     ) {
         let s = SessionLabels { session: session.0 };
+        {
+            let mut with_series = self
+                .answered_for
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            with_series.insert(session.0);
+        }
         self.request_seconds
             .get_or_create(&RequestLabels {
                 session: session.0,
@@ -248,6 +267,13 @@ impl Metrics {
     /// The socket thread's view: open sessions, queue, lanes, evictions.
     pub fn publish(&self, report: &StatusReport, lanes: Option<&LanesSnapshot>) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let answered = std::mem::take(
+            &mut *self
+                .answered_for
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        seen.sessions.extend(answered);
         self.sessions_open
             .set(i64::try_from(report.sessions.len()).unwrap_or(i64::MAX));
         self.queued
@@ -273,7 +299,7 @@ impl Metrics {
             let s = SessionLabels { session: gone };
             self.queue_seconds.remove(&s);
             self.iterations.remove(&s);
-            for request in ["load_graph", "run", "read_variables", "write_variables"] {
+            for request in REQUEST_KINDS {
                 self.request_seconds.remove(&RequestLabels {
                     session: gone,
                     request: request.to_string(),
@@ -321,103 +347,6 @@ impl Metrics {
         let mut out = String::new();
         encode(&mut out, &self.registry)?;
         Ok(out)
-    }
-}
-
-/// Why the metrics endpoint could not start.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot serve metrics on {addr}: {reason} (give HOST:PORT, e.g. 127.0.0.1:9400)")]
-pub struct MetricsError {
-    pub addr: String,
-    pub reason: String,
-}
-
-/// The HTTP thread of `--metrics`; stops when dropped.
-#[derive(Debug)]
-pub struct MetricsServer {
-    addr: std::net::SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl MetricsServer {
-    /// The address it listens on (the port chosen when `:0` was given).
-    pub fn addr(&self) -> std::net::SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// Serves `metrics` at `http://ADDR/metrics` on a thread of its own.
-pub fn serve_http(addr: &str, metrics: Arc<Metrics>) -> Result<MetricsServer, MetricsError> {
-    let fail = |reason: String| MetricsError {
-        addr: addr.to_string(),
-        reason,
-    };
-    let sock: std::net::SocketAddr = addr
-        .parse()
-        .map_err(|e: std::net::AddrParseError| fail(e.to_string()))?;
-    let server = tiny_http::Server::http(sock).map_err(|e| fail(e.to_string()))?;
-    let bound = server
-        .server_addr()
-        .to_ip()
-        .ok_or_else(|| fail("not an IP address".into()))?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&stop);
-    let thread = std::thread::Builder::new()
-        .name("lanes-metrics".into())
-        .spawn(move || {
-            while !flag.load(Ordering::SeqCst) {
-                match server.recv_timeout(Duration::from_millis(100)) {
-                    Ok(Some(request)) => respond(request, &metrics),
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "metrics endpoint stopped");
-                        break;
-                    }
-                }
-            }
-        })
-        .map_err(|e| fail(e.to_string()))?;
-    tracing::info!(%bound, "metrics at http://{bound}/metrics");
-    Ok(MetricsServer {
-        addr: bound,
-        stop,
-        thread: Some(thread),
-    })
-}
-
-fn respond(request: tiny_http::Request, metrics: &Metrics) {
-    let path = request.url().split('?').next().unwrap_or("");
-    let response = if *request.method() != tiny_http::Method::Get {
-        tiny_http::Response::from_string("only GET\n").with_status_code(405)
-    } else if path != "/metrics" {
-        tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
-    } else {
-        match metrics.encode() {
-            Ok(text) => {
-                let mut r = tiny_http::Response::from_string(text);
-                if let Ok(h) = tiny_http::Header::from_bytes(
-                    &b"Content-Type"[..],
-                    &b"application/openmetrics-text; version=1.0.0; charset=utf-8"[..],
-                ) {
-                    r = r.with_header(h);
-                }
-                r
-            }
-            Err(_) => tiny_http::Response::from_string("encoding failed\n").with_status_code(500),
-        }
-    };
-    if let Err(e) = request.respond(response) {
-        tracing::debug!(error = %e, "metrics reply not delivered");
     }
 }
 
@@ -479,6 +408,7 @@ mod tests {
             policy: "fifo".into(),
             memory_bytes: None,
             lanes: None,
+            lanes_json: None,
             max_lanes: 1,
             workers: 1,
             uptime_ms: 0,
@@ -493,5 +423,57 @@ mod tests {
         report.queued = 3;
         m.publish(&report, None);
         assert!(m.encode().unwrap().contains("lanes_requests_queued 3"));
+    }
+
+    #[test]
+    fn a_session_closed_between_two_publications_leaves_no_series() {
+        let m = Metrics::new();
+        let report = StatusReport {
+            server: String::new(),
+            version: 0,
+            device: "cpu".into(),
+            policy: "fifo".into(),
+            memory_bytes: None,
+            lanes: None,
+            lanes_json: None,
+            max_lanes: 1,
+            workers: 1,
+            uptime_ms: 0,
+            queued: 0,
+            sessions: Vec::new(),
+        };
+        m.publish(&report, None);
+        // Session 9 opens, runs and closes before the next publication: no
+        // report ever lists it.
+        for request in ["load_graph", "run", "run"] {
+            m.answered(
+                SessionId(9),
+                request,
+                Duration::ZERO,
+                Duration::from_millis(1),
+                None,
+                false,
+            );
+        }
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("lanes_iterations_total{session=\"9\"} 2"),
+            "{text}"
+        );
+        m.publish(&report, None);
+        let text = m.encode().unwrap();
+        assert!(!text.contains("session=\"9\""), "{text}");
+        // A late answer (a Run that finished after its session closed) goes
+        // at the publication after it.
+        m.answered(
+            SessionId(9),
+            "run",
+            Duration::ZERO,
+            Duration::ZERO,
+            None,
+            false,
+        );
+        m.publish(&report, None);
+        assert!(!m.encode().unwrap().contains("session=\"9\""));
     }
 }
