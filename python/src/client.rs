@@ -13,11 +13,11 @@ use crate::errors::{
 };
 use crate::{graph, optim, zoo};
 use lanes_adaptor::onnx::{import_file, ImportOptions};
+use lanes_adaptor::{training_graph_grouped, ParamGroup, TrainOptions};
 use lanes_adaptor::{
     Client as Conn, ClientError, ClientOptions, FeedBuffers, Graph, JobKind, PendingRun, SessionId,
     SessionSpec, Tensor, TensorType, VarValues,
 };
-use lanes_adaptor::{training_graph_grouped, ParamGroup, TrainOptions};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
