@@ -508,11 +508,12 @@ def test_a_model_larger_than_the_service_gets_the_admission_error(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["squeezenet1_1", "googlenet", "densenet121", "shufflenet_v2_x0_5",
-                                  "efficientnet_b0", "convnext_tiny", "regnet_y_400mf", "resnext50_32x4d"])
+                                  "efficientnet_b0", "convnext_tiny", "regnet_y_400mf", "resnext50_32x4d", "swin_t"])
 def test_more_torchvision_models_serve_like_pytorch(client, name):
     """Other architectures (ceil-mode pooling, dense concatenations, channel
     shuffles, SiLU and squeeze-excitation, LayerNorm over channels,
-    grouped convolutions) served in eval mode against PyTorch's forward."""
+    grouped convolutions, shifted windows: roll, pad, strided slices)
+    served in eval mode against PyTorch's forward."""
     torch.manual_seed(9)
     kw = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
     m = getattr(torchvision.models, name)(num_classes=10, **kw).eval()

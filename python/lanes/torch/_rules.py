@@ -445,11 +445,26 @@ def _slice(t, node, x, dim=0, start=None, end=None, step=1):
     e = n if end is None else int(end)
     s = max(0, s + n if s < 0 else s)
     e = min(n, e + n if e < 0 else e)
-    if step != 1:
-        raise t.fail("slices with a step other than 1 are not supported")
-    if s == 0 and e == n:
-        return x
-    return t.emit("Slice", [x], axis=d, start=s, end=max(e, s))
+    step = int(step)
+    if step < 1:
+        raise t.fail("slices with a step below 1 are not supported")
+    if step == 1:
+        if s == 0 and e == n:
+            return x
+        return t.emit("Slice", [x], axis=d, start=s, end=max(e, s))
+    # Every step-th element: the range as [count, step] (zero-padded to a
+    # whole number of steps), then the first of each step.
+    count = max(0, -(-(e - s) // step))
+    y = t.emit("Slice", [x], axis=d, start=s, end=min(n, s + count * step))
+    short = count * step - y.shape[d]
+    if short > 0:
+        shape = list(y.shape)
+        shape[d] = short
+        y = t.emit("Concat", [y, torch.zeros(shape)], axis=d)
+    split = list(y.shape[:d]) + [count, step] + list(y.shape[d + 1 :])
+    y = t.emit("Reshape", [y], shape=split)
+    y = t.emit("Slice", [y], axis=d + 1, start=0, end=1)
+    return _reshape_to(t, y, _val_shape(node))
 
 
 @_rule("split", "split_with_sizes")
@@ -472,6 +487,72 @@ def _chunk(t, node, x, chunks, dim=0):
     n = x.shape[_norm_axis(int(dim), x.rank)]
     size = -(-n // int(chunks))
     return _split(t, node, x, size, dim)
+
+
+@_rule("pad", "constant_pad_nd")
+def _pad(t, node, x, pad, mode="constant", value=None):
+    """Constant padding (F.pad's default mode): blocks of the value joined on
+    along each padded axis, last axis first; negative amounts crop."""
+    if mode != "constant":
+        raise t.fail(f"padding mode {mode!r} is not supported (constant is)")
+    x = t.lanes(x)
+    fill = 0.0 if value is None else float(value)
+    for i in range(0, len(pad), 2):
+        axis = x.rank - 1 - i // 2
+        before, after = int(pad[i]), int(pad[i + 1])
+        if before < 0 or after < 0:
+            n = x.shape[axis]
+            x = t.emit("Slice", [x], axis=axis, start=max(0, -before), end=n - max(0, -after))
+            before, after = max(0, before), max(0, after)
+        parts = []
+        for amount in (before, None, after):
+            if amount is None:
+                parts.append(x)
+            elif amount > 0:
+                shape = list(x.shape)
+                shape[axis] = amount
+                parts.append(torch.full(shape, fill))
+        if len(parts) > 1:
+            x = t.emit("Concat", parts, axis=axis)
+    return x
+
+
+@_rule("new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "full_like",
+       "empty_like")
+def _like(t, node, x, *args, **kwargs):
+    """A tensor that depends only on another's shape: known at capture
+    (computed by torch from the shape torch.export recorded)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise t.fail("no recorded shape for this tensor")
+    name = node.target.__name__.split(".")[0]
+    if name in ("new_full", "full_like"):
+        fill = args[1] if name == "new_full" else args[0]
+    elif name in ("new_ones", "ones_like"):
+        fill = 1
+    else:
+        fill = 0
+    return torch.full(tuple(int(d) for d in val.shape), fill, dtype=val.dtype)
+
+
+@_rule("roll")
+def _roll(t, node, x, shifts, dims=()):
+    """torch.roll: per axis, the last `shift` elements moved to the front
+    (two slices joined)."""
+    x = t.lanes(x)
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        raise t.fail("roll of the flattened tensor (no dims) is not supported")
+    for shift, d in zip(shifts, dims):
+        axis = _norm_axis(int(d), x.rank)
+        n = x.shape[axis]
+        s = int(shift) % n if n else 0
+        if s:
+            tail = t.emit("Slice", [x], axis=axis, start=n - s, end=n)
+            head = t.emit("Slice", [x], axis=axis, start=0, end=n - s)
+            x = t.emit("Concat", [tail, head], axis=axis)
+    return x
 
 
 @_rule("cat", "concat")

@@ -51,6 +51,7 @@ class _Translator:
         self.prefix = prefix
         self.b = _lanes.GraphBuilder()
         self.env: Dict[torch.fx.Node, Any] = {}
+        self._user_storages: Optional[set] = None
         #: Lanes variable name → the torch tensor it started from.
         self.variables: Dict[str, torch.Tensor] = {}
         self._var_of_tensor: Dict[int, _Out] = {}
@@ -296,11 +297,23 @@ class _Translator:
         self.check_shape(node, out)
         return out
 
+    def _users(self, t: torch.Tensor) -> bool:
+        """Whether `t` is (a view of) one of the module's own tensors."""
+        if self._user_storages is None:
+            owned = list(self.ep.state_dict.values()) + list((getattr(self.ep, "constants", {}) or {}).values())
+            self._user_storages = {
+                x.untyped_storage().data_ptr() for x in owned if isinstance(x, torch.Tensor)
+            }
+        return t.untyped_storage().data_ptr() in self._user_storages
+
     def fold(self, node: torch.fx.Node, name: str, args: List[Any], kwargs: Dict[str, Any]) -> Any:
         a = _unwrap_known(args)
         k = _unwrap_known(kwargs)
-        if name.endswith("_") and a and isinstance(a[0], torch.Tensor):
-            a = [a[0].clone()] + list(a[1:])  # never mutate the user's tensors
+        if name.endswith("_") and a and isinstance(a[0], torch.Tensor) and self._users(a[0]):
+            # Never mutate the user's weights, buffers or constants. A
+            # tensor made during capture (a mask filled slice by slice) is
+            # mutated in place, through its views, as in eager.
+            a = [a[0].clone()] + list(a[1:])
         if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout"):
             return a[0]
         try:
