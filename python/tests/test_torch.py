@@ -526,3 +526,28 @@ def test_more_torchvision_models_serve_like_pytorch(client, name):
     with torch.no_grad():
         want = m(x)
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-4), (got - want).abs().max()
+
+
+def test_llama_and_distilbert_train_like_pytorch(client):
+    """A Llama-style decoder (RMSNorm, rotary position embeddings, SiLU
+    gating, grouped key/value heads) and DistilBERT, small, 20 steps each."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(10)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False)
+    cfg._attn_implementation = "eager"
+    ce = torch.nn.CrossEntropyLoss()
+
+    def lm_loss(logits, labels):
+        return ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    (ids,), y = _token_batches(4, 16, 100)(0)
+    _assert_trains_like_torch(client, transformers.LlamaForCausalLM(cfg), (ids,), y, lm_loss,
+                              lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), steps=min(STEPS, 20))
+    cfg = transformers.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2, hidden_dim=64, num_labels=3,
+                                        dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0)
+    cfg._attn_implementation = "eager"
+    (ids,), y = _token_batches(4, 16, 100, 3)(0)
+    _assert_trains_like_torch(client, transformers.DistilBertForSequenceClassification(cfg), (ids,), y, ce,
+                              lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), steps=min(STEPS, 20))
