@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod policy_queue;
 mod trim;
 mod worker;
+mod zap;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -238,7 +239,13 @@ pub struct ServerConfig {
     /// sleeping. Each busy thread takes a core for the window; the wake-ups
     /// it saves are tens of microseconds each on a request's path.
     pub busy_poll: Duration,
+    /// When stopping, how long the requests queued or running may take to
+    /// finish before they are answered `ShuttingDown` (`--shutdown-grace`).
+    pub shutdown_grace: Duration,
 }
+
+/// Default of [`ServerConfig::shutdown_grace`].
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Default of [`ServerConfig::max_sessions_per_client`]: well under the
 /// global cap, enough for a process that packs many models.
@@ -284,6 +291,7 @@ impl Default for ServerConfig {
             auth_key: None,
             metrics: None,
             busy_poll: Duration::ZERO,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
         }
     }
 }
