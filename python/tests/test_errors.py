@@ -1,5 +1,7 @@
 """Errors are Python exceptions carrying the service's wire error code."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -60,8 +62,15 @@ def test_bad_client_options(endpoint):
 
 def test_no_service_and_bad_endpoint(tmp_path):
     with pytest.raises(lanes.NoServiceError) as e:
-        lanes.Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
+        lanes.Client(f"ipc://{tmp_path}/nobody.sock", connect_timeout=0.5)
     assert e.value.code is None
+    # The connect timeout, not the request timeout, bounds the handshake.
+    t0 = time.monotonic()
+    with pytest.raises(lanes.NoServiceError):
+        lanes.Client(f"ipc://{tmp_path}/nobody.sock", timeout=300.0)
+    assert time.monotonic() - t0 < 30.0
+    with pytest.raises(ValueError, match="connect_timeout"):
+        lanes.Client(f"ipc://{tmp_path}/nobody.sock", connect_timeout=0.0)
     with pytest.raises(lanes.LanesError, match="not an endpoint"):
         lanes.Client("127.0.0.1:5555")
 
