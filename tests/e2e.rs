@@ -385,7 +385,11 @@ fn shutdown_is_clean_with_clients_connected() {
     let t = Instant::now();
     let r = c.close_in(sid);
     assert!(matches!(r, Err(ClientError::ServiceGone { .. })), "{r:?}");
-    assert!(t.elapsed() < Duration::from_millis(400), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
 }
 
 #[test]

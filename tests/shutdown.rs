@@ -245,5 +245,12 @@ fn a_service_killed_mid_run_is_noticed_within_seconds() {
     assert!(gone >= 1, "no wait noticed the service gone");
     // Every wait ended at once, not at the request timeout.
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    // So does any later request of this client.
+    let t1 = Instant::now();
+    match s.run(vec![("x", x())], &["y"]) {
+        Err(ClientError::ServiceGone { .. }) => {}
+        r => panic!("{:?}", r.map(|_| ())),
+    }
+    assert!(t1.elapsed() < Duration::from_secs(30), "{:?}", t1.elapsed());
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }

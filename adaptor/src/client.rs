@@ -78,9 +78,10 @@ pub enum ClientError {
     #[error("no reply from {endpoint} within {timeout:?}: is `lanes serve` running there? (start one with `lanes serve --endpoint {endpoint}`)")]
     NoService { endpoint: String, timeout: Duration },
     /// The connection to the service was lost (it stopped, or stopped
-    /// answering ZeroMQ's heartbeats) while waiting for a reply: the
-    /// service has dropped this connection's sessions.
-    #[error("the connection to the service was lost while waiting for {request}")]
+    /// answering ZeroMQ's heartbeats): the service has dropped this
+    /// connection's sessions, and this client fails every request at once
+    /// from then on; connect a new one.
+    #[error("the connection to the service was lost (waiting for {request}); connect again")]
     ServiceGone { request: &'static str },
 }
 
@@ -231,8 +232,9 @@ pub struct Client {
     socket: zmq::Socket,
     /// The socket's monitor: its handshake, and a lost connection.
     monitor: zmq::Socket,
-    /// When the connection was last lost: requests sent before then get
-    /// no reply.
+    /// When the connection was lost. ZeroMQ would connect again, but the
+    /// service reclaims a closed connection's sessions and sees a new one
+    /// as a stranger: from then on every wait fails at once.
     lost_at: Option<Instant>,
     /// A Run's feeds between its send and its reply (empty otherwise).
     pool: BufferPool,
@@ -611,7 +613,7 @@ impl Client {
         }
         let deadline = sent.sent + self.options.timeout;
         loop {
-            if self.lost_at.is_some_and(|t| t >= sent.sent) {
+            if self.lost_at.is_some() {
                 return Err(ClientError::ServiceGone {
                     request: sent.request,
                 });

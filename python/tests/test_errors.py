@@ -90,3 +90,40 @@ def test_status_lists_sessions(client):
         st = client.status()
         assert isinstance(st, dict)
         assert "visible" in repr(st)
+
+
+def test_a_stopped_service_raises_service_gone_at_once(tmp_path):
+    import subprocess
+
+    from conftest import lanes_bin
+
+    sock = tmp_path / "stopping.sock"
+    ep = f"ipc://{sock}"
+    proc = subprocess.Popen(
+        [str(lanes_bin()), "serve", "--device", "cpu", "--memory", "none", "--endpoint", ep, "--workers", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = lanes.Client(ep, timeout=300.0)
+                break
+            except lanes.NoServiceError:
+                assert time.monotonic() < deadline
+        c.status()
+        # SIGTERM: the service stops cleanly (nothing in flight), exits 0
+        # and removes its socket file.
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        assert not sock.exists()
+        # The client's next request fails at once, not at its timeout.
+        t0 = time.monotonic()
+        with pytest.raises(lanes.ServiceGoneError):
+            c.status()
+        assert time.monotonic() - t0 < 30.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
