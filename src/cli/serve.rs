@@ -103,7 +103,8 @@ pub struct Args {
     /// Authenticate peers with the pre-shared key in this file (at least
     /// 16 bytes, surrounding whitespace trimmed; e.g. `head -c 32
     /// /dev/urandom | base64 > key`): a connection must prove it holds the
-    /// key before any other request. Clients read it from
+    /// key in ZeroMQ's handshake (a one-time token; hosts' clocks within
+    /// 5 minutes) and again before any request. Clients read it from
     /// `LANES_AUTH_KEY_FILE`. Authenticates, does not encrypt.
     #[arg(long, value_name = "FILE")]
     pub auth_key_file: Option<std::path::PathBuf>,

@@ -225,9 +225,11 @@ pub struct ServerConfig {
     /// CUDA's default priority (`--no-stream-priority`, for comparison).
     pub stream_priority: bool,
     /// Authenticate peers with this pre-shared key (`--auth-key-file`):
-    /// a connection must answer its Hello's challenge before any other
-    /// request (`lanes_adaptor::wire::auth`); `None`: every peer that
-    /// reaches the endpoint is served.
+    /// a connection is admitted at ZeroMQ's handshake only with a
+    /// connection token made with the key (`zap.rs`), and must answer its
+    /// Hello's challenge before any other request
+    /// (`lanes_adaptor::wire::auth`); `None`: every peer that reaches the
+    /// endpoint is served.
     pub auth_key: Option<lanes_adaptor::AuthKey>,
     /// Prometheus metrics the workers and the socket thread feed
     /// (`--metrics`; see [`metrics`]); `None`: none are kept.
