@@ -52,13 +52,7 @@ impl Frontend {
         peer: &[u8],
         request_id: u64,
     ) -> Result<(), zmq::Error> {
-        if let Some(m) = &self.config.metrics {
-            m.error(ErrorCode::ShuttingDown);
-        }
-        self.send(
-            peer,
-            wire::encode_error(request_id, ErrorCode::ShuttingDown, STOPPING),
-        )
+        self.send_error(peer, request_id, ErrorCode::ShuttingDown, STOPPING)
     }
 
     /// Ends the stop: replies that came are forwarded; every request still
