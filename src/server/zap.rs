@@ -4,9 +4,9 @@
 //! every connection's handshake before it accepts a single message from
 //! it. A connection is admitted only with a connection token made with the
 //! key (`wire::auth`, [`Gate::admit`]); any other is closed by libzmq after
-//! its handshake, whose frames the patched libzmq limits to 4 KiB
-//! (third_party/zeromq-src/PATCHES.md). So a peer without the key makes the
-//! service hold nothing beyond a handshake.
+//! its handshake. So a peer without the key never gets a message to the
+//! service; the frames of the handshake itself are not bounded by stock
+//! libzmq (docs/protocol.md, *Memory before authentication*).
 
 use lanes_adaptor::wire::auth;
 

@@ -1,10 +1,9 @@
 //! The socket thread's connections: sending to a peer (and noticing one
 //! that is gone), pinging quiet ones, admitting connections at their
 //! handshake and refusing requests before authentication, and which
-//! sessions a connection owns. A connection is its routing id, which the
-//! ROUTER assigns itself (never the peer; see
-//! third_party/zeromq-src/PATCHES.md): a session belongs to the connection
-//! that opened it, and ends with it.
+//! sessions a connection owns. A connection is its routing id (which a
+//! peer may choose with stock libzmq: docs/protocol.md, *Identity*): a
+//! session belongs to the connection that opened it, and ends with it.
 
 use std::time::Instant;
 
