@@ -63,13 +63,30 @@ fn a_client_with_the_key_is_served_and_others_are_refused() {
         other => panic!("{:?}", other.map(|_| ())),
     }
     let wrong = AuthKey::new(*b"a guess at the key, 32 bytes....").unwrap();
-    match Client::connect_with(&ep, with_key(Some(wrong))) {
+    match Client::connect_with(&ep, with_key(Some(wrong.clone()))) {
         Err(ClientError::Auth { reason }) => assert!(reason.contains("refused"), "{reason}"),
         other => panic!("{:?}", other.map(|_| ())),
     }
-    // A raw peer that skips the handshake: every request refused, large
-    // ones without being decoded.
-    let raw = RawPeer::connect(&ep);
+    // A raw peer without a connection token, with one of a wrong key, or
+    // with one used already: not even its connection is accepted, so none
+    // of its requests is answered.
+    let used = key().connection_token(auth::unix_now());
+    let first = RawPeer::connect_with_token(&ep, &used);
+    let r = first.call(wire::encode_request(1, &Request::Status).unwrap());
+    assert_eq!(error_code(&r.message), ErrorCode::Unauthenticated);
+    for peer in [
+        RawPeer::connect(&ep),
+        RawPeer::connect_keyed(&ep, &wrong),
+        RawPeer::connect_with_token(&ep, &used),
+    ] {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        if peer.try_send(wire::encode_request(2, &Request::Status).unwrap()) {
+            assert_eq!(peer.recv_raw(std::time::Duration::from_secs(2)), None);
+        }
+    }
+    // A raw peer with a token that skips the Hello and Authenticate: every
+    // request refused, large ones without being decoded.
+    let raw = RawPeer::connect_keyed(&ep, &key());
     for (i, req) in [
         Request::Status,
         Request::OpenSession(SessionSpec::inference("sneaky")),
@@ -118,7 +135,7 @@ fn a_client_with_the_key_is_served_and_others_are_refused() {
     let r = raw.call(wire::encode_request(25, &Request::Status).unwrap());
     assert!(matches!(r.message, Reply::Status(_)), "{:?}", r.message);
     // Another connection does not inherit it.
-    let other = RawPeer::connect(&ep);
+    let other = RawPeer::connect_keyed(&ep, &key());
     let r = other.call(wire::encode_request(26, &Request::Status).unwrap());
     assert_eq!(error_code(&r.message), ErrorCode::Unauthenticated);
 }

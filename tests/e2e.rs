@@ -380,7 +380,16 @@ fn shutdown_is_clean_with_clients_connected() {
     let t = Instant::now();
     service.shutdown().unwrap();
     assert!(t.elapsed() < Duration::from_secs(5));
-    assert!(matches!(c.close_in(sid), Err(ClientError::Timeout { .. })));
+    // The client noticed its connection close: it fails at once, not at
+    // its timeout.
+    let t = Instant::now();
+    let r = c.close_in(sid);
+    assert!(matches!(r, Err(ClientError::ServiceGone { .. })), "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
 }
 
 #[test]

@@ -77,6 +77,12 @@ pub enum ClientError {
     /// Nothing answered the handshake: most likely no service listens there.
     #[error("no reply from {endpoint} within {timeout:?}: is `lanes serve` running there? (start one with `lanes serve --endpoint {endpoint}`)")]
     NoService { endpoint: String, timeout: Duration },
+    /// The connection to the service was lost (it stopped, or stopped
+    /// answering ZeroMQ's heartbeats): the service has dropped this
+    /// connection's sessions, and this client fails every request at once
+    /// from then on; connect a new one.
+    #[error("the connection to the service was lost (waiting for {request}); connect again")]
+    ServiceGone { request: &'static str },
 }
 
 /// An endpoint that is not `tcp://HOST:PORT` or `ipc://PATH`.
@@ -134,6 +140,10 @@ impl ClientError {
 pub struct ClientOptions {
     /// How long to wait for each reply (and for a send to be queued).
     pub timeout: Duration,
+    /// How long connecting and the handshake may take, together: an
+    /// endpoint where no service answers fails after this long, not after
+    /// [`ClientOptions::timeout`].
+    pub connect_timeout: Duration,
     /// Bounds on the replies this client decodes.
     pub limits: Limits,
     /// Name sent in the handshake (shown in the service's logs).
@@ -176,6 +186,7 @@ impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
             timeout: Duration::from_secs(30),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             limits: Limits::default(),
             name: format!("lanes-adaptor/{}", env!("CARGO_PKG_VERSION")),
             shared_memory: true,
@@ -185,6 +196,20 @@ impl Default for ClientOptions {
         }
     }
 }
+
+/// Default of [`ClientOptions::connect_timeout`].
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// ZeroMQ heartbeats on the client's connection: a service that stops
+/// answering them for [`HEARTBEAT_TIMEOUT_MS`] is taken as gone (and so is
+/// one whose connection closes), failing a wait at once with
+/// [`ClientError::ServiceGone`].
+const HEARTBEAT_IVL_MS: i32 = 1000;
+const HEARTBEAT_TIMEOUT_MS: i32 = 3000;
+
+/// libzmq's `ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH`: the two sides of
+/// a handshake use different security mechanisms.
+const MECHANISM_MISMATCH: u32 = 0x1100_0002;
 
 fn context() -> &'static zmq::Context {
     static CTX: OnceLock<zmq::Context> = OnceLock::new();
@@ -205,6 +230,12 @@ struct Sent {
 /// A connection to one Lanes service. Blocking: one request at a time.
 pub struct Client {
     socket: zmq::Socket,
+    /// The socket's monitor: its handshake, and a lost connection.
+    monitor: zmq::Socket,
+    /// When the connection was lost. ZeroMQ would connect again, but the
+    /// service reclaims a closed connection's sessions and sees a new one
+    /// as a stranger: from then on every wait fails at once.
+    lost_at: Option<Instant>,
     /// A Run's feeds between its send and its reply (empty otherwise).
     pool: BufferPool,
     next_id: u64,
@@ -334,14 +365,64 @@ impl Client {
     pub fn connect_with(endpoint: &str, options: ClientOptions) -> Result<Client, ClientError> {
         check_endpoint(endpoint)?;
         wire::keep_freed_blocks_mapped();
-        let socket = context().socket(zmq::DEALER)?;
-        let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
-        socket.set_sndtimeo(ms)?;
-        socket.set_linger(200)?;
-        socket.set_maxmsgsize(i64::try_from(options.limits.max_frame_bytes).unwrap_or(i64::MAX))?;
-        socket.connect(endpoint)?;
+        let started = Instant::now();
+        let key = resolve_key(&options);
+        // With a key: a connection token in the ZeroMQ handshake (PLAIN),
+        // which a service that authenticates requires before any message;
+        // a service that does not refuses that mechanism, and is then
+        // connected to without one.
+        let mut token = match &key {
+            Ok(Some(k)) => Some(k.connection_token(auth::unix_now())),
+            _ => None,
+        };
+        let (socket, monitor) = loop {
+            let (socket, monitor) = open_socket(endpoint, &options, token.as_deref())?;
+            let left = options.connect_timeout.saturating_sub(started.elapsed());
+            match handshake(&monitor, left)? {
+                Handshake::Done => break (socket, monitor),
+                // Which side notices a mismatch first varies: either failure
+                // with a token is tried again without.
+                Handshake::Mismatch | Handshake::Failed(_) if token.is_some() => token = None,
+                Handshake::Mismatch => {
+                    return Err(ClientError::Auth {
+                        reason: match key {
+                            Err(e) => e,
+                            Ok(_) => needs_key(),
+                        },
+                    })
+                }
+                Handshake::Refused => {
+                    return Err(ClientError::Auth {
+                        reason: format!(
+                            "the service refused the key (a wrong key, or this host's clock is more than {} s off the service's)",
+                            auth::TOKEN_SKEW_SECS
+                        ),
+                    })
+                }
+                Handshake::Failed(event) => {
+                    let why = match key {
+                        Err(e) => e,
+                        Ok(_) => needs_key(),
+                    };
+                    return Err(ClientError::Auth {
+                        reason: format!(
+                            "the ZeroMQ handshake failed ({event}): not a Lanes service, or one that requires a key ({why})"
+                        ),
+                    });
+                }
+                Handshake::TimedOut => {
+                    return Err(ClientError::NoService {
+                        endpoint: endpoint.to_string(),
+                        timeout: options.connect_timeout,
+                    })
+                }
+            }
+        };
+        let request_timeout = options.timeout;
         let mut client = Client {
             socket,
+            monitor,
+            lost_at: None,
             pool: BufferPool::new(usize::MAX),
             next_id: 1,
             server: String::new(),
@@ -354,11 +435,30 @@ impl Client {
             },
             options,
         };
+        // Hello and Authenticate within what is left of the connect timeout.
+        client.options.timeout = client
+            .options
+            .connect_timeout
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1));
+        let greeted = client.greet(endpoint, key);
+        client.options.timeout = request_timeout;
+        greeted?;
+        Ok(client)
+    }
+
+    /// Hello (and, when the service asks, Authenticate).
+    fn greet(
+        &mut self,
+        endpoint: &str,
+        key: Result<Option<AuthKey>, String>,
+    ) -> Result<(), ClientError> {
         let hello = Request::Hello {
-            client: client.options.name.clone(),
+            client: self.options.name.clone(),
         };
-        let reply = client.request(&hello).map_err(|e| match e {
-            ClientError::Timeout { timeout, .. } => ClientError::NoService {
+        let timeout = self.options.timeout;
+        let reply = self.request(&hello).map_err(|e| match e {
+            ClientError::Timeout { .. } => ClientError::NoService {
                 endpoint: endpoint.to_string(),
                 timeout,
             },
@@ -379,38 +479,34 @@ impl Client {
                     });
                 }
                 if let Some(challenge) = challenge {
-                    client.authenticate(&challenge)?;
+                    let key = match key {
+                        Ok(Some(k)) => k,
+                        Ok(None) => {
+                            return Err(ClientError::Auth {
+                                reason: needs_key(),
+                            })
+                        }
+                        Err(reason) => return Err(ClientError::Auth { reason }),
+                    };
+                    self.authenticate(&key, &challenge)?;
                 }
-                client.server = server;
-                client.server_limits = limits;
-                client.shared.usable &= desk.is_some();
-                client.shared.desk = desk;
-                Ok(client)
+                self.server = server;
+                self.server_limits = limits;
+                self.shared.usable &= desk.is_some();
+                self.shared.desk = desk;
+                Ok(())
             }
             other => Err(unexpected(hello.name(), &other)),
         }
     }
 
-    /// Answers the Hello's challenge with the key (the options', else the
-    /// one in `LANES_AUTH_KEY_FILE`) and checks the service's proof.
-    fn authenticate(&mut self, challenge: &[u8; AUTH_BYTES]) -> Result<(), ClientError> {
-        let key = match self.options.auth_key.clone() {
-            Some(k) => k,
-            None => match std::env::var_os(AUTH_KEY_FILE_ENV) {
-                Some(path) => AuthKey::from_file(std::path::Path::new(&path)).map_err(|e| {
-                    ClientError::Auth {
-                        reason: e.to_string(),
-                    }
-                })?,
-                None => {
-                    return Err(ClientError::Auth {
-                        reason: format!(
-                            "the service requires a key: set ClientOptions::auth_key or {AUTH_KEY_FILE_ENV}"
-                        ),
-                    })
-                }
-            },
-        };
+    /// Answers the Hello's challenge with the key and checks the service's
+    /// proof.
+    fn authenticate(
+        &mut self,
+        key: &AuthKey,
+        challenge: &[u8; AUTH_BYTES],
+    ) -> Result<(), ClientError> {
         let nonce = auth::random_bytes();
         let req = Request::Authenticate {
             nonce,
@@ -517,6 +613,11 @@ impl Client {
         }
         let deadline = sent.sent + self.options.timeout;
         loop {
+            if self.lost_at.is_some() {
+                return Err(ClientError::ServiceGone {
+                    request: sent.request,
+                });
+            }
             if !self.options.busy_poll.is_zero() {
                 let until = Instant::now() + self.options.busy_poll;
                 while Instant::now() < until.min(deadline) && self.socket.poll(zmq::POLLIN, 0)? == 0
@@ -526,15 +627,32 @@ impl Client {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
-            if left.is_zero() || self.socket.poll(zmq::POLLIN, ms)? == 0 {
-                return Err(ClientError::Timeout {
-                    request: sent.request,
-                    timeout: self.options.timeout,
-                });
+            let (readable, event) = if left.is_zero() {
+                (false, false)
+            } else {
+                let mut items = [
+                    self.socket.as_poll_item(zmq::POLLIN),
+                    self.monitor.as_poll_item(zmq::POLLIN),
+                ];
+                zmq::poll(&mut items, ms)?;
+                (items[0].is_readable(), items[1].is_readable())
+            };
+            if readable {
+                if let Some(r) = self.take_reply(sent, pool)? {
+                    return r;
+                }
+                continue;
             }
-            if let Some(r) = self.take_reply(sent, pool)? {
-                return r;
+            if event && connection_lost(&self.monitor)? {
+                self.lost_at = Some(Instant::now());
             }
+            if event {
+                continue;
+            }
+            return Err(ClientError::Timeout {
+                request: sent.request,
+                timeout: self.options.timeout,
+            });
         }
     }
 
@@ -1117,6 +1235,120 @@ fn unexpected(request: &'static str, got: &Reply) -> ClientError {
         request,
         got: got.name(),
     }
+}
+
+/// The key a client presents: the options', else the one in the file
+/// `LANES_AUTH_KEY_FILE` names; `Err`: why that file could not be read
+/// (an error only if the service asks for a key).
+fn resolve_key(options: &ClientOptions) -> Result<Option<AuthKey>, String> {
+    if let Some(k) = &options.auth_key {
+        return Ok(Some(k.clone()));
+    }
+    match std::env::var_os(AUTH_KEY_FILE_ENV) {
+        Some(path) => AuthKey::from_file(std::path::Path::new(&path))
+            .map(Some)
+            .map_err(|e| e.to_string()),
+        None => Ok(None),
+    }
+}
+
+fn needs_key() -> String {
+    format!("the service requires a key: set ClientOptions::auth_key or {AUTH_KEY_FILE_ENV}")
+}
+
+/// A DEALER connecting to `endpoint` (with a connection token, as PLAIN
+/// password, when given) and the PAIR its monitor reports to.
+fn open_socket(
+    endpoint: &str,
+    options: &ClientOptions,
+    token: Option<&str>,
+) -> Result<(zmq::Socket, zmq::Socket), ClientError> {
+    static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let socket = context().socket(zmq::DEALER)?;
+    let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
+    socket.set_sndtimeo(ms)?;
+    socket.set_linger(200)?;
+    socket.set_maxmsgsize(i64::try_from(options.limits.max_frame_bytes).unwrap_or(i64::MAX))?;
+    socket.set_heartbeat_ivl(HEARTBEAT_IVL_MS)?;
+    socket.set_heartbeat_timeout(HEARTBEAT_TIMEOUT_MS)?;
+    if let Some(token) = token {
+        socket.set_plain_username(Some(auth::TOKEN_USER))?;
+        socket.set_plain_password(Some(token))?;
+    }
+    let n = MONITORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let address = format!("inproc://lanes-client-monitor-{n}");
+    let events = zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32
+        | zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL as i32
+        | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL as i32
+        | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH as i32
+        | zmq::SocketEvent::DISCONNECTED as i32;
+    socket.monitor(&address, events)?;
+    let monitor = context().socket(zmq::PAIR)?;
+    monitor.set_linger(0)?;
+    monitor.connect(&address)?;
+    socket.connect(endpoint)?;
+    Ok((socket, monitor))
+}
+
+/// How a connection's ZeroMQ handshake ended.
+#[derive(Debug)]
+enum Handshake {
+    Done,
+    /// The service uses another security mechanism.
+    Mismatch,
+    /// The service refused the connection token.
+    Refused,
+    Failed(String),
+    TimedOut,
+}
+
+/// One event of a socket monitor: its kind and value.
+fn monitor_event(monitor: &zmq::Socket) -> Result<(zmq::SocketEvent, u32), ClientError> {
+    let frames = monitor.recv_multipart(0)?;
+    let head = frames.first().map(Vec::as_slice).unwrap_or_default();
+    match head {
+        [a, b, v0, v1, v2, v3, ..] => Ok((
+            zmq::SocketEvent::from_raw(u16::from_ne_bytes([*a, *b])),
+            u32::from_ne_bytes([*v0, *v1, *v2, *v3]),
+        )),
+        _ => Err(ClientError::Zmq(zmq::Error::EPROTO)),
+    }
+}
+
+/// Waits up to `left` for the end of the socket's handshake.
+fn handshake(monitor: &zmq::Socket, left: Duration) -> Result<Handshake, ClientError> {
+    let deadline = Instant::now() + left;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
+        if left.is_zero() || monitor.poll(zmq::POLLIN, ms)? == 0 {
+            return Ok(Handshake::TimedOut);
+        }
+        let (event, value) = monitor_event(monitor)?;
+        return Ok(match event {
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED => Handshake::Done,
+            zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL if value == MECHANISM_MISMATCH => {
+                Handshake::Mismatch
+            }
+            zmq::SocketEvent::HANDSHAKE_FAILED_AUTH => Handshake::Refused,
+            zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL
+            | zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL => {
+                Handshake::Failed(format!("{event:?} {value:#x}"))
+            }
+            // A connection lost before its handshake ended: ZeroMQ retries.
+            _ => continue,
+        });
+    }
+}
+
+/// Whether the monitor's waiting events say the connection was lost.
+fn connection_lost(monitor: &zmq::Socket) -> Result<bool, ClientError> {
+    let mut lost = false;
+    while monitor.poll(zmq::POLLIN, 0)? != 0 {
+        let (event, _) = monitor_event(monitor)?;
+        lost |= matches!(event, zmq::SocketEvent::DISCONNECTED);
+    }
+    Ok(lost)
 }
 
 fn recv_frames(socket: &zmq::Socket) -> Result<Vec<zmq::Message>, zmq::Error> {

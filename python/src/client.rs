@@ -53,11 +53,13 @@ pub struct Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, name=None, shared_memory=true, busy_poll=0.0))]
+    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, connect_timeout=5.0, name=None, shared_memory=true, busy_poll=0.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         timeout: f64,
+        connect_timeout: f64,
         name: Option<String>,
         shared_memory: bool,
         busy_poll: f64,
@@ -67,6 +69,11 @@ impl Client {
                 "timeout must be a positive number of seconds",
             ));
         }
+        if !(connect_timeout.is_finite() && connect_timeout > 0.0) {
+            return Err(PyValueError::new_err(
+                "connect_timeout must be a positive number of seconds",
+            ));
+        }
         if !(busy_poll.is_finite() && (0.0..=1.0).contains(&busy_poll)) {
             return Err(PyValueError::new_err(
                 "busy_poll must be between 0 and 1 second (0: wait without spinning)",
@@ -74,6 +81,7 @@ impl Client {
         }
         let options = ClientOptions {
             timeout: Duration::from_secs_f64(timeout),
+            connect_timeout: Duration::from_secs_f64(connect_timeout),
             name: name.unwrap_or_else(|| format!("python/{}", env!("CARGO_PKG_VERSION"))),
             shared_memory,
             busy_poll: Duration::from_secs_f64(busy_poll),

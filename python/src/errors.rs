@@ -27,6 +27,12 @@ create_exception!(
 );
 create_exception!(
     _lanes,
+    ServiceGoneError,
+    LanesError,
+    "The service is stopping (`code_name` ShuttingDown) or the connection to it was lost; its sessions are gone."
+);
+create_exception!(
+    _lanes,
     SessionClosedError,
     LanesError,
     "The session was closed."
@@ -73,12 +79,14 @@ pub fn client_error(err: ClientError) -> PyErr {
             ClientError::NoService { .. } => NoServiceError::new_err(message),
             ClientError::Timeout { .. } => LanesTimeoutError::new_err(message),
             ClientError::Closed => SessionClosedError::new_err(message),
+            ClientError::ServiceGone { .. } => ServiceGoneError::new_err(message),
             ClientError::Service { code, .. } => match code {
                 ErrorCode::BadFeed | ErrorCode::UnknownFetch | ErrorCode::BadVariable => {
                     FeedError::new_err(message)
                 }
                 ErrorCode::InvalidGraph | ErrorCode::MemoryTooLarge => ModelError::new_err(message),
                 ErrorCode::UnknownSession => SessionClosedError::new_err(message),
+                ErrorCode::ShuttingDown => ServiceGoneError::new_err(message),
                 _ => LanesError::new_err(message),
             },
             _ => LanesError::new_err(message),
@@ -110,6 +118,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NoServiceError", py.get_type::<NoServiceError>())?;
     m.add("LanesTimeoutError", py.get_type::<LanesTimeoutError>())?;
     m.add("SessionClosedError", py.get_type::<SessionClosedError>())?;
+    m.add("ServiceGoneError", py.get_type::<ServiceGoneError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;
     m.add("FeedError", py.get_type::<FeedError>())?;
     Ok(())

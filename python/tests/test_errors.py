@@ -1,5 +1,7 @@
 """Errors are Python exceptions carrying the service's wire error code."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -60,8 +62,15 @@ def test_bad_client_options(endpoint):
 
 def test_no_service_and_bad_endpoint(tmp_path):
     with pytest.raises(lanes.NoServiceError) as e:
-        lanes.Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
+        lanes.Client(f"ipc://{tmp_path}/nobody.sock", connect_timeout=0.5)
     assert e.value.code is None
+    # The connect timeout, not the request timeout, bounds the handshake.
+    t0 = time.monotonic()
+    with pytest.raises(lanes.NoServiceError):
+        lanes.Client(f"ipc://{tmp_path}/nobody.sock", timeout=300.0)
+    assert time.monotonic() - t0 < 30.0
+    with pytest.raises(ValueError, match="connect_timeout"):
+        lanes.Client(f"ipc://{tmp_path}/nobody.sock", connect_timeout=0.0)
     with pytest.raises(lanes.LanesError, match="not an endpoint"):
         lanes.Client("127.0.0.1:5555")
 
@@ -81,3 +90,40 @@ def test_status_lists_sessions(client):
         st = client.status()
         assert isinstance(st, dict)
         assert "visible" in repr(st)
+
+
+def test_a_stopped_service_raises_service_gone_at_once(tmp_path):
+    import subprocess
+
+    from conftest import lanes_bin
+
+    sock = tmp_path / "stopping.sock"
+    ep = f"ipc://{sock}"
+    proc = subprocess.Popen(
+        [str(lanes_bin()), "serve", "--device", "cpu", "--memory", "none", "--endpoint", ep, "--workers", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = lanes.Client(ep, timeout=300.0)
+                break
+            except lanes.NoServiceError:
+                assert time.monotonic() < deadline
+        c.status()
+        # SIGTERM: the service stops cleanly (nothing in flight), exits 0
+        # and removes its socket file.
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        assert not sock.exists()
+        # The client's next request fails at once, not at its timeout.
+        t0 = time.monotonic()
+        with pytest.raises(lanes.ServiceGoneError):
+            c.status()
+        assert time.monotonic() - t0 < 30.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,4 +1,5 @@
-//! `lanes serve`: run the execution service until Ctrl-C.
+//! `lanes serve`: run the execution service until SIGINT (Ctrl-C) or
+//! SIGTERM.
 
 use std::time::Duration;
 
@@ -102,7 +103,8 @@ pub struct Args {
     /// Authenticate peers with the pre-shared key in this file (at least
     /// 16 bytes, surrounding whitespace trimmed; e.g. `head -c 32
     /// /dev/urandom | base64 > key`): a connection must prove it holds the
-    /// key before any other request. Clients read it from
+    /// key in ZeroMQ's handshake (a one-time token; hosts' clocks within
+    /// 5 minutes) and again before any request. Clients read it from
     /// `LANES_AUTH_KEY_FILE`. Authenticates, does not encrypt.
     #[arg(long, value_name = "FILE")]
     pub auth_key_file: Option<std::path::PathBuf>,
@@ -117,6 +119,13 @@ pub struct Args {
     /// switch-in latency, open sessions (see docs/metrics.md).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
+    /// On SIGINT or SIGTERM the service accepts no new work (requests are
+    /// answered ShuttingDown) and gives the requests already queued or
+    /// running this many seconds to finish; those left are answered
+    /// ShuttingDown, then it closes the sessions, removes an ipc:// socket
+    /// file and exits 0. A second signal stops it at once (exit 1).
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub shutdown_grace: f64,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -206,6 +215,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--reserve takes the lanes' memory at start-up: give --memory auto or a size, not none"
         );
     }
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        anyhow::bail!("--shutdown-grace must be a number of seconds, 0 or more");
+    }
     let busy_poll = super::busy_poll_window(args.busy_poll)?;
     lanes::exec::cuda::set_conv_tf32(!args.no_tf32);
     let device = server::resolve_device(args.device)?;
@@ -236,6 +248,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .as_ref()
             .map(|_| std::sync::Arc::new(server::metrics::Metrics::new())),
         busy_poll,
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
     };
     // The metrics endpoint first: a busy port is refused before the
     // service takes the device.
@@ -246,10 +259,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
     let stop = handle.stop_flag();
     ctrlc::set_handler(move || {
-        tracing::info!("Ctrl-C: shutting down");
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if stop.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            tracing::warn!("a second signal: stopping at once");
+            std::process::exit(1);
+        }
+        tracing::info!("SIGINT or SIGTERM: stopping");
     })
-    .context("installing the Ctrl-C handler")?;
+    .context("installing the SIGINT and SIGTERM handler")?;
     match &metrics_http {
         Some(h) => outln!(
             "lanes serving on {} (policy {}), metrics at http://{}/metrics",

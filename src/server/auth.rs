@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use lanes_adaptor::wire::auth::{self, AuthKey, AUTH_BYTES};
+use lanes_adaptor::wire::auth::{
+    self, AuthKey, TokenError, AUTH_BYTES, TOKEN_NONCE_BYTES, TOKEN_SKEW_SECS, TOKEN_USER,
+};
 
 /// Most connections with a challenge outstanding; a Hello from another
 /// connection beyond it is refused (never an outstanding challenge
@@ -28,6 +30,11 @@ struct PeerAuth {
     authenticated: bool,
 }
 
+/// Most connection tokens remembered (each is good once, for twice
+/// [`TOKEN_SKEW_SECS`]): beyond, new connections are refused until old
+/// tokens expire.
+pub(super) const MAX_TOKENS: usize = 1 << 16;
+
 /// The authentication state of the service's connections, by routing id.
 /// Bounded: at most [`MAX_PENDING`] unanswered challenges; an
 /// authenticated connection is forgotten when it is gone.
@@ -35,6 +42,21 @@ struct PeerAuth {
 pub(super) struct Gate {
     key: AuthKey,
     peers: HashMap<Vec<u8>, PeerAuth>,
+    /// Nonces of the connection tokens accepted, with their time.
+    tokens: HashMap<[u8; TOKEN_NONCE_BYTES], u64>,
+}
+
+/// Why a connection's ZeroMQ handshake was refused (see [`Gate::admit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(super) enum Turned {
+    #[error("no connection token (PLAIN, user `{TOKEN_USER}`)")]
+    NoToken,
+    #[error("{0}")]
+    Token(#[from] TokenError),
+    #[error("this connection token was used already")]
+    Replayed,
+    #[error("too many connections in the last {TOKEN_SKEW_SECS} s")]
+    Full,
 }
 
 /// Why an Authenticate was refused.
@@ -60,7 +82,30 @@ impl Gate {
         Gate {
             key,
             peers: HashMap::new(),
+            tokens: HashMap::new(),
         }
+    }
+
+    /// Whether a connection's ZeroMQ handshake (PLAIN `user` and
+    /// `password`) shows the key: a connection token for about now, never
+    /// seen before. Checked before the connection may send a single
+    /// message.
+    pub(super) fn admit(&mut self, user: &[u8], password: &[u8], now: u64) -> Result<(), Turned> {
+        if user != TOKEN_USER.as_bytes() {
+            return Err(Turned::NoToken);
+        }
+        let (nonce, time) = self.key.check_connection_token(password, now)?;
+        // Tokens past the window are refused by their time: forgotten.
+        self.tokens
+            .retain(|_, t| t.abs_diff(now) <= 2 * TOKEN_SKEW_SECS);
+        if self.tokens.contains_key(&nonce) {
+            return Err(Turned::Replayed);
+        }
+        if self.tokens.len() >= MAX_TOKENS {
+            return Err(Turned::Full);
+        }
+        self.tokens.insert(nonce, time);
+        Ok(())
     }
 
     pub(super) fn is_authenticated(&self, peer: &[u8]) -> bool {
@@ -203,6 +248,38 @@ mod tests {
     /// Distinct addresses, as from many hosts.
     fn addr(i: u32) -> String {
         format!("10.0.{}.{}", i / 256, i % 256)
+    }
+
+    #[test]
+    fn connection_tokens_admit_once_and_only_with_the_key() {
+        let mut gate = Gate::new(key());
+        let now = auth::unix_now();
+        let t = key().connection_token(now);
+        assert_eq!(gate.admit(b"lanes", t.as_bytes(), now), Ok(()));
+        assert_eq!(
+            gate.admit(b"lanes", t.as_bytes(), now),
+            Err(Turned::Replayed)
+        );
+        let t2 = key().connection_token(now);
+        assert_eq!(
+            gate.admit(b"other", t2.as_bytes(), now),
+            Err(Turned::NoToken)
+        );
+        assert_eq!(gate.admit(b"lanes", t2.as_bytes(), now), Ok(()));
+        let wrong = AuthKey::new(*b"not the key of the service......").unwrap();
+        assert_eq!(
+            gate.admit(b"lanes", wrong.connection_token(now).as_bytes(), now),
+            Err(Turned::Token(TokenError::WrongProof))
+        );
+        assert_eq!(
+            gate.admit(b"lanes", b"", now),
+            Err(Turned::Token(TokenError::Malformed))
+        );
+        let old = key().connection_token(now - 2 * TOKEN_SKEW_SECS);
+        assert_eq!(
+            gate.admit(b"lanes", old.as_bytes(), now),
+            Err(Turned::Token(TokenError::Stale))
+        );
     }
 
     #[test]

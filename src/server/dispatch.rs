@@ -20,7 +20,7 @@
 //! at all: sessions whose job waits for memory are skipped exactly as busy
 //! sessions are.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -163,6 +163,10 @@ struct State {
     /// other sessions.
     loading: HashSet<SessionId>,
     max_loads: usize,
+    /// The item each busy session runs now: its peer and request id (a
+    /// stopping service answers those still running at the end of its
+    /// grace period).
+    running: HashMap<SessionId, (Vec<u8>, u64)>,
 }
 
 /// The queue shared by the socket thread and the workers (a mutex and a
@@ -187,6 +191,7 @@ impl Dispatcher {
                 gate: None,
                 loading: HashSet::new(),
                 max_loads: usize::MAX,
+                running: HashMap::new(),
             }),
             ready: Condvar::new(),
             busy_ns: std::sync::atomic::AtomicU64::new(0),
@@ -228,6 +233,7 @@ impl Dispatcher {
                 gate,
                 loading,
                 max_loads,
+                running,
                 ..
             } = &mut *st;
             // Held back besides busy sessions: jobs waiting for memory, and
@@ -252,6 +258,7 @@ impl Dispatcher {
             };
             if let Some(item) = queue.pop(busy_or_waiting, loading.len() < *max_loads) {
                 busy.insert(item.session);
+                running.insert(item.session, (item.peer.clone(), item.request_id));
                 if matches!(item.work, Work::Load { .. }) {
                     loading.insert(item.session);
                 }
@@ -297,6 +304,7 @@ impl Dispatcher {
         st.queue.finished(session, took);
         st.busy.remove(&session);
         st.loading.remove(&session);
+        st.running.remove(&session);
         drop(st);
         self.ready.notify_all();
     }
@@ -314,6 +322,20 @@ impl Dispatcher {
     /// Drops a session's queued items (a running one finishes).
     pub fn cancel(&self, session: SessionId) -> usize {
         self.lock().queue.remove_session(session).len()
+    }
+
+    /// Takes a session's queued items out (a running one finishes).
+    pub fn take_queued(&self, session: SessionId) -> Vec<WorkItem> {
+        self.lock().queue.remove_session(session)
+    }
+
+    /// The items running now: (session, peer, request id).
+    pub fn running(&self) -> Vec<(SessionId, Vec<u8>, u64)> {
+        self.lock()
+            .running
+            .iter()
+            .map(|(s, (p, r))| (*s, p.clone(), *r))
+            .collect()
     }
 
     /// True when the session has nothing queued or running.

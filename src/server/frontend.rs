@@ -10,17 +10,25 @@ use lanes_adaptor::wire::shm::{
     AttachedSegment, FdDesk, SegmentLookup, SegmentOffer, SharedMemoryError,
 };
 use lanes_adaptor::wire::{
-    self, BufferPool, Envelope, ErrorCode, ErrorReply, JobKind, Reply, Request, SessionId,
-    SessionSpec, SessionState, SessionStatus, StatusReport,
+    self, BufferPool, ErrorCode, JobKind, Reply, SessionId, SessionSpec, SessionState,
+    SessionStatus, StatusReport,
 };
 
 use super::auth::Gate;
-use super::decoder::{Decoded, Decoder, DECODED, OFFLOAD_BYTES};
+use super::decoder::{Decoder, DECODED};
 use super::dispatch::{Dispatcher, Work, WorkItem};
 use super::policy_queue::PolicyQueue;
 use super::worker::{self, REPLIES};
+use super::zap::{Zap, ZAP_DOMAIN};
 use super::{ServerConfig, ServerError};
-use crate::session::{RunFeeds, Session};
+use crate::session::Session;
+
+mod bells;
+mod connections;
+mod requests;
+mod shutdown;
+
+use bells::Bell;
 
 /// Longest job name accepted.
 const MAX_NAME_BYTES: usize = 256;
@@ -136,6 +144,11 @@ struct Frontend {
     /// Which connections have authenticated, when the service
     /// authenticates its peers (`--auth-key-file`).
     gate: Option<Gate>,
+    /// Admits connections at their ZeroMQ handshake when the service
+    /// authenticates its peers (`zap.rs`).
+    zap: Option<Zap>,
+    /// Warnings about connections refused at their handshake.
+    refused_connections: Throttle,
     /// Decodes large requests off this thread (`decoder.rs`); `decoded`
     /// is where it wakes this thread.
     decoder: Decoder,
@@ -153,20 +166,9 @@ struct Frontend {
     /// Gives memory back to the system after sessions go (trim.rs).
     trim: Option<super::trim::Trimmer>,
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
+    /// Once stopping: when the grace period ends (`shutdown.rs`).
+    stopping: Option<Instant>,
 }
-
-/// A doorbell this thread polls, and the last request id taken through it
-/// (from the doorbell or the socket: the other copy is dropped).
-struct Bell {
-    peer: Vec<u8>,
-    session: SessionId,
-    bell: lanes_adaptor::wire::shm::Doorbell,
-    last: u64,
-}
-
-/// Most doorbells one session may have polled (its feed buffers' count is
-/// bounded by its segments).
-const MAX_BELLS_PER_SESSION: usize = MAX_SEGMENTS_PER_SESSION;
 
 /// Binds the sockets and starts the workers and the socket thread.
 pub(super) fn spawn(
@@ -176,6 +178,19 @@ pub(super) fn spawn(
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER)?;
     router.set_linger(500)?;
+    // With a key, a connection is admitted at its handshake only with a
+    // token made with the key (the ZAP handler is bound first): a peer
+    // without it cannot send a single message.
+    let gate = config.auth_key.clone().map(Gate::new);
+    let zap = match gate {
+        Some(_) => {
+            let zap = Zap::bind(&ctx)?;
+            router.set_plain_server(true)?;
+            router.set_zap_domain(ZAP_DOMAIN)?;
+            Some(zap)
+        }
+        None => None,
+    };
     // Sending to a peer that is gone fails (EHOSTUNREACH) instead of being
     // dropped silently: that is how a dead client is noticed.
     router.set_router_mandatory(true)?;
@@ -249,7 +264,6 @@ pub(super) fn spawn(
     } else {
         None
     };
-    let gate = config.auth_key.clone().map(Gate::new);
     if gate.is_some() {
         tracing::info!("peers must authenticate (pre-shared key; traffic is not encrypted)");
     }
@@ -270,6 +284,8 @@ pub(super) fn spawn(
         bad_messages: Throttle::default(),
         dropped_replies: Throttle::default(),
         gate,
+        zap,
+        refused_connections: Throttle::default(),
         decoder,
         decoded,
         decoding: HashSet::new(),
@@ -277,6 +293,7 @@ pub(super) fn spawn(
         bells: Vec::new(),
         opening_from: String::new(),
         trim: super::trim::Trimmer::start(),
+        stopping: None,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -317,26 +334,38 @@ impl Frontend {
         let busy = self.config.busy_poll;
         let mut last_message = Instant::now() - busy;
         let result = loop {
-            if self.stop.load(Ordering::SeqCst) {
+            if self.stopping.is_none() && self.stop.load(Ordering::SeqCst) {
+                self.begin_stop();
+            }
+            if self.stop_done() {
                 break Ok(());
             }
             let spinning = !busy.is_zero() && last_message.elapsed() < busy;
-            let (requests, replies, decoded) = {
-                let mut items = [
+            let (requests, replies, decoded, zap) = {
+                let mut items = vec![
                     self.router.as_poll_item(zmq::POLLIN),
                     self.pull.as_poll_item(zmq::POLLIN),
                     self.decoded.as_poll_item(zmq::POLLIN),
                 ];
+                if let Some(z) = &self.zap {
+                    items.push(z.socket().as_poll_item(zmq::POLLIN));
+                }
                 match zmq::poll(&mut items, if spinning { 0 } else { POLL_MS }) {
                     Ok(_) => (
                         items[0].is_readable(),
                         items[1].is_readable(),
                         items[2].is_readable(),
+                        items.get(3).is_some_and(|i| i.is_readable()),
                     ),
-                    Err(zmq::Error::EINTR) => (false, false, false),
+                    Err(zmq::Error::EINTR) => (false, false, false, false),
                     Err(e) => break Err(ServerError::Zmq(e)),
                 }
             };
+            if zap {
+                if let Err(e) = self.admit_connections() {
+                    break Err(e.into());
+                }
+            }
             if requests || replies || decoded {
                 last_message = Instant::now();
             }
@@ -357,7 +386,7 @@ impl Frontend {
                     break Err(e.into());
                 }
             }
-            if !self.bells.is_empty() {
+            if !self.bells.is_empty() && self.stopping.is_none() {
                 if let Err(e) = self.poll_bells() {
                     break Err(e.into());
                 }
@@ -381,16 +410,7 @@ impl Frontend {
                 last_ping = Instant::now();
             }
         };
-        self.dispatcher.shutdown();
-        for w in std::mem::take(&mut self.workers) {
-            match w.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(error = %e, "worker stopped with an error"),
-                Err(_) => tracing::error!("worker panicked"),
-            }
-        }
-        let _ = self.forward_replies();
-        tracing::info!(sessions = self.sessions.len(), "lanes service stopped");
+        self.finish_stop();
         result
     }
 
@@ -429,94 +449,6 @@ impl Frontend {
         Ok(())
     }
 
-    fn send(&mut self, peer: &[u8], frames: Vec<Vec<u8>>) -> Result<(), zmq::Error> {
-        let mut out = Vec::with_capacity(frames.len() + 1);
-        out.push(peer.to_vec());
-        out.extend(frames);
-        self.deliver(peer, out).map(|_| ())
-    }
-
-    /// Sends `frames` (the peer's routing id first) without blocking.
-    /// `Ok(true)`: sent. `Ok(false)`: not sent, because the peer is gone
-    /// (its sessions are reclaimed now) or its queue is full (the message is
-    /// dropped, as ZeroMQ's ROUTER drops it by default).
-    fn deliver<T: Into<zmq::Message>>(
-        &mut self,
-        peer: &[u8],
-        frames: Vec<T>,
-    ) -> Result<bool, zmq::Error> {
-        match self.router.send_multipart(frames, zmq::DONTWAIT) {
-            Ok(()) => Ok(true),
-            Err(zmq::Error::EHOSTUNREACH) => {
-                self.peer_gone(peer);
-                Ok(false)
-            }
-            Err(zmq::Error::EAGAIN) => {
-                if let Some(suppressed) = self.dropped_replies.allow() {
-                    tracing::warn!(peer = %hex(peer), suppressed, "a client does not read its replies: one dropped");
-                }
-                Ok(false)
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Pings every client whose sessions have been quiet for [`PING_EVERY`]:
-    /// a ping to a client that is gone fails and reclaims its sessions.
-    /// Clients waiting for a long Run are pinged too: a client killed with
-    /// Runs queued is reclaimed within seconds, not when its running Run's
-    /// reply finally fails.
-    fn ping_quiet_clients(&mut self) -> Result<(), zmq::Error> {
-        let mut quiet: Vec<Vec<u8>> = self
-            .sessions
-            .values()
-            .filter(|e| e.last_seen.elapsed() >= PING_EVERY)
-            .map(|e| e.owner.clone())
-            .collect();
-        // Authenticated connections without sessions too: one that is gone
-        // is forgotten.
-        if let Some(gate) = &self.gate {
-            quiet.extend(
-                gate.authenticated()
-                    .filter(|p| !self.sessions.values().any(|e| &e.owner == *p))
-                    .cloned(),
-            );
-        }
-        quiet.sort();
-        quiet.dedup();
-        if quiet.is_empty() {
-            return Ok(());
-        }
-        let ping = wire::encode_reply(0, &Reply::Ping).map_err(|_| zmq::Error::EPROTO)?;
-        for peer in quiet {
-            self.send(&peer, ping.clone())?;
-        }
-        Ok(())
-    }
-
-    /// Reclaims every session of a client that is gone: its queued requests
-    /// are dropped, a running one finishes, and its memory is returned.
-    fn peer_gone(&mut self, peer: &[u8]) {
-        if let Some(gate) = self.gate.as_mut() {
-            gate.forget(peer);
-        }
-        let ids: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(_, e)| e.owner.as_slice() == peer)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
-            if let Some(e) = self.sessions.remove(&id) {
-                let dropped = self.dispatcher.cancel(id);
-                tracing::info!(session = %id, name = %e.spec.name, dropped, "client gone: session reclaimed");
-                self.trim_soon();
-            }
-        }
-        self.forget_bells();
-        self.dispatcher.wake();
-    }
-
     fn reply(&mut self, peer: &[u8], request_id: u64, reply: &Reply) -> Result<(), zmq::Error> {
         if let (Reply::Error(e), Some(m)) = (reply, &self.config.metrics) {
             m.error(e.code);
@@ -527,407 +459,11 @@ impl Frontend {
         self.send(peer, frames)
     }
 
-    /// Handles a message now, or holds it behind the peer's request at the
-    /// decoder.
-    fn handle(&mut self, peer: Vec<u8>, frames: Vec<zmq::Message>) -> Result<(), zmq::Error> {
-        let received = Instant::now();
-        let waiting = self.held.get(&peer).map_or(0, VecDeque::len);
-        if waiting == 0 && !self.decoding.contains(&peer) {
-            return self.handle_now(peer, frames, received);
-        }
-        if waiting >= self.config.max_requests_per_client {
-            let id = frames
-                .first()
-                .and_then(|f| wire::peek_request_id(f))
-                .unwrap_or(0);
-            let message =
-                format!("more than {waiting} requests wait behind a large one being decoded");
-            return self.send_error(&peer, id, ErrorCode::Overloaded, &message);
-        }
-        self.held
-            .entry(peer)
-            .or_default()
-            .push_back((frames, received));
-        Ok(())
-    }
-
-    /// Takes back the requests the decoder finished, and handles what
-    /// their peers sent after them.
-    fn take_decoded(&mut self) -> Result<(), zmq::Error> {
-        // Wake-ups carry nothing: the channel has the requests.
-        while self.decoded.recv_msg(zmq::DONTWAIT).is_ok() {}
-        loop {
-            let Some(d) = self.decoder.try_next() else {
-                return Ok(());
-            };
-            let Decoded {
-                peer,
-                result,
-                bytes,
-                received,
-            } = d;
-            self.decoding.remove(&peer);
-            tracing::trace!(
-                bytes,
-                decode_us = received.elapsed().as_micros() as u64,
-                "request decoded off the socket thread"
-            );
-            self.handle_decoded(peer.clone(), result)?;
-            self.drain_held(&peer)?;
-        }
-    }
-
-    /// Handles `peer`'s held messages in order, until one goes to the
-    /// decoder.
-    fn drain_held(&mut self, peer: &[u8]) -> Result<(), zmq::Error> {
-        while !self.decoding.contains(peer) {
-            let Some((frames, received)) = self.held.get_mut(peer).and_then(VecDeque::pop_front)
-            else {
-                break;
-            };
-            self.handle_now(peer.to_vec(), frames, received)?;
-        }
-        if self.held.get(peer).is_some_and(VecDeque::is_empty) {
-            self.held.remove(peer);
-        }
-        Ok(())
-    }
-
-    fn handle_now(
-        &mut self,
-        peer: Vec<u8>,
-        mut frames: Vec<zmq::Message>,
-        t0: Instant,
-    ) -> Result<(), zmq::Error> {
-        if let Some(first) = frames.first_mut() {
-            if matches!(
-                wire::peek_request_name(first),
-                Some("open_session" | "hello")
-            ) {
-                self.opening_from = first.gets("Peer-Address").unwrap_or("").to_string();
-            }
-        }
-        // A connection that has not authenticated may only say Hello and
-        // Authenticate: one small frame. Anything else is refused before it
-        // is decoded.
-        let unauthenticated = self
-            .gate
-            .as_ref()
-            .is_some_and(|g| !g.is_authenticated(&peer));
-        if unauthenticated && (frames.len() != 1 || frames[0].len() > HANDSHAKE_BYTES) {
-            let id = frames
-                .first()
-                .and_then(|f| wire::peek_request_id(f))
-                .unwrap_or(0);
-            return self.refuse_unauthenticated(&peer, id);
-        }
-        let bytes: usize = frames.iter().map(|f| f.len()).sum();
-        // Runs stay here: their feeds are checked against the session's
-        // graph before they are copied (`PeerSegments::feed_types`).
-        let offload = bytes >= OFFLOAD_BYTES
-            && frames
-                .first()
-                .and_then(|f| wire::peek_request_name(f))
-                .is_some_and(|name| name != "run");
-        let (peer, frames) = if offload {
-            match self.decoder.submit(peer.clone(), frames, t0) {
-                Ok(()) => {
-                    self.decoding.insert(peer);
-                    return Ok(());
-                }
-                // The decoder thread is gone: decoded here.
-                Err(back) => back,
-            }
-        } else {
-            (peer, frames)
-        };
-        let segments = PeerSegments {
-            sessions: &self.sessions,
-            peer: &peer,
-        };
-        let decoded =
-            wire::decode_request_with(&frames, &self.config.limits, self.pool.as_ref(), &segments);
-        drop(frames);
-        tracing::trace!(
-            bytes,
-            decode_us = t0.elapsed().as_micros() as u64,
-            "request decoded"
-        );
-        self.handle_decoded(peer, decoded)
-    }
-
-    /// Answers a decoded request (or its decoding error).
-    fn handle_decoded(
-        &mut self,
-        peer: Vec<u8>,
-        decoded: Result<Envelope<Request>, wire::DecodeError>,
-    ) -> Result<(), zmq::Error> {
-        self.handle_decoded_from(peer, decoded, None)
-    }
-
-    /// [`Frontend::handle_decoded`]; `rung` is the doorbell the request was
-    /// taken from (its id already recorded), `None` for the socket.
-    fn handle_decoded_from(
-        &mut self,
-        peer: Vec<u8>,
-        decoded: Result<Envelope<Request>, wire::DecodeError>,
-        rung: Option<&lanes_adaptor::wire::shm::Doorbell>,
-    ) -> Result<(), zmq::Error> {
-        let unauthenticated = self
-            .gate
-            .as_ref()
-            .is_some_and(|g| !g.is_authenticated(&peer));
-        let env = match decoded {
-            Ok(env) => env,
-            Err(e) => {
-                if let Some(suppressed) = self.bad_messages.allow() {
-                    tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %wire::bounded_text(&e.to_string()), suppressed, "bad message");
-                }
-                let id = e.request_id.unwrap_or(0);
-                return self.send_error(&peer, id, e.error.code(), &e.to_string());
-            }
-        };
-        let Envelope {
-            request_id,
-            message,
-        } = env;
-        tracing::debug!(peer = %hex(&peer), request = message.name(), request_id, "request");
-        if unauthenticated
-            && !matches!(
-                message,
-                Request::Hello { .. } | Request::Authenticate { .. }
-            )
-        {
-            return self.refuse_unauthenticated(&peer, request_id);
-        }
-        let reply = match message {
-            Request::Hello { client } => {
-                tracing::debug!(peer = %hex(&peer), %client, "hello");
-                let origin = std::mem::take(&mut self.opening_from);
-                match self
-                    .gate
-                    .as_mut()
-                    .map(|g| g.challenge(&peer, &origin))
-                    .transpose()
-                {
-                    Ok(challenge) => Reply::Hello {
-                        server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
-                        version: wire::PROTOCOL_VERSION,
-                        limits: self.config.limits,
-                        desk: self.desk.as_ref().map(|d| d.name().to_string()),
-                        challenge,
-                    },
-                    Err(busy) => Reply::error(ErrorCode::Overloaded, busy.to_string()),
-                }
-            }
-            Request::Authenticate { nonce, proof } => match self.gate.as_mut() {
-                None => Reply::error(
-                    ErrorCode::BadRequest,
-                    "this service does not authenticate its peers",
-                ),
-                Some(gate) => match gate.authenticate(&peer, &nonce, &proof) {
-                    Ok(proof) => {
-                        tracing::debug!(peer = %hex(&peer), "authenticated");
-                        Reply::Authenticated { proof }
-                    }
-                    Err(e) => {
-                        if let Some(suppressed) = self.bad_messages.allow() {
-                            tracing::warn!(peer = %hex(&peer), reason = %e, suppressed, "authentication refused");
-                        }
-                        Reply::error(ErrorCode::Unauthenticated, e.to_string())
-                    }
-                },
-            },
-            Request::OpenSession(spec) => self.open(&peer, spec),
-            Request::ShareMemory { session, offer } => self.share(&peer, session, &offer),
-            Request::Status => Reply::Status(self.status()),
-            Request::CloseSession { session } => match self.owned(&peer, session) {
-                Ok(_) => {
-                    let dropped = self.dispatcher.cancel(session);
-                    self.sessions.remove(&session);
-                    self.forget_bells();
-                    self.dispatcher.wake(); // its memory may admit a waiting job
-                    tracing::info!(%session, dropped, "session closed");
-                    self.trim_soon();
-                    Reply::SessionClosed { session }
-                }
-                Err(e) => Reply::Error(e),
-            },
-            Request::LoadGraph {
-                session,
-                graph,
-                variables,
-            } => return self.queue(peer, request_id, session, Work::Load { graph, variables }),
-            Request::Run {
-                session,
-                feeds,
-                fetches,
-            } => {
-                let feeds = RunFeeds::Frames(feeds);
-                let work = Work::Run {
-                    feeds,
-                    fetches,
-                    reply: None,
-                };
-                return self.queue(peer, request_id, session, work);
-            }
-            Request::RunShared {
-                session,
-                feeds,
-                fetches,
-                reply,
-                doorbell,
-            } => {
-                if !self.first_copy(&peer, session, request_id, doorbell, rung) {
-                    return Ok(());
-                }
-                let feeds = RunFeeds::Shared(feeds);
-                let work = Work::Run {
-                    feeds,
-                    fetches,
-                    reply,
-                };
-                return self.queue(peer, request_id, session, work);
-            }
-            Request::ReadVariables { session, names } => {
-                return self.queue(peer, request_id, session, Work::ReadVariables { names })
-            }
-            Request::WriteVariables { session, variables } => {
-                return self.queue(
-                    peer,
-                    request_id,
-                    session,
-                    Work::WriteVariables { variables },
-                )
-            }
-        };
-        self.reply(&peer, request_id, &reply)
-    }
-
-    /// Whether this copy of a shared Run is the first the service sees: a
-    /// Run naming a doorbell comes both through it and through the socket,
-    /// and only the first copy is served. A copy from the socket records
-    /// its id (and makes the doorbell known); one from a doorbell was
-    /// recorded when it was taken, and must name that doorbell.
-    fn first_copy(
-        &mut self,
-        peer: &[u8],
-        session: SessionId,
-        request_id: u64,
-        named: Option<lanes_adaptor::wire::shm::Doorbell>,
-        rung: Option<&lanes_adaptor::wire::shm::Doorbell>,
-    ) -> bool {
-        let Some(named) = named else {
-            return rung.is_none();
-        };
-        if let Some(from) = rung {
-            return from.same(&named);
-        }
-        if let Some(b) = self
-            .bells
-            .iter_mut()
-            .find(|b| b.session == session && b.peer == peer && b.bell.same(&named))
-        {
-            if request_id <= b.last {
-                tracing::trace!(%session, request_id, "taken from its doorbell already");
-                return false;
-            }
-            b.last = request_id;
-            return true;
-        }
-        // A new doorbell of the session: its oldest goes beyond the bound.
-        let mine: Vec<usize> = (0..self.bells.len())
-            .filter(|&i| self.bells[i].session == session)
-            .collect();
-        if mine.len() >= MAX_BELLS_PER_SESSION {
-            self.bells.remove(mine[0]);
-        }
-        self.bells.push(Bell {
-            peer: peer.to_vec(),
-            session,
-            bell: named,
-            last: request_id,
-        });
-        true
-    }
-
-    /// Forgets the doorbells of sessions gone (and their segments'
-    /// mappings with them).
-    fn forget_bells(&mut self) {
-        let sessions = &self.sessions;
-        self.bells
-            .retain(|b| sessions.get(&b.session).is_some_and(|e| e.owner == b.peer));
-    }
-
-    /// Takes the Runs rung in the doorbells since their last, and handles
-    /// each as if it came through the socket. A peer with requests held
-    /// behind a decode is skipped (its Run comes through the socket, in
-    /// order).
-    fn poll_bells(&mut self) -> Result<(), zmq::Error> {
-        let mut taken = Vec::new();
-        for b in &mut self.bells {
-            // The common turn: nothing rung, one load per doorbell.
-            if !b.bell.rung_since(b.last)
-                || self.decoding.contains(&b.peer)
-                || self.held.contains_key(&b.peer)
-            {
-                continue;
-            }
-            if let Some((id, bytes)) = b.bell.take(b.last) {
-                b.last = id;
-                taken.push((b.peer.clone(), id, bytes, b.bell.clone()));
-            }
-        }
-        for (peer, id, bytes, bell) in taken {
-            let t0 = Instant::now();
-            // The copy must be the request the doorbell's word names, and
-            // a Run (never a large request that would go to the decoder).
-            if wire::peek_request_id(&bytes) != Some(id)
-                || wire::peek_request_name(&bytes) != Some("run")
-                || self
-                    .gate
-                    .as_ref()
-                    .is_some_and(|g| !g.is_authenticated(&peer))
-            {
-                tracing::debug!(peer = %hex(&peer), id, "a doorbell rung with something else than its Run");
-                continue;
-            }
-            let frames = [zmq::Message::from(bytes)];
-            let segments = PeerSegments {
-                sessions: &self.sessions,
-                peer: &peer,
-            };
-            let decoded = wire::decode_request_with(
-                &frames,
-                &self.config.limits,
-                self.pool.as_ref(),
-                &segments,
-            );
-            tracing::trace!(
-                request_id = id,
-                decode_us = t0.elapsed().as_micros() as u64,
-                "request taken from a doorbell"
-            );
-            self.handle_decoded_from(peer, decoded, Some(&bell))?;
-        }
-        Ok(())
-    }
-
     /// A session went: its memory goes back to the system soon.
     fn trim_soon(&self) {
         if let Some(t) = &self.trim {
             t.soon();
         }
-    }
-
-    /// Answers a request of a connection that has not authenticated.
-    fn refuse_unauthenticated(&mut self, peer: &[u8], request_id: u64) -> Result<(), zmq::Error> {
-        self.send_error(
-            peer,
-            request_id,
-            ErrorCode::Unauthenticated,
-            "this service authenticates its peers: send Hello, then Authenticate with the key",
-        )
     }
 
     /// An error reply built here (not by a worker), counted in the metrics
@@ -943,20 +479,6 @@ impl Frontend {
             m.error(code);
         }
         self.send(peer, wire::encode_error(request_id, code, message))
-    }
-
-    /// The session if `peer` opened it; else an UnknownSession reply.
-    fn owned(&mut self, peer: &[u8], session: SessionId) -> Result<&mut Entry, ErrorReply> {
-        match self.sessions.get_mut(&session) {
-            Some(e) if e.owner == peer => {
-                e.last_seen = Instant::now();
-                Ok(e)
-            }
-            _ => Err(ErrorReply {
-                code: ErrorCode::UnknownSession,
-                message: format!("session {session} is not open on this connection"),
-            }),
-        }
     }
 
     fn open(&mut self, peer: &[u8], spec: SessionSpec) -> Reply {

@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod policy_queue;
 mod trim;
 mod worker;
+mod zap;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -224,9 +225,11 @@ pub struct ServerConfig {
     /// CUDA's default priority (`--no-stream-priority`, for comparison).
     pub stream_priority: bool,
     /// Authenticate peers with this pre-shared key (`--auth-key-file`):
-    /// a connection must answer its Hello's challenge before any other
-    /// request (`lanes_adaptor::wire::auth`); `None`: every peer that
-    /// reaches the endpoint is served.
+    /// a connection is admitted at ZeroMQ's handshake only with a
+    /// connection token made with the key (`zap.rs`), and must answer its
+    /// Hello's challenge before any other request
+    /// (`lanes_adaptor::wire::auth`); `None`: every peer that reaches the
+    /// endpoint is served.
     pub auth_key: Option<lanes_adaptor::AuthKey>,
     /// Prometheus metrics the workers and the socket thread feed
     /// (`--metrics`; see [`metrics`]); `None`: none are kept.
@@ -238,7 +241,13 @@ pub struct ServerConfig {
     /// sleeping. Each busy thread takes a core for the window; the wake-ups
     /// it saves are tens of microseconds each on a request's path.
     pub busy_poll: Duration,
+    /// When stopping, how long the requests queued or running may take to
+    /// finish before they are answered `ShuttingDown` (`--shutdown-grace`).
+    pub shutdown_grace: Duration,
 }
+
+/// Default of [`ServerConfig::shutdown_grace`].
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Default of [`ServerConfig::max_sessions_per_client`]: well under the
 /// global cap, enough for a process that packs many models.
@@ -284,6 +293,7 @@ impl Default for ServerConfig {
             auth_key: None,
             metrics: None,
             busy_poll: Duration::ZERO,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
         }
     }
 }

@@ -63,8 +63,39 @@ impl RawPeer {
         RawPeer { socket, _ctx: ctx }
     }
 
+    /// A DEALER presenting `token` (a connection token, see
+    /// `AuthKey::connection_token`) in its ZeroMQ handshake, as a client with
+    /// the key does to a service that authenticates its peers.
+    pub fn connect_with_token(endpoint: &str, token: &str) -> Self {
+        let ctx = zmq::Context::new();
+        let socket = ctx.socket(zmq::DEALER).unwrap();
+        socket.set_linger(0).unwrap();
+        socket
+            .set_plain_username(Some(lanes_adaptor::wire::auth::TOKEN_USER))
+            .unwrap();
+        socket.set_plain_password(Some(token)).unwrap();
+        socket.connect(endpoint).unwrap();
+        RawPeer { socket, _ctx: ctx }
+    }
+
+    /// [`RawPeer::connect_with_token`] with a fresh token of `key`.
+    pub fn connect_keyed(endpoint: &str, key: &lanes_adaptor::AuthKey) -> Self {
+        let now = lanes_adaptor::wire::auth::unix_now();
+        Self::connect_with_token(endpoint, &key.connection_token(now))
+    }
+
     pub fn send(&self, frames: Vec<Vec<u8>>) {
         self.socket.send_multipart(frames, 0).unwrap();
+    }
+
+    /// Sends without waiting: false when the socket takes nothing (no
+    /// connection, e.g. one the service refused at its handshake).
+    pub fn try_send(&self, frames: Vec<Vec<u8>>) -> bool {
+        match self.socket.send_multipart(frames, zmq::DONTWAIT) {
+            Ok(()) => true,
+            Err(zmq::Error::EAGAIN) => false,
+            Err(e) => panic!("{e}"),
+        }
     }
 
     /// The next reply's raw frames, or `None` after `timeout`.

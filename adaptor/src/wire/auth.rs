@@ -80,11 +80,7 @@ impl AuthKey {
         challenge: &[u8; AUTH_BYTES],
         nonce: &[u8; AUTH_BYTES],
     ) -> Hmac<Sha256> {
-        // HMAC takes keys of any length: this cannot fail.
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
-            .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
-        mac.update(b"lanes-auth ");
-        mac.update(role);
+        let mut mac = self.mac_of(role);
         mac.update(challenge);
         mac.update(nonce);
         mac
@@ -139,6 +135,101 @@ impl AuthKey {
     }
 }
 
+/// Bytes of a connection token's nonce.
+pub const TOKEN_NONCE_BYTES: usize = 16;
+/// Bytes of a connection token: seconds since the Unix epoch (u64 LE), a
+/// random nonce, and `HMAC(key, "lanes-auth connect" ‖ seconds ‖ nonce)`.
+pub const TOKEN_BYTES: usize = 8 + TOKEN_NONCE_BYTES + AUTH_BYTES;
+/// How far a connection token's time may be from the service's clock.
+pub const TOKEN_SKEW_SECS: u64 = 300;
+/// The PLAIN user name of a connection token.
+pub const TOKEN_USER: &str = "lanes";
+
+/// Why a connection token was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    #[error("not a connection token")]
+    Malformed,
+    #[error("the token's time is more than {TOKEN_SKEW_SECS} s from the service's clock")]
+    Stale,
+    #[error("wrong proof: the peer does not hold the service's key")]
+    WrongProof,
+}
+
+/// Seconds since the Unix epoch (0 for a clock before it).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl AuthKey {
+    /// A fresh connection token for the time `now` (seconds since the Unix
+    /// epoch), hex-encoded: the password a client presents in its ZeroMQ
+    /// handshake (PLAIN, user [`TOKEN_USER`]) before the service accepts a
+    /// single message from it.
+    pub fn connection_token(&self, now: u64) -> String {
+        let mut nonce = [0u8; TOKEN_NONCE_BYTES];
+        nonce.copy_from_slice(&random_bytes()[..TOKEN_NONCE_BYTES]);
+        let mac = self.token_mac(now, &nonce);
+        let mut bytes = Vec::with_capacity(TOKEN_BYTES);
+        bytes.extend_from_slice(&now.to_le_bytes());
+        bytes.extend_from_slice(&nonce);
+        bytes.extend_from_slice(&mac);
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Checks a connection token against the time `now`: its nonce (which
+    /// the caller must not accept twice) and time when it is good.
+    pub fn check_connection_token(
+        &self,
+        token: &[u8],
+        now: u64,
+    ) -> Result<([u8; TOKEN_NONCE_BYTES], u64), TokenError> {
+        if token.len() != 2 * TOKEN_BYTES {
+            return Err(TokenError::Malformed);
+        }
+        let mut bytes = [0u8; TOKEN_BYTES];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            let hex =
+                std::str::from_utf8(&token[2 * i..2 * i + 2]).map_err(|_| TokenError::Malformed)?;
+            *b = u8::from_str_radix(hex, 16).map_err(|_| TokenError::Malformed)?;
+        }
+        let (time, rest) = bytes.split_at(8);
+        let (nonce, proof) = rest.split_at(TOKEN_NONCE_BYTES);
+        let mut t = [0u8; 8];
+        t.copy_from_slice(time);
+        let time = u64::from_le_bytes(t);
+        if time.abs_diff(now) > TOKEN_SKEW_SECS {
+            return Err(TokenError::Stale);
+        }
+        let mut n = [0u8; TOKEN_NONCE_BYTES];
+        n.copy_from_slice(nonce);
+        let mut mac = self.mac_of(b"connect");
+        mac.update(&time.to_le_bytes());
+        mac.update(&n);
+        mac.verify_slice(proof)
+            .map_err(|_| TokenError::WrongProof)?;
+        Ok((n, time))
+    }
+
+    fn token_mac(&self, time: u64, nonce: &[u8; TOKEN_NONCE_BYTES]) -> [u8; AUTH_BYTES] {
+        let mut mac = self.mac_of(b"connect");
+        mac.update(&time.to_le_bytes());
+        mac.update(nonce);
+        mac.finalize().into_bytes().into()
+    }
+
+    fn mac_of(&self, role: &[u8]) -> Hmac<Sha256> {
+        // HMAC takes keys of any length: this cannot fail.
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
+            .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
+        mac.update(b"lanes-auth ");
+        mac.update(role);
+        mac
+    }
+}
+
 /// 32 bytes from a cryptographically secure generator (a challenge or a
 /// nonce).
 pub fn random_bytes() -> [u8; AUTH_BYTES] {
@@ -170,6 +261,44 @@ mod tests {
         bad[31] ^= 1;
         assert!(!key.check_client(&c, &n, &bad));
         assert_ne!(random_bytes(), random_bytes());
+    }
+
+    #[test]
+    fn connection_tokens_check_only_with_the_key_and_near_the_time() {
+        let key = AuthKey::new(*b"0123456789abcdef0123").unwrap();
+        let other = AuthKey::new(*b"0123456789abcdef0124").unwrap();
+        let now = 1_800_000_000;
+        let t = key.connection_token(now);
+        assert_eq!(t.len(), 2 * TOKEN_BYTES);
+        assert!(t.len() <= 255, "a PLAIN password");
+        let (nonce, time) = key.check_connection_token(t.as_bytes(), now + 10).unwrap();
+        assert_eq!(time, now);
+        let t2 = key.connection_token(now);
+        assert_ne!(t, t2);
+        assert_ne!(
+            key.check_connection_token(t2.as_bytes(), now).unwrap().0,
+            nonce
+        );
+        assert_eq!(
+            other.check_connection_token(t.as_bytes(), now),
+            Err(TokenError::WrongProof)
+        );
+        assert_eq!(
+            key.check_connection_token(t.as_bytes(), now + TOKEN_SKEW_SECS + 1),
+            Err(TokenError::Stale)
+        );
+        let mut forged = t.clone().into_bytes();
+        forged[0] = if forged[0] == b'0' { b'1' } else { b'0' };
+        assert_eq!(
+            key.check_connection_token(&forged, now),
+            Err(TokenError::WrongProof)
+        );
+        for bad in [&b""[..], b"zz", &[b'g'; 2 * TOKEN_BYTES][..]] {
+            assert_eq!(
+                key.check_connection_token(bad, now),
+                Err(TokenError::Malformed)
+            );
+        }
     }
 
     #[test]
