@@ -551,3 +551,40 @@ def test_llama_and_distilbert_train_like_pytorch(client):
     (ids,), y = _token_batches(4, 16, 100, 3)(0)
     _assert_trains_like_torch(client, transformers.DistilBertForSequenceClassification(cfg), (ids,), y, ce,
                               lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), steps=min(STEPS, 20))
+
+
+class _Regions(torch.nn.Module):
+    """A region under torch.autocast(enabled=False), as Hugging Face's rotary
+    embeddings have (torch.export wraps it in a higher-order op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            h = torch.relu(self.fc1(x)).float()
+        return self.fc2(h)
+
+
+def test_autocast_regions_are_inlined_and_no_grad_regions_refused_in_training(client):
+    torch.manual_seed(11)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    _assert_trains_like_torch(client, _Regions(), (x,), y, torch.nn.CrossEntropyLoss(),
+                              lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=5)
+
+    class NoGrad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                scale = self.fc(x).abs().mean()
+            return self.fc(x) / scale
+
+    m = NoGrad()
+    with pytest.raises(lt.TorchImportError, match="no_grad"):
+        lt.training_job(client, m, example=(x, y), loss=torch.nn.CrossEntropyLoss(),
+                        optimizer=torch.optim.SGD(m.parameters(), lr=0.1))

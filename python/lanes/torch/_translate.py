@@ -30,6 +30,16 @@ from ._rules import _RULES
 #: Known tensors larger than this travel as variables, not inside the graph.
 _BIG_CONSTANT = 1 << 20
 
+class _Submodule:
+    """A region graph (`get_attr` of a higher-order op's submodule)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+
+#: Higher-order ops whose region is inlined (see `_Translator.inline`).
+_INLINED = {"wrap_with_autocast", "wrap_with_set_grad_enabled"}
+
 _IGNORED = {
     "_assert_tensor_metadata",
     "_assert_scalar",
@@ -239,6 +249,10 @@ class _Translator:
                     raise self.fail(f"graph input of kind {kind} is not supported", node)
             elif node.op == "call_function":
                 self.env[node] = self.call(node)
+            elif node.op == "get_attr":
+                # A submodule of a higher-order op (a region under
+                # torch.autocast or set_grad_enabled), inlined where called.
+                self.env[node] = _Submodule(getattr(self.ep.graph_module, node.target))
             elif node.op == "output":
                 outs = node.args[0]
                 user = [o for o, s in zip(outs, sig.output_specs) if s.kind.name == "USER_OUTPUT"]
@@ -269,6 +283,41 @@ class _Translator:
             return {k: self.arg(x) for k, x in a.items()}
         return a
 
+    def inline(self, node: torch.fx.Node) -> Any:
+        """A higher-order op that only sets a mode around a region
+        (`wrap_with_autocast`, `wrap_with_set_grad_enabled`): the region's
+        graph translated in place. Lanes computes in float32, so an autocast
+        mode is dropped; a no_grad region is refused in training."""
+        args = [self.arg(a) for a in node.args]
+        name = getattr(node.target, "__name__", "")
+        if name == "wrap_with_set_grad_enabled" and not args[0] and self.training:
+            # The service differentiates the whole step: it has no way yet
+            # to keep a region's outputs out of the gradients.
+            raise self.fail("a torch.no_grad() region inside a training step is not supported yet")
+        subs = [i for i, a in enumerate(args) if isinstance(a, _Submodule)]
+        if len(subs) != 1:
+            raise self.fail("a higher-order op without exactly one region graph")
+        region, inputs = args[subs[0]].module, args[subs[0] + 1 :]
+        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise self.fail("the region's inputs do not match the op's arguments")
+        outer = self.node
+        result: Any = None
+        for n in region.graph.nodes:
+            self.node = n
+            if n.op == "placeholder":
+                self.env[n] = inputs[placeholders.index(n)]
+            elif n.op == "call_function":
+                self.env[n] = self.call(n)
+            elif n.op == "get_attr":
+                self.env[n] = _Submodule(getattr(region, n.target))
+            elif n.op == "output":
+                result = self.arg(n.args[0])
+            else:
+                raise self.fail(f"graph node kind {n.op} is not supported inside a region", n)
+        self.node = outer
+        return tuple(result) if isinstance(result, list) else result
+
     def call(self, node: torch.fx.Node) -> Any:
         target = node.target
         if target is operator.getitem:
@@ -277,6 +326,8 @@ class _Translator:
         name = getattr(getattr(target, "_overloadpacket", None), "__name__", None) or getattr(target, "__name__", str(target))
         if name in _IGNORED:
             return None
+        if name in _INLINED:
+            return self.inline(node)
         args = [self.arg(a) for a in node.args]
         kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
         # Counted on the client: BatchNorm's num_batches_tracked += 1.
