@@ -287,13 +287,11 @@ class _Translator:
         """A higher-order op that only sets a mode around a region
         (`wrap_with_autocast`, `wrap_with_set_grad_enabled`): the region's
         graph translated in place. Lanes computes in float32, so an autocast
-        mode is dropped; a no_grad region is refused in training."""
+        mode is dropped; in training, a no_grad region is taken only when its
+        results are known at capture."""
         args = [self.arg(a) for a in node.args]
         name = getattr(node.target, "__name__", "")
-        if name == "wrap_with_set_grad_enabled" and not args[0] and self.training:
-            # The service differentiates the whole step: it has no way yet
-            # to keep a region's outputs out of the gradients.
-            raise self.fail("a torch.no_grad() region inside a training step is not supported yet")
+        no_grad = name == "wrap_with_set_grad_enabled" and not args[0] and self.training
         subs = [i for i, a in enumerate(args) if isinstance(a, _Submodule)]
         if len(subs) != 1:
             raise self.fail("a higher-order op without exactly one region graph")
@@ -316,6 +314,11 @@ class _Translator:
             else:
                 raise self.fail(f"graph node kind {n.op} is not supported inside a region", n)
         self.node = outer
+        if no_grad and _has_out(result):
+            # The service differentiates the whole step: it has no way yet to
+            # keep a run-time result of the region out of the gradients (a
+            # region of known values only, e.g. rotary tables, is fine).
+            raise self.fail("a torch.no_grad() region computing run-time tensors inside a training step is not supported yet")
         return tuple(result) if isinstance(result, list) else result
 
     def call(self, node: torch.fx.Node) -> Any:
