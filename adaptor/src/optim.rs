@@ -285,19 +285,7 @@ pub fn training_graph(
         names.push(g.name_of(*p).to_string());
         state.extend(opt.append_update(&mut g, *p, gr));
     }
-    let loss_key = if loss.slot == 0 {
-        g.name_of(loss).to_string()
-    } else {
-        format!("{}:{}", g.name_of(loss), loss.slot)
-    };
-    let (graph, vars) = g.finish()?;
-    Ok(TrainingGraph {
-        graph,
-        vars,
-        loss: loss_key,
-        params: names,
-        state,
-    })
+    finish_training(g, loss, names, state)
 }
 
 /// The training graph of `loss` with parameter groups, learning rates held
@@ -369,6 +357,17 @@ pub fn training_graph_grouped(
         let opt = opts.groups[k].optimizer.with_lr(1.0);
         state.extend(opt.append_update_scaled(&mut g, p, gr, Some(scales[k])));
     }
+    finish_training(g, loss, names, state)
+}
+
+/// The finished training graph: `loss` as a fetch key (`name` or
+/// `name:slot`), the trained variables and the optimizer's state.
+fn finish_training(
+    g: GraphBuilder,
+    loss: Outlet,
+    params: Vec<String>,
+    state: Vec<String>,
+) -> Result<TrainingGraph, TrainError> {
     let loss_key = if loss.slot == 0 {
         g.name_of(loss).to_string()
     } else {
@@ -379,7 +378,7 @@ pub fn training_graph_grouped(
         graph,
         vars,
         loss: loss_key,
-        params: names,
+        params,
         state,
     })
 }

@@ -98,11 +98,16 @@ class _Translator:
     # -- emitting ------------------------------------------------------------
 
     def emit(self, op: str, inputs: Sequence[Any], n_out: int = 1, **attrs: Any) -> Any:
+        """The Lanes op `op` with `attrs` on `inputs`; its output (a tuple of
+        `n_out` when several)."""
+        return self._emit_json(op, _op(op, **attrs), inputs, n_out)
+
+    def _emit_json(self, label: str, op_json: str, inputs: Sequence[Any], n_out: int = 1) -> Any:
         ins = [self.lanes(x) for x in inputs]
         try:
-            outs = self.b.op(_op(op, **attrs), [i.outlet for i in ins])
+            outs = self.b.op(op_json, [i.outlet for i in ins])
         except ModelError as e:
-            raise self.fail(f"Lanes refused the translated op {op}: {e}") from None
+            raise self.fail(f"Lanes refused the translated op {label}: {e}") from None
         res = []
         for o in outs[: max(n_out, 1)]:
             shape, dtype = self.b.type_of(o)
@@ -122,13 +127,7 @@ class _Translator:
         """x · factor (one `Scale` op; nothing for 1)."""
         if factor == 1.0:
             return self.lanes(x)
-        x = self.lanes(x)
-        try:
-            outs = self.b.op(json.dumps({"Scale": float(factor)}), [x.outlet])
-        except ModelError as e:
-            raise self.fail(f"Lanes refused the translated op Scale: {e}") from None
-        shape, dtype = self.b.type_of(outs[0])
-        return _Out(outs[0], tuple(shape), dtype)
+        return self._emit_json("Scale", json.dumps({"Scale": float(factor)}), [x])
 
     def constant(self, value: Any, like_dtype: str = "float32") -> _Out:
         """A known value as a tensor of the graph. A tensor broadcast along
