@@ -1,13 +1,13 @@
-//! Who a peer is, with the stock libzmq the service links: a connection is
-//! its routing id, and a DEALER may choose its own (`ZMQ_ROUTING_ID`),
-//! including the id of another client. What holds is the ZAP handler's
-//! connection token (`--auth-key-file`): a peer without the key never
-//! completes ZeroMQ's handshake, so naming a live or just-gone client's id
-//! gets it nothing and the service never hears it. Without a key file a
-//! peer that takes a dead client's id before the service notices it gone
-//! takes its sessions (docs/protocol.md, *Security*: open). Through real
-//! sockets against `lanes serve` child processes whose debug log shows the
-//! routing ids.
+//! Who a peer is. A connection is its ZeroMQ routing id, and a DEALER may
+//! choose its own (`ZMQ_ROUTING_ID`), including the id of another client;
+//! libzmq cannot be told to refuse chosen ids. What holds: Lanes clients
+//! choose 128 random bits, only such ids own sessions, the service never
+//! gives them away (its log shows a fingerprint), and the ids ZeroMQ hands
+//! out itself start from an unpredictable value, so neither a client's id
+//! nor the service's next ones can be named ahead. With `--auth-key-file`,
+//! a peer without the key never completes ZeroMQ's handshake at all.
+//! Through real sockets against `lanes serve` child processes whose debug
+//! log shows how each request's peer is named.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -76,21 +76,28 @@ impl Logged {
         }
     }
 
-    /// The routing ids of the peers whose requests the log shows, in the
-    /// order they first appear.
+    /// How the log names the peers whose requests it shows, in the order
+    /// they first appear: the hex of an id ZeroMQ assigned, `#` and a
+    /// fingerprint for an id a client chose.
     fn peers(&self) -> Vec<String> {
-        let log = std::fs::read_to_string(&self.log).unwrap();
         let mut out: Vec<String> = Vec::new();
-        for line in log.lines().filter(|l| l.contains(" request ")) {
+        for line in self.text().lines().filter(|l| l.contains(" request ")) {
             let Some(rest) = line.split(" peer=").nth(1) else {
                 continue;
             };
-            let id: String = rest.chars().take_while(char::is_ascii_hexdigit).collect();
+            let id: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_hexdigit() || *c == '#')
+                .collect();
             if !out.contains(&id) {
                 out.push(id);
             }
         }
         out
+    }
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap()
     }
 
     fn running(&mut self) -> bool {
@@ -193,17 +200,17 @@ impl Peer {
     }
 }
 
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// The victim: authenticated (when the service asks), one training
-/// session with its graph loaded.
-fn victim(endpoint: &str, auth: bool) -> (Peer, SessionId) {
+/// The victim: a connection with an id of its own as a Lanes client
+/// chooses, authenticated (when the service asks), one training session
+/// with its graph loaded.
+fn victim(endpoint: &str, auth: bool) -> (Peer, Vec<u8>, SessionId) {
     let key = auth.then(key);
-    let mut v = Peer::connect(endpoint, None, key.as_ref());
+    let id = wire::auth::connection_id().to_vec();
+    let mut v = Peer::connect(endpoint, Some(&id), key.as_ref());
     v.handshake(key.as_ref());
     let Reply::SessionOpened { session } =
         v.call(&Request::OpenSession(SessionSpec::training("victim")))
@@ -220,7 +227,7 @@ fn victim(endpoint: &str, auth: bool) -> (Peer, SessionId) {
             .collect(),
     };
     assert!(matches!(v.call(&load), Reply::GraphLoaded { .. }));
-    (v, session)
+    (v, id, session)
 }
 
 fn read_vars(session: SessionId) -> Request {
@@ -261,17 +268,16 @@ fn keyless_hijack(endpoint: &str, id: &[u8], session: SessionId) {
 }
 
 /// With `--auth-key-file`, a peer without the key that names a live
-/// client's routing id, and then the id of that client just gone, gets
-/// nothing: the victim's variables are not read, its session not closed,
-/// and the service hears only the victim.
+/// client's routing id (as if it had learnt it), and then the id of that
+/// client just gone, gets nothing: the victim's variables are not read,
+/// its session not closed, and the service hears only the victim.
 #[test]
 fn a_peer_without_the_key_cannot_take_over_a_session_by_its_routing_id() {
     let mut service = Logged::start(true);
     let ep = service.endpoint.clone();
-    let (mut v, session) = victim(&ep, true);
+    let (mut v, vid, session) = victim(&ep, true);
     let peers = service.peers();
     assert_eq!(peers.len(), 1, "{peers:?}");
-    let vid = unhex(&peers[0]);
     keyless_hijack(&ep, &vid, session);
     // The victim is still served, its session intact.
     assert!(matches!(
@@ -286,4 +292,112 @@ fn a_peer_without_the_key_cannot_take_over_a_session_by_its_routing_id() {
     let peers = service.peers();
     assert_eq!(peers.len(), 1, "only the victim was heard: {peers:?}");
     assert!(service.running());
+}
+
+/// Without a key (loopback): the service never gives a client's id away —
+/// its log names the victim by a fingerprint, not by its id — so no other
+/// peer can name it; a peer that leaves its id to ZeroMQ (the ids an
+/// attacker could predict or claim) cannot open a session nor reach the
+/// victim's, and is told why.
+#[test]
+fn only_a_connection_with_an_unguessable_id_of_its_own_owns_sessions() {
+    let service = Logged::start(false);
+    let ep = service.endpoint.clone();
+    let (mut v, vid, session) = victim(&ep, false);
+    assert!(matches!(
+        v.call(&read_vars(session)),
+        Reply::Variables { .. }
+    ));
+    let log = service.text();
+    assert!(
+        !log.contains(&hex(&vid)),
+        "the log gives the victim's id away"
+    );
+    let label = format!("#{}", wire::auth::fingerprint(&vid));
+    assert_eq!(service.peers(), vec![label]);
+
+    let mut unnamed = Peer::connect(&ep, None, None);
+    for req in [
+        Request::Hello {
+            client: "unnamed".into(),
+        },
+        Request::OpenSession(SessionSpec::training("squatter")),
+    ] {
+        match unnamed.call(&req) {
+            Reply::Error(e) => {
+                assert_eq!(e.code, wire::ErrorCode::BadRequest, "{e:?}");
+                assert!(e.message.contains("routing id"), "{}", e.message);
+            }
+            other => panic!("{} answered {other:?}", req.name()),
+        }
+    }
+    for req in against(session) {
+        match unnamed.call(&req) {
+            Reply::Error(e) => assert_eq!(e.code, wire::ErrorCode::UnknownSession, "{e:?}"),
+            other => panic!("{} answered {other:?}", req.name()),
+        }
+    }
+    // A short id of one's choosing owns nothing either.
+    let mut short = Peer::connect(&ep, Some(b"victim"), None);
+    match short.call(&Request::OpenSession(SessionSpec::training("short"))) {
+        Reply::Error(e) => assert_eq!(e.code, wire::ErrorCode::BadRequest, "{e:?}"),
+        other => panic!("a short id opened a session: {other:?}"),
+    }
+    assert!(matches!(
+        v.call(&read_vars(session)),
+        Reply::Variables { .. }
+    ));
+}
+
+/// The first id a peer that names none is handed, as the log shows it.
+fn first_assigned_id(service: &Logged) -> String {
+    let mut p = Peer::connect(&service.endpoint, None, None);
+    assert!(matches!(p.call(&Request::Status), Reply::Status(_)));
+    let peers = service.peers();
+    assert_eq!(peers.len(), 1, "{peers:?}");
+    peers[0].clone()
+}
+
+/// Stock libzmq draws the first id its ROUTER hands out from an unseeded
+/// `rand ()`: every process handed out `006b8b4567`, then `…68`, and so
+/// on. The service seeds it, so two fresh services start elsewhere.
+#[test]
+fn the_ids_a_fresh_service_hands_out_are_not_predictable() {
+    let a = first_assigned_id(&Logged::start(false));
+    let b = first_assigned_id(&Logged::start(false));
+    assert_eq!(a.len(), 10, "{a}");
+    assert!(a.starts_with("00") && b.starts_with("00"), "{a} {b}");
+    assert_ne!(a, "006b8b4567");
+    assert_ne!(b, "006b8b4567");
+    assert_ne!(a, b, "two fresh services handed out the same first id");
+}
+
+/// A peer that claims, ahead of time, the ids an unseeded ROUTER would
+/// hand out next (libzmq aborts the process when its counter reaches a
+/// claimed id) does not stop the service: the ids it hands out start
+/// elsewhere, and ordinary clients that name no id are served.
+#[test]
+fn claiming_the_ids_libzmq_would_hand_out_does_not_crash_the_service() {
+    let mut service = Logged::start(false);
+    let ep = service.endpoint.clone();
+    let claimed: Vec<Peer> = (0..64u32)
+        .map(|k| {
+            let mut id = vec![0u8];
+            id.extend_from_slice(&0x6b8b_4567u32.wrapping_add(k).to_be_bytes());
+            let mut p = Peer::connect(&ep, Some(&id), None);
+            assert!(matches!(p.call(&Request::Status), Reply::Status(_)));
+            p
+        })
+        .collect();
+    for _ in 0..64 {
+        let mut p = Peer::connect(&ep, None, None);
+        assert!(matches!(p.call(&Request::Status), Reply::Status(_)));
+    }
+    assert!(service.running());
+    let (mut v, _, session) = victim(&ep, false);
+    assert!(matches!(
+        v.call(&read_vars(session)),
+        Reply::Variables { .. }
+    ));
+    drop(claimed);
 }

@@ -1271,6 +1271,8 @@ fn open_socket(
     socket.set_maxmsgsize(i64::try_from(options.limits.max_frame_bytes).unwrap_or(i64::MAX))?;
     socket.set_heartbeat_ivl(HEARTBEAT_IVL_MS)?;
     socket.set_heartbeat_timeout(HEARTBEAT_TIMEOUT_MS)?;
+    // 128 random bits: the connection's identity, which owns its sessions.
+    socket.set_identity(&auth::connection_id())?;
     if let Some(token) = token {
         socket.set_plain_username(Some(auth::TOKEN_USER))?;
         socket.set_plain_password(Some(token))?;

@@ -176,6 +176,8 @@ pub(super) fn spawn(
     stop: Arc<AtomicBool>,
 ) -> Result<(String, JoinHandle<Result<(), ServerError>>), ServerError> {
     let ctx = zmq::Context::new();
+    // Before the ROUTER draws the first id it will hand out.
+    connections::seed_assigned_ids();
     let router = ctx.socket(zmq::ROUTER)?;
     router.set_linger(500)?;
     // With a key, a connection is admitted at its handshake only with a
@@ -482,6 +484,9 @@ impl Frontend {
     }
 
     fn open(&mut self, peer: &[u8], spec: SessionSpec) -> Reply {
+        if !wire::auth::is_chosen_id(peer) {
+            return Reply::error(ErrorCode::BadRequest, UNCHOSEN_ID);
+        }
         if spec.name.trim().is_empty() || spec.name.len() > MAX_NAME_BYTES {
             return Reply::error(
                 ErrorCode::BadRequest,
@@ -852,6 +857,23 @@ impl Throttle {
     }
 }
 
+/// The refusal of a connection whose routing id may not own sessions.
+const UNCHOSEN_ID: &str = "this connection has no routing id of its own: sessions belong to \
+     connections whose ZeroMQ routing id (ZMQ_ROUTING_ID) is at least 16 random bytes not \
+     starting with a zero byte, as Lanes clients choose";
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// How the log names a peer. A routing id a client chose is the secret
+/// that keeps its sessions its own, so the log shows only a fingerprint of
+/// it (`#` and the first 4 bytes of its SHA-256); ids that ZeroMQ assigned
+/// (a zero byte and a counter) own nothing and are shown as they are.
+fn peer_label(id: &[u8]) -> String {
+    if wire::auth::is_chosen_id(id) {
+        format!("#{}", wire::auth::fingerprint(id))
+    } else {
+        hex(id)
+    }
 }

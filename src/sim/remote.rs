@@ -274,6 +274,9 @@ impl Conn {
     ) -> Result<Conn, RemoteError> {
         let socket = ctx.socket(zmq::DEALER)?;
         socket.set_linger(200)?;
+        // The service gives sessions only to connections with an id of
+        // their own choosing.
+        socket.set_identity(&lanes_adaptor::wire::auth::connection_id())?;
         socket.connect(endpoint)?;
         Ok(Conn {
             socket,

@@ -55,10 +55,20 @@ pub struct RawPeer {
 }
 
 impl RawPeer {
+    /// With a routing id of its own, as Lanes clients choose (only such
+    /// connections may own sessions).
     pub fn connect(endpoint: &str) -> Self {
+        Self::connect_as(endpoint, Some(&lanes_adaptor::wire::auth::connection_id()))
+    }
+
+    /// With the routing id `id`, or with none (ZeroMQ then assigns one).
+    pub fn connect_as(endpoint: &str, id: Option<&[u8]>) -> Self {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::DEALER).unwrap();
         socket.set_linger(0).unwrap();
+        if let Some(id) = id {
+            socket.set_identity(id).unwrap();
+        }
         socket.connect(endpoint).unwrap();
         RawPeer { socket, _ctx: ctx }
     }
@@ -70,6 +80,9 @@ impl RawPeer {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::DEALER).unwrap();
         socket.set_linger(0).unwrap();
+        socket
+            .set_identity(&lanes_adaptor::wire::auth::connection_id())
+            .unwrap();
         socket
             .set_plain_username(Some(lanes_adaptor::wire::auth::TOKEN_USER))
             .unwrap();

@@ -230,6 +230,45 @@ impl AuthKey {
     }
 }
 
+/// Fewest bytes of a connection's routing id that the service accepts as
+/// the owner of sessions. A connection is its ZeroMQ routing id, so the id
+/// is what keeps one connection's sessions from another's: Lanes clients
+/// choose [`connection_id`], 128 random bits that no other peer can guess;
+/// ids that ZeroMQ hands out itself (a zero byte and a 32-bit counter) are
+/// refused (docs/protocol.md, *Identity*).
+pub const MIN_CONNECTION_ID_BYTES: usize = 16;
+
+/// The first byte of the ids [`connection_id`] makes (ZeroMQ reserves ids
+/// that start with a zero byte for the ones it assigns).
+const CONNECTION_ID_MARK: u8 = b'L';
+
+/// A fresh routing id for a client's connection: a mark byte and 16 bytes
+/// from a cryptographically secure generator.
+pub fn connection_id() -> [u8; MIN_CONNECTION_ID_BYTES + 1] {
+    use rand::RngCore;
+    let mut out = [0u8; MIN_CONNECTION_ID_BYTES + 1];
+    out[0] = CONNECTION_ID_MARK;
+    rand::thread_rng().fill_bytes(&mut out[1..]);
+    out
+}
+
+/// Whether a routing id may own sessions: chosen by its peer (not one of
+/// ZeroMQ's own, which start with a zero byte) and long enough to hold the
+/// 128 random bits of [`connection_id`].
+pub fn is_chosen_id(id: &[u8]) -> bool {
+    id.len() >= MIN_CONNECTION_ID_BYTES && id.first().is_some_and(|&b| b != 0)
+}
+
+/// A short name for a routing id that does not give it away: the first 4
+/// bytes of its SHA-256, in hex (for logs).
+pub fn fingerprint(id: &[u8]) -> String {
+    use sha2::Digest;
+    Sha256::digest(id)[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// 32 bytes from a cryptographically secure generator (a challenge or a
 /// nonce).
 pub fn random_bytes() -> [u8; AUTH_BYTES] {
@@ -243,6 +282,20 @@ pub fn random_bytes() -> [u8; AUTH_BYTES] {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connection_ids_are_chosen_and_differ() {
+        let a = connection_id();
+        let b = connection_id();
+        assert!(is_chosen_id(&a) && is_chosen_id(&b));
+        assert_ne!(a, b);
+        // ZeroMQ's own ids (a zero byte and a counter) and short ids are not.
+        assert!(!is_chosen_id(&[0, 0x6b, 0x8b, 0x45, 0x67]));
+        assert!(!is_chosen_id(b"short-id"));
+        let mut zero_led = a;
+        zero_led[0] = 0;
+        assert!(!is_chosen_id(&zero_led));
+    }
 
     #[test]
     fn proofs_check_only_with_the_same_key_challenge_nonce_and_role() {

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use lanes_adaptor::wire::{self, SessionId};
 
-use super::{hex, Frontend, PeerSegments, MAX_SEGMENTS_PER_SESSION};
+use super::{peer_label, Frontend, PeerSegments, MAX_SEGMENTS_PER_SESSION};
 
 /// A doorbell this thread polls, and the last request id taken through it
 /// (from the doorbell or the socket: the other copy is dropped).
@@ -107,7 +107,7 @@ impl Frontend {
                     .as_ref()
                     .is_some_and(|g| !g.is_authenticated(&peer))
             {
-                tracing::debug!(peer = %hex(&peer), id, "a doorbell rung with something else than its Run");
+                tracing::debug!(peer = %peer_label(&peer), id, "a doorbell rung with something else than its Run");
                 continue;
             }
             let frames = [zmq::Message::from(bytes)];

@@ -1,15 +1,17 @@
 //! The socket thread's connections: sending to a peer (and noticing one
 //! that is gone), pinging quiet ones, admitting connections at their
 //! handshake and refusing requests before authentication, and which
-//! sessions a connection owns. A connection is its routing id (which a
-//! peer may choose with stock libzmq: docs/protocol.md, *Identity*): a
-//! session belongs to the connection that opened it, and ends with it.
+//! sessions a connection owns. A connection is its routing id: Lanes
+//! clients choose 128 random bits (`wire::auth::connection_id`), only such
+//! ids may own sessions, and the ids ZeroMQ assigns itself start from an
+//! unpredictable value (docs/protocol.md, *Identity*). A session belongs
+//! to the connection that opened it, and ends with it.
 
 use std::time::Instant;
 
 use lanes_adaptor::wire::{self, ErrorCode, ErrorReply, Reply, SessionId};
 
-use super::{hex, Entry, Frontend, PING_EVERY};
+use super::{peer_label, Entry, Frontend, PING_EVERY};
 
 impl Frontend {
     pub(super) fn send(&mut self, peer: &[u8], frames: Vec<Vec<u8>>) -> Result<(), zmq::Error> {
@@ -36,7 +38,7 @@ impl Frontend {
             }
             Err(zmq::Error::EAGAIN) => {
                 if let Some(suppressed) = self.dropped_replies.allow() {
-                    tracing::warn!(peer = %hex(peer), suppressed, "a client does not read its replies: one dropped");
+                    tracing::warn!(peer = %peer_label(peer), suppressed, "a client does not read its replies: one dropped");
                 }
                 Ok(false)
             }
@@ -145,5 +147,24 @@ impl Frontend {
                 message: format!("session {session} is not open on this connection"),
             }),
         }
+    }
+}
+
+/// Seeds the C library's `rand`, from which libzmq's ROUTER draws the first
+/// of the ids it hands out to peers that name none (then counts up). Stock
+/// libzmq never seeds it, so every service handed out the same ids in the
+/// same order (`006b8b4567`, `…68`, …), and a peer that claimed the next
+/// ones first could make libzmq abort the process when its counter got
+/// there. Seeded from a cryptographically secure generator, the ids are not
+/// predictable, so claiming them ahead is a guess among 2^32 per id.
+pub(super) fn seed_assigned_ids() {
+    use rand::RngCore;
+    let seed = rand::thread_rng().next_u32();
+    // SAFETY: `srand` only sets the C library's generator state (glibc
+    // guards it with a lock); it takes a plain integer and touches no
+    // memory that Rust owns.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::srand(seed);
     }
 }

@@ -11,7 +11,7 @@ use lanes_adaptor::wire::{self, Envelope, ErrorCode, Reply, Request};
 
 use super::super::decoder::{Decoded, OFFLOAD_BYTES};
 use super::super::dispatch::Work;
-use super::{hex, Frontend, PeerSegments, HANDSHAKE_BYTES};
+use super::{peer_label, Frontend, PeerSegments, HANDSHAKE_BYTES};
 use crate::session::RunFeeds;
 
 impl Frontend {
@@ -180,7 +180,7 @@ impl Frontend {
             Ok(env) => env,
             Err(e) => {
                 if let Some(suppressed) = self.bad_messages.allow() {
-                    tracing::warn!(peer = %hex(&peer), code = %e.error.code(), error = %wire::bounded_text(&e.to_string()), suppressed, "bad message");
+                    tracing::warn!(peer = %peer_label(&peer), code = %e.error.code(), error = %wire::bounded_text(&e.to_string()), suppressed, "bad message");
                 }
                 let id = e.request_id.unwrap_or(0);
                 return self.send_error(&peer, id, e.error.code(), &e.to_string());
@@ -193,7 +193,7 @@ impl Frontend {
         if self.stopping.is_some() {
             return self.refuse_stopping(&peer, request_id);
         }
-        tracing::debug!(peer = %hex(&peer), request = message.name(), request_id, "request");
+        tracing::debug!(peer = %peer_label(&peer), request = message.name(), request_id, "request");
         if unauthenticated
             && !matches!(
                 message,
@@ -203,8 +203,11 @@ impl Frontend {
             return self.refuse_unauthenticated(&peer, request_id);
         }
         let reply = match message {
+            Request::Hello { .. } if !wire::auth::is_chosen_id(&peer) => {
+                Reply::error(ErrorCode::BadRequest, super::UNCHOSEN_ID)
+            }
             Request::Hello { client } => {
-                tracing::debug!(peer = %hex(&peer), %client, "hello");
+                tracing::debug!(peer = %peer_label(&peer), %client, "hello");
                 let origin = std::mem::take(&mut self.opening_from);
                 match self
                     .gate
@@ -229,12 +232,12 @@ impl Frontend {
                 ),
                 Some(gate) => match gate.authenticate(&peer, &nonce, &proof) {
                     Ok(proof) => {
-                        tracing::debug!(peer = %hex(&peer), "authenticated");
+                        tracing::debug!(peer = %peer_label(&peer), "authenticated");
                         Reply::Authenticated { proof }
                     }
                     Err(e) => {
                         if let Some(suppressed) = self.bad_messages.allow() {
-                            tracing::warn!(peer = %hex(&peer), reason = %e, suppressed, "authentication refused");
+                            tracing::warn!(peer = %peer_label(&peer), reason = %e, suppressed, "authentication refused");
                         }
                         Reply::error(ErrorCode::Unauthenticated, e.to_string())
                     }
