@@ -7,7 +7,8 @@ transformers BertModel with the bert-base config (no attention mask, pooler
 included) at sequence length --seq. FP32 with PyTorch's default precision
 settings, printed in the output: cuDNN convolutions may use TF32
 (torch.backends.cudnn.allow_tf32 = True), matrix products do not
-(torch.backends.cuda.matmul.allow_tf32 = False), cudnn.benchmark = False.
+(torch.backends.cuda.matmul.allow_tf32 = False, unless --tf32-matmul),
+cudnn.benchmark = False.
 
 Two timings per model, median over --iters after --warmup:
   host:     input copied host -> GPU, forward, output copied GPU -> host
@@ -108,6 +109,12 @@ def main():
         action="store_true",
         help="time one training step instead (the zoo's loss, SGD lr 0.1 momentum 0.9)",
     )
+    ap.add_argument(
+        "--tf32-matmul",
+        action="store_true",
+        help="matrix products on TF32 tensor cores (matmul.allow_tf32 = True), "
+        "as `lanes bench --tf32-matmul`",
+    )
     a = ap.parse_args()
     if a.models is None:
         a.models = "resnet50" if a.train else "resnet50,resnet152,inception_v3,bert_base"
@@ -122,7 +129,7 @@ def main():
     # PyTorch's defaults, set explicitly so the comparison does not depend on
     # the environment: TF32 for cuDNN convolutions, full FP32 matmul.
     torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32_matmul
     torch.backends.cudnn.benchmark = False
     dev = torch.device("cuda")
     settings = {

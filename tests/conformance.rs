@@ -629,6 +629,58 @@ fn matmul_variants() {
     run_all(cases);
 }
 
+/// `CudaOptions::matmul_tf32` (`lanes serve --tf32-matmul`): the products
+/// of a plain and a batched MatMul within TF32's tolerance of the CPU's
+/// FP32, and different from the GPU's own FP32 products (so the switch
+/// reached cuBLAS: TF32 rounds the inputs to 10 mantissa bits).
+#[test]
+#[ignore = "needs a GPU"]
+fn matmul_tf32_switch() {
+    let mut rng = StdRng::seed_from_u64(15);
+    for (name, a, b) in [
+        ("2d", vec![256, 512], vec![512, 384]),
+        ("batched", vec![8, 128, 256], vec![8, 256, 64]),
+    ] {
+        let mut c = single(
+            &format!("matmul tf32 {name}"),
+            Op::MatMul {
+                transpose_a: false,
+                transpose_b: false,
+            },
+            vec![rnd(&mut rng, &a, -1.0, 1.0), rnd(&mut rng, &b, -1.0, 1.0)],
+            TF32,
+        );
+        let (graph, vars) = c.g.finish().unwrap();
+        let vg = validate(graph, &large_limits()).unwrap();
+        let mut outs = Vec::new();
+        for tf32 in [false, true] {
+            c.opts.matmul_tf32 = tf32;
+            let mut p = CudaProgram::with_options(vg.clone(), vars.clone(), c.opts).unwrap();
+            outs.push(p.run(&c.feeds, &c.fetches).unwrap().remove(0));
+        }
+        let mut cpu = CpuProgram::new(vg, vars).unwrap();
+        let want = cpu.run(&c.feeds, &c.fetches).unwrap().remove(0);
+        let plain = compare(name, &want, &outs[0], FP32).unwrap();
+        let tf32 = compare(name, &want, &outs[1], TF32).unwrap();
+        let apart = outs[0]
+            .f32s()
+            .unwrap()
+            .iter()
+            .zip(outs[1].f32s().unwrap())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        println!(
+            "matmul {name}: FP32 worst {plain:.3} of FP32 tol, TF32 worst {tf32:.3} of TF32 tol, \
+             TF32 vs FP32 on the GPU up to {apart:e}"
+        );
+        assert!(plain <= 1.0 && tf32 <= 1.0);
+        assert!(
+            apart > 1e-4,
+            "TF32 products equal FP32's: the switch did not reach cuBLAS"
+        );
+    }
+}
+
 fn conv_attrs(stride: usize, pad: usize, dil: usize, groups: usize) -> Conv2dAttrs {
     Conv2dAttrs {
         stride: [stride, stride],

@@ -169,6 +169,10 @@ struct RunOpts {
     /// (`ClientOptions::busy_poll`); 0 (the default) is off.
     #[arg(long, default_value_t = 0.0, value_name = "MS")]
     busy_poll: f64,
+    /// Both paths on CUDA: FP32 matrix products on TF32 tensor cores
+    /// (`lanes serve --tf32-matmul`); off by default, as PyTorch's.
+    #[arg(long)]
+    tf32_matmul: bool,
 }
 
 impl RunOpts {
@@ -327,6 +331,7 @@ fn bench(
     if o.iters == 0 {
         bail!("--iters must be positive");
     }
+    lanes::exec::cuda::set_matmul_tf32(o.tf32_matmul);
     let timing = Timing {
         device,
         iters: o.iters,

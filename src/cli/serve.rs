@@ -52,10 +52,14 @@ pub struct Args {
     #[arg(long, default_value_t = 0.0, value_name = "MS")]
     pub busy_poll: f64,
     /// Convolutions in plain FP32: cuDNN may not use TF32 tensor cores
-    /// (on by default, as PyTorch's `cudnn.allow_tf32`). Matrix products
-    /// are always FP32.
+    /// (on by default, as PyTorch's `cudnn.allow_tf32`).
     #[arg(long)]
     pub no_tf32: bool,
+    /// FP32 matrix products on TF32 tensor cores (cuBLAS), as PyTorch's
+    /// `torch.set_float32_matmul_precision("high")`; off by default, as
+    /// PyTorch's `matmul.allow_tf32`: products are then plain FP32.
+    #[arg(long)]
+    pub tf32_matmul: bool,
     /// Worker threads running iterations (default: one per core).
     #[arg(long)]
     pub workers: Option<usize>,
@@ -220,6 +224,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let busy_poll = super::busy_poll_window(args.busy_poll)?;
     lanes::exec::cuda::set_conv_tf32(!args.no_tf32);
+    lanes::exec::cuda::set_matmul_tf32(args.tf32_matmul);
     let device = server::resolve_device(args.device)?;
     let memory_bytes = server::resolve_memory(args.memory, &device)?;
     let config = ServerConfig {

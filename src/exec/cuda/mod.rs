@@ -23,7 +23,8 @@ mod vm;
 
 pub use pin::{pin_host, HostPin};
 pub use program::{
-    ephemeral_need, set_conv_tf32, set_wait_spin, ArenaParts, CudaOptions, CudaProgram,
+    ephemeral_need, set_conv_tf32, set_matmul_tf32, set_wait_spin, ArenaParts, CudaOptions,
+    CudaProgram,
 };
 
 use super::ExecError;

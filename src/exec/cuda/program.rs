@@ -96,11 +96,23 @@ pub fn set_conv_tf32(on: bool) {
     CONV_TF32.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Process-wide default of [`CudaOptions::matmul_tf32`] (`--tf32-matmul`).
+static MATMUL_TF32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Process-wide: whether programs made from [`CudaOptions::default`] let
+/// cuBLAS use TF32 tensor cores for FP32 matrix products (off by default,
+/// as PyTorch's `torch.backends.cuda.matmul.allow_tf32`; `lanes serve
+/// --tf32-matmul` turns it on, as `torch.set_float32_matmul_precision
+/// ("high")` does).
+pub fn set_matmul_tf32(on: bool) {
+    MATMUL_TF32.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             conv_tf32: CONV_TF32.load(std::sync::atomic::Ordering::Relaxed),
-            matmul_tf32: false,
+            matmul_tf32: MATMUL_TF32.load(std::sync::atomic::Ordering::Relaxed),
             cuda_graph: true,
             urgency: 0,
             fuse: std::env::var("LANES_NO_FUSION").as_deref() != Ok("1"),
