@@ -476,3 +476,30 @@ fn requests_over_the_in_flight_limit_are_refused() {
         assert_eq!(t.join().unwrap(), 200);
     }
 }
+
+#[test]
+fn a_session_the_service_reclaims_is_opened_again() {
+    let r = repo("reclaim");
+    let h = start(&r, &["--idle-timeout", "0.2"]);
+    let x = vec![0.5f32; 4 * 9 * 9];
+    let body = json_request("x", &[1, 4, 9, 9], &x);
+    let first = h.post_json("/v2/models/conv/infer", &body);
+    assert_eq!(first.status, 200);
+    // Silent for many idle timeouts: the service reclaims the session
+    // (it looks every 50 ms), and the next request opens it again.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let second = h.post_json("/v2/models/conv/infer", &body);
+    assert_eq!(second.status, 200, "{}", second.error());
+    assert_eq!(first.json()["outputs"], second.json()["outputs"]);
+    let s = h.get("/v2/models/conv/stats").json();
+    let input = &s["model_stats"][0]["inference_stats"]["compute_input"];
+    assert!(
+        input["ns"].as_u64().unwrap() > 0,
+        "no session was opened again: {s}"
+    );
+    let log = h.serve.stop();
+    assert!(
+        log.contains("idle session reclaimed") && log.contains("oip:conv:b1"),
+        "{log}"
+    );
+}
