@@ -405,6 +405,15 @@ fn flags_are_checked_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a directory"), "{err}");
+    // The HTTP port does not authenticate: other hosts only when asked.
+    let out = std::process::Command::new(util::lanes_bin())
+        .args(["serve", "--device", "cpu", "--endpoint", "tcp://127.0.0.1:*"])
+        .args(["--http", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--allow-unauthenticated-remote"), "{err}");
 }
 
 /// A repository with `waits`: a model that waits up to 20 s for a batch

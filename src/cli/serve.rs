@@ -96,8 +96,9 @@ pub struct Args {
     #[arg(long)]
     pub no_shared_memory: bool,
     /// Bind an endpoint other than loopback or `ipc://` without
-    /// `--auth-key-file`: anyone who reaches the address may open sessions
-    /// and use the device (see the security section of docs/protocol.md).
+    /// `--auth-key-file`, or an `--http` address other than loopback:
+    /// anyone who reaches the address may open sessions and use the device
+    /// (see the security section of docs/protocol.md, and docs/serving.md).
     #[arg(long)]
     pub allow_unauthenticated_remote: bool,
     /// Authenticate peers with the pre-shared key in this file (at least
@@ -287,6 +288,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(addr) => {
             if args.http.http_max_in_flight == 0 {
                 anyhow::bail!("--http-max-in-flight must be at least 1");
+            }
+            let remote = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str())
+                .with_context(|| format!("--http {addr} is not an address (e.g. 127.0.0.1:8000)"))?
+                .any(|a| !a.ip().is_loopback());
+            if remote {
+                if !args.allow_unauthenticated_remote {
+                    anyhow::bail!(
+                        "--http {addr} is reachable from other hosts, and the inference protocol's HTTP port does not authenticate: \
+                         bind a loopback address (127.0.0.1:PORT) behind a proxy that does, or pass \
+                         --allow-unauthenticated-remote on a network you trust (docs/serving.md)"
+                    );
+                }
+                tracing::warn!(http = %addr, "serving the inference protocol to other hosts without authentication");
             }
             let oip = lanes::oip::start(lanes::oip::OipConfig {
                 http: addr.clone(),

@@ -22,6 +22,10 @@ use super::OipConfig;
 /// The protocol's header naming the JSON part's length.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
+/// JSON bodies larger than this (in bytes, or about this many bytes of
+/// numbers in a response) are parsed or written on the blocking pool.
+const LARGE_JSON: usize = 64 << 10;
+
 /// What the handlers share.
 #[derive(Debug)]
 pub struct State {
@@ -240,8 +244,22 @@ async fn infer_inner(
             ApiError::BadRequest("Inference-Header-Content-Length is not text".into())
         })?),
     };
-    let (json_part, binary) = tensors::split_body(&bytes, header_len)?;
-    let decoded = tensors::decode(&model.info, json_part, binary)?;
+    let json_len = tensors::split_body(&bytes, header_len)?.0.len();
+    let header_len = header_len.map(str::to_owned);
+    let m = Arc::clone(&model);
+    let decode = move || {
+        let (json_part, binary) = tensors::split_body(&bytes, header_len.as_deref())?;
+        tensors::decode(&m.info, json_part, binary)
+    };
+    // Parsing a large JSON body takes milliseconds: off the runtime's
+    // threads, which serve every connection.
+    let decoded = if json_len > LARGE_JSON {
+        tokio::task::spawn_blocking(decode)
+            .await
+            .map_err(|e| ApiError::Internal(format!("decoding stopped: {e}")))??
+    } else {
+        decode()?
+    };
     let (tx, rx) = tokio::sync::oneshot::channel();
     model.submit(Job {
         rows: decoded.rows,
@@ -252,20 +270,34 @@ async fn infer_inner(
     let outputs = rx
         .await
         .map_err(|_| ApiError::Internal(format!("model `{name}` stopped before answering")))??;
+    let mut outputs: Vec<Option<lanes_adaptor::Tensor>> = outputs.into_iter().map(Some).collect();
     let mut picked = Vec::with_capacity(decoded.outputs.len());
-    for (wanted, _) in &decoded.outputs {
-        let k = model
+    let mut json_elements = 0;
+    for (wanted, binary) in &decoded.outputs {
+        let t = model
             .info
             .outputs
             .iter()
             .position(|o| &o.name == wanted)
-            .ok_or_else(|| ApiError::Internal(format!("output `{wanted}` vanished")))?;
-        let t = outputs.get(k).ok_or_else(|| {
-            ApiError::Internal(format!("model `{name}` returned too few outputs"))
-        })?;
-        picked.push(t.clone());
+            .and_then(|k| outputs.get_mut(k))
+            .and_then(Option::take)
+            .ok_or_else(|| {
+                ApiError::Internal(format!("model `{name}` did not return `{wanted}`"))
+            })?;
+        if !binary {
+            json_elements += t.numel();
+        }
+        picked.push(t);
     }
-    let enc = tensors::encode(&model.info, decoded.id, &decoded.outputs, &picked);
+    let (id, wanted) = (decoded.id, decoded.outputs);
+    let encode = move || tensors::encode(&model.info, id, &wanted, &picked);
+    let enc = if json_elements * 8 > LARGE_JSON {
+        tokio::task::spawn_blocking(encode)
+            .await
+            .map_err(|e| ApiError::Internal(format!("encoding stopped: {e}")))?
+    } else {
+        encode()
+    };
     let mut resp = Response::new(Body::from(enc.body));
     let h = resp.headers_mut();
     match enc.header_len {
