@@ -407,7 +407,13 @@ fn flags_are_checked_at_start() {
     assert!(err.contains("not a directory"), "{err}");
     // The HTTP port does not authenticate: other hosts only when asked.
     let out = std::process::Command::new(util::lanes_bin())
-        .args(["serve", "--device", "cpu", "--endpoint", "tcp://127.0.0.1:*"])
+        .args([
+            "serve",
+            "--device",
+            "cpu",
+            "--endpoint",
+            "tcp://127.0.0.1:*",
+        ])
         .args(["--http", "0.0.0.0:0"])
         .output()
         .unwrap();
@@ -511,4 +517,41 @@ fn a_session_the_service_reclaims_is_opened_again() {
         log.contains("idle session reclaimed") && log.contains("oip:conv:b1"),
         "{log}"
     );
+}
+
+#[test]
+fn a_reload_keeps_serving_the_model() {
+    let r = repo("reload");
+    let h = start(&r, &[]);
+    let url = format!("{}/v2/models/conv/infer", h.base);
+    let body = json_request("x", &[2, 4, 9, 9], &[0.25; 2 * 4 * 9 * 9]).to_string();
+    let callers: Vec<_> = (0..2)
+        .map(|_| {
+            let (url, body) = (url.clone(), body.clone());
+            std::thread::spawn(move || {
+                (0..40)
+                    .map(|_| {
+                        let r = minreq::post(&url)
+                            .with_timeout(60)
+                            .with_body(body.clone())
+                            .send()
+                            .unwrap();
+                        (r.status_code, r.as_str().unwrap_or("").to_string())
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for _ in 0..4 {
+        assert_eq!(
+            h.post("/v2/repository/models/conv/load", Vec::new(), None)
+                .status,
+            200
+        );
+    }
+    for c in callers {
+        for (status, body) in c.join().unwrap() {
+            assert_eq!(status, 200, "{body}");
+        }
+    }
 }

@@ -104,12 +104,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Model {
-    /// Queues a request on the model's thread.
-    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+    /// Queues a request on the model's thread; a model stopped meanwhile
+    /// (unloaded, or replaced by a reload) hands the request back.
+    pub fn submit(&self, job: Job) -> Result<(), (ApiError, Job)> {
         let unloaded = || ApiError::Unavailable(format!("model `{}` is unloaded", self.info.name));
         match lock(&self.tx).as_ref() {
-            Some(tx) => tx.send(job).map_err(|_| unloaded()),
-            None => Err(unloaded()),
+            Some(tx) => tx.send(job).map_err(|e| (unloaded(), e.into_inner())),
+            None => Err((unloaded(), job)),
         }
     }
 

@@ -261,12 +261,25 @@ async fn infer_inner(
         decode()?
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
-    model.submit(Job {
+    let job = Job {
         rows: decoded.rows,
         feeds: decoded.feeds,
         arrived: Instant::now(),
         reply: tx,
-    })?;
+    };
+    // A reload replaces the model while requests are on their way: those
+    // that reach the old one after it stopped go to the new one (whose
+    // service session checks the feeds again).
+    let model = match model.submit(job) {
+        Ok(()) => model,
+        Err((e, job)) => match s.models.get(&name, version.as_deref()) {
+            Ok(now) if !Arc::ptr_eq(&now, &model) => {
+                now.submit(job).map_err(|(e, _)| e)?;
+                now
+            }
+            _ => return Err(e),
+        },
+    };
     let outputs = rx
         .await
         .map_err(|_| ApiError::Internal(format!("model `{name}` stopped before answering")))??;
