@@ -10,6 +10,7 @@ pub mod compile;
 pub mod exec;
 pub mod lanes;
 pub mod npy;
+pub mod oip;
 pub mod residency;
 pub mod sched;
 pub mod server;

@@ -100,8 +100,9 @@ pub struct Args {
     #[arg(long)]
     pub no_shared_memory: bool,
     /// Bind an endpoint other than loopback or `ipc://` without
-    /// `--auth-key-file`: anyone who reaches the address may open sessions
-    /// and use the device (see the security section of docs/protocol.md).
+    /// `--auth-key-file`, or an `--http` address other than loopback:
+    /// anyone who reaches the address may open sessions and use the device
+    /// (see the security section of docs/protocol.md, and docs/serving.md).
     #[arg(long)]
     pub allow_unauthenticated_remote: bool,
     /// Authenticate peers with the pre-shared key in this file (at least
@@ -130,6 +131,31 @@ pub struct Args {
     /// file and exits 0. A second signal stops it at once (exit 1).
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     pub shutdown_grace: f64,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// The Open Inference Protocol front end (docs/serving.md).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// Serve the KServe v2 Open Inference Protocol over HTTP at ADDR (e.g.
+    /// 127.0.0.1:8000; port 0 picks a free one), with Triton's binary
+    /// data, model repository, configuration and statistics extensions.
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<String>,
+    /// Models to serve over --http, in Triton's layout
+    /// (DIR/NAME/VERSION/model.onnx, optional DIR/NAME/config.pbtxt),
+    /// loaded at start (each an inference session of this service).
+    #[arg(long, value_name = "DIR", requires = "http")]
+    pub model_repository: Option<std::path::PathBuf>,
+    /// Largest HTTP request body (JSON and binary tensor data); larger
+    /// ones are answered 413.
+    #[arg(long, default_value = "64MiB", value_name = "SIZE")]
+    pub http_max_body: ByteSize,
+    /// Most inference requests served over HTTP at once; more are
+    /// answered 503 at once.
+    #[arg(long, default_value_t = lanes::oip::DEFAULT_MAX_IN_FLIGHT, value_name = "N")]
+    pub http_max_in_flight: usize,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -186,6 +212,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => Some(lanes_adaptor::AuthKey::from_file(path)?),
         None => None,
     };
+    let auth_key_for_http = auth_key.clone();
     if !lanes_adaptor::client::is_local(&args.endpoint) && auth_key.is_none() {
         if !args.allow_unauthenticated_remote {
             anyhow::bail!(
@@ -262,6 +289,46 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => None,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
+    let oip = match &args.http.http {
+        Some(addr) => {
+            if args.http.http_max_in_flight == 0 {
+                anyhow::bail!("--http-max-in-flight must be at least 1");
+            }
+            let remote = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str())
+                .with_context(|| format!("--http {addr} is not an address (e.g. 127.0.0.1:8000)"))?
+                .any(|a| !a.ip().is_loopback());
+            if remote {
+                if !args.allow_unauthenticated_remote {
+                    anyhow::bail!(
+                        "--http {addr} is reachable from other hosts, and the inference protocol's HTTP port does not authenticate: \
+                         bind a loopback address (127.0.0.1:PORT) behind a proxy that does, or pass \
+                         --allow-unauthenticated-remote on a network you trust (docs/serving.md)"
+                    );
+                }
+                tracing::warn!(http = %addr, "serving the inference protocol to other hosts without authentication");
+            }
+            let oip = lanes::oip::start(lanes::oip::OipConfig {
+                http: addr.clone(),
+                endpoint: handle.endpoint().to_string(),
+                auth_key: auth_key_for_http,
+                repository: args.http.model_repository.clone(),
+                max_body_bytes: usize::try_from(args.http.http_max_body.0)
+                    .context("--http-max-body does not fit this machine")?,
+                max_in_flight: args.http.http_max_in_flight,
+                run_timeout: Duration::from_secs(300),
+                stopping: Some(handle.stop_flag()),
+            })
+            .with_context(|| format!("starting the HTTP front end on {addr}"))?;
+            for (name, state, reason) in oip.models() {
+                match reason {
+                    Some(r) => tracing::warn!(model = %name, state = %state, reason = %r, "model"),
+                    None => tracing::info!(model = %name, state = %state, "model"),
+                }
+            }
+            Some(oip)
+        }
+        None => None,
+    };
     let stop = handle.stop_flag();
     ctrlc::set_handler(move || {
         if stop.swap(true, std::sync::atomic::Ordering::SeqCst) {
@@ -271,19 +338,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!("SIGINT or SIGTERM: stopping");
     })
     .context("installing the SIGINT and SIGTERM handler")?;
-    match &metrics_http {
-        Some(h) => outln!(
-            "lanes serving on {} (policy {}), metrics at http://{}/metrics",
-            handle.endpoint(),
-            args.policy,
-            h.addr()
-        )?,
-        None => outln!(
-            "lanes serving on {} (policy {})",
-            handle.endpoint(),
-            args.policy
-        )?,
+    let mut line = format!(
+        "lanes serving on {} (policy {})",
+        handle.endpoint(),
+        args.policy
+    );
+    if let Some(h) = &metrics_http {
+        line.push_str(&format!(", metrics at http://{}/metrics", h.addr()));
     }
+    if let Some(o) = &oip {
+        line.push_str(&format!(", inference protocol at http://{}/v2", o.addr()));
+    }
+    outln!("{line}")?;
     handle.wait()?;
+    drop(oip);
     Ok(())
 }

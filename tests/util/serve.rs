@@ -15,6 +15,8 @@ pub fn serve_device() -> &'static str {
 pub struct Serve {
     pub child: Child,
     pub endpoint: String,
+    /// The whole "lanes serving on" line (it names the other addresses).
+    pub line: String,
 }
 
 impl Serve {
@@ -57,6 +59,7 @@ impl Serve {
         };
         Serve {
             endpoint: endpoint.to_string(),
+            line: line.trim_end().to_string(),
             child,
         }
     }

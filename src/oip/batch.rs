@@ -1,0 +1,256 @@
+//! Dynamic batching: requests of several callers gathered into one Run
+//! (along the first dimension), its outputs split back per caller.
+//!
+//! A model's thread takes the first request waiting, then, while the rows
+//! gathered are under `max_batch_size`, every request already queued and
+//! those that arrive until `max_queue_delay_microseconds` after the first
+//! one arrived; it stops early at a `preferred_batch_size`. A request that
+//! would overflow the batch waits for the next one.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use lanes_adaptor::{Tensor, TensorData};
+
+use super::error::ApiError;
+use super::model::Job;
+use super::repository::DynamicBatching;
+
+/// Gathers a batch starting with `first`; the request that did not fit,
+/// if one was taken.
+pub fn gather(
+    first: Job,
+    rx: &Receiver<Job>,
+    cfg: &DynamicBatching,
+    max_rows: usize,
+) -> (Vec<Job>, Option<Job>) {
+    let deadline = first.arrived + Duration::from_micros(cfg.max_queue_delay_us);
+    let mut rows = first.rows;
+    let mut group = vec![first];
+    while rows < max_rows && !cfg.preferred_batch_sizes.contains(&rows) {
+        let next = match rx.try_recv() {
+            Ok(j) => Some(j),
+            Err(TryRecvError::Disconnected) => None,
+            Err(TryRecvError::Empty) => {
+                let now = Instant::now();
+                if now >= deadline {
+                    None
+                } else {
+                    rx.recv_timeout(deadline - now).ok()
+                }
+            }
+        };
+        match next {
+            None => break,
+            Some(j) if rows + j.rows <= max_rows => {
+                rows += j.rows;
+                group.push(j);
+            }
+            Some(j) => return (group, Some(j)),
+        }
+    }
+    (group, None)
+}
+
+/// A request of a gathered batch: its rows and where its answer goes.
+#[derive(Debug)]
+pub struct Part {
+    pub rows: usize,
+    pub arrived: Instant,
+    pub reply: tokio::sync::oneshot::Sender<Result<Vec<Tensor>, ApiError>>,
+}
+
+type Replies = Vec<(
+    Instant,
+    tokio::sync::oneshot::Sender<Result<Vec<Tensor>, ApiError>>,
+)>;
+
+/// A batch's feeds and its requests.
+pub type Joined = (Vec<(String, Tensor)>, Vec<Part>);
+
+/// The batch's feeds (each input's rows of every request, in order); on
+/// failure, the error and where each request's answer goes.
+pub fn join(group: Vec<Job>) -> Result<Joined, (ApiError, Replies)> {
+    let mut parts = Vec::with_capacity(group.len());
+    let mut feeds_of = Vec::with_capacity(group.len());
+    for j in group {
+        parts.push(Part {
+            rows: j.rows,
+            arrived: j.arrived,
+            reply: j.reply,
+        });
+        feeds_of.push(j.feeds);
+    }
+    if feeds_of.len() == 1 {
+        if let Some(f) = feeds_of.pop() {
+            return Ok((f, parts));
+        }
+    }
+    let fail = |e: String, parts: Vec<Part>| {
+        (
+            ApiError::Internal(e),
+            parts.into_iter().map(|p| (p.arrived, p.reply)).collect(),
+        )
+    };
+    let inputs = feeds_of.first().map_or(0, Vec::len);
+    let mut joined = Vec::with_capacity(inputs);
+    for k in 0..inputs {
+        let mut name = String::new();
+        let mut dims: Vec<usize> = Vec::new();
+        let mut data: Option<TensorData> = None;
+        for feeds in &feeds_of {
+            let Some((n, t)) = feeds.get(k) else {
+                return Err(fail("requests of one batch differ in inputs".into(), parts));
+            };
+            name.clone_from(n);
+            let d = t.shape().dims();
+            let same = d.get(1..) == dims.get(1..);
+            match dims.first_mut() {
+                None => dims = d.to_vec(),
+                Some(rows) if same => *rows += d.first().copied().unwrap_or(0),
+                Some(_) => {
+                    return Err(fail(
+                        format!("input `{n}`: shapes of one batch differ"),
+                        parts,
+                    ))
+                }
+            }
+            match (&mut data, t.data()) {
+                (None, x) => data = Some(x.clone()),
+                (Some(TensorData::F32(a)), TensorData::F32(b)) => a.extend_from_slice(b),
+                (Some(TensorData::I64(a)), TensorData::I64(b)) => a.extend_from_slice(b),
+                _ => {
+                    return Err(fail(
+                        format!("input `{n}`: types of one batch differ"),
+                        parts,
+                    ))
+                }
+            }
+        }
+        let Some(data) = data else {
+            return Err(fail("an empty batch".into(), parts));
+        };
+        match Tensor::new(dims, data) {
+            Ok(t) => joined.push((name, t)),
+            Err(e) => return Err(fail(e.to_string(), parts)),
+        }
+    }
+    Ok((joined, parts))
+}
+
+/// Each request's rows of every output.
+pub fn split(out: &[Tensor], parts: &[Part], model: &str) -> Result<Vec<Vec<Tensor>>, ApiError> {
+    if parts.len() == 1 {
+        return Ok(vec![out.to_vec()]);
+    }
+    let total: usize = parts.iter().map(|p| p.rows).sum();
+    let mut per: Vec<Vec<Tensor>> = parts
+        .iter()
+        .map(|_| Vec::with_capacity(out.len()))
+        .collect();
+    for t in out {
+        let dims = t.shape().dims();
+        if dims.first() != Some(&total) {
+            return Err(ApiError::Internal(format!(
+                "model `{model}`: an output of shape {dims:?} has no batch of {total} rows to split"
+            )));
+        }
+        let row: usize = dims.iter().skip(1).product();
+        let mut at = 0;
+        for (p, dst) in parts.iter().zip(per.iter_mut()) {
+            let range = at * row..(at + p.rows) * row;
+            at += p.rows;
+            let data = match t.data() {
+                TensorData::F32(v) => v.get(range).map(|s| TensorData::F32(s.to_vec())),
+                TensorData::I64(v) => v.get(range).map(|s| TensorData::I64(s.to_vec())),
+            };
+            let mut shape = dims.to_vec();
+            shape[0] = p.rows;
+            let t = data
+                .ok_or_else(|| ApiError::Internal(format!("model `{model}`: an output is short")))
+                .and_then(|d| {
+                    Tensor::new(shape, d).map_err(|e| ApiError::Internal(e.to_string()))
+                })?;
+            dst.push(t);
+        }
+    }
+    Ok(per)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn job(
+        rows: usize,
+        v: f32,
+    ) -> (
+        Job,
+        tokio::sync::oneshot::Receiver<Result<Vec<Tensor>, ApiError>>,
+    ) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let t = Tensor::from_f32(vec![rows, 2], vec![v; rows * 2]).unwrap();
+        (
+            Job {
+                rows,
+                feeds: vec![("x".into(), t)],
+                arrived: Instant::now(),
+                reply: tx,
+            },
+            rx,
+        )
+    }
+
+    #[test]
+    fn queued_requests_are_gathered_up_to_the_limit() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (a, _ra) = job(1, 1.0);
+        for (r, v) in [(2, 2.0), (1, 3.0), (1, 4.0)] {
+            tx.send(job(r, v).0).unwrap();
+        }
+        let cfg = DynamicBatching::default();
+        let (group, held) = gather(a, &rx, &cfg, 4);
+        assert_eq!(
+            group.iter().map(|j| j.rows).collect::<Vec<_>>(),
+            vec![1, 2, 1]
+        );
+        assert_eq!(held.map(|j| j.rows), None);
+        assert_eq!(rx.len(), 1);
+        let (feeds, parts) = join(group).unwrap();
+        assert_eq!(feeds[0].1.shape().dims(), &[4, 2]);
+        assert_eq!(
+            feeds[0].1.f32s().unwrap(),
+            &[1., 1., 2., 2., 2., 2., 3., 3.]
+        );
+        let per = split(&[feeds[0].1.clone()], &parts, "m").unwrap();
+        assert_eq!(per[1][0].shape().dims(), &[2, 2]);
+        assert_eq!(per[2][0].f32s().unwrap(), &[3., 3.]);
+    }
+
+    #[test]
+    fn a_request_that_does_not_fit_is_held_and_a_preferred_size_stops() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        tx.send(job(3, 2.0).0).unwrap();
+        let (group, held) = gather(job(2, 1.0).0, &rx, &DynamicBatching::default(), 4);
+        assert_eq!(group.len(), 1);
+        assert_eq!(held.map(|j| j.rows), Some(3));
+        tx.send(job(1, 2.0).0).unwrap();
+        let cfg = DynamicBatching {
+            max_queue_delay_us: 0,
+            preferred_batch_sizes: vec![2],
+        };
+        let (group, held) = gather(job(2, 1.0).0, &rx, &cfg, 4);
+        assert_eq!(group.len(), 1);
+        assert!(held.is_none());
+    }
+
+    #[test]
+    fn outputs_without_the_batch_are_an_error() {
+        let (a, _ra) = job(1, 1.0);
+        let (b, _rb) = job(1, 1.0);
+        let (_, parts) = join(vec![a, b]).unwrap();
+        let t = Tensor::from_f32(vec![3], vec![0.0; 3]).unwrap();
+        assert!(split(&[t], &parts, "m").is_err());
+    }
+}

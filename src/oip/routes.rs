@@ -1,0 +1,395 @@
+//! The REST routes (KServe v2 and Triton's extensions) on axum.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State as St};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use super::error::ApiError;
+use super::model::{Job, Model, Models};
+use super::tensors::{self, config_type, datatype};
+use super::OipConfig;
+
+/// The protocol's header naming the JSON part's length.
+pub const HEADER_LENGTH: &str = "inference-header-content-length";
+
+/// JSON bodies larger than this (in bytes, or about this many bytes of
+/// numbers in a response) are parsed or written on the blocking pool.
+const LARGE_JSON: usize = 64 << 10;
+
+/// What the handlers share.
+#[derive(Debug)]
+pub struct State {
+    pub models: Models,
+    max_body: usize,
+    in_flight: Arc<Semaphore>,
+    max_in_flight: usize,
+    stopping: Option<Arc<AtomicBool>>,
+}
+
+impl State {
+    pub fn new(models: Models, config: &OipConfig) -> State {
+        State {
+            models,
+            max_body: config.max_body_bytes,
+            in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
+            max_in_flight: config.max_in_flight,
+            stopping: config.stopping.clone(),
+        }
+    }
+}
+
+type S = Arc<State>;
+type Result<T> = std::result::Result<T, ApiError>;
+
+/// The path's `{name}` and, on `/versions/{version}` routes, the version.
+type Names = Path<HashMap<String, String>>;
+
+fn names(p: &HashMap<String, String>) -> (String, Option<String>) {
+    (
+        p.get("name").cloned().unwrap_or_default(),
+        p.get("version").cloned(),
+    )
+}
+
+pub fn router(state: S) -> Router {
+    let mut r = Router::new()
+        .route("/v2/health/live", get(|| async { StatusCode::OK }))
+        .route("/v2/health/ready", get(ready))
+        .route("/v2", get(server_metadata))
+        .route("/v2/models/stats", get(all_stats))
+        .route("/v2/repository/index", post(index))
+        .route("/v2/repository/models/{name}/load", post(load))
+        .route("/v2/repository/models/{name}/unload", post(unload));
+    for base in ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"] {
+        r = r
+            .route(base, get(metadata))
+            .route(&format!("{base}/ready"), get(model_ready))
+            .route(&format!("{base}/config"), get(config))
+            .route(&format!("{base}/stats"), get(stats))
+            .route(&format!("{base}/infer"), post(infer));
+    }
+    r.fallback(|| async { ApiError::NotFound("no such endpoint".into()) })
+        .with_state(state)
+}
+
+async fn ready(St(s): St<S>) -> StatusCode {
+    if s.stopping
+        .as_ref()
+        .is_some_and(|f| f.load(Ordering::Relaxed))
+    {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+async fn server_metadata() -> Json<Value> {
+    Json(json!({
+        "name": "lanes",
+        "version": env!("CARGO_PKG_VERSION"),
+        "extensions": ["binary_tensor_data", "model_repository", "model_configuration", "statistics"],
+    }))
+}
+
+fn tensor_list(m: &Model, specs: &[super::model::TensorSpec]) -> Vec<Value> {
+    specs
+        .iter()
+        .map(|s| json!({ "name": s.name, "datatype": datatype(s.dtype), "shape": m.info.shape(s) }))
+        .collect()
+}
+
+async fn metadata(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
+    let (name, version) = names(&p);
+    let m = s.models.get(&name, version.as_deref())?;
+    Ok(Json(json!({
+        "name": m.info.name,
+        "versions": [m.info.version],
+        "platform": "lanes_onnx",
+        "inputs": tensor_list(&m, &m.info.inputs),
+        "outputs": tensor_list(&m, &m.info.outputs),
+    })))
+}
+
+async fn model_ready(St(s): St<S>, Path(p): Names) -> Result<StatusCode> {
+    let (name, version) = names(&p);
+    s.models
+        .get(&name, version.as_deref())
+        .map(|_| StatusCode::OK)
+}
+
+async fn config(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
+    let (name, version) = names(&p);
+    let m = s.models.get(&name, version.as_deref())?;
+    let list = |specs: &[super::model::TensorSpec]| -> Vec<Value> {
+        specs
+            .iter()
+            .map(|t| json!({ "name": t.name, "data_type": config_type(t.dtype), "dims": t.dims }))
+            .collect()
+    };
+    let mut c = json!({
+        "name": m.info.name,
+        "platform": "lanes_onnx",
+        "backend": "lanes",
+        "version_policy": { "latest": { "num_versions": 1 } },
+        "max_batch_size": m.info.max_batch_size,
+        "input": list(&m.info.inputs),
+        "output": list(&m.info.outputs),
+        "instance_group": [{ "name": m.info.name, "kind": "KIND_MODEL", "count": 1 }],
+    });
+    if let Some(b) = &m.info.batching {
+        c["dynamic_batching"] = json!({
+            "max_queue_delay_microseconds": b.max_queue_delay_us,
+            "preferred_batch_size": b.preferred_batch_sizes,
+        });
+    }
+    Ok(Json(c))
+}
+
+async fn all_stats(St(s): St<S>) -> Json<Value> {
+    stats_of(&s.models.ready())
+}
+
+async fn stats(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
+    let (name, version) = names(&p);
+    Ok(stats_of(&[s.models.get(&name, version.as_deref())?]))
+}
+
+fn stats_of(models: &[Arc<Model>]) -> Json<Value> {
+    let list: Vec<Value> = models
+        .iter()
+        .map(|m| m.stats.json(&m.info.name, &m.info.version))
+        .collect();
+    Json(json!({ "model_stats": list }))
+}
+
+/// Reads a body of at most `limit` bytes.
+async fn body(req: Request, limit: usize) -> Result<(HeaderMap, axum::body::Bytes)> {
+    let (parts, body) = req.into_parts();
+    let too_large = || {
+        ApiError::TooLarge(format!(
+            "the request body exceeds {limit} bytes (--http-max-body)"
+        ))
+    };
+    if let Some(n) = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if n > limit as u64 {
+            return Err(too_large());
+        }
+    }
+    match axum::body::to_bytes(body, limit).await {
+        Ok(b) => Ok((parts.headers, b)),
+        Err(e) => {
+            // `to_bytes` reports the limit as an error whose source is
+            // http-body-util's `LengthLimitError`.
+            let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(x) = src {
+                if x.is::<http_body_util::LengthLimitError>() {
+                    return Err(too_large());
+                }
+                src = x.source();
+            }
+            Err(ApiError::BadRequest(format!(
+                "cannot read the request body: {e}"
+            )))
+        }
+    }
+}
+
+async fn infer(St(s): St<S>, Path(p): Names, req: Request) -> Response {
+    let (name, version) = names(&p);
+    match infer_inner(s, name, version, req).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn infer_inner(
+    s: S,
+    name: String,
+    version: Option<String>,
+    req: Request,
+) -> Result<Response> {
+    let _permit = Arc::clone(&s.in_flight).try_acquire_owned().map_err(|_| {
+        ApiError::Overloaded(format!(
+            "{} inference requests are in flight already (--http-max-in-flight)",
+            s.max_in_flight
+        ))
+    })?;
+    let model = s.models.get(&name, version.as_deref())?;
+    let (headers, bytes) = body(req, s.max_body).await?;
+    if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
+        if enc.as_bytes() != b"identity" {
+            return Err(ApiError::BadRequest(format!(
+                "Content-Encoding {enc:?} is not supported; send the body uncompressed"
+            )));
+        }
+    }
+    let header_len = match headers.get(HEADER_LENGTH) {
+        None => None,
+        Some(v) => Some(v.to_str().map_err(|_| {
+            ApiError::BadRequest("Inference-Header-Content-Length is not text".into())
+        })?),
+    };
+    let json_len = tensors::split_body(&bytes, header_len)?.0.len();
+    let header_len = header_len.map(str::to_owned);
+    let m = Arc::clone(&model);
+    let decode = move || {
+        let (json_part, binary) = tensors::split_body(&bytes, header_len.as_deref())?;
+        tensors::decode(&m.info, json_part, binary)
+    };
+    // Parsing a large JSON body takes milliseconds: off the runtime's
+    // threads, which serve every connection.
+    let decoded = if json_len > LARGE_JSON {
+        tokio::task::spawn_blocking(decode)
+            .await
+            .map_err(|e| ApiError::Internal(format!("decoding stopped: {e}")))??
+    } else {
+        decode()?
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let job = Job {
+        rows: decoded.rows,
+        feeds: decoded.feeds,
+        arrived: Instant::now(),
+        reply: tx,
+    };
+    // A reload replaces the model while requests are on their way: those
+    // that reach the old one after it stopped go to the new one (whose
+    // service session checks the feeds again).
+    let model = match model.submit(job) {
+        Ok(()) => model,
+        Err((e, job)) => match s.models.get(&name, version.as_deref()) {
+            Ok(now) if !Arc::ptr_eq(&now, &model) => {
+                now.submit(job).map_err(|(e, _)| e)?;
+                now
+            }
+            _ => return Err(e),
+        },
+    };
+    let outputs = rx
+        .await
+        .map_err(|_| ApiError::Internal(format!("model `{name}` stopped before answering")))??;
+    let mut outputs: Vec<Option<lanes_adaptor::Tensor>> = outputs.into_iter().map(Some).collect();
+    let mut picked = Vec::with_capacity(decoded.outputs.len());
+    let mut json_elements = 0;
+    for (wanted, binary) in &decoded.outputs {
+        let t = model
+            .info
+            .outputs
+            .iter()
+            .position(|o| &o.name == wanted)
+            .and_then(|k| outputs.get_mut(k))
+            .and_then(Option::take)
+            .ok_or_else(|| {
+                ApiError::Internal(format!("model `{name}` did not return `{wanted}`"))
+            })?;
+        if !binary {
+            json_elements += t.numel();
+        }
+        picked.push(t);
+    }
+    let (id, wanted) = (decoded.id, decoded.outputs);
+    let encode = move || tensors::encode(&model.info, id, &wanted, &picked);
+    let enc = if json_elements * 8 > LARGE_JSON {
+        tokio::task::spawn_blocking(encode)
+            .await
+            .map_err(|e| ApiError::Internal(format!("encoding stopped: {e}")))?
+    } else {
+        encode()
+    };
+    let mut resp = Response::new(Body::from(enc.body));
+    let h = resp.headers_mut();
+    match enc.header_len {
+        Some(n) => {
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            h.insert(HEADER_LENGTH, HeaderValue::from(n));
+        }
+        None => {
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+        }
+    }
+    Ok(resp)
+}
+
+/// A small control body (index, load, unload): JSON or empty.
+async fn control_body(req: Request) -> Result<Value> {
+    let (_, bytes) = body(req, 1 << 20).await?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::BadRequest(format!("malformed request body: {e}")))
+}
+
+async fn index(St(s): St<S>, req: Request) -> Result<Json<Value>> {
+    let body = control_body(req).await?;
+    let only_ready = match body.get("ready") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::BadRequest("`ready` must be a boolean".into())),
+    };
+    let list: Vec<Value> = s
+        .models
+        .index()
+        .into_iter()
+        .filter(|e| !only_ready || e.state == super::model::ModelState::Ready)
+        .map(|e| {
+            let mut v = json!({ "name": e.name, "state": e.state.to_string() });
+            if let Some(ver) = e.version {
+                v["version"] = Value::from(ver);
+            }
+            if let Some(r) = e.reason {
+                v["reason"] = Value::from(r);
+            }
+            v
+        })
+        .collect();
+    Ok(Json(Value::Array(list)))
+}
+
+async fn load(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
+    let body = control_body(req).await?;
+    if let Some(p) = body.get("parameters").and_then(Value::as_object) {
+        if p.keys().any(|k| k == "config" || k.starts_with("file:")) {
+            return Err(ApiError::BadRequest(
+                "loading a model from the request (`config`, `file:` parameters) is not supported; \
+                 put it in the model repository and load it by name"
+                    .into(),
+            ));
+        }
+    }
+    let st = Arc::clone(&s);
+    tokio::task::spawn_blocking(move || st.models.load(&name))
+        .await
+        .map_err(|e| ApiError::Internal(format!("the load stopped: {e}")))??;
+    Ok(StatusCode::OK)
+}
+
+async fn unload(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
+    control_body(req).await?;
+    let st = Arc::clone(&s);
+    tokio::task::spawn_blocking(move || st.models.unload(&name))
+        .await
+        .map_err(|e| ApiError::Internal(format!("the unload stopped: {e}")))??;
+    Ok(StatusCode::OK)
+}

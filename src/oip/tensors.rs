@@ -1,0 +1,571 @@
+//! Inference request and response bodies: JSON tensors, and Triton's
+//! binary tensor data extension (a JSON header of
+//! `Inference-Header-Content-Length` bytes followed by the tensors' raw
+//! little-endian row-major bytes, each tensor's length in its
+//! `parameters.binary_data_size`).
+
+use lanes_adaptor::{DType, Tensor, TensorData};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+use super::model::{ModelInfo, TensorSpec};
+
+/// The protocol's name of a Lanes element type.
+pub fn datatype(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "FP32",
+        DType::I64 => "INT64",
+    }
+}
+
+/// Triton's configuration name of a Lanes element type.
+pub fn config_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "TYPE_FP32",
+        DType::I64 => "TYPE_INT64",
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct RequestBody {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
+    inputs: Vec<InputBody>,
+    #[serde(default)]
+    outputs: Option<Vec<OutputBody>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct InputBody {
+    name: String,
+    shape: Vec<i64>,
+    datatype: String,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
+    #[serde(default)]
+    data: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct OutputBody {
+    name: String,
+    #[serde(default)]
+    parameters: Option<Map<String, Value>>,
+}
+
+/// A decoded inference request, checked against the model.
+#[derive(Debug)]
+pub struct Decoded {
+    pub id: Option<String>,
+    /// Rows along the batch dimension (1 for a model that does not batch).
+    pub rows: usize,
+    /// One tensor per model input, in the model's order.
+    pub feeds: Vec<(String, Tensor)>,
+    /// The outputs asked for (all, in the model's order, when none named),
+    /// and whether each is wanted as binary data.
+    pub outputs: Vec<(String, bool)>,
+}
+
+fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(msg.into())
+}
+
+fn flag(params: &Option<Map<String, Value>>, key: &str) -> Result<Option<bool>, ApiError> {
+    match params.as_ref().and_then(|p| p.get(key)) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(bad(format!("parameter `{key}` must be a boolean"))),
+    }
+}
+
+/// Splits a body into its JSON header and its binary part.
+pub fn split_body<'a>(
+    body: &'a [u8],
+    header_len: Option<&str>,
+) -> Result<(&'a [u8], &'a [u8]), ApiError> {
+    match header_len {
+        None => Ok((body, &[])),
+        Some(h) => {
+            let n: usize = h.trim().parse().map_err(|_| {
+                bad(format!(
+                    "Inference-Header-Content-Length `{h}` is not a byte count"
+                ))
+            })?;
+            if n > body.len() {
+                return Err(bad(format!(
+                    "Inference-Header-Content-Length is {n} but the body has {} bytes",
+                    body.len()
+                )));
+            }
+            Ok(body.split_at(n))
+        }
+    }
+}
+
+/// The shape a request's input must have: `rows` then the model's dims
+/// for a batching model, the dims themselves otherwise; the rows.
+fn check_shape(model: &ModelInfo, spec: &TensorSpec, shape: &[i64]) -> Result<usize, ApiError> {
+    let mut dims = Vec::with_capacity(shape.len());
+    for &d in shape {
+        dims.push(usize::try_from(d).map_err(|_| {
+            bad(format!(
+                "input `{}`: dimension {d} of shape {shape:?} is negative",
+                spec.name
+            ))
+        })?);
+    }
+    let want = model.shape_text(spec);
+    if model.max_batch_size == 0 {
+        if dims != spec.dims {
+            return Err(bad(format!(
+                "input `{}`: shape {shape:?} does not match the model's {want}",
+                spec.name
+            )));
+        }
+        return Ok(1);
+    }
+    match dims.split_first() {
+        Some((&rows, rest)) if rest == spec.dims.as_slice() => {
+            if rows == 0 || rows > model.max_batch_size {
+                return Err(bad(format!(
+                    "input `{}`: batch size {rows} is outside 1..={} (max_batch_size)",
+                    spec.name, model.max_batch_size
+                )));
+            }
+            Ok(rows)
+        }
+        _ => Err(bad(format!(
+            "input `{}`: shape {shape:?} does not match the model's {want}",
+            spec.name
+        ))),
+    }
+}
+
+fn flatten_into(v: &Value, out: &mut Vec<Value>, limit: usize) -> Result<(), ApiError> {
+    match v {
+        Value::Array(a) => {
+            for x in a {
+                flatten_into(x, out, limit)?;
+            }
+            Ok(())
+        }
+        x => {
+            if out.len() >= limit {
+                return Err(bad("more data elements than the shape holds"));
+            }
+            out.push(x.clone());
+            Ok(())
+        }
+    }
+}
+
+fn json_tensor(name: &str, dtype: DType, dims: &[usize], data: &Value) -> Result<Tensor, ApiError> {
+    let n = dims.iter().product::<usize>();
+    let mut flat = Vec::with_capacity(n.min(1 << 20));
+    flatten_into(data, &mut flat, n)?;
+    if flat.len() != n {
+        return Err(bad(format!(
+            "input `{name}`: {} data elements for shape {dims:?} ({n} elements)",
+            flat.len()
+        )));
+    }
+    let not = |what: &str, x: &Value| bad(format!("input `{name}`: `{x}` is not {what}"));
+    let data = match dtype {
+        DType::F32 => TensorData::F32(
+            flat.iter()
+                .map(|x| {
+                    x.as_f64()
+                        .map(|f| f as f32)
+                        .ok_or_else(|| not("a number", x))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        DType::I64 => TensorData::I64(
+            flat.iter()
+                .map(|x| x.as_i64().ok_or_else(|| not("an integer", x)))
+                .collect::<Result<_, _>>()?,
+        ),
+    };
+    Tensor::new(dims.to_vec(), data).map_err(|e| bad(format!("input `{name}`: {e}")))
+}
+
+/// Decodes and checks a request's JSON header and binary part.
+pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decoded, ApiError> {
+    let req: RequestBody = serde_json::from_slice(json)
+        .map_err(|e| bad(format!("malformed inference request: {e}")))?;
+    let mut feeds: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
+    let mut rows: Option<usize> = None;
+    for input in &req.inputs {
+        let k = model
+            .inputs
+            .iter()
+            .position(|s| s.name == input.name)
+            .ok_or_else(|| {
+                bad(format!(
+                    "unknown input `{}`; the model's inputs are {}",
+                    input.name,
+                    model.input_names()
+                ))
+            })?;
+        let spec = &model.inputs[k];
+        if feeds[k].is_some() {
+            return Err(bad(format!("input `{}` is given twice", input.name)));
+        }
+        if input.datatype != datatype(spec.dtype) {
+            return Err(bad(format!(
+                "input `{}`: datatype {} does not match the model's {}",
+                input.name,
+                input.datatype,
+                datatype(spec.dtype)
+            )));
+        }
+        let r = check_shape(model, spec, &input.shape)?;
+        if rows.is_some_and(|x| x != r) {
+            return Err(bad(format!(
+                "input `{}`: batch size {r} differs from the other inputs' {}",
+                input.name,
+                rows.unwrap_or(0)
+            )));
+        }
+        rows = Some(r);
+        let dims: Vec<usize> = input.shape.iter().map(|&d| d as usize).collect();
+        let binary_size = match input
+            .parameters
+            .as_ref()
+            .and_then(|p| p.get("binary_data_size"))
+        {
+            None => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "input `{}`: binary_data_size must be a byte count",
+                            input.name
+                        ))
+                    })?,
+            ),
+        };
+        let tensor = match (binary_size, &input.data) {
+            (Some(_), Some(_)) => {
+                return Err(bad(format!(
+                    "input `{}` has both data and binary_data_size",
+                    input.name
+                )))
+            }
+            (None, None) => return Err(bad(format!("input `{}` has no data", input.name))),
+            (None, Some(data)) => json_tensor(&input.name, spec.dtype, &dims, data)?,
+            (Some(size), None) => {
+                let want = dims.iter().product::<usize>() * spec.dtype.size();
+                if size != want {
+                    return Err(bad(format!(
+                        "input `{}`: binary_data_size {size} for shape {:?} of {} ({want} bytes)",
+                        input.name, input.shape, input.datatype
+                    )));
+                }
+                if binary.len() < size {
+                    return Err(bad(format!(
+                        "input `{}`: binary_data_size {size} but only {} binary bytes are left in the body",
+                        input.name,
+                        binary.len()
+                    )));
+                }
+                let (mine, rest) = binary.split_at(size);
+                binary = rest;
+                let ty = lanes_adaptor::TensorType::new(spec.dtype, dims);
+                Tensor::from_le_bytes(&ty, mine)
+                    .map_err(|e| bad(format!("input `{}`: {e}", input.name)))?
+            }
+        };
+        feeds[k] = Some(tensor);
+    }
+    if !binary.is_empty() {
+        return Err(bad(format!(
+            "{} bytes of binary data follow the inputs' binary_data_size",
+            binary.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(feeds.len());
+    for (spec, t) in model.inputs.iter().zip(feeds) {
+        let t = t.ok_or_else(|| bad(format!("input `{}` is missing", spec.name)))?;
+        out.push((spec.name.clone(), t));
+    }
+    let all_binary = flag(&req.parameters, "binary_data_output")?.unwrap_or(false);
+    let outputs = match &req.outputs {
+        None => model
+            .outputs
+            .iter()
+            .map(|s| (s.name.clone(), all_binary))
+            .collect(),
+        Some(list) => {
+            let mut v: Vec<(String, bool)> = Vec::with_capacity(list.len());
+            for o in list {
+                if !model.outputs.iter().any(|s| s.name == o.name) {
+                    return Err(bad(format!(
+                        "unknown output `{}`; the model's outputs are {}",
+                        o.name,
+                        model.output_names()
+                    )));
+                }
+                if v.iter().any(|(n, _)| *n == o.name) {
+                    return Err(bad(format!("output `{}` is asked for twice", o.name)));
+                }
+                let b = flag(&o.parameters, "binary_data")?.unwrap_or(all_binary);
+                v.push((o.name.clone(), b));
+            }
+            v
+        }
+    };
+    Ok(Decoded {
+        id: req.id,
+        rows: rows.unwrap_or(1),
+        feeds: out,
+        outputs,
+    })
+}
+
+/// An encoded response: the body, and the JSON header's length when
+/// binary data follows it.
+#[derive(Debug)]
+pub struct Encoded {
+    pub body: Vec<u8>,
+    pub header_len: Option<usize>,
+}
+
+fn json_data(t: &Tensor) -> Value {
+    match t.data() {
+        TensorData::F32(v) => Value::Array(v.iter().map(|&x| Value::from(x as f64)).collect()),
+        TensorData::I64(v) => Value::Array(v.iter().map(|&x| Value::from(x)).collect()),
+    }
+}
+
+/// The response to a request: `outputs` are the fetched tensors, in the
+/// order of `wanted`.
+pub fn encode(
+    model: &ModelInfo,
+    id: Option<String>,
+    wanted: &[(String, bool)],
+    outputs: &[Tensor],
+) -> Encoded {
+    let mut binary = Vec::new();
+    let mut list = Vec::with_capacity(outputs.len());
+    for ((name, as_binary), t) in wanted.iter().zip(outputs) {
+        let shape: Vec<usize> = t.shape().dims().to_vec();
+        let mut o = serde_json::json!({
+            "name": name,
+            "datatype": datatype(t.dtype()),
+            "shape": shape,
+        });
+        if *as_binary {
+            let bytes = t.to_le_bytes();
+            o["parameters"] = serde_json::json!({ "binary_data_size": bytes.len() });
+            binary.extend_from_slice(&bytes);
+        } else {
+            o["data"] = json_data(t);
+        }
+        list.push(o);
+    }
+    let mut head = serde_json::json!({
+        "model_name": model.name,
+        "model_version": model.version,
+        "outputs": list,
+    });
+    if let Some(id) = id {
+        head["id"] = Value::from(id);
+    }
+    let mut body = head.to_string().into_bytes();
+    if wanted.iter().any(|(_, b)| *b) {
+        let n = body.len();
+        body.extend_from_slice(&binary);
+        Encoded {
+            body,
+            header_len: Some(n),
+        }
+    } else {
+        Encoded {
+            body,
+            header_len: None,
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn model(max_batch_size: usize) -> ModelInfo {
+        ModelInfo {
+            name: "m".into(),
+            version: "1".into(),
+            max_batch_size,
+            inputs: vec![TensorSpec {
+                name: "x".into(),
+                dtype: DType::F32,
+                dims: vec![2],
+            }],
+            outputs: vec![TensorSpec {
+                name: "y".into(),
+                dtype: DType::F32,
+                dims: vec![1],
+            }],
+            batching: None,
+        }
+    }
+
+    fn err(m: &ModelInfo, json: &str, bin: &[u8]) -> String {
+        match decode(m, json.as_bytes(), bin) {
+            Err(ApiError::BadRequest(s)) => s,
+            other => panic!("{json}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn json_and_binary_inputs_decode_to_the_same_tensor() {
+        let m = model(4);
+        let a = decode(
+            &m,
+            br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2],[3,4]]}]}"#,
+            &[],
+        )
+        .unwrap();
+        let bytes: Vec<u8> = [1f32, 2., 3., 4.]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let b = decode(
+            &m,
+            br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","parameters":{"binary_data_size":16}}],
+                "parameters":{"binary_data_output":true}}"#,
+            &bytes,
+        )
+        .unwrap();
+        assert_eq!(a.rows, 2);
+        assert_eq!(a.feeds[0].1, b.feeds[0].1);
+        assert_eq!(a.outputs, vec![("y".to_string(), false)]);
+        assert_eq!(b.outputs, vec![("y".to_string(), true)]);
+    }
+
+    #[test]
+    fn bad_requests_say_what_is_wrong() {
+        let m = model(4);
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,3],"datatype":"FP32","data":[1,2,3]}]}"#,
+            &[],
+        );
+        assert!(e.contains("shape [1, 3]"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"INT64","data":[1,2]}]}"#,
+            &[],
+        );
+        assert!(e.contains("datatype INT64"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[5,2],"datatype":"FP32","data":[]}]}"#,
+            &[],
+        );
+        assert!(e.contains("batch size 5"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1]}]}"#,
+            &[],
+        );
+        assert!(e.contains("1 data elements"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,"a"]}]}"#,
+            &[],
+        );
+        assert!(e.contains("not a number"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"z","shape":[1,2],"datatype":"FP32","data":[1,2]}]}"#,
+            &[],
+        );
+        assert!(e.contains("unknown input `z`"), "{e}");
+        let e = err(&m, r#"{"inputs":[]}"#, &[]);
+        assert!(e.contains("missing"), "{e}");
+        let e = err(&m, r#"{"inputs":[{"name":"x","#, &[]);
+        assert!(e.contains("malformed"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#,
+            &[0; 4],
+        );
+        assert!(e.contains("only 4 binary bytes"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#,
+            &[0; 12],
+        );
+        assert!(e.contains("4 bytes of binary data follow"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,2]}],"outputs":[{"name":"q"}]}"#,
+            &[],
+        );
+        assert!(e.contains("unknown output `q`"), "{e}");
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[-1,2],"datatype":"FP32","data":[1,2]}]}"#,
+            &[],
+        );
+        assert!(e.contains("negative"), "{e}");
+    }
+
+    #[test]
+    fn a_model_that_does_not_batch_takes_its_exact_shape() {
+        let m = model(0);
+        let d = decode(
+            &m,
+            br#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,2]}]}"#,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(d.rows, 1);
+        let e = err(
+            &m,
+            r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,2]}]}"#,
+            &[],
+        );
+        assert!(e.contains("does not match"), "{e}");
+    }
+
+    #[test]
+    fn header_lengths_are_checked() {
+        assert!(split_body(b"abc", Some("4")).is_err());
+        assert!(split_body(b"abc", Some("x")).is_err());
+        assert_eq!(
+            split_body(b"abcd", Some("3")).unwrap(),
+            (&b"abc"[..], &b"d"[..])
+        );
+        assert_eq!(split_body(b"abcd", None).unwrap(), (&b"abcd"[..], &b""[..]));
+    }
+
+    #[test]
+    fn binary_outputs_follow_the_header() {
+        let m = model(4);
+        let t = Tensor::from_f32(vec![1, 1], vec![2.5]).unwrap();
+        let e = encode(
+            &m,
+            Some("7".into()),
+            &[("y".into(), true)],
+            std::slice::from_ref(&t),
+        );
+        let n = e.header_len.unwrap();
+        let head: Value = serde_json::from_slice(&e.body[..n]).unwrap();
+        assert_eq!(head["id"], "7");
+        assert_eq!(head["outputs"][0]["parameters"]["binary_data_size"], 4);
+        assert_eq!(&e.body[n..], &2.5f32.to_le_bytes());
+        let e = encode(&m, None, &[("y".into(), false)], &[t]);
+        assert!(e.header_len.is_none());
+        let head: Value = serde_json::from_slice(&e.body).unwrap();
+        assert_eq!(head["outputs"][0]["data"][0], 2.5);
+        assert_eq!(head["outputs"][0]["shape"], serde_json::json!([1, 1]));
+    }
+}
