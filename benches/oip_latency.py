@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""What the Open Inference Protocol front door (`lanes serve --http`) adds to
+a request, for docs/serving.md: one model exported from PyTorch, called one
+request at a time (a) over HTTP with Triton's binary tensor data extension
+and (b) through the `lanes` Python client on the same service, same ONNX
+file, same batch; medians of N requests and their difference, as one JSON
+object. The HTTP client is the standard library's (`http.client`, one
+keep-alive connection), so nothing but numpy is needed on the client side.
+
+Two steps, since the service reads its repository at start:
+
+    python3 benches/oip_latency.py export REPO [--model resnet50] [--batch 8]
+    lanes serve --device cuda --endpoint tcp://127.0.0.1:5555 \\
+        --http 127.0.0.1:8000 --model-repository REPO &
+    python3 benches/oip_latency.py bench --url 127.0.0.1:8000 \\
+        --endpoint tcp://127.0.0.1:5555 REPO [--runs 200]
+
+`export` needs torch and torchvision (random weights; the model is the
+same for both paths, so its values do not matter for timing); it writes
+REPO/NAME/1/model.onnx, a config.pbtxt with max_batch_size BATCH and no
+dynamic batching (each request is one Run), and the batch's input as
+REPO/NAME.input.npy.
+"""
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+
+
+def export(a):
+    import torch
+    import torchvision
+
+    from onnx_fixtures import export_with_references
+
+    torch.manual_seed(0)
+    builders = {
+        "resnet50": lambda: torchvision.models.resnet50(weights=None),
+        "resnet18": lambda: torchvision.models.resnet18(weights=None),
+    }
+    if a.model not in builders:
+        sys.exit(f"unknown model {a.model!r} (one of {', '.join(builders)})")
+    model = builders[a.model]().eval()
+    x = torch.randn(a.batch, 3, 224, 224)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_with_references(model, {"input": x}, ["output"], tmp, a.model)
+        version = os.path.join(a.repo, a.model, "1")
+        os.makedirs(version, exist_ok=True)
+        os.replace(path, os.path.join(version, "model.onnx"))
+    with open(os.path.join(a.repo, a.model, "config.pbtxt"), "w") as f:
+        f.write(f"max_batch_size: {a.batch}\n")
+    np.save(os.path.join(a.repo, f"{a.model}.input.npy"), x.numpy())
+    print(json.dumps({"exported": a.model, "repo": a.repo, "batch": a.batch}))
+
+
+def timed(fn, runs, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return {
+        "median_ms": statistics.median(times),
+        "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))],
+        "min_ms": times[0],
+        "runs": runs,
+    }
+
+
+class Http:
+    """Binary infer requests over one keep-alive connection."""
+
+    def __init__(self, url, model, x):
+        host, _, port = url.rpartition(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        self.path = f"/v2/models/{model}/infer"
+        header = json.dumps({
+            "inputs": [{
+                "name": "input", "shape": list(x.shape), "datatype": "FP32",
+                "parameters": {"binary_data_size": x.nbytes},
+            }],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }).encode()
+        self.body = header + np.ascontiguousarray(x, np.float32).tobytes()
+        self.headers = {
+            "Inference-Header-Content-Length": str(len(header)),
+            "Content-Type": "application/octet-stream",
+        }
+
+    def infer(self):
+        self.conn.request("POST", self.path, body=self.body, headers=self.headers)
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+        n = int(r.getheader("Inference-Header-Content-Length"))
+        meta = json.loads(data[:n])
+        out = meta["outputs"][0]
+        return np.frombuffer(data[n:], np.float32).reshape(out["shape"])
+
+
+def bench(a):
+    import lanes
+
+    x = np.load(os.path.join(a.repo, f"{a.model}.input.npy")).astype(np.float32)
+    path = os.path.join(a.repo, a.model, "1", "model.onnx")
+    h = Http(a.url, a.model, x)
+    via_http = h.infer()
+    row = {"model": a.model, "batch": int(x.shape[0]), "runs": a.runs}
+    row["http_binary"] = timed(h.infer, a.runs, a.warmup)
+    with lanes.Client(a.endpoint) as client:
+        with client.session(f"oip-ref-{a.model}", kind="inference", priority=1) as s:
+            s.load_onnx(path, batch=int(x.shape[0]))
+            via_client = s.run({"input": x}, fetch=["output"])[0]
+            row["lanes_client"] = timed(lambda: s.run({"input": x}, fetch=["output"]), a.runs, a.warmup)
+    diff = np.abs(via_http.astype(np.float64) - via_client.astype(np.float64))
+    row["outputs_max_abs_diff"] = float(diff.max())
+    row["http_adds_ms"] = row["http_binary"]["median_ms"] - row["lanes_client"]["median_ms"]
+    print(json.dumps(row))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write the model repository")
+    e.add_argument("repo")
+    e.add_argument("--model", default="resnet50")
+    e.add_argument("--batch", type=int, default=8)
+    b = sub.add_parser("bench", help="time both paths against a running lanes serve --http")
+    b.add_argument("repo")
+    b.add_argument("--model", default="resnet50")
+    b.add_argument("--url", default="127.0.0.1:8000", help="HOST:PORT of --http")
+    b.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the service's endpoint")
+    b.add_argument("--runs", type=int, default=200)
+    b.add_argument("--warmup", type=int, default=10)
+    a = ap.parse_args()
+    if a.cmd == "export":
+        if a.batch < 1:
+            ap.error("--batch must be positive")
+        export(a)
+    else:
+        if a.runs < 1 or a.warmup < 0:
+            ap.error("--runs must be positive, --warmup not negative")
+        bench(a)
+
+
+if __name__ == "__main__":
+    main()
