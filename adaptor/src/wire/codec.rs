@@ -8,6 +8,10 @@
 
 use super::auth::AUTH_BYTES;
 use super::error::{DecodeError, ErrorCode, WireError};
+use super::frames::{
+    self, checked_len, copy_bytes, push_part, tensor_frame, tensor_from_frame_in, Parts,
+    CHUNK_BYTES,
+};
 use super::message::{
     ErrorReply, NamedTensor, Reply, Request, SessionId, SessionSpec, StatusReport,
 };
@@ -15,23 +19,27 @@ use super::pool::BufferPool;
 use super::shm::{self, NoSegments, OwnedSegment, SegmentLookup, SegmentOffer};
 use super::{Limits, PROTOCOL_VERSION};
 use crate::graph::Graph;
-use crate::tensor::{DType, Tensor, TensorData, TensorError, TensorType};
+use crate::tensor::{Tensor, TensorData, TensorType};
 use bincode::Options;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::ops::Deref;
-use std::sync::OnceLock;
 
 /// First bytes of every header frame.
 pub const MAGIC: [u8; 4] = *b"LNS\0";
-/// Bytes before the bincode body: magic, version, request id.
-pub const PREFIX_BYTES: usize = 16;
+/// Bytes before the bincode body: magic, version, request id, and the
+/// header's length (prefix included, u64 LE), which says how many bytes of
+/// frames the header spans.
+pub const PREFIX_BYTES: usize = 24;
+/// Bytes of the header its first frame carries at least (all of it when
+/// shorter): the prefix and the body's variant tag, the request's kind.
+pub const HEADER_LEAD_BYTES: usize = PREFIX_BYTES + 4;
 
-/// Name and type of a tensor whose values travel in their own frame.
+/// Name and type of a tensor whose values travel in their own part.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct TensorMeta {
-    name: String,
-    ty: TensorType,
+pub(super) struct TensorMeta {
+    pub(super) name: String,
+    pub(super) ty: TensorType,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -171,126 +179,32 @@ fn header<B: Serialize>(request_id: u64, body: &B) -> Result<Vec<u8>, WireError>
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     out.extend_from_slice(&request_id.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
     options()
         .serialize_into(&mut out, body)
         .map_err(|e| WireError::Encode {
             reason: e.to_string(),
         })?;
+    let len = (out.len() as u64).to_le_bytes();
+    out[16..PREFIX_BYTES].copy_from_slice(&len);
     Ok(out)
 }
 
-/// Frames at least this large are copied by several threads.
-const PARALLEL_COPY_BYTES: usize = 4 << 20;
-/// Bytes each copying thread gets at least, and most threads per copy.
-const BYTES_PER_COPY_THREAD: usize = 2 << 20;
-const MAX_COPY_THREADS: usize = 4;
-
-fn copy_threads(bytes: usize) -> usize {
-    static CORES: OnceLock<usize> = OnceLock::new();
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if bytes < PARALLEL_COPY_BYTES {
-        1
-    } else {
-        (bytes / BYTES_PER_COPY_THREAD).clamp(1, cores.min(MAX_COPY_THREADS))
+/// A request's frames: its header and each tensor's values, every part
+/// split into frames of at most [`CHUNK_BYTES`] (the service's cap).
+fn request_frames(header: Vec<u8>, tensors: &[&Tensor]) -> Vec<Vec<u8>> {
+    let mut out = Vec::with_capacity(1 + tensors.len());
+    push_part(&mut out, header, CHUNK_BYTES);
+    for t in tensors {
+        frames::tensor_frames(t, CHUNK_BYTES, &mut out);
     }
-}
-
-/// `dst.copy_from_slice(src)`, split over a few scoped threads when large:
-/// a large destination is often fresh memory, and its page faults as well
-/// as the copy then proceed in parallel.
-fn copy_bytes(dst: &mut [u8], src: &[u8]) {
-    let threads = copy_threads(src.len());
-    if threads <= 1 || dst.len() != src.len() {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let chunk = src.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let mut parts = dst.chunks_mut(chunk).zip(src.chunks(chunk));
-        let first = parts.next();
-        for (d, s) in parts {
-            scope.spawn(move || d.copy_from_slice(s));
-        }
-        if let Some((d, s)) = first {
-            d.copy_from_slice(s);
-        }
-    });
-}
-
-/// A copy of `bytes` in a new vector.
-fn bytes_to_vec(bytes: &[u8]) -> Vec<u8> {
-    if copy_threads(bytes.len()) <= 1 {
-        return bytes.to_vec();
-    }
-    let mut out = vec![0u8; bytes.len()];
-    copy_bytes(&mut out, bytes);
     out
 }
 
-/// A tensor's values as one little-endian frame.
-pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
-    #[cfg(target_endian = "little")]
-    {
-        match t.data() {
-            TensorData::F32(v) => bytes_to_vec(bytemuck::cast_slice::<f32, u8>(v)),
-            TensorData::I64(v) => bytes_to_vec(bytemuck::cast_slice::<i64, u8>(v)),
-        }
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
-        t.to_le_bytes()
-    }
-}
-
-/// Rebuilds a tensor from its type and a little-endian frame (one copy into
-/// aligned memory; no per-element decoding on little-endian hosts).
-pub fn tensor_from_frame(ty: &TensorType, bytes: &[u8]) -> Result<Tensor, TensorError> {
-    tensor_from_frame_in(ty, bytes, None)
-}
-
-/// [`tensor_from_frame`] into storage from `pool` when it has a buffer that
-/// fits (the one copy then writes into memory already mapped).
-pub fn tensor_from_frame_in(
-    ty: &TensorType,
-    bytes: &[u8],
-    pool: Option<&BufferPool>,
-) -> Result<Tensor, TensorError> {
-    let expected = ty.checked_bytes().ok_or_else(|| TensorError::Overflow {
-        shape: ty.shape.clone(),
-    })?;
-    if expected != bytes.len() {
-        return Err(TensorError::Bytes {
-            ty: ty.clone(),
-            expected,
-            got: bytes.len(),
-        });
-    }
-    #[cfg(target_endian = "little")]
-    {
-        let data = match ty.dtype {
-            DType::F32 => {
-                let len = bytes.len() / 4;
-                let mut v = pool.map_or_else(|| vec![0.0; len], |p| p.f32s(len));
-                copy_bytes(bytemuck::cast_slice_mut::<f32, u8>(&mut v), bytes);
-                TensorData::F32(v)
-            }
-            DType::I64 => {
-                let len = bytes.len() / 8;
-                let mut v = pool.map_or_else(|| vec![0; len], |p| p.i64s(len));
-                copy_bytes(bytemuck::cast_slice_mut::<i64, u8>(&mut v), bytes);
-                TensorData::I64(v)
-            }
-        };
-        Tensor::new(ty.shape.clone(), data)
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
-        let _ = pool;
-        Tensor::from_le_bytes(ty, bytes)
-    }
-}
-
-fn frames_of(header: Vec<u8>, tensors: impl Iterator<Item = Vec<u8>>) -> Vec<Vec<u8>> {
+/// A reply's frames: one per part (the header, then each tensor). Clients
+/// trust the service, and their sockets take frames as large as their
+/// limits.
+fn reply_frames(header: Vec<u8>, tensors: impl Iterator<Item = Vec<u8>>) -> Vec<Vec<u8>> {
     std::iter::once(header).chain(tensors).collect()
 }
 
@@ -327,13 +241,11 @@ pub fn encode_request_into(
                 doorbell: None,
             }),
         };
-        return Ok(vec![header(request_id, &body)?]);
+        return Ok(request_frames(header(request_id, &body)?, &[]));
     }
-    let named = |ts: &[NamedTensor]| {
-        ts.iter()
-            .map(|t| tensor_frame(&t.tensor))
-            .collect::<Vec<_>>()
-    };
+    fn named(ts: &[NamedTensor]) -> Vec<&Tensor> {
+        ts.iter().map(|t| &t.tensor).collect()
+    }
     let (body, tensors) = match req {
         Request::Hello { client } => (
             RequestBody::Hello {
@@ -434,7 +346,7 @@ pub fn encode_request_into(
             Vec::new(),
         ),
     };
-    Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
+    Ok(request_frames(header(request_id, &body)?, &tensors))
 }
 
 /// A Run whose feeds' values are already in the session's segment
@@ -476,7 +388,7 @@ pub fn encode_shared_run<'a>(
             doorbell: areas.doorbell,
         }),
     };
-    Ok(vec![header(request_id, &body)?])
+    Ok(request_frames(header(request_id, &body)?, &[]))
 }
 
 /// Writes the feeds' values into `seg` (packed by [`shm::layout`]) and
@@ -602,7 +514,10 @@ pub fn encode_reply(request_id: u64, reply: &Reply) -> Result<Vec<Vec<u8>>, Wire
             Vec::new(),
         ),
     };
-    Ok(frames_of(header(request_id, &body)?, tensors.into_iter()))
+    Ok(reply_frames(
+        header(request_id, &body)?,
+        tensors.into_iter(),
+    ))
 }
 
 /// An error reply's frames. Never fails: a message that cannot be encoded
@@ -631,6 +546,7 @@ pub fn encode_error(request_id: u64, code: ErrorCode, message: &str) -> Vec<Vec<
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
         out.extend_from_slice(&request_id.to_le_bytes());
+        out.extend_from_slice(&(PREFIX_BYTES as u64).to_le_bytes());
         vec![out]
     })
 }
@@ -675,45 +591,30 @@ pub fn peek_request_id(header: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(id))
 }
 
-/// Checks frame count and sizes, the prefix, and decodes the body.
+/// Checks the frame count and the prefix, gathers the header's frames and
+/// decodes its body; the frames after the header are left in the `Parts`.
 fn decode_header<'f, B, F>(
     frames: &'f [F],
     limits: &Limits,
-) -> Result<(u64, B, &'f [F]), DecodeError>
+) -> Result<(u64, B, Parts<'f, F>), DecodeError>
 where
     B: serde::de::DeserializeOwned,
     F: Deref<Target = [u8]>,
 {
     let fail = |request_id, error| DecodeError { request_id, error };
-    let Some((head, rest)) = frames.split_first() else {
+    let Some(head) = frames.first() else {
         return Err(fail(None, WireError::Empty));
     };
     let request_id = peek_request_id(head);
-    if frames.len() > limits.max_frames {
+    let most = frames::max_message_frames(limits);
+    if frames.len() > most {
         return Err(fail(
             request_id,
             WireError::TooManyFrames {
                 frames: frames.len(),
-                limit: limits.max_frames,
+                limit: most,
             },
         ));
-    }
-    for (index, f) in frames.iter().enumerate() {
-        let limit = if index == 0 {
-            limits.max_header_bytes.min(limits.max_frame_bytes)
-        } else {
-            limits.max_frame_bytes
-        };
-        if f.len() > limit {
-            return Err(fail(
-                request_id,
-                WireError::FrameTooLarge {
-                    index,
-                    bytes: f.len(),
-                    limit,
-                },
-            ));
-        }
     }
     if head.len() < PREFIX_BYTES {
         let error = if head.len() >= 4 && head[..4] == MAGIC {
@@ -741,9 +642,64 @@ where
             },
         ));
     }
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&head[16..PREFIX_BYTES]);
+    let len = u64::from_le_bytes(len);
+    let limit = limits.max_header_bytes.min(limits.max_frame_bytes);
+    let len = match usize::try_from(len) {
+        Ok(l) if l > limit => {
+            return Err(fail(
+                request_id,
+                WireError::FrameTooLarge {
+                    index: 0,
+                    bytes: l,
+                    limit,
+                },
+            ))
+        }
+        Ok(l) if l >= PREFIX_BYTES => l,
+        _ => {
+            return Err(fail(
+                request_id,
+                WireError::Malformed {
+                    reason: format!(
+                        "the prefix gives the header {len} bytes, outside {PREFIX_BYTES}..={limit}"
+                    ),
+                },
+            ))
+        }
+    };
+    // The request's kind is read from the first frame alone (see
+    // `peek_request_name`).
+    if head.len() < len.min(HEADER_LEAD_BYTES) {
+        return Err(fail(
+            request_id,
+            WireError::PartFrames {
+                part: 0,
+                expected: len,
+                reason: "its first frame is shorter than the prefix and the body's tag",
+            },
+        ));
+    }
+    let mut parts = Parts::new(frames);
+    let chunks = match parts.take(len) {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => return Err(fail(request_id, e)),
+        None => return Err(fail(request_id, WireError::Empty)),
+    };
+    // One frame (every header but a large graph's) is read where it lies;
+    // several are gathered first (at most the header limit, checked above).
+    let joined;
+    let bytes: &[u8] = match chunks.as_slice() {
+        [one] => one,
+        many => {
+            joined = many.concat();
+            &joined
+        }
+    };
     let body: B = options()
         .with_limit(limits.max_header_bytes as u64)
-        .deserialize(&head[PREFIX_BYTES..])
+        .deserialize(&bytes[PREFIX_BYTES..])
         .map_err(|e| {
             let error = match *e {
                 bincode::ErrorKind::Io(ref io)
@@ -759,60 +715,7 @@ where
             };
             fail(request_id, error)
         })?;
-    Ok((request_id.unwrap_or(0), body, rest))
-}
-
-/// Pairs tensor metadata with the tensor frames, checking count, size limit
-/// and byte length of each.
-fn take_tensors<F: Deref<Target = [u8]>>(
-    metas: Vec<TensorMeta>,
-    frames: &[F],
-    limits: &Limits,
-    pool: Option<&BufferPool>,
-) -> Result<Vec<NamedTensor>, WireError> {
-    if metas.len() != frames.len() {
-        return Err(WireError::FrameCount {
-            expected: metas.len(),
-            got: frames.len(),
-        });
-    }
-    metas
-        .into_iter()
-        .zip(frames)
-        .map(|(m, f)| {
-            checked_len(&m, limits)?;
-            named_from(m, f, pool)
-        })
-        .collect()
-}
-
-/// The byte length of the tensor `m` announces, within the tensor limit.
-fn checked_len(m: &TensorMeta, limits: &Limits) -> Result<usize, WireError> {
-    m.ty.checked_bytes()
-        .filter(|b| *b <= limits.max_tensor_bytes)
-        .ok_or_else(|| WireError::TensorTooLarge {
-            name: m.name.clone(),
-            ty: m.ty.clone(),
-            limit: limits.max_tensor_bytes,
-        })
-}
-
-/// The tensor `m` announces, its values from `bytes`.
-fn named_from(
-    m: TensorMeta,
-    bytes: &[u8],
-    pool: Option<&BufferPool>,
-) -> Result<NamedTensor, WireError> {
-    match tensor_from_frame_in(&m.ty, bytes, pool) {
-        Ok(tensor) => Ok(NamedTensor {
-            name: m.name,
-            tensor,
-        }),
-        Err(source) => Err(WireError::TensorBytes {
-            name: m.name,
-            source,
-        }),
-    }
+    Ok((request_id.unwrap_or(0), body, parts))
 }
 
 /// A Run's reply carries one frame per fetch after its header: more
@@ -1082,15 +985,8 @@ fn check_feeds(
     Ok(())
 }
 
-fn no_tensors<F>(frames: &[F]) -> Result<(), WireError> {
-    if frames.is_empty() {
-        Ok(())
-    } else {
-        Err(WireError::FrameCount {
-            expected: 0,
-            got: frames.len(),
-        })
-    }
+fn no_tensors<F: Deref<Target = [u8]>>(parts: &Parts<'_, F>) -> Result<(), WireError> {
+    frames::no_more(parts, 0)
 }
 
 /// Decodes a request from its frames, within `limits`. Never panics.
@@ -1119,18 +1015,18 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
     pool: Option<&BufferPool>,
     segments: &dyn SegmentLookup,
 ) -> Result<Envelope<Request>, DecodeError> {
-    let (request_id, body, rest) = decode_header::<RequestBody<'static>, F>(frames, limits)?;
+    let (request_id, body, mut rest) = decode_header::<RequestBody<'static>, F>(frames, limits)?;
     let wrap = |error| DecodeError {
         request_id: Some(request_id),
         error,
     };
     let message = match body {
         RequestBody::Hello { client } => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::Hello { client }
         }
         RequestBody::OpenSession(spec) => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::OpenSession(spec)
         }
         RequestBody::LoadGraph {
@@ -1150,7 +1046,8 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             Request::LoadGraph {
                 session,
                 graph: graph.into_owned(),
-                variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
+                variables: frames::take_tensors(variables, &mut rest, limits, pool)
+                    .map_err(wrap)?,
             }
         }
         RequestBody::Run {
@@ -1163,7 +1060,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             Request::Run {
                 session,
-                feeds: take_tensors(feeds, rest, limits, pool).map_err(wrap)?,
+                feeds: frames::take_tensors(feeds, &mut rest, limits, pool).map_err(wrap)?,
                 fetches,
             }
         }
@@ -1173,7 +1070,7 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             fetches,
             shared: Some(shared),
         } => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             check_fetch_count(&fetches, limits).map_err(wrap)?;
             check_feeds(&feeds, segments.feed_types(session)).map_err(wrap)?;
             let seg = segments.segment(session, shared.segment).ok_or_else(|| {
@@ -1232,27 +1129,27 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
             }
         }
         RequestBody::ReadVariables { session, names } => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::ReadVariables { session, names }
         }
         RequestBody::WriteVariables { session, variables } => Request::WriteVariables {
             session,
-            variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
+            variables: frames::take_tensors(variables, &mut rest, limits, pool).map_err(wrap)?,
         },
         RequestBody::CloseSession { session } => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::CloseSession { session }
         }
         RequestBody::Status => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::Status
         }
         RequestBody::Authenticate { nonce, proof } => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::Authenticate { nonce, proof }
         }
         RequestBody::ShareMemory { session, offer } => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             Request::ShareMemory { session, offer }
         }
     };
@@ -1277,7 +1174,7 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
     limits: &Limits,
     pool: Option<&BufferPool>,
 ) -> Result<Envelope<Reply>, DecodeError> {
-    let (request_id, body, rest) = decode_header::<ReplyBody, F>(frames, limits)?;
+    let (request_id, body, mut rest) = decode_header::<ReplyBody, F>(frames, limits)?;
     let wrap = |error| DecodeError {
         request_id: Some(request_id),
         error,
@@ -1292,16 +1189,16 @@ pub fn decode_reply_in<F: Deref<Target = [u8]>>(
                     ty,
                 })
                 .collect();
-            let ts = take_tensors(metas, rest, limits, pool).map_err(wrap)?;
+            let ts = frames::take_tensors(metas, &mut rest, limits, pool).map_err(wrap)?;
             Reply::RunDone {
                 outputs: ts.into_iter().map(|t| t.tensor).collect(),
             }
         }
         ReplyBody::Variables { variables } => Reply::Variables {
-            variables: take_tensors(variables, rest, limits, pool).map_err(wrap)?,
+            variables: frames::take_tensors(variables, &mut rest, limits, pool).map_err(wrap)?,
         },
         other => {
-            no_tensors(rest).map_err(wrap)?;
+            no_tensors(&rest).map_err(wrap)?;
             match other {
                 ReplyBody::Hello {
                     server,
