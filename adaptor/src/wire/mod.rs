@@ -16,17 +16,21 @@
 
 pub mod auth;
 mod codec;
+mod decode;
 mod error;
 mod frames;
 mod message;
 mod pool;
 pub mod shm;
+mod slots;
 
 pub use codec::{
-    bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
-    decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
-    encode_shared_run, peek_request_id, peek_request_name, post_outputs, read_slot, Envelope,
-    SharedAreas, SlotRange, SlotRead, MAGIC, MAX_ERROR_TEXT, PREFIX_BYTES,
+    bounded_text, encode_error, encode_reply, encode_request, encode_request_into,
+    encode_shared_run, peek_request_id, peek_request_name, Envelope, SharedAreas, SlotRange, MAGIC,
+    MAX_ERROR_TEXT, PREFIX_BYTES,
+};
+pub use decode::{
+    decode_reply, decode_reply_in, decode_request, decode_request_in, decode_request_with,
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use frames::{
@@ -38,6 +42,7 @@ pub use message::{
     SessionStatus, StatusReport,
 };
 pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
+pub use slots::{post_outputs, read_slot, SlotRead};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};
