@@ -161,16 +161,17 @@ pub struct HttpArgs {
 /// Bounds on what the service accepts from the network.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LimitArgs {
-    /// Largest frame of a message (header or tensor).
+    /// Largest part of a message (the header, or one tensor's values),
+    /// however many frames carry it (every frame is at most 64 KiB).
     #[arg(long, default_value = "1GiB")]
     pub max_frame: ByteSize,
-    /// Largest header frame (bincode decoding limit; holds the graph).
+    /// Largest header (bincode decoding limit; holds the graph).
     #[arg(long, default_value = "64MiB")]
     pub max_header: ByteSize,
-    /// Largest tensor sent in one frame.
+    /// Largest tensor sent in a message.
     #[arg(long, default_value = "1GiB")]
     pub max_tensor: ByteSize,
-    /// Most frames in one message.
+    /// Most parts in one message (the header and one per tensor).
     #[arg(long, default_value_t = 4096)]
     pub max_frames: usize,
     /// Most nodes in one graph.

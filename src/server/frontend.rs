@@ -203,10 +203,13 @@ pub(super) fn spawn(
         .max_requests_per_client
         .saturating_add(SEND_HWM_EXTRA);
     router.set_sndhwm(i32::try_from(send_hwm).unwrap_or(i32::MAX))?;
-    // Hard cap enforced by ZeroMQ (the connection is dropped above it);
-    // frames between the frame limit and this cap get a FrameTooLarge reply.
-    let cap = config.limits.max_frame_bytes.saturating_mul(2).max(1 << 20);
-    router.set_maxmsgsize(i64::try_from(cap).unwrap_or(i64::MAX))?;
+    // Every frame a peer sends, ZeroMQ's handshake commands included, is
+    // at most `wire::CHUNK_BYTES`: libzmq drops a connection that announces
+    // a larger one before allocating it. Requests' parts larger than that
+    // come in several frames (`wire::frames`), so a peer without the key
+    // can make the service hold about one such frame per connection.
+    let cap = i64::try_from(wire::CHUNK_BYTES).unwrap_or(i64::MAX);
+    router.set_maxmsgsize(cap)?;
     router
         .bind(&config.endpoint)
         .map_err(|source| ServerError::Bind {

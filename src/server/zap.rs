@@ -5,8 +5,9 @@
 //! it. A connection is admitted only with a connection token made with the
 //! key (`wire::auth`, [`Gate::admit`]); any other is closed by libzmq after
 //! its handshake. So a peer without the key never gets a message to the
-//! service; the frames of the handshake itself are not bounded by stock
-//! libzmq (docs/protocol.md, *Memory before authentication*).
+//! service, and the frames of the handshake itself are capped, as every
+//! frame, by the socket's `ZMQ_MAXMSGSIZE` (`wire::CHUNK_BYTES`; see
+//! docs/protocol.md, *Memory before authentication*).
 
 use lanes_adaptor::wire::auth;
 

@@ -166,8 +166,17 @@ pub enum WireError {
     Malformed { reason: String },
     #[error("header is truncated: {reason}")]
     TruncatedHeader { reason: String },
-    #[error("header announces {expected} tensor frames, message has {got}")]
+    #[error("header announces {expected} tensor parts, message has {got}")]
     FrameCount { expected: usize, got: usize },
+    /// The frames of one part (the header is part 0, then each tensor)
+    /// do not add up to exactly its byte length: they run out before it,
+    /// one straddles its end, or an empty frame lies inside it.
+    #[error("part {part} of {expected} bytes: {reason}")]
+    PartFrames {
+        part: usize,
+        expected: usize,
+        reason: &'static str,
+    },
     #[error("tensor `{name}` of type {ty} is larger than the limit of {limit} bytes")]
     TensorTooLarge {
         name: String,
@@ -203,6 +212,7 @@ impl WireError {
             WireError::FrameCount { expected, got } if got > expected => ErrorCode::Malformed,
             WireError::TruncatedHeader { .. }
             | WireError::FrameCount { .. }
+            | WireError::PartFrames { .. }
             | WireError::TensorBytes { .. } => ErrorCode::Truncated,
             WireError::TensorTooLarge { .. } => ErrorCode::TensorTooLarge,
             WireError::SharedMemory { .. } => ErrorCode::SharedMemory,

@@ -1,9 +1,12 @@
 //! The wire protocol: the only place that knows the byte format.
 //!
-//! A message is a ZeroMQ multipart message. Frame 0 is a header (magic,
-//! protocol version, request id, bincode body); each tensor the body names
-//! travels as its own frame of raw little-endian values and is never
-//! re-encoded. The service's ROUTER socket prepends the peer's routing id;
+//! A message is a ZeroMQ multipart message of parts: a header (magic,
+//! protocol version, request id, header length, bincode body), then one
+//! part of raw little-endian values per tensor the body names, never
+//! re-encoded. A part spans one or more consecutive frames: requests are
+//! sent in frames of at most [`CHUNK_BYTES`] (the cap of the service's
+//! socket on every frame, ZeroMQ's handshake included), replies in one
+//! frame per part (`frames.rs`). The service's ROUTER socket prepends the peer's routing id;
 //! jobs use a DEALER and see only the frames described here.
 //!
 //! Decoding is bounded everywhere by [`Limits`]: frames per message, bytes
@@ -13,42 +16,53 @@
 
 pub mod auth;
 mod codec;
+mod decode;
 mod error;
+mod frames;
 mod message;
 mod pool;
 pub mod shm;
+mod slots;
 
 pub use codec::{
-    bounded_text, decode_reply, decode_reply_in, decode_request, decode_request_in,
-    decode_request_with, encode_error, encode_reply, encode_request, encode_request_into,
-    encode_shared_run, peek_request_id, peek_request_name, post_outputs, read_slot, tensor_frame,
-    tensor_from_frame, tensor_from_frame_in, Envelope, SharedAreas, SlotRange, SlotRead, MAGIC,
+    bounded_text, encode_error, encode_reply, encode_request, encode_request_into,
+    encode_shared_run, peek_request_id, peek_request_name, Envelope, SharedAreas, SlotRange, MAGIC,
     MAX_ERROR_TEXT, PREFIX_BYTES,
 };
+pub use decode::{
+    decode_reply, decode_reply_in, decode_request, decode_request_in, decode_request_with,
+};
 pub use error::{DecodeError, ErrorCode, WireError};
+pub use frames::{
+    chunk_frames, max_message_frames, tensor_frame, tensor_from_frame, tensor_from_frame_in,
+    CHUNK_BYTES,
+};
 pub use message::{
     ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,
     SessionStatus, StatusReport,
 };
 pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
+pub use slots::{post_outputs, read_slot, SlotRead};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
-    /// Largest frame (header or tensor) in bytes.
+    /// Largest part (the header, or one tensor's values) in bytes, however
+    /// many frames carry it.
     pub max_frame_bytes: usize,
     /// Largest header frame, and the bincode decoding limit, in bytes.
     pub max_header_bytes: usize,
     /// Largest tensor sent as a frame, in bytes.
     pub max_tensor_bytes: usize,
-    /// Most frames in one message (header included).
+    /// Most parts in one message (the header and one per tensor); the
+    /// frames they may take are bounded by [`max_message_frames`].
     pub max_frames: usize,
     /// Most nodes in one graph.
     pub max_nodes: usize,
@@ -98,7 +112,13 @@ mod tests {
             fetches: vec![],
         };
         let frames = encode_request(9, &req).unwrap();
-        assert_eq!(frames[1].len(), n * 4);
+        // Sent in frames of at most the service's cap, two parts of n × 4
+        // and n × 8 bytes after the one-frame header.
+        assert!(frames.iter().all(|f| f.len() <= CHUNK_BYTES));
+        assert_eq!(
+            frames.len(),
+            1 + (n * 4).div_ceil(CHUNK_BYTES) + (n * 8).div_ceil(CHUNK_BYTES)
+        );
         let pool = BufferPool::new(1 << 30);
         for round in 0..2 {
             let env = decode_request_in(&frames, &Limits::default(), Some(&pool)).unwrap();
@@ -112,6 +132,65 @@ mod tests {
             decode_request(&frames, &Limits::default()).unwrap().message,
             req
         );
+        // One frame per part (as the service replies) decodes the same.
+        let whole = [
+            frames[0].clone(),
+            tensor_frame(
+                &Tensor::from_f32([n], (0..n).map(|i| i as f32 * 0.25 - 7.0).collect()).unwrap(),
+            ),
+            frames[1 + (n * 4).div_ceil(CHUNK_BYTES)..].concat(),
+        ];
+        assert_eq!(whole[1].len(), n * 4);
+        assert_eq!(
+            decode_request(&whole, &Limits::default()).unwrap().message,
+            req
+        );
+    }
+
+    /// A large graph's header spans several frames, and a LoadGraph with
+    /// large variables too: every frame within the cap, the request the same.
+    #[test]
+    fn large_headers_and_variables_are_sent_in_chunks() {
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::f32([1, 1000]));
+        let w = g.variable("w", Tensor::full([1000, 3000], 0.5));
+        let mut y = g.matmul(x, w);
+        for i in 0..3000 {
+            y = g.relu(y);
+            g.set_name(y, &format!("a fairly long node name number {i}"));
+        }
+        let (graph, vars) = g.finish().unwrap();
+        let req = Request::LoadGraph {
+            session: SessionId(1),
+            graph,
+            variables: vars
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        };
+        let frames = encode_request(3, &req).unwrap();
+        assert!(frames.iter().all(|f| f.len() <= CHUNK_BYTES));
+        let header = u64::from_le_bytes(frames[0][16..24].try_into().unwrap()) as usize;
+        assert!(header > CHUNK_BYTES, "header of {header} bytes");
+        assert_eq!(
+            decode_request(&frames, &Limits::default()).unwrap().message,
+            req
+        );
+        // The header's length is checked against the header limit before
+        // any frame is gathered.
+        let small = Limits {
+            max_header_bytes: header - 1,
+            ..Limits::default()
+        };
+        let e = decode_request(&frames, &small).unwrap_err();
+        assert_eq!(e.error.code(), ErrorCode::FrameTooLarge, "{e}");
+        // A part above the part limit, though each frame is small.
+        let small = Limits {
+            max_frame_bytes: 1000 * 3000 * 4 - 1,
+            ..Limits::default()
+        };
+        let e = decode_request(&frames, &small).unwrap_err();
+        assert_eq!(e.error.code(), ErrorCode::FrameTooLarge, "{e}");
     }
 
     fn load_graph() -> Request {
@@ -420,6 +499,76 @@ mod tests {
         assert_eq!(ErrorCode::SharedMemory.as_u16(), 24);
         for c in 0..40u16 {
             assert_eq!(ErrorCode::from(c).as_u16(), c);
+        }
+    }
+
+    /// `parts` (one frame each) re-split at the cut points `cuts` picks:
+    /// each part into non-empty frames (an empty part stays one frame), the
+    /// header's first frame no shorter than `HEADER_LEAD_BYTES`.
+    fn resplit(parts: &[Vec<u8>], cuts: &[usize]) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut k = 0;
+        for (i, p) in parts.iter().enumerate() {
+            let mut rest = &p[..];
+            let mut least = if i == 0 { codec::HEADER_LEAD_BYTES } else { 1 };
+            loop {
+                let c = cuts.get(k).copied().unwrap_or(usize::MAX);
+                k += 1;
+                if rest.len() <= least || c % 3 == 0 {
+                    out.push(rest.to_vec());
+                    break;
+                }
+                let at = least + c % (rest.len() - least);
+                least = 1;
+                out.push(rest[..at].to_vec());
+                rest = &rest[at..];
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(
+            std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000)
+        ))]
+        /// Parts split into frames at random points decode to the same
+        /// message; frames that do not add up to the parts (a byte moved
+        /// across a boundary, a frame lost, doubled or emptied) are typed
+        /// errors, never panics.
+        #[test]
+        fn parts_split_anywhere_decode_the_same(
+            cuts in proptest::collection::vec(proptest::prelude::any::<usize>(), 0..64),
+            which in proptest::prelude::any::<usize>(),
+        ) {
+            let l = Limits::default();
+            for req in [load_graph(), run()] {
+                let parts = encode_request(9, &req).unwrap();
+                let frames = resplit(&parts, &cuts);
+                proptest::prop_assert_eq!(&decode_request(&frames, &l).unwrap().message, &req);
+                let i = which % frames.len();
+                // A byte moved from one frame to the next (across a part
+                // boundary when they belong to different parts).
+                let mut moved = frames.clone();
+                if i + 1 < moved.len() && !moved[i].is_empty() {
+                    let b = moved[i].pop().unwrap();
+                    moved[i + 1].insert(0, b);
+                    if let Ok(env) = decode_request(&moved, &l) {
+                        // Only when both frames are of one part.
+                        proptest::prop_assert_eq!(&env.message, &req);
+                    }
+                }
+                let mut lost = frames.clone();
+                lost.remove(i);
+                proptest::prop_assert!(decode_request(&lost, &l).is_err());
+                let mut doubled = frames.clone();
+                doubled.insert(i, frames[i].clone());
+                proptest::prop_assert!(decode_request(&doubled, &l).is_err());
+                if !frames[i].is_empty() {
+                    let mut emptied = frames.clone();
+                    emptied.insert(i, Vec::new());
+                    proptest::prop_assert!(decode_request(&emptied, &l).is_err());
+                }
+            }
         }
     }
 
