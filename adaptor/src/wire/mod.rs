@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,7 +52,16 @@ pub struct Limits {
     pub max_frames: usize,
     /// Most nodes in one graph.
     pub max_nodes: usize,
+    /// Largest doorbell a shared Run may name, header included (see
+    /// [`shm::Doorbell`]): a larger one is refused with `SharedMemory`,
+    /// and the service never reads more than this from a doorbell.
+    pub max_doorbell_bytes: usize,
 }
+
+/// Default of [`Limits::max_doorbell_bytes`]: room for a Run's header of
+/// a few hundred feeds and fetches (the client's doorbells are
+/// [`crate::client::DOORBELL_BYTES`]).
+pub const DEFAULT_DOORBELL_BYTES: usize = 64 << 10;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -62,6 +71,7 @@ impl Default for Limits {
             max_tensor_bytes: 1 << 30,
             max_frames: 4096,
             max_nodes: 100_000,
+            max_doorbell_bytes: DEFAULT_DOORBELL_BYTES,
         }
     }
 }
