@@ -261,6 +261,9 @@ pub const DEFAULT_REPLY_BYTES: usize = 1 << 20;
 /// [`crate::wire::shm::Doorbell`]); a request larger than it goes through
 /// the socket only.
 pub const DOORBELL_BYTES: usize = 4096;
+/// Smallest doorbell feed buffers have: a service whose
+/// `max_doorbell_bytes` is below it gets none (Runs go through the socket).
+const MIN_DOORBELL_BYTES: usize = 1024;
 /// Most segments one session keeps (one per Run in flight).
 const MAX_SEGMENTS_PER_SESSION: usize = 4;
 /// Segments are sized in multiples of this.
@@ -883,17 +886,22 @@ impl Client {
                 Some((need, bytes))
             })
             .flatten();
-        // Then the doorbell.
-        let bell_at = match slot {
+        // Then the doorbell, no larger than the service takes (none when
+        // it takes too little for a Run's header).
+        let bell_bytes = DOORBELL_BYTES.min(self.server_limits.max_doorbell_bytes);
+        let after = match slot {
             Some((at, bytes)) => at.checked_add(bytes),
             None => Some(need),
         };
-        let end = bell_at
-            .and_then(|at| at.checked_add(DOORBELL_BYTES))
-            .and_then(|e| e.checked_next_multiple_of(4096))
-            .ok_or_else(|| ClientError::FeedBuffer {
-                reason: format!("a reply slot of {reply_bytes} bytes overflows"),
-            })?;
+        let bell_at = after.filter(|_| bell_bytes >= MIN_DOORBELL_BYTES);
+        let end = match bell_at {
+            Some(at) => at.checked_add(bell_bytes),
+            None => after,
+        }
+        .and_then(|e| e.checked_next_multiple_of(4096))
+        .ok_or_else(|| ClientError::FeedBuffer {
+            reason: format!("a reply slot of {reply_bytes} bytes overflows"),
+        })?;
         let id = self.shared.next_id;
         self.shared.next_id = self.shared.next_id.wrapping_add(1);
         let mut seg = self
@@ -902,7 +910,7 @@ impl Client {
         if let Some((at, _)) = slot {
             seg.clear_slot(at);
         }
-        let bell = bell_at.map(|at| (at, DOORBELL_BYTES));
+        let bell = bell_at.map(|at| (at, bell_bytes));
         if let Some((at, _)) = bell {
             seg.clear_slot(at);
         }

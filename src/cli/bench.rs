@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 mod child;
 pub mod colocate;
+mod doorbell;
 mod isolate;
 pub mod models;
 pub mod pack;
@@ -70,6 +71,11 @@ enum What {
     /// Speed of the trace simulator: a large (generated or given) trace
     /// under every policy; seconds per policy and peak memory.
     Sim(sim::SimArgs),
+    /// A bystander's Run latency through a real `lanes serve` alone,
+    /// beside a peer ringing garbage in its doorbell as fast as it can,
+    /// and beside one ringing a huge doorbell; the service's own counts
+    /// of the rings it examined and the bytes it copied.
+    Doorbell(doorbell::DoorbellArgs),
     /// Session churn against a real `lanes serve` for `--duration` seconds:
     /// clients open, run, close, drop and are killed at random while the
     /// service's memory, sessions and errors are sampled; JSON samples and
@@ -95,6 +101,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Colocate(a) => colocate::colocate(a),
         What::Sweep(a) => sweep::sweep(a),
         What::Sim(a) => sim::sim(a),
+        What::Doorbell(a) => doorbell::doorbell(a),
         What::Soak(a) => soak::soak(a),
         What::SoakClient(a) => soak::soak_client(a),
     }

@@ -99,6 +99,19 @@ pub struct Args {
     /// their feeds (their Runs then carry the feeds over the socket).
     #[arg(long)]
     pub no_shared_memory: bool,
+    /// Most address space the shared-memory segments of one client
+    /// connection may take in the service, each mapping counted (the
+    /// service maps a segment twice, read-only and for reply slots, so a
+    /// segment of N bytes usually counts 2N); an offer beyond is refused
+    /// with SharedMemory and the client sends its feeds over the socket.
+    #[arg(long, default_value = "1TiB", value_name = "SIZE")]
+    pub max_shared_per_client: ByteSize,
+    /// Most address space the shared-memory segments of all clients
+    /// together may take in the service (counted as for
+    /// --max-shared-per-client): many clients cannot exhaust the
+    /// service's address space (128 TiB on x86-64) either.
+    #[arg(long, default_value = "16TiB", value_name = "SIZE")]
+    pub max_shared: ByteSize,
     /// Bind an endpoint other than loopback or `ipc://` without
     /// `--auth-key-file`, or an `--http` address other than loopback:
     /// anyone who reaches the address may open sessions and use the device
@@ -177,6 +190,12 @@ pub struct LimitArgs {
     /// Most nodes in one graph.
     #[arg(long, default_value_t = 100_000)]
     pub max_nodes: usize,
+    /// Largest doorbell a busy-polling client's Run may name (its header
+    /// included; announced at Hello, a larger one is refused with
+    /// SharedMemory): the most the service reads from a doorbell per
+    /// ring. Clients use 4 KiB.
+    #[arg(long, default_value = "64KiB")]
+    pub max_doorbell: ByteSize,
 }
 
 impl LimitArgs {
@@ -190,6 +209,7 @@ impl LimitArgs {
             max_tensor_bytes: size(self.max_tensor, "--max-tensor")?,
             max_frames: self.max_frames,
             max_nodes: self.max_nodes,
+            max_doorbell_bytes: size(self.max_doorbell, "--max-doorbell")?,
         })
     }
 }
@@ -255,9 +275,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     lanes::exec::cuda::set_matmul_tf32(args.tf32_matmul);
     let device = server::resolve_device(args.device)?;
     let memory_bytes = server::resolve_memory(args.memory, &device)?;
+    let limits = args.limits.limits()?;
+    let bell_header = lanes_adaptor::wire::shm::DOORBELL_HEADER;
+    if limits.max_doorbell_bytes < bell_header
+        || limits.max_doorbell_bytes > limits.max_header_bytes.saturating_add(bell_header)
+    {
+        anyhow::bail!(
+            "--max-doorbell must be at least {bell_header} bytes and at most --max-header + {bell_header} (a doorbell holds one header frame)"
+        );
+    }
+    if args.max_shared_per_client.0 > args.max_shared.0 {
+        anyhow::bail!("--max-shared-per-client may not be more than --max-shared");
+    }
     let config = ServerConfig {
         endpoint: args.endpoint.clone(),
-        limits: args.limits.limits()?,
+        limits,
         workers: args.workers.unwrap_or(ServerConfig::default().workers),
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
@@ -274,6 +306,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         evict_training: args.evict_training,
         feed_pool_bytes: server::DEFAULT_FEED_POOL_BYTES,
         shared_memory: !args.no_shared_memory,
+        max_shared_per_client: args.max_shared_per_client.0,
+        max_shared: args.max_shared.0,
         stream_priority: !args.no_stream_priority,
         auth_key,
         metrics: args

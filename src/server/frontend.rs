@@ -6,13 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lanes_adaptor::wire::shm::{
-    AttachedSegment, FdDesk, SegmentLookup, SegmentOffer, SharedMemoryError,
-};
-use lanes_adaptor::wire::{
-    self, BufferPool, ErrorCode, JobKind, Reply, SessionId, SessionSpec, SessionState,
-    SessionStatus, StatusReport,
-};
+use lanes_adaptor::wire::shm::{AttachedSegment, FdDesk, SegmentLookup};
+use lanes_adaptor::wire::{self, BufferPool, ErrorCode, JobKind, Reply, SessionId, SessionSpec};
 
 use super::auth::Gate;
 use super::decoder::{Decoder, DECODED};
@@ -26,9 +21,9 @@ use crate::session::Session;
 mod bells;
 mod connections;
 mod requests;
+mod segments;
 mod shutdown;
-
-use bells::Bell;
+mod status;
 
 /// Longest job name accepted.
 const MAX_NAME_BYTES: usize = 256;
@@ -137,6 +132,9 @@ struct Frontend {
     /// descriptors (`None` with `--no-shared-memory`, or where it could not
     /// be bound: jobs then send feeds through the socket).
     desk: Option<FdDesk>,
+    /// The address space of the segments' mappings, per connection and in
+    /// all (`segments.rs`).
+    mapped: segments::MappedSpace,
     /// Warnings about bad messages, at most one a second.
     bad_messages: Throttle,
     /// Warnings about replies dropped for clients that do not read them.
@@ -159,7 +157,7 @@ struct Frontend {
     held: HashMap<Vec<u8>, VecDeque<(Vec<zmq::Message>, Instant)>>,
     /// Doorbells of busy-polling clients' feed buffers, learned from the
     /// Runs that name them (see `wire::shm::Doorbell`).
-    bells: Vec<Bell>,
+    bells: bells::Bells,
     /// The peer address of the OpenSession or Hello being handled
     /// (ZeroMQ's `Peer-Address` of its message).
     opening_from: String,
@@ -272,6 +270,7 @@ pub(super) fn spawn(
     if gate.is_some() {
         tracing::info!("peers must authenticate (pre-shared key; traffic is not encrypted)");
     }
+    let config_shared = (config.max_shared_per_client, config.max_shared);
     let fe = Frontend {
         pool,
         config,
@@ -286,6 +285,7 @@ pub(super) fn spawn(
         lanes,
         _reservation: reservation,
         desk,
+        mapped: segments::MappedSpace::new(config_shared.0, config_shared.1),
         bad_messages: Throttle::default(),
         dropped_replies: Throttle::default(),
         gate,
@@ -295,7 +295,7 @@ pub(super) fn spawn(
         decoded,
         decoding: HashSet::new(),
         held: HashMap::new(),
-        bells: Vec::new(),
+        bells: bells::Bells::default(),
         opening_from: String::new(),
         trim: super::trim::Trimmer::start(),
         stopping: None,
@@ -568,57 +568,6 @@ impl Frontend {
         Reply::SessionOpened { session }
     }
 
-    /// Attaches a job's shared-memory segment to its session (replacing
-    /// one of the same id): the descriptor the peer handed to the desk
-    /// under the offer's token, never a file the peer names.
-    fn share(&mut self, peer: &[u8], session: SessionId, offer: &SegmentOffer) -> Reply {
-        if let Err(e) = self.owned(peer, session) {
-            return Reply::Error(e);
-        }
-        let Some(desk) = self.desk.as_mut() else {
-            return Reply::error(
-                ErrorCode::SharedMemory,
-                "this service does not attach shared memory (--no-shared-memory)",
-            );
-        };
-        // A segment holds one Run's feeds: no larger than the largest
-        // message the service accepts.
-        let limits = &self.config.limits;
-        let limit = (limits.max_frame_bytes as u64).saturating_mul(limits.max_frames as u64);
-        let full = self.sessions.get(&session).is_some_and(|e| {
-            e.segments.len() >= MAX_SEGMENTS_PER_SESSION && !e.segments.contains_key(&offer.segment)
-        });
-        if full {
-            return Reply::error(
-                ErrorCode::SharedMemory,
-                format!("session {session} already has {MAX_SEGMENTS_PER_SESSION} segments"),
-            );
-        }
-        let attached = desk
-            .take(&offer.token)
-            .ok_or(SharedMemoryError::NotHandedOver)
-            .and_then(|file| AttachedSegment::attach(file, offer, limit));
-        match attached {
-            Ok(seg) => {
-                tracing::debug!(%session, segment = offer.segment, bytes = offer.bytes, "shared memory attached");
-                if let Some(entry) = self.sessions.get_mut(&session) {
-                    entry.segments.insert(offer.segment, Arc::new(seg));
-                }
-                Reply::MemoryShared {
-                    session,
-                    segment: offer.segment,
-                }
-            }
-            Err(e) => {
-                tracing::debug!(%session, error = %e, "shared memory refused");
-                Reply::error(
-                    ErrorCode::SharedMemory,
-                    format!("cannot attach the segment: {e}"),
-                )
-            }
-        }
-    }
-
     fn queue(
         &mut self,
         peer: Vec<u8>,
@@ -737,79 +686,6 @@ impl Frontend {
         }
     }
 
-    /// Hands the metrics (`--metrics`) what `status` sees and the lanes.
-    fn publish_metrics(&mut self) {
-        let Some(m) = self.config.metrics.clone() else {
-            return;
-        };
-        let report = self.status();
-        let snapshot = self.lanes.as_ref().map(|l| l.snapshot());
-        m.publish(&report, snapshot.as_ref());
-    }
-
-    fn status(&mut self) -> StatusReport {
-        let mut ids: Vec<SessionId> = self.sessions.keys().copied().collect();
-        ids.sort();
-        let mut sessions = Vec::with_capacity(ids.len());
-        for id in ids {
-            let (queued, running) = self.dispatcher.session_load(id);
-            let Some(e) = self.sessions.get_mut(&id) else {
-                continue;
-            };
-            if !running {
-                if let Ok(s) = e.state.try_lock() {
-                    e.loaded = s.is_loaded();
-                    e.iterations = s.iterations();
-                    e.resident = s.is_resident();
-                    e.switches = s.switches();
-                }
-            }
-            let state = if running {
-                SessionState::Running
-            } else if queued > 0 {
-                SessionState::Queued
-            } else if e.loaded {
-                SessionState::Ready
-            } else {
-                SessionState::Open
-            };
-            let stats = self.dispatcher.stats(id).unwrap_or_default();
-            sessions.push(SessionStatus {
-                session: id,
-                spec: e.spec.clone(),
-                state,
-                // The session's own count is read only while it is not
-                // running; the scheduler's is current.
-                iterations: e.iterations.max(stats.iterations),
-                idle_ms: e.last_seen.elapsed().as_millis() as u64,
-                queueing_mean_us: stats.queueing_mean().as_micros() as u64,
-                service_mean_us: stats.service_mean().as_micros() as u64,
-                resident: e.resident,
-                evictions: e.switches.0,
-                returns: e.switches.1,
-                shared_bytes: e.segments.values().map(|s| s.bytes().len() as u64).sum(),
-            });
-        }
-        let snapshot = self.lanes.as_ref().map(|l| l.snapshot());
-        StatusReport {
-            server: format!("lanes/{}", env!("CARGO_PKG_VERSION")),
-            version: wire::PROTOCOL_VERSION,
-            device: self.config.device.clone(),
-            policy: self.dispatcher.policy().to_string(),
-            memory_bytes: self.config.memory_bytes,
-            lanes: snapshot.as_ref().map(|l| Box::new(l.to_string())),
-            lanes_json: snapshot
-                .as_ref()
-                .and_then(|l| serde_json::to_string(l).ok())
-                .map(Box::new),
-            max_lanes: u32::try_from(self.config.max_lanes).unwrap_or(u32::MAX),
-            workers: self.workers.len() as u32,
-            uptime_ms: self.started.elapsed().as_millis() as u64,
-            queued: self.dispatcher.queued() as u64,
-            sessions,
-        }
-    }
-
     /// Reclaims sessions silent past the idle timeout with nothing queued
     /// or running; dropping the entry frees the program and its variables.
     fn reap(&mut self) {
@@ -829,6 +705,7 @@ impl Frontend {
             }
         }
         self.forget_bells();
+        self.mapped.forget_unmapped();
     }
 }
 

@@ -220,6 +220,13 @@ pub struct ServerConfig {
     /// Attach the shared-memory segments local jobs offer for their feeds
     /// (see `lanes_adaptor::wire::shm`); off, their Runs use the socket.
     pub shared_memory: bool,
+    /// Most address space one connection's shared-memory segments may
+    /// take in the service, every mapping counted (`--max-shared-per-client`):
+    /// an offer beyond is refused with `SharedMemory`.
+    pub max_shared_per_client: u64,
+    /// Most address space all connections' segments together may take
+    /// (`--max-shared`), counted likewise.
+    pub max_shared: u64,
     /// On the GPU, give each job's streams the priority its policy ranks
     /// it at ([`PolicyChoice::urgency`]); off, every lane's streams have
     /// CUDA's default priority (`--no-stream-priority`, for comparison).
@@ -269,6 +276,15 @@ pub const DEFAULT_REQUESTS_PER_CLIENT: usize = 64;
 /// iterations' worth of large feeds (a ResNet-50 batch of 32 is 19.3 MB).
 pub const DEFAULT_FEED_POOL_BYTES: usize = 256 << 20;
 
+/// Default of [`ServerConfig::max_shared_per_client`]: 1 TiB of mappings,
+/// segments of 512 GiB mapped twice.
+pub const DEFAULT_SHARED_PER_CLIENT: u64 = 1 << 40;
+
+/// Default of [`ServerConfig::max_shared`]: 16 TiB, an eighth of x86-64's
+/// 128 TiB of user address space, so segments cannot take the room the
+/// service needs for its threads, its reservation and the driver.
+pub const DEFAULT_MAX_SHARED: u64 = 16 << 40;
+
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
@@ -289,6 +305,8 @@ impl Default for ServerConfig {
             evict_training: false,
             feed_pool_bytes: DEFAULT_FEED_POOL_BYTES,
             shared_memory: true,
+            max_shared_per_client: DEFAULT_SHARED_PER_CLIENT,
+            max_shared: DEFAULT_MAX_SHARED,
             stream_priority: true,
             auth_key: None,
             metrics: None,

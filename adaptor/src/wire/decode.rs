@@ -310,6 +310,14 @@ pub fn decode_request_with<F: Deref<Target = [u8]>>(
                 None => None,
             };
             let doorbell = match shared.doorbell {
+                Some(r) if r.bytes > limits.max_doorbell_bytes as u64 => {
+                    return Err(wrap(WireError::SharedMemory {
+                        reason: format!(
+                            "the doorbell of {} bytes is larger than this service's {} (max_doorbell_bytes, announced at Hello)",
+                            r.bytes, limits.max_doorbell_bytes
+                        ),
+                    }))
+                }
                 Some(r) => Some(
                     take_area(
                         "doorbell",

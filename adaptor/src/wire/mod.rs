@@ -66,7 +66,16 @@ pub struct Limits {
     pub max_frames: usize,
     /// Most nodes in one graph.
     pub max_nodes: usize,
+    /// Largest doorbell a shared Run may name, header included (see
+    /// [`shm::Doorbell`]): a larger one is refused with `SharedMemory`,
+    /// and the service never reads more than this from a doorbell.
+    pub max_doorbell_bytes: usize,
 }
+
+/// Default of [`Limits::max_doorbell_bytes`]: room for a Run's header of
+/// a few hundred feeds and fetches (the client's doorbells are
+/// [`crate::client::DOORBELL_BYTES`]).
+pub const DEFAULT_DOORBELL_BYTES: usize = 64 << 10;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -76,6 +85,7 @@ impl Default for Limits {
             max_tensor_bytes: 1 << 30,
             max_frames: 4096,
             max_nodes: 100_000,
+            max_doorbell_bytes: DEFAULT_DOORBELL_BYTES,
         }
     }
 }

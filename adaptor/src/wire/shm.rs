@@ -571,6 +571,9 @@ fn hex(b: &[u8]) -> String {
 pub struct AttachedSegment {
     map: memmap2::Mmap,
     writable: Option<memmap2::MmapRaw>,
+    /// What the service charged for the mappings' address space (see
+    /// [`AttachedSegment::with_charge`]); dropped after them.
+    charge: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl std::fmt::Debug for AttachedSegment {
@@ -643,7 +646,11 @@ impl AttachedSegment {
             .len(len)
             .map_raw(memfd.as_file())
             .ok();
-        Ok(AttachedSegment { map, writable })
+        Ok(AttachedSegment {
+            map,
+            writable,
+            charge: None,
+        })
     }
 
     #[cfg(not(target_os = "linux"))]
@@ -663,6 +670,22 @@ impl AttachedSegment {
     /// Whether the service can write reply slots into it.
     pub fn is_writable(&self) -> bool {
         self.writable.is_some()
+    }
+
+    /// The address space its mappings take: its bytes once per mapping
+    /// (read-only, and writable when the descriptor allows it).
+    pub fn mapped_bytes(&self) -> u64 {
+        let once = self.map.len() as u64;
+        once.saturating_mul(1 + u64::from(self.writable.is_some()))
+    }
+
+    /// Keeps `charge` as long as the mappings live and drops it right
+    /// after they are unmapped (whoever holds the segment last): a
+    /// service's account of the address space its peers' segments take
+    /// (its `Drop` gives it back).
+    pub fn with_charge(mut self, charge: impl std::any::Any + Send + Sync) -> Self {
+        self.charge = Some(Box::new(charge));
+        self
     }
 }
 
@@ -886,25 +909,54 @@ impl Doorbell {
         (id != SLOT_EMPTY && id > last).then_some(id)
     }
 
-    /// The request rung after `last`: its id and a copy of its bytes
-    /// (empty when the length word is out of range). `None` when nothing
-    /// was rung since, or the segment is not writable (the word is read
-    /// through the writable mapping).
-    pub fn take(&self, last: u64) -> Option<(u64, Vec<u8>)> {
+    /// The request rung after `last`: its id and a copy of its bytes, or
+    /// why they are not taken. The length word, the request id in the
+    /// prefix and the request's kind are checked where they lie before
+    /// anything is copied, so a ring with anything but a Run under the
+    /// word's id costs a few loads whatever the doorbell holds; a Run
+    /// copies at most the doorbell's bytes (bounded by the service's
+    /// `Limits::max_doorbell_bytes` when the Run naming it was decoded).
+    /// `None` when nothing was rung since, or the segment is not writable
+    /// (the word is read through the writable mapping).
+    pub fn take(&self, last: u64) -> Option<(u64, Result<Vec<u8>, RingRefused>)> {
         let id = self.id_after(last)?;
         let start = self.0.start()?;
         // SAFETY: `start` is valid for the area's bytes (`Area::start`);
-        // they are only copied out here, and the service never writes a
+        // they are only read here, and the service never writes a
         // doorbell.
         #[allow(unsafe_code)]
         let area = unsafe { std::slice::from_raw_parts(start.cast_const(), self.0.bytes) };
+        Some((id, Self::request_in(area, id).map(<[u8]>::to_vec)))
+    }
+
+    /// The request a doorbell's bytes `area` hold under id `id`, checked
+    /// without copying.
+    fn request_in(area: &[u8], id: u64) -> Result<&[u8], RingRefused> {
         let len = u32::from_le_bytes([area[8], area[9], area[10], area[11]]) as usize;
+        let room = area.len() - DOORBELL_HEADER;
         let body = DOORBELL_HEADER
             .checked_add(len)
             .and_then(|end| area.get(DOORBELL_HEADER..end))
-            .map_or_else(Vec::new, <[u8]>::to_vec);
-        Some((id, body))
+            .ok_or(RingRefused::Length { len, room })?;
+        if super::peek_request_id(body) != Some(id) {
+            return Err(RingRefused::OtherId { word: id });
+        }
+        if super::peek_request_name(body) != Some("run") {
+            return Err(RingRefused::NotRun);
+        }
+        Ok(body)
     }
+}
+
+/// Why what a doorbell was rung with is not taken (see [`Doorbell::take`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RingRefused {
+    #[error("its length word says {len} bytes, more than the {room} the doorbell holds")]
+    Length { len: usize, room: usize },
+    #[error("it does not hold the request its word names ({word})")]
+    OtherId { word: u64 },
+    #[error("it holds a request that is not a Run")]
+    NotRun,
 }
 
 impl std::fmt::Debug for Doorbell {

@@ -51,6 +51,23 @@ struct CodeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RingLabels {
+    outcome: RingOutcome,
+}
+
+/// What became of a doorbell's ring (`lanes_doorbell_rings_total`).
+#[derive(
+    Clone, Copy, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelValue,
+)]
+pub enum RingOutcome {
+    /// A Run taken from the doorbell and handled.
+    Taken,
+    /// Anything else (garbage, another id, a request that is not a Run
+    /// naming that doorbell): nothing copied unless it looked like one.
+    Garbage,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LaneLabels {
     lane: u64,
 }
@@ -95,6 +112,10 @@ pub struct Metrics {
     lanes_waiting: Gauge,
     reservation_bytes: Gauge,
     reservation_used_bytes: Gauge,
+    doorbell_rings: Family<RingLabels, Counter>,
+    doorbell_bytes: Counter,
+    doorbells_closed: Counter,
+    shared_mapped_bytes: Gauge,
     seen: Mutex<Seen>,
     /// Sessions a worker created series for since the last publication: a
     /// session opened and closed between two publications is never in a
@@ -139,6 +160,10 @@ impl Metrics {
             lanes_waiting: Gauge::default(),
             reservation_bytes: Gauge::default(),
             reservation_used_bytes: Gauge::default(),
+            doorbell_rings: Family::default(),
+            doorbell_bytes: Counter::default(),
+            doorbells_closed: Counter::default(),
+            shared_mapped_bytes: Gauge::default(),
             seen: Mutex::new(Seen::default()),
             answered_for: Mutex::new(HashSet::new()),
             registry: Registry::default(),
@@ -211,7 +236,46 @@ impl Metrics {
             "Memory of the reservation the lanes' jobs take",
             m.reservation_used_bytes.clone(),
         );
+        registry.register(
+            "doorbell_rings",
+            "Doorbell rings the socket thread examined, by outcome (taken: a Run handled; garbage: anything else)",
+            m.doorbell_rings.clone(),
+        );
+        registry.register(
+            "doorbell_copied_bytes",
+            "Bytes copied out of doorbells (only rings that held a Run's header under the doorbell's id)",
+            m.doorbell_bytes.clone(),
+        );
+        registry.register(
+            "doorbells_closed",
+            "Connections whose doorbells were closed for ringing garbage",
+            m.doorbells_closed.clone(),
+        );
+        registry.register(
+            "shared_mapped_bytes",
+            "Address space the mappings of clients' shared-memory segments take (--max-shared)",
+            m.shared_mapped_bytes.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// A doorbell's ring was examined: `outcome`, and the bytes copied out
+    /// of the doorbell for it.
+    pub fn doorbell_ring(&self, outcome: RingOutcome, copied: u64) {
+        self.doorbell_rings
+            .get_or_create(&RingLabels { outcome })
+            .inc();
+        self.doorbell_bytes.inc_by(copied);
+    }
+
+    /// A connection's doorbells were closed.
+    pub fn doorbells_closed(&self) {
+        self.doorbells_closed.inc();
+    }
+
+    /// The address space clients' segments take now.
+    pub fn shared_mapped(&self, bytes: u64) {
+        gauge_bytes(&self.shared_mapped_bytes, bytes);
     }
 
     /// A worker answered `request` of `session`: it waited `queued` for a
