@@ -71,6 +71,8 @@ impl Raw {
         let socket = ctx.socket(zmq::DEALER)?;
         socket.set_rcvtimeo(30_000)?;
         socket.set_linger(0)?;
+        // Sessions belong only to connections with an id of their own.
+        socket.set_identity(&lanes_adaptor::wire::auth::connection_id())?;
         socket.connect(endpoint)?;
         Ok(Raw {
             socket,
