@@ -294,3 +294,32 @@ fn lanes_places_jobs_and_reports_throughput() {
         assert!(total(1) < total(2), "{v}");
     }
 }
+
+/// `lanes bench doorbell`: a garbage ringer and a huge doorbell against a
+/// real service; the service's own counts say what they cost it (16
+/// garbage rings examined, then the ringer's doorbells closed; nothing
+/// copied; the huge doorbell refused at its Run).
+#[test]
+fn doorbell_abuse_costs_the_service_counted_work_only() {
+    // One JSON document (pretty-printed, as `bench soak` prints).
+    let out = Command::new(util::lanes_bin())
+        .args(["bench", "doorbell", "--runs", "20", "--device", "cpu"])
+        .output()
+        .expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "lanes bench doorbell failed:\n{stderr}"
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    for phase in ["garbage", "huge"] {
+        let s = &v[phase]["service"];
+        assert_eq!(s["copied_bytes"], 0, "{phase}: {v}\n{stderr}");
+        assert_eq!(s["garbage_rings"], 16, "{phase}: {v}");
+        assert_eq!(s["doorbells_closed"], 1, "{phase}: {v}");
+        assert!(v[phase]["bystander"]["p50_ms"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(v["garbage"]["ringer_run_reply"], "RunDone", "{v}");
+    let huge = v["huge"]["ringer_run_reply"].as_str().unwrap();
+    assert!(huge.contains("max_doorbell_bytes"), "{huge}");
+}
