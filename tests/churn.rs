@@ -20,7 +20,6 @@
 
 mod util;
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -63,21 +62,11 @@ fn serve() -> Child_ {
         .stderr(Stdio::null())
         .spawn()
         .expect("lanes runs");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let endpoint = line
-        .strip_prefix("lanes serving on ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("a serving line: {line:?}"))
-        .to_string();
-    let metrics = line
-        .split("metrics at ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("a metrics address: {line:?}"))
-        .trim()
-        .to_string();
+    let line = util::serve::serving_line(&mut child);
+    let endpoint =
+        util::serve::endpoint_of(&line).unwrap_or_else(|| panic!("a serving line: {line:?}"));
+    let metrics =
+        util::serve::metrics_of(&line).unwrap_or_else(|| panic!("a metrics address: {line:?}"));
     Child_ {
         child,
         endpoint,

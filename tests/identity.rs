@@ -13,7 +13,6 @@
 
 mod util;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -59,15 +58,9 @@ impl Logged {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let endpoint = line
-            .strip_prefix("lanes serving on ")
-            .and_then(|r| r.split_whitespace().next())
-            .unwrap_or_else(|| panic!("did not start: {line:?}"))
-            .to_string();
+        let line = serve::serving_line(&mut child);
+        let endpoint =
+            serve::endpoint_of(&line).unwrap_or_else(|| panic!("did not start: {line:?}"));
         Logged {
             child,
             endpoint,

@@ -50,22 +50,11 @@ fn serve() -> Serve {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("lanes runs");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    // lanes serving on tcp://127.0.0.1:PORT (policy fifo), metrics at http://ADDR/metrics
-    let endpoint = line
-        .strip_prefix("lanes serving on ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("a serving line: {line:?}"))
-        .to_string();
-    let metrics = line
-        .split("metrics at ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("a metrics address: {line:?}"))
-        .trim()
-        .to_string();
+    let line = util::serve::serving_line(&mut child);
+    let endpoint =
+        util::serve::endpoint_of(&line).unwrap_or_else(|| panic!("a serving line: {line:?}"));
+    let metrics =
+        util::serve::metrics_of(&line).unwrap_or_else(|| panic!("a metrics address: {line:?}"));
     Serve {
         child,
         endpoint,

@@ -237,17 +237,8 @@ fn replay_warns_when_the_service_differs_from_the_simulation() {
         .stderr(Stdio::null())
         .spawn()
         .expect("lanes runs");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let endpoint = line
-        .strip_prefix("lanes serving on ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("{line:?}"))
-        .to_string();
+    let line = util::serve::serving_line(&mut serve);
+    let endpoint = util::serve::endpoint_of(&line).unwrap_or_else(|| panic!("{line:?}"));
     let trace = std::env::temp_dir().join(format!("lanes-replay-warn-{}.csv", std::process::id()));
     std::fs::write(
         &trace,

@@ -11,6 +11,31 @@ pub fn serve_device() -> &'static str {
     }
 }
 
+/// The first line a `lanes serve` child prints on its (piped) stdout:
+/// `lanes serving on ENDPOINT (policy …)[, metrics at http://ADDR/metrics]`
+/// once it listens, anything else when it did not start.
+pub fn serving_line(child: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .expect("stdout readable");
+    line
+}
+
+/// The endpoint a serving line names.
+pub fn endpoint_of(line: &str) -> Option<String> {
+    line.strip_prefix("lanes serving on ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(str::to_string)
+}
+
+/// The metrics address a serving line names (`--metrics`).
+pub fn metrics_of(line: &str) -> Option<String> {
+    line.split("metrics at ")
+        .nth(1)
+        .map(|m| m.trim().to_string())
+}
+
 /// A `lanes serve` child process, killed when dropped.
 pub struct Serve {
     pub child: Child,
@@ -42,14 +67,8 @@ impl Serve {
             .stderr(Stdio::piped())
             .spawn()
             .expect("lanes runs");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("piped stdout"))
-            .read_line(&mut line)
-            .expect("stdout readable");
-        let Some(endpoint) = line
-            .strip_prefix("lanes serving on ")
-            .and_then(|rest| rest.split_whitespace().next())
-        else {
+        let line = serving_line(&mut child);
+        let Some(endpoint) = endpoint_of(&line) else {
             let _ = child.kill();
             let out = child.wait_with_output().expect("lanes exits");
             panic!(
@@ -58,7 +77,7 @@ impl Serve {
             );
         };
         Serve {
-            endpoint: endpoint.to_string(),
+            endpoint,
             line: line.trim_end().to_string(),
             child,
         }
