@@ -106,10 +106,10 @@ impl Drop for Logged {
     }
 }
 
-/// A DEALER, optionally with a routing id of its own choosing.
+/// A DEALER, optionally with a routing id of its own choosing, that
+/// numbers its requests.
 struct Peer {
-    socket: zmq::Socket,
-    _ctx: zmq::Context,
+    raw: RawPeer,
     next: u64,
 }
 
@@ -117,23 +117,9 @@ impl Peer {
     /// With `key`, a connection token in its ZeroMQ handshake (without
     /// one a service that authenticates accepts no connection).
     fn connect(endpoint: &str, routing_id: Option<&[u8]>, key: Option<&AuthKey>) -> Peer {
-        let ctx = zmq::Context::new();
-        let socket = ctx.socket(zmq::DEALER).unwrap();
-        socket.set_linger(0).unwrap();
-        if let Some(id) = routing_id {
-            socket.set_identity(id).unwrap();
-        }
-        if let Some(key) = key {
-            let token = key.connection_token(wire::auth::unix_now());
-            socket
-                .set_plain_username(Some(wire::auth::TOKEN_USER))
-                .unwrap();
-            socket.set_plain_password(Some(&token)).unwrap();
-        }
-        socket.connect(endpoint).unwrap();
+        let token = key.map(|k| k.connection_token(wire::auth::unix_now()));
         Peer {
-            socket,
-            _ctx: ctx,
+            raw: RawPeer::connect_full(endpoint, routing_id, token.as_deref()),
             next: 1,
         }
     }
@@ -143,26 +129,14 @@ impl Peer {
         let id = self.next;
         self.next += 1;
         // A connection the service refused takes no message at all.
-        match self
-            .socket
-            .send_multipart(wire::encode_request(id, req).unwrap(), zmq::DONTWAIT)
-        {
-            Ok(()) => {}
-            Err(zmq::Error::EAGAIN) => return None,
-            Err(e) => panic!("{e}"),
+        if !self.raw.try_send(wire::encode_request(id, req).unwrap()) {
+            return None;
         }
         let deadline = Instant::now() + wait;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if self
-                .socket
-                .poll(zmq::POLLIN, left.as_millis() as i64)
-                .unwrap()
-                == 0
-            {
-                return None;
-            }
-            let frames = self.socket.recv_multipart(0).unwrap();
+            let frames = self
+                .raw
+                .recv_raw(deadline.saturating_duration_since(Instant::now()))?;
             let env = wire::decode_reply(&frames, &Limits::default()).unwrap();
             if env.message != Reply::Ping && env.request_id == id {
                 return Some(env);

@@ -63,30 +63,32 @@ impl RawPeer {
 
     /// With the routing id `id`, or with none (ZeroMQ then assigns one).
     pub fn connect_as(endpoint: &str, id: Option<&[u8]>) -> Self {
-        let ctx = zmq::Context::new();
-        let socket = ctx.socket(zmq::DEALER).unwrap();
-        socket.set_linger(0).unwrap();
-        if let Some(id) = id {
-            socket.set_identity(id).unwrap();
-        }
-        socket.connect(endpoint).unwrap();
-        RawPeer { socket, _ctx: ctx }
+        Self::connect_full(endpoint, id, None)
     }
 
     /// A DEALER presenting `token` (a connection token, see
     /// `AuthKey::connection_token`) in its ZeroMQ handshake, as a client with
     /// the key does to a service that authenticates its peers.
     pub fn connect_with_token(endpoint: &str, token: &str) -> Self {
+        let id = lanes_adaptor::wire::auth::connection_id();
+        Self::connect_full(endpoint, Some(&id), Some(token))
+    }
+
+    /// With the routing id `id` (or none) and the connection token `token`
+    /// (or none).
+    pub fn connect_full(endpoint: &str, id: Option<&[u8]>, token: Option<&str>) -> Self {
         let ctx = zmq::Context::new();
         let socket = ctx.socket(zmq::DEALER).unwrap();
         socket.set_linger(0).unwrap();
-        socket
-            .set_identity(&lanes_adaptor::wire::auth::connection_id())
-            .unwrap();
-        socket
-            .set_plain_username(Some(lanes_adaptor::wire::auth::TOKEN_USER))
-            .unwrap();
-        socket.set_plain_password(Some(token)).unwrap();
+        if let Some(id) = id {
+            socket.set_identity(id).unwrap();
+        }
+        if let Some(token) = token {
+            socket
+                .set_plain_username(Some(lanes_adaptor::wire::auth::TOKEN_USER))
+                .unwrap();
+            socket.set_plain_password(Some(token)).unwrap();
+        }
         socket.connect(endpoint).unwrap();
         RawPeer { socket, _ctx: ctx }
     }
