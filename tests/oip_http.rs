@@ -372,53 +372,20 @@ fn bad_requests_get_the_protocols_errors() {
 
 #[test]
 fn flags_are_checked_at_start() {
-    let out = std::process::Command::new(util::lanes_bin())
-        .args([
-            "serve",
-            "--device",
-            "cpu",
-            "--endpoint",
-            "tcp://127.0.0.1:*",
-        ])
-        .args(["--model-repository", "/nonexistent"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    use util::serve::refusal;
+    let (_, err) = refusal(&["--device", "cpu", "--model-repository", "/nonexistent"]);
     assert!(err.contains("--http"), "{err}");
-    let out = std::process::Command::new(util::lanes_bin())
-        .args([
-            "serve",
-            "--device",
-            "cpu",
-            "--endpoint",
-            "tcp://127.0.0.1:*",
-        ])
-        .args([
-            "--http",
-            "127.0.0.1:0",
-            "--model-repository",
-            "/nonexistent",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (_, err) = refusal(&[
+        "--device",
+        "cpu",
+        "--http",
+        "127.0.0.1:0",
+        "--model-repository",
+        "/nonexistent",
+    ]);
     assert!(err.contains("not a directory"), "{err}");
     // The HTTP port does not authenticate: other hosts only when asked.
-    let out = std::process::Command::new(util::lanes_bin())
-        .args([
-            "serve",
-            "--device",
-            "cpu",
-            "--endpoint",
-            "tcp://127.0.0.1:*",
-        ])
-        .args(["--http", "0.0.0.0:0"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (_, err) = refusal(&["--device", "cpu", "--http", "0.0.0.0:0"]);
     assert!(err.contains("--allow-unauthenticated-remote"), "{err}");
 }
 

@@ -106,13 +106,8 @@ fn reserve_takes_the_auto_size_and_is_refused_without_memory() {
 
 #[test]
 fn memory_values_are_checked_by_the_parser() {
-    let out = Command::new(util::lanes_bin())
-        .args(["serve", "--device", device(), "--memory", "lots"])
-        .args(["--endpoint", "tcp://127.0.0.1:*"])
-        .output()
-        .expect("lanes runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = util::serve::refusal(&["--device", device(), "--memory", "lots"]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("auto, none or a size"), "{stderr}");
 }
 
@@ -144,13 +139,14 @@ fn the_gpu_memory_is_reserved_unless_no_reserve() {
 /// hosts unless told so explicitly.
 #[test]
 fn a_remote_endpoint_needs_an_explicit_opt_in() {
-    let out = Command::new(util::lanes_bin())
-        .args(["serve", "--device", "cpu", "--memory", "none"])
-        .args(["--endpoint", "tcp://0.0.0.0:0"])
-        .output()
-        .expect("lanes runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let (_, stderr) = util::serve::refusal(&[
+        "--device",
+        "cpu",
+        "--memory",
+        "none",
+        "--endpoint",
+        "tcp://0.0.0.0:0",
+    ]);
     assert!(
         stderr.contains("does not authenticate")
             && stderr.contains("--allow-unauthenticated-remote"),
@@ -162,13 +158,7 @@ fn a_remote_endpoint_needs_an_explicit_opt_in() {
 /// at start, naming the flag.
 #[test]
 fn memory_zero_is_refused_at_start() {
-    let out = Command::new(util::lanes_bin())
-        .args(["serve", "--device", "cpu", "--memory", "0"])
-        .args(["--endpoint", "tcp://127.0.0.1:*"])
-        .output()
-        .expect("lanes runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let (_, stderr) = util::serve::refusal(&["--device", "cpu", "--memory", "0"]);
     assert!(stderr.contains("--memory 0"), "{stderr}");
 }
 

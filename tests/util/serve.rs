@@ -36,6 +36,27 @@ pub fn metrics_of(line: &str) -> Option<String> {
         .map(|m| m.trim().to_string())
 }
 
+/// `lanes serve` with `args` (on [`serve_device`] and a free loopback port
+/// unless `args` name them), which must refuse to start: its exit code and
+/// stderr.
+pub fn refusal(args: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = Command::new(super::lanes_bin());
+    cmd.arg("serve");
+    if !args.contains(&"--device") {
+        cmd.args(["--device", serve_device()]);
+    }
+    if !args.contains(&"--endpoint") {
+        cmd.args(["--endpoint", "tcp://127.0.0.1:*"]);
+    }
+    let out = cmd.args(args).output().expect("lanes runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "lanes serve {args:?} started:\n{stderr}"
+    );
+    (out.status.code(), stderr)
+}
+
 /// A `lanes serve` child process, killed when dropped.
 pub struct Serve {
     pub child: Child,
