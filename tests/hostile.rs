@@ -244,7 +244,7 @@ fn another_uid_cannot_get_this_process_memory_attached() {
                 std::process::id(),
                 v.fd,
                 v.session.0,
-                hex(&v.seg.offer().token)
+                wire::auth::hex(&v.seg.offer().token)
             ),
         )
         .uid(65534)
@@ -264,10 +264,6 @@ fn another_uid_cannot_get_this_process_memory_attached() {
         "{log}"
     );
     victim_still_served(&mut v);
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn unhex(s: &str) -> Vec<u8> {

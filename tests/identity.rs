@@ -167,10 +167,6 @@ impl Peer {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// The victim: a connection with an id of its own as a Lanes client
 /// chooses, authenticated (when the service asks), one training session
 /// with its graph loaded.
@@ -277,7 +273,7 @@ fn only_a_connection_with_an_unguessable_id_of_its_own_owns_sessions() {
     ));
     let log = service.text();
     assert!(
-        !log.contains(&hex(&vid)),
+        !log.contains(&wire::auth::hex(&vid)),
         "the log gives the victim's id away"
     );
     let label = format!("#{}", wire::auth::fingerprint(&vid));

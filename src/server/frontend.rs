@@ -742,10 +742,6 @@ const UNCHOSEN_ID: &str = "this connection has no routing id of its own: session
      connections whose ZeroMQ routing id (ZMQ_ROUTING_ID) is at least 16 random bytes not \
      starting with a zero byte, as Lanes clients choose";
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// How the log names a peer. A routing id a client chose is the secret
 /// that keeps its sessions its own, so the log shows only a fingerprint of
 /// it (`#` and the first 4 bytes of its SHA-256); ids that ZeroMQ assigned
@@ -754,6 +750,6 @@ fn peer_label(id: &[u8]) -> String {
     if wire::auth::is_chosen_id(id) {
         format!("#{}", wire::auth::fingerprint(id))
     } else {
-        hex(id)
+        wire::auth::hex(id)
     }
 }

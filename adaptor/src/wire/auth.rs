@@ -176,7 +176,7 @@ impl AuthKey {
         bytes.extend_from_slice(&now.to_le_bytes());
         bytes.extend_from_slice(&nonce);
         bytes.extend_from_slice(&mac);
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
+        hex(&bytes)
     }
 
     /// Checks a connection token against the time `now`: its nonce (which
@@ -263,10 +263,12 @@ pub fn is_chosen_id(id: &[u8]) -> bool {
 /// bytes of its SHA-256, in hex (for logs).
 pub fn fingerprint(id: &[u8]) -> String {
     use sha2::Digest;
-    Sha256::digest(id)[..4]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(id)[..4])
+}
+
+/// Bytes as lower-case hex, two digits each (tokens, names, logs).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// 32 bytes from a cryptographically secure generator (a challenge or a

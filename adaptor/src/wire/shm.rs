@@ -382,7 +382,11 @@ impl FdDesk {
     /// A desk under a fresh abstract name.
     pub fn bind() -> Result<Self, SharedMemoryError> {
         use std::os::linux::net::SocketAddrExt;
-        let name = format!("lanes-desk-{}-{}", std::process::id(), hex(&token()));
+        let name = format!(
+            "lanes-desk-{}-{}",
+            std::process::id(),
+            super::auth::hex(&token())
+        );
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
             .map_err(io("naming the desk"))?;
         let listener = std::os::unix::net::UnixListener::bind_addr(&addr)
@@ -561,10 +565,6 @@ fn receive(stream: &std::os::unix::net::UnixStream) -> Received {
 }
 
 #[cfg(target_os = "linux")]
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 /// The service's view of a client's segment: mapped read-only, and a
 /// second, writable mapping of the same pages for the reply slots of the
 /// client's Runs when the descriptor allows writing (see [`ReplySlot`]).
