@@ -324,6 +324,10 @@ pub fn is_local(endpoint: &str) -> bool {
 }
 
 /// The Run request for `session` with `feeds` and `fetches`.
+/// A Run's feeds by name, as [`Client::run_in_keeping`] takes and gives
+/// them back.
+pub type Feeds = Vec<(String, Tensor)>;
+
 fn run_request<N: Into<String>>(
     session: SessionId,
     feeds: Vec<(N, Tensor)>,
@@ -1157,6 +1161,30 @@ impl Client {
             Reply::RunDone { outputs } => Ok(outputs),
             other => Err(unexpected("run", &other)),
         }
+    }
+
+    /// [`Client::run_in`] that hands the feeds back beside the result, so
+    /// that a caller can send them again (after opening anew a session the
+    /// service reclaimed) without keeping a copy of them.
+    pub fn run_in_keeping(
+        &mut self,
+        session: SessionId,
+        feeds: Feeds,
+        fetches: &[&str],
+    ) -> (Result<Vec<Tensor>, ClientError>, Feeds) {
+        let req = run_request(session, feeds, fetches);
+        let result = self
+            .send_run(&req)
+            .and_then(|sent| self.receive(&sent, None))
+            .and_then(|reply| match reply {
+                Reply::RunDone { outputs } => Ok(outputs),
+                other => Err(unexpected("run", &other)),
+            });
+        let feeds = match req {
+            Request::Run { feeds, .. } => feeds.into_iter().map(|f| (f.name, f.tensor)).collect(),
+            _ => Vec::new(),
+        };
+        (result, feeds)
     }
 
     /// Sends one iteration of a session by id without waiting for it, so

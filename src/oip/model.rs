@@ -516,7 +516,7 @@ impl Worker {
     fn run(
         &mut self,
         batch: usize,
-        feeds: Vec<(String, Tensor)>,
+        mut feeds: Vec<(String, Tensor)>,
     ) -> Result<(Vec<Tensor>, Duration), ApiError> {
         let mut opening = Duration::ZERO;
         let name = self.info.name.clone();
@@ -534,7 +534,10 @@ impl Worker {
                     id
                 }
             };
-            match self.client.run_in(id, feeds.clone(), &fetch) {
+            // The feeds come back with the result, for the second try.
+            let (result, back) = self.client.run_in_keeping(id, feeds, &fetch);
+            feeds = back;
+            match result {
                 Ok(out) => return Ok((out, opening)),
                 Err(e) if attempt == 0 && e.code() == Some(ErrorCode::UnknownSession) => {
                     self.sessions.remove(&batch);
