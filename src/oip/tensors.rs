@@ -276,7 +276,8 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
                 let (mine, rest) = binary.split_at(size);
                 binary = rest;
                 let ty = lanes_adaptor::TensorType::new(spec.dtype, dims);
-                Tensor::from_le_bytes(&ty, mine)
+                // One copy into aligned storage (the wire's own decode).
+                lanes_adaptor::wire::tensor_from_frame(&ty, mine)
                     .map_err(|e| bad(format!("input `{}`: {e}", input.name)))?
             }
         };
