@@ -238,6 +238,11 @@ fn more_jobs_than_fit_all_complete_exactly() {
     let lanes = SharedLanes::new(cfg).unwrap();
     let workers = Arc::new(Mutex::new(LaneWorkers::new()));
     let start = Arc::new(Barrier::new(jobs.len()));
+    // Every job asks for admission before any runs (admission does not
+    // wait), so the ones that do not fit are queued whatever the threads'
+    // timing: without it, a job could finish and release before the last
+    // one asked, and none would wait.
+    let asked = Arc::new(Barrier::new(jobs.len()));
     let waited = Arc::new(Mutex::new(Vec::new()));
 
     let handles: Vec<_> = jobs
@@ -245,10 +250,11 @@ fn more_jobs_than_fit_all_complete_exactly() {
         .zip(plans)
         .enumerate()
         .map(|(j, (((g, vars), h), plan))| {
-            let (lanes, workers, start, waited) = (
+            let (lanes, workers, start, asked, waited) = (
                 lanes.clone(),
                 workers.clone(),
                 start.clone(),
+                asked.clone(),
                 waited.clone(),
             );
             std::thread::spawn(move || {
@@ -260,6 +266,7 @@ fn more_jobs_than_fit_all_complete_exactly() {
                 if let Admission::Queued { reason, .. } = adm {
                     waited.lock().unwrap().push((j, reason.to_string()));
                 }
+                asked.wait();
                 let pl = lease
                     .wait(Duration::from_secs(120))
                     .expect("admitted in time");
