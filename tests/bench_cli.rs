@@ -262,6 +262,32 @@ fn pack_oversubscribed_models_report_misses() {
     assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
 }
 
+/// `bench pack` with more models than the old per-client session cap (64)
+/// allowed: a hundred models over one connection, ten fitting at once
+/// (issue 32: this stopped at model 64 with `Overloaded`).
+#[test]
+fn pack_a_hundred_models_from_one_client() {
+    let (v, _) = bench(&[
+        "pack",
+        "--model",
+        "mlp",
+        "--batch",
+        "2",
+        "--models",
+        "100",
+        "--fit",
+        "10",
+        "--requests",
+        "30",
+    ]);
+    assert_eq!(v["models"].as_u64(), Some(100), "{v}");
+    let requests = v["requests"].as_u64().unwrap();
+    let hits = v["resident"]["count"].as_u64().unwrap();
+    let misses = v["evicted"]["count"].as_u64().unwrap();
+    assert_eq!(hits + misses, requests, "{v}");
+    assert!(v["evictions"].as_u64().unwrap() > 0, "{v}");
+}
+
 /// `bench lanes`: the three cases ran every iteration; two jobs are in one
 /// lane when at most one lane may open and in two lanes otherwise; on the
 /// GPU two jobs in one lane hold less device memory than in two lanes

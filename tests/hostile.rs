@@ -412,14 +412,17 @@ fn a_vanished_client_is_reclaimed_within_seconds() {
     }
 }
 
-/// One connection cannot take every session slot: past its own limit it
-/// is refused with `Overloaded`, while another connection opens a session
-/// and is served; closing one of its sessions frees a slot.
+/// One connection cannot fill the session table with empty sessions: past
+/// `--max-unloaded-per-client` sessions with no graph it is refused with
+/// `Overloaded` (the message naming the flag), while another connection
+/// opens a session and is served; loading a graph into one of its empty
+/// sessions, or closing one, frees a slot, and sessions with graphs are
+/// not counted at all (they are bounded by their memory and requests).
 #[test]
 fn a_session_hog_is_refused_while_a_bystander_is_served() {
     let service = start_with(|c| {
         c.max_sessions = 100;
-        c.max_sessions_per_client = 5;
+        c.max_unloaded_per_client = 5;
     });
     let ep = service.endpoint().to_string();
     let open =
@@ -435,6 +438,10 @@ fn a_session_hog_is_refused_while_a_bystander_is_served() {
     for _ in 0..20 {
         let refused = open(&mut hog, "one too many").unwrap_err();
         assert_eq!(refused.code(), Some(ErrorCode::Overloaded));
+        assert!(
+            refused.to_string().contains("--max-unloaded-per-client"),
+            "{refused}"
+        );
     }
     let mut bystander = Client::connect(&ep).unwrap();
     let mut s = bystander
@@ -446,10 +453,49 @@ fn a_session_hog_is_refused_while_a_bystander_is_served() {
     assert_eq!(out[0].ty(), TensorType::f32([BATCH, OUT]));
     drop(s);
     hog.close_in(ids[0]).unwrap();
+    let reopened = match open(&mut hog, "after a close").unwrap() {
+        Reply::SessionOpened { session } => session,
+        other => panic!("{other:?}"),
+    };
+    assert!(open(&mut hog, "full again").is_err());
+    // A graph loaded into an empty session frees its slot: a deployment
+    // that loads every session it opens never meets the limit.
+    let (graph, vars) = linear_relu(2);
+    hog.load_in(reopened, &graph, vars).unwrap();
     assert!(matches!(
-        open(&mut hog, "after a close").unwrap(),
+        open(&mut hog, "after a load").unwrap(),
         Reply::SessionOpened { .. }
     ));
+}
+
+/// A deployment may still cap one connection's sessions, loaded or not
+/// (`--max-sessions-per-client`); the refusal names the flag.
+#[test]
+fn a_per_client_session_cap_set_by_the_deployment_holds() {
+    let service = start_with(|c| c.max_sessions_per_client = Some(3));
+    let ep = service.endpoint().to_string();
+    let mut c = Client::connect(&ep).unwrap();
+    for i in 0..3 {
+        let session = match c
+            .request(&Request::OpenSession(SessionSpec::inference(format!(
+                "m{i}"
+            ))))
+            .unwrap()
+        {
+            Reply::SessionOpened { session } => session,
+            other => panic!("{other:?}"),
+        };
+        let (graph, vars) = linear_relu(2);
+        c.load_in(session, &graph, vars).unwrap();
+    }
+    let refused = c
+        .request(&Request::OpenSession(SessionSpec::inference("m3")))
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::Overloaded));
+    assert!(
+        refused.to_string().contains("--max-sessions-per-client 3"),
+        "{refused}"
+    );
 }
 
 /// One process opening many connections cannot take every slot either:
@@ -460,7 +506,7 @@ fn a_session_hog_is_refused_while_a_bystander_is_served() {
 fn many_connections_of_one_peer_meet_the_per_peer_limit() {
     let service = start_with(|c| {
         c.max_sessions = 100;
-        c.max_sessions_per_client = 2;
+        c.max_sessions_per_client = Some(2);
         c.max_sessions_per_peer = 5;
     });
     let ep = service.endpoint().to_string();

@@ -68,19 +68,25 @@ pub struct Args {
     pub policy: PolicyChoice,
     #[command(flatten)]
     pub limits: LimitArgs,
-    /// Most open sessions in all (more are refused with Overloaded).
+    /// Most open sessions in all (the session table's capacity; more are
+    /// refused with Overloaded).
     #[arg(long, default_value_t = server::DEFAULT_MAX_SESSIONS)]
     pub max_sessions: usize,
     /// Most open sessions of one peer across all its connections: one
     /// host's IP address for TCP (every client on loopback is one peer),
     /// one process for ipc:// (so one process opening many connections
-    /// cannot take every slot of --max-sessions).
+    /// cannot take more than its share of --max-sessions).
     #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_PEER)]
     pub max_sessions_per_peer: usize,
-    /// Most open sessions of one client connection (one client cannot
-    /// take every slot).
-    #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_CLIENT)]
-    pub max_sessions_per_client: usize,
+    /// Most open sessions of one client connection, if the deployment
+    /// wants one (default: none; sessions with graphs are bounded by their
+    /// memory and requests, empty ones by --max-unloaded-per-client).
+    #[arg(long)]
+    pub max_sessions_per_client: Option<usize>,
+    /// Most sessions of one client connection with no graph loaded yet
+    /// (empty sessions cost a table entry that nothing else bounds).
+    #[arg(long, default_value_t = server::DEFAULT_UNLOADED_PER_CLIENT)]
+    pub max_unloaded_per_client: usize,
     /// Most requests of one client connection queued or running at once
     /// (more are refused with Overloaded; bounds what a client can make
     /// the service hold, see docs/protocol.md).
@@ -248,8 +254,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_sessions == 0 || args.max_sessions_per_peer == 0 {
         anyhow::bail!("--max-sessions and --max-sessions-per-peer must be at least 1");
     }
-    if args.max_sessions_per_client == 0 {
-        anyhow::bail!("--max-sessions-per-client must be at least 1");
+    if args.max_sessions_per_client == Some(0) || args.max_unloaded_per_client == 0 {
+        anyhow::bail!("--max-sessions-per-client and --max-unloaded-per-client must be at least 1");
     }
     if args.max_requests_per_client == 0 {
         anyhow::bail!("--max-requests-per-client must be at least 1");
@@ -294,6 +300,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
         max_sessions_per_client: args.max_sessions_per_client,
+        max_unloaded_per_client: args.max_unloaded_per_client,
         max_sessions_per_peer: args.max_sessions_per_peer,
         max_requests_per_client: args.max_requests_per_client,
         device,

@@ -350,6 +350,15 @@ impl Dispatcher {
         (st.queue.queued_for(session), st.busy.contains(&session))
     }
 
+    /// Requests of `sessions` queued or running, all counted under one
+    /// lock.
+    pub fn requests_of(&self, sessions: impl Iterator<Item = SessionId>) -> usize {
+        let st = self.lock();
+        sessions
+            .map(|s| st.queue.queued_for(s) + usize::from(st.busy.contains(&s)))
+            .sum()
+    }
+
     pub fn queued(&self) -> usize {
         self.lock().queue.len()
     }
