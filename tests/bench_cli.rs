@@ -288,6 +288,32 @@ fn pack_a_hundred_models_from_one_client() {
     assert!(v["evictions"].as_u64().unwrap() > 0, "{v}");
 }
 
+/// `bench load`: per-phase medians of uncached, cold and warm loads; only
+/// the warm ones hit the load cache, and every phase is timed.
+#[test]
+fn load_breaks_a_load_down_by_phase() {
+    let (v, _) = bench(&["load", "--model", "mlp", "--batch", "2", "--loads", "2"]);
+    assert_eq!(v["bench"], "load");
+    assert!(v["weights_bytes"].as_u64().unwrap() > 0, "{v}");
+    for (kind, hits) in [("uncached", 0), ("cold", 0), ("warm", 2)] {
+        assert_eq!(v[kind]["cache_hits"].as_u64(), Some(hits), "{kind}: {v}");
+        for phase in [
+            "decode",
+            "validate",
+            "variables",
+            "plan",
+            "admit",
+            "build",
+            "warm",
+            "total",
+        ] {
+            let ms = v[kind][format!("{phase}_ms")].as_f64();
+            assert!(ms.is_some_and(|m| m >= 0.0), "{kind}.{phase}: {v}");
+        }
+        assert!(v[kind]["total_ms"].as_f64().unwrap() > 0.0, "{v}");
+    }
+}
+
 /// `bench lanes`: the three cases ran every iteration; two jobs are in one
 /// lane when at most one lane may open and in two lanes otherwise; on the
 /// GPU two jobs in one lane hold less device memory than in two lanes

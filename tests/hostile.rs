@@ -941,8 +941,9 @@ fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
     const W: u64 = 1; // --workers
     const C: u64 = 4; // connections
     const POOL: u64 = 256 * MIB; // the feed pool (ServerConfig default)
-                                 // On the CPU whatever LANES_TEST_DEVICE says: the bound is on the
-                                 // service's host memory, and 8 MiB is below one GPU reservation chunk.
+    const L: u64 = 256 * MIB; // the load cache (--load-cache default)
+                              // On the CPU whatever LANES_TEST_DEVICE says: the bound is on the
+                              // service's host memory, and 8 MiB is below one GPU reservation chunk.
     let serve = Serve::start(&[
         "--device",
         "cpu",
@@ -1012,7 +1013,7 @@ fn memory_under_a_hostile_load_stays_within_the_stated_bound() {
     let decoded = N * F + 4 * H;
     let reply = M.max(S * 1024).max(4096);
     let per_connection = (8 + 1) * message + R * decoded + (R + 16) * reply;
-    let bound = M + POOL + S * (M + MIB) + W * 2 * M + 2 * message + C * per_connection;
+    let bound = M + POOL + L + S * (M + MIB) + W * 2 * M + 2 * message + C * per_connection;
     let slack = 64 * MIB;
     println!(
         "peak {} MiB, started at {} MiB, bound {} MiB + slack",

@@ -118,6 +118,12 @@ pub struct Args {
     /// service's address space (128 TiB on x86-64) either.
     #[arg(long, default_value = "16TiB", value_name = "SIZE")]
     pub max_shared: ByteSize,
+    /// Bound of the load cache: validated graphs and memory plans kept by
+    /// the graph's structure (not its weights), so that a model whose
+    /// architecture the service has seen loads without them being made
+    /// again (docs/memory.md); 0 turns it off.
+    #[arg(long, default_value = "256MiB", value_name = "SIZE")]
+    pub load_cache: ByteSize,
     /// Bind an endpoint other than loopback or `ipc://` without
     /// `--auth-key-file`, or an `--http` address other than loopback:
     /// anyone who reaches the address may open sessions and use the device
@@ -315,6 +321,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         shared_memory: !args.no_shared_memory,
         max_shared_per_client: args.max_shared_per_client.0,
         max_shared: args.max_shared.0,
+        load_cache_bytes: args.load_cache.0,
         stream_priority: !args.no_stream_priority,
         auth_key,
         metrics: args

@@ -37,6 +37,9 @@ pub enum Work {
     Load {
         graph: Graph,
         variables: Vec<NamedTensor>,
+        /// From the request's arrival at the socket thread to its decoded
+        /// form (waiting behind the peer's earlier request included).
+        decoded: Duration,
     },
     Run {
         feeds: RunFeeds,
@@ -521,6 +524,7 @@ mod tests {
                 i.work = Work::Load {
                     graph: lanes_adaptor::Graph { nodes: vec![] },
                     variables: vec![],
+                    decoded: Duration::ZERO,
                 };
                 i
             };

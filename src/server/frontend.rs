@@ -166,6 +166,9 @@ struct Frontend {
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
     /// Once stopping: when the grace period ends (`shutdown.rs`).
     stopping: Option<Instant>,
+    /// How long the request being handled took to decode (from its
+    /// arrival), for a LoadGraph's time breakdown.
+    decode_took: Duration,
 }
 
 /// Binds the sockets and starts the workers and the socket thread.
@@ -299,6 +302,7 @@ pub(super) fn spawn(
         opening_from: String::new(),
         trim: super::trim::Trimmer::start(),
         stopping: None,
+        decode_took: Duration::ZERO,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())

@@ -264,6 +264,11 @@ pub struct ServerConfig {
     /// When stopping, how long the requests queued or running may take to
     /// finish before they are answered `ShuttingDown` (`--shutdown-grace`).
     pub shutdown_grace: Duration,
+    /// Bound of the load cache (`--load-cache`; see
+    /// [`crate::compile::cache`]): what loads of a graph's structure
+    /// compute, kept for the next load of that architecture. One cache per
+    /// process: the last service started sets it. 0 turns it off.
+    pub load_cache_bytes: u64,
 }
 
 /// Default of [`ServerConfig::shutdown_grace`].
@@ -328,6 +333,7 @@ impl Default for ServerConfig {
             metrics: None,
             busy_poll: Duration::ZERO,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            load_cache_bytes: crate::compile::cache::DEFAULT_CACHE_BYTES,
         }
     }
 }
@@ -404,6 +410,7 @@ impl Drop for ServerHandle {
 /// Binds the endpoint, starts the socket thread and the workers.
 pub fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
     lanes_adaptor::wire::keep_freed_blocks_mapped();
+    crate::compile::cache::configure(config.load_cache_bytes);
     let stop = Arc::new(AtomicBool::new(false));
     let (endpoint, thread) = frontend::spawn(config, Arc::clone(&stop))?;
     Ok(ServerHandle {
