@@ -57,7 +57,7 @@ fn load_and_check(
     let out = c.run_in(id, vec![("x", x.clone())], &["y"]).unwrap();
     let got = out[0].f32s().unwrap().to_vec();
     let want = dense_relu_ref(
-        &x.f32s().unwrap(),
+        x.f32s().unwrap(),
         &values(seed, cols * outs),
         &values(seed + 1, outs),
         rows,
@@ -104,11 +104,11 @@ fn two_hundred_packed_models_from_one_client_all_answer() {
         let x = x_for(m as u64);
         let out = c.run_in(*id, vec![("x", x.clone())], &["y"]).unwrap();
         let want = linear_relu_ref(
-            &x.f32s().unwrap(),
+            x.f32s().unwrap(),
             &values(seed, IN * OUT),
             &values(seed + 1, OUT),
         );
-        assert_close(&out[0].f32s().unwrap(), &want);
+        assert_close(out[0].f32s().unwrap(), &want);
     }
 }
 
@@ -190,7 +190,7 @@ fn another_shape_or_architecture_does_not_hit() {
         .map(|b| 1.0 / (1.0 + (-b).exp()))
         .collect();
     let want = row.repeat(3);
-    assert_close(&out[0].f32s().unwrap(), &want);
+    assert_close(out[0].f32s().unwrap(), &want);
 }
 
 /// Two sessions of one architecture with different weights share the

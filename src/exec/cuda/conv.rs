@@ -1,6 +1,7 @@
 //! Convolutions through cuDNN: descriptors and algorithm chosen once when a
 //! program is built (cuDNN's heuristics, as PyTorch with
-//! `cudnn.benchmark = False`), run on raw arena addresses.
+//! `cudnn.benchmark = False`, kept per shape for the process in
+//! `algos.rs`), run on raw arena addresses.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -15,6 +16,8 @@ use cudarc::cudnn::{
 };
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use lanes_adaptor::Conv2dAttrs;
+
+use super::algos;
 
 /// A device range given by address, for cuDNN's typed launch API.
 pub(super) struct Raw<T> {
@@ -128,6 +131,7 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
+        let key = algos::Key::new(algos::Pass::Forward, a, x, w, y, tf32);
         let (conv, x, w, y) = descriptors(cudnn, a, x, w, y, tf32)?;
         let op = ConvForward {
             conv: &conv,
@@ -135,10 +139,12 @@ impl ConvPlan {
             w: &w,
             y: &y,
         };
-        let algo = op.pick_algorithm()?;
-        let workspace_bytes = op.get_workspace_size(algo)?;
+        let (algo, workspace_bytes) = algos::choose(key, || {
+            let algo = op.pick_algorithm()?;
+            Ok((Algo::Fwd(algo), op.get_workspace_size(algo)?))
+        })?;
         Ok(ConvPlan {
-            algo: Algo::Fwd(algo),
+            algo,
             workspace_bytes,
             conv,
             x,
@@ -155,6 +161,7 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
+        let key = algos::Key::new(algos::Pass::BackwardData, a, x, w, y, tf32);
         let (conv, x, w, y) = descriptors(cudnn, a, x, w, y, tf32)?;
         let op = ConvBackwardData {
             conv: &conv,
@@ -162,10 +169,12 @@ impl ConvPlan {
             w: &w,
             dy: &y,
         };
-        let algo = op.pick_algorithm()?;
-        let workspace_bytes = op.get_workspace_size(algo)?;
+        let (algo, workspace_bytes) = algos::choose(key, || {
+            let algo = op.pick_algorithm()?;
+            Ok((Algo::BwdData(algo), op.get_workspace_size(algo)?))
+        })?;
         Ok(ConvPlan {
-            algo: Algo::BwdData(algo),
+            algo,
             workspace_bytes,
             conv,
             x,
@@ -182,6 +191,7 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
+        let key = algos::Key::new(algos::Pass::BackwardFilter, a, x, w, y, tf32);
         let (conv, x, w, y) = descriptors(cudnn, a, x, w, y, tf32)?;
         let op = ConvBackwardFilter {
             conv: &conv,
@@ -189,10 +199,12 @@ impl ConvPlan {
             dw: &w,
             dy: &y,
         };
-        let algo = op.pick_algorithm()?;
-        let workspace_bytes = op.get_workspace_size(algo)?;
+        let (algo, workspace_bytes) = algos::choose(key, || {
+            let algo = op.pick_algorithm()?;
+            Ok((Algo::BwdFilter(algo), op.get_workspace_size(algo)?))
+        })?;
         Ok(ConvPlan {
-            algo: Algo::BwdFilter(algo),
+            algo,
             workspace_bytes,
             conv,
             x,
