@@ -480,6 +480,9 @@ impl CudaProgram {
                 (DType::I64, DType::F32) => {
                     self.k("cast_i64_f32", grid(n_out), &[&out[0], &inp[0], &n32])
                 }
+                (from, to) if from.is_half() || to.is_half() => {
+                    Err(half_unsupported(if from.is_half() { from } else { to }))
+                }
                 _ => self.copy(out[0], inp[0], oty[0].bytes()),
             },
             Op::DropoutMask { p, salt, .. } => {
