@@ -726,3 +726,23 @@ fn the_cuda_backend_refuses_half_graphs_with_a_typed_error() {
         "bf16 tensors are not supported by the CUDA backend yet"
     );
 }
+
+/// The trainable variables of a loss reached through casts are the f32
+/// master weights behind them, and bf16 variables count too.
+#[test]
+fn trainable_variables_are_found_through_casts() {
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([2, 3]));
+    let t = g.placeholder("t", TensorType::f32([2, 4]));
+    let w = g.variable("w", Tensor::full([3, 4], 0.5));
+    let b = g.variable("b", Tensor::zeros(&TensorType::new(DType::BF16, [4])));
+    let xh = g.cast(x, DType::BF16);
+    let wh = g.cast(w, DType::BF16);
+    let y = g.matmul(xh, wh);
+    let y = g.add(y, b);
+    let y = g.cast(y, DType::F32);
+    let loss = g.mse_loss(y, t);
+    let found = lanes_adaptor::trainable_variables(&g, loss);
+    assert_eq!(found.len(), 2);
+    assert!(found.contains(&w) && found.contains(&b));
+}
