@@ -19,7 +19,7 @@ def test_bad_feed_carries_its_code(client):
         with pytest.raises(lanes.FeedError) as e:
             s.run({"input": np.zeros((2, 64), np.float32)}, fetch="nope")
         assert e.value.code_name == "UnknownFetch"
-        with pytest.raises(lanes.FeedError, match="float32 or int64") as e:
+        with pytest.raises(lanes.FeedError, match="float32, float16, bfloat16 .ml_dtypes. or int64") as e:
             s.run({"input": np.zeros((2, 64), np.float64)})
         assert e.value.code is None
         with pytest.raises(lanes.FeedError) as e:

@@ -6,7 +6,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 use lanes_adaptor::{DType, NodeId, Op, Pool2dAttrs, TensorType};
 
 use super::device::{blocks, grid, launch, warps, ArgRef};
-use super::program::{dev_err, op_err, CudaProgram};
+use super::program::{dev_err, half_unsupported, op_err, CudaProgram};
 use crate::exec::ExecError;
 
 const MAXR: usize = 8;
@@ -285,6 +285,7 @@ impl CudaProgram {
         let esize = match dtype {
             DType::F32 => 4,
             DType::I64 => 8,
+            DType::F16 | DType::BF16 => return Err(half_unsupported(dtype)),
         };
         let Some(c) = CopyPlan::new(&s, ob, ib, esize, out, inp) else {
             return Ok(());
@@ -478,6 +479,9 @@ impl CudaProgram {
                 }
                 (DType::I64, DType::F32) => {
                     self.k("cast_i64_f32", grid(n_out), &[&out[0], &inp[0], &n32])
+                }
+                (from, to) if from.is_half() || to.is_half() => {
+                    Err(half_unsupported(if from.is_half() { from } else { to }))
                 }
                 _ => self.copy(out[0], inp[0], oty[0].bytes()),
             },
