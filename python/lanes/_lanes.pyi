@@ -95,6 +95,7 @@ class Session:
         outputs: Sequence[str],
         save_to: Optional[Union[str, "PathLike[str]"]] = None,
         example: Optional[Feeds] = None,
+        precision: Optional[str] = None,
     ) -> None: ...
     def load_training(
         self,
@@ -105,6 +106,7 @@ class Session:
         outputs: Optional[Sequence[str]] = None,
         save_to: Optional[Union[str, "PathLike[str]"]] = None,
         example: Optional[Feeds] = None,
+        precision: Optional[str] = None,
     ) -> Tuple[List[str], List[str]]: ...
     @overload
     def run(self, feeds: Feeds, fetch: None = None) -> Dict[str, Array]: ...

@@ -518,7 +518,10 @@ impl Session {
     /// `run` fetches by default. The builder is used up.
     /// With `save_to` (a directory) and `example` (a feed of every
     /// placeholder), the job is also saved there (`lanes bench infer --job`).
-    #[pyo3(signature = (builder, outputs, save_to=None, example=None))]
+    /// `precision`: "fp32" (the default), "bf16" or "fp16" (weights stored
+    /// and products computed in half; outputs come back float32), or
+    /// "bf16-mixed" / "fp16-mixed" (f32 weights, products in half).
+    #[pyo3(signature = (builder, outputs, save_to=None, example=None, precision=None))]
     fn load_graph(
         &self,
         py: Python<'_>,
@@ -526,10 +529,14 @@ impl Session {
         outputs: Vec<String>,
         save_to: Option<std::path::PathBuf>,
         example: Option<&Bound<'_, PyDict>>,
+        precision: Option<&str>,
     ) -> PyResult<()> {
+        let precision = parse_precision(py, precision)?;
         let b = builder.get().take()?;
         let (g, vars) = b
             .finish()
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        let (g, vars) = lanes_adaptor::amp::apply(g, vars, precision)
             .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
         if let Some(dir) = save_to {
             let fetch = outputs.first().cloned().unwrap_or_default();
@@ -548,9 +555,11 @@ impl Session {
     /// (trained variables, optimizer-state variables). `outputs`: what
     /// `run` fetches by default (the loss when empty).
     /// `save_to` and `example` save the job as `load_graph`'s do (`lanes
-    /// bench train --job`).
+    /// bench train --job`). `precision`: "fp32" (the default) or
+    /// "bf16-mixed" (products and convolutions in bf16, f32 weights,
+    /// gradients and optimizer state).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None))]
+    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None))]
     fn load_training(
         &self,
         py: Python<'_>,
@@ -561,7 +570,9 @@ impl Session {
         outputs: Option<Vec<String>>,
         save_to: Option<std::path::PathBuf>,
         example: Option<&Bound<'_, PyDict>>,
+        precision: Option<&str>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
+        let precision = parse_precision(py, precision)?;
         let b = builder.get().take()?;
         let out = graph::GraphBuilder::resolve(&b, loss).ok_or_else(|| {
             local(
@@ -581,6 +592,7 @@ impl Session {
         let opts = TrainOptions {
             groups,
             max_grad_norm,
+            precision,
         };
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))
@@ -811,5 +823,15 @@ fn dtype_name(t: &TensorType) -> String {
         lanes_adaptor::DType::I64 => "int64".into(),
         lanes_adaptor::DType::F16 => "float16".into(),
         lanes_adaptor::DType::BF16 => "bfloat16".into(),
+    }
+}
+
+/// A `precision=` argument: None is fp32; an unknown name is a ValueError.
+fn parse_precision(py: Python<'_>, p: Option<&str>) -> PyResult<lanes_adaptor::Precision> {
+    match p {
+        None => Ok(lanes_adaptor::Precision::F32),
+        Some(s) => s
+            .parse()
+            .map_err(|e: lanes_adaptor::AmpError| local(py, PyValueError::new_err(e.to_string()))),
     }
 }
