@@ -80,6 +80,7 @@ class Session:
         path: Union[str, "PathLike[str]"],
         batch: int = 1,
         dims: Optional[Mapping[str, int]] = None,
+        precision: Optional[str] = None,
     ) -> None: ...
     def load_zoo(
         self,

@@ -461,15 +461,18 @@ impl Session {
 
     /// Imports an ONNX file (opset 13 or later) at `batch` (the size of
     /// every input's symbolic first dimension; `dims` sizes other symbolic
-    /// dimensions by name) and loads it.
-    #[pyo3(signature = (path, batch=1, dims=None))]
+    /// dimensions by name) and loads it. `precision` as `load_graph`'s:
+    /// "fp16" or "bf16" serves an f32 model with its weights cast once.
+    #[pyo3(signature = (path, batch=1, dims=None, precision=None))]
     fn load_onnx(
         &self,
         py: Python<'_>,
         path: std::path::PathBuf,
         batch: usize,
         dims: Option<BTreeMap<String, usize>>,
+        precision: Option<&str>,
     ) -> PyResult<()> {
+        let precision = parse_precision(py, precision)?;
         let opts = ImportOptions {
             batch,
             dims: dims.unwrap_or_default(),
@@ -479,7 +482,9 @@ impl Session {
             .detach(move || import_file(&path, &opts))
             .map_err(onnx_error)?;
         let outputs = m.outputs.iter().map(|(n, _)| n.clone()).collect();
-        self.load(py, m.graph, m.vars, m.inputs, outputs)
+        let (graph, vars) = lanes_adaptor::amp::apply(m.graph, m.vars, precision)
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        self.load(py, graph, vars, m.inputs, outputs)
     }
 
     /// Loads a model of the zoo: for inference without `optimizer`, or its
