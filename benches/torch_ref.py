@@ -31,8 +31,15 @@ random target. Timings:
             (what `lanes bench train` times through the executor);
   resident: input and labels already on the GPU, step, synchronize.
 
+--precision (as `lanes bench --precision`): fp32 (the default); bf16 or
+fp16: the model and its float input converted with `.to(dtype)` (what
+`model.half()` users run; inference only); bf16-mixed or fp16-mixed: the
+forward (and the loss) under `torch.autocast("cuda", dtype)`, weights f32
+(training with fp16-mixed also scales the loss with a GradScaler).
+
 Prints one JSON object per line.
 """
+import contextlib
 import argparse
 import json
 import statistics
@@ -115,7 +122,15 @@ def main():
         help="matrix products on TF32 tensor cores (matmul.allow_tf32 = True), "
         "as `lanes bench --tf32-matmul`",
     )
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="fp32 | bf16-mixed | fp16-mixed (torch.autocast) | bf16 | fp16 (model.to(dtype), inference)",
+    )
     a = ap.parse_args()
+    if a.train and a.precision in ("bf16", "fp16"):
+        ap.error("--precision bf16/fp16 converts the weights: inference only (train with bf16-mixed)")
     if a.models is None:
         a.models = "resnet50" if a.train else "resnet50,resnet152,inception_v3,bert_base"
     if a.batch is None:
@@ -138,6 +153,7 @@ def main():
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "precision": a.precision,
     }
     if a.train:
         for name in a.models.split(","):
@@ -147,6 +163,11 @@ def main():
         model, make = build(name, a.seq, a.bert_attn)
         model = model.eval().to(dev)
         x_host = make(a.batch)
+        if a.precision in ("bf16", "fp16"):
+            dtype = HALF[a.precision]
+            model = model.to(dtype)
+            if x_host.is_floating_point():
+                x_host = x_host.to(dtype)
         x_dev = x_host.to(dev)
 
         def out_of(y):
@@ -154,7 +175,7 @@ def main():
                 return y
             return y.pooler_output
 
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(a.precision):
             def resident():
                 out_of(model(x_dev))
                 torch.cuda.synchronize()
@@ -187,6 +208,17 @@ def main():
         print(json.dumps(rec), flush=True)
         del model
         torch.cuda.empty_cache()
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision):
+    """torch.autocast for the mixed precisions, else nothing."""
+    if precision.endswith("-mixed"):
+        return torch.autocast("cuda", dtype=HALF[precision.split("-")[0]])
+    return contextlib.nullcontext()
 
 
 def graph_replay(model, out_of, x_host, a):
@@ -236,11 +268,19 @@ def train_step(name, a, settings, dev):
             return ce(out.logits, y) + 0.4 * ce(out.aux_logits, y)
         return ce(out, y)
 
+    scaler = torch.amp.GradScaler("cuda") if a.precision == "fp16-mixed" else None
+
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(model(x), y)
-        loss.backward()
-        opt.step()
+        with autocast(a.precision):
+            loss = loss_of(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         return loss
 
     def resident():

@@ -12,7 +12,13 @@ model and a summary; needs a `lanes serve` at --endpoint (on the GPU:
     python3 benches/torch_train.py --endpoint ipc:///tmp/lanes.sock
     python3 benches/torch_train.py --models resnet50,bert --steps 50 --compile
     python3 benches/torch_train.py --save-jobs /tmp/jobs   # then: lanes bench train --job /tmp/jobs/bert --op-profile
+    python3 benches/torch_train.py --precision bf16-mixed  # Lanes bf16-mixed against torch.autocast(bfloat16)
+
+With --precision bf16-mixed, Lanes trains with `precision="bf16-mixed"` and
+PyTorch's step runs its forward and loss under
+`torch.autocast("cuda", dtype=torch.bfloat16)`.
 """
+import contextlib
 
 import argparse
 import copy
@@ -126,15 +132,18 @@ def _logits(o):
     return o if isinstance(o, torch.Tensor) else o.logits
 
 
-def torch_steps(model, xs, y, loss, make_opt, steps, device, compiled=False):
+def torch_steps(model, xs, y, loss, make_opt, steps, device, compiled=False, precision="fp32"):
     m = model.to(device).train()
+    cast = (torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16-mixed"
+            else contextlib.nullcontext())
     opt = make_opt(m.parameters())
     xs = tuple(x.to(device) for x in xs)
     y = y.to(device)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        out = loss(_logits(m(*xs)), y)
+        with cast:
+            out = loss(_logits(m(*xs)), y)
         out.backward()
         opt.step()
         return out
@@ -161,6 +170,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--small", action="store_true", help="tiny sizes (a CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the step")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed"),
+                    help="both sides: fp32, or bf16 products with f32 weights (torch.autocast)")
     ap.add_argument("--save-jobs", metavar="DIR",
                     help="also save each job in DIR/<model> (profile it with `lanes bench train --job`)")
     args = ap.parse_args()
@@ -172,11 +183,12 @@ def main():
             model, xs, y, loss, make_opt = MODELS[name](args.small)
             ref = copy.deepcopy(model)
             r = {"model": name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                 "torch": torch.__version__, "steps": args.steps}
+                 "torch": torch.__version__, "steps": args.steps, "precision": args.precision}
             t0 = time.perf_counter()
             save = f"{args.save_jobs}/{name}" if args.save_jobs else None
             job = lt.training_job(client, model, example=(*xs, y), loss=loss,
-                                  optimizer=make_opt(model.parameters()), name=f"bench-{name}", save_to=save)
+                                  optimizer=make_opt(model.parameters()), name=f"bench-{name}", save_to=save,
+                                  precision=None if args.precision == "fp32" else args.precision)
             r["load_s"] = round(time.perf_counter() - t0, 2)
             print(f"{name}: loaded in {r['load_s']} s", file=sys.stderr, flush=True)
             ours, ours_t = [], []
@@ -187,7 +199,8 @@ def main():
                     ours_t.append(time.perf_counter() - t)
             finally:
                 job.close()
-            theirs, theirs_t = torch_steps(ref, xs, y, loss, make_opt, args.steps, device)
+            theirs, theirs_t = torch_steps(ref, xs, y, loss, make_opt, args.steps, device,
+                                           precision=args.precision)
             w = args.warmup
             r["lanes_ms"] = round(1e3 * statistics.median(ours_t[w:]), 2)
             r["torch_eager_ms"] = round(1e3 * statistics.median(theirs_t[w:]), 2)
@@ -198,7 +211,8 @@ def main():
             if args.compile:
                 torch.manual_seed(0)
                 m2, xs2, y2, loss2, mk2 = MODELS[name](args.small)
-                _, ct = torch_steps(m2, xs2, y2, loss2, mk2, args.steps, device, compiled=True)
+                _, ct = torch_steps(m2, xs2, y2, loss2, mk2, args.steps, device, compiled=True,
+                                    precision=args.precision)
                 r["torch_compile_ms"] = round(1e3 * statistics.median(ct[w:]), 2)
             del ref
             if device == "cuda":

@@ -86,6 +86,7 @@ fn groups_have_their_own_rates_and_the_rate_is_a_variable() {
             },
         ],
         max_grad_norm: None,
+        ..Default::default()
     };
     let mut p = program(&opts);
     let (w0, b0) = (values(&p, "w"), values(&p, "b"));
@@ -124,6 +125,7 @@ fn clipping_scales_all_gradients_by_the_global_norm() {
             optimizer: Optimizer::sgd(1.0),
         }],
         max_grad_norm: Some(max_norm),
+        ..Default::default()
     };
     let mut p = program(&opts);
     let (w0, b0) = (values(&p, "w"), values(&p, "b"));
@@ -155,6 +157,7 @@ fn bad_groups_are_named() {
             optimizer: Optimizer::sgd(0.1),
         }],
         max_grad_norm: None,
+        ..Default::default()
     };
     assert!(matches!(
         training_graph_grouped(g, l, &opts),
@@ -173,6 +176,7 @@ fn bad_groups_are_named() {
             },
         ],
         max_grad_norm: None,
+        ..Default::default()
     };
     assert!(matches!(
         training_graph_grouped(g, l, &opts),
@@ -185,6 +189,7 @@ fn bad_groups_are_named() {
             optimizer: Optimizer::sgd(0.1),
         }],
         max_grad_norm: Some(-1.0),
+        ..Default::default()
     };
     assert!(matches!(
         training_graph_grouped(g, l, &opts),

@@ -97,8 +97,8 @@ pub fn trainable_variables(g: &GraphBuilder, loss: Outlet) -> Vec<Outlet> {
         }
         let node = &nodes[id.index()];
         for (k, inp) in node.inputs.iter().enumerate() {
-            let is_f32 = g.ty(*inp).is_some_and(|t| t.dtype.is_float());
-            if is_f32 && differentiable_input(&node.op, k) && has_rule(&node.op) {
+            let is_float = g.ty(*inp).is_some_and(|t| t.dtype.is_float());
+            if is_float && differentiable_input(&node.op, k) && has_rule(&node.op) {
                 needed[inp.node.index()] = true;
             }
         }

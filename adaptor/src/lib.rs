@@ -3,6 +3,7 @@
 //! It owns the graph IR (an arena of typed nodes), the builder, and the
 //! wire contract. It knows nothing of CUDA, lanes or scheduling.
 
+pub mod amp;
 pub mod autodiff;
 pub mod checkpoint;
 pub mod client;
@@ -16,6 +17,7 @@ pub mod tensor;
 pub mod wire;
 pub mod zoo;
 
+pub use amp::{AmpError, Precision};
 pub use autodiff::{gradients, trainable_variables, AutodiffError};
 pub use checkpoint::CheckpointError;
 pub use client::{
@@ -27,8 +29,8 @@ pub use graph::{
     Pool2dAttrs, ValidGraph, VarValues,
 };
 pub use optim::{
-    lr_variable, training_graph, training_graph_from, training_graph_grouped, Optimizer,
-    ParamGroup, TrainError, TrainOptions, TrainingGraph,
+    lr_variable, training_graph, training_graph_at, training_graph_from, training_graph_grouped,
+    Optimizer, ParamGroup, TrainError, TrainOptions, TrainingGraph,
 };
 pub use tensor::{bf16, f16, DType, Shape, Tensor, TensorData, TensorError, TensorType};
 pub use wire::auth::AuthKey;

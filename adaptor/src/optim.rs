@@ -8,6 +8,7 @@
 //! the graph. One Run of the training graph, fetching the loss, is one
 //! training iteration.
 
+use crate::amp::{self, AmpError, Precision};
 use crate::autodiff::{gradients, trainable_variables, AutodiffError};
 use crate::graph::{Graph, GraphBuilder, GraphError, Op, Outlet, VarValues};
 use crate::tensor::Tensor;
@@ -209,6 +210,15 @@ pub enum TrainError {
     },
     #[error("max_grad_norm must be positive and finite, got {0}")]
     BadClipNorm(f32),
+    #[error(transparent)]
+    Precision(#[from] AmpError),
+    #[error(
+        "{0} training needs loss scaling, which Lanes does not have yet; train in bf16-mixed \
+         (same speed on tensor cores, no overflow) or fp32"
+    )]
+    NeedsLossScaling(Precision),
+    #[error("{0} keeps weights in half precision, which training does not support; use {1}")]
+    HalfWeights(Precision, &'static str),
 }
 
 /// One parameter group (as in `torch.optim`): an optimizer and the
@@ -228,6 +238,9 @@ pub struct TrainOptions {
     /// Clip the gradients by their global 2-norm, as
     /// `torch.nn.utils.clip_grad_norm_(params, max_norm)` before the update.
     pub max_grad_norm: Option<f32>,
+    /// The precision the forward and backward compute in (weights,
+    /// gradients and optimizer state stay f32; [`crate::amp`]).
+    pub precision: Precision,
 }
 
 /// Name of the variable holding group `k`'s learning rate in a graph built
@@ -265,13 +278,25 @@ impl TrainingGraph {
 /// Builds the training graph from a forward graph under construction and its
 /// scalar loss: gradients of every trainable variable plus one update each.
 pub fn training_graph(
-    mut g: GraphBuilder,
+    g: GraphBuilder,
     loss: Outlet,
     opt: &Optimizer,
+) -> Result<TrainingGraph, TrainError> {
+    training_graph_at(g, loss, opt, Precision::F32)
+}
+
+/// [`training_graph`] computing in `precision` (mixed precision: the
+/// forward graph rewritten by [`amp::apply`], f32 master weights).
+pub fn training_graph_at(
+    g: GraphBuilder,
+    loss: Outlet,
+    opt: &Optimizer,
+    precision: Precision,
 ) -> Result<TrainingGraph, TrainError> {
     if let Some(e) = g.error() {
         return Err(TrainError::Graph(e.clone()));
     }
+    let (mut g, loss) = with_precision(g, loss, precision)?;
     let params = trainable_variables(&g, loss);
     if params.is_empty() {
         return Err(TrainError::NoParameters);
@@ -291,13 +316,14 @@ pub fn training_graph(
 /// The training graph of `loss` with parameter groups, learning rates held
 /// in variables ([`lr_variable`]) and optional gradient clipping.
 pub fn training_graph_grouped(
-    mut g: GraphBuilder,
+    g: GraphBuilder,
     loss: Outlet,
     opts: &TrainOptions,
 ) -> Result<TrainingGraph, TrainError> {
     if let Some(e) = g.error() {
         return Err(TrainError::Graph(e.clone()));
     }
+    let (mut g, loss) = with_precision(g, loss, opts.precision)?;
     if let Some(c) = opts.max_grad_norm {
         if !(c > 0.0 && c.is_finite()) {
             return Err(TrainError::BadClipNorm(c));
@@ -360,6 +386,39 @@ pub fn training_graph_grouped(
     finish_training(g, loss, names, state)
 }
 
+/// The forward graph `g` rewritten to compute in `precision`, and its
+/// loss there. Only the mixed precisions train: half weights would lose
+/// small updates, and fp16 needs loss scaling.
+fn with_precision(
+    g: GraphBuilder,
+    loss: Outlet,
+    precision: Precision,
+) -> Result<(GraphBuilder, Outlet), TrainError> {
+    match precision {
+        Precision::F32 => return Ok((g, loss)),
+        Precision::Bf16Mixed => {}
+        Precision::F16Mixed => return Err(TrainError::NeedsLossScaling(precision)),
+        Precision::Bf16 => return Err(TrainError::HalfWeights(precision, "bf16-mixed")),
+        Precision::F16 => return Err(TrainError::HalfWeights(precision, "bf16-mixed")),
+    }
+    let key = outlet_key(&g, loss);
+    let (graph, vars) = g.finish()?;
+    let (graph, vars) = amp::apply(graph, vars, precision)?;
+    let loss = graph
+        .resolve(&key)
+        .ok_or(TrainError::UnknownLoss { name: key })?;
+    Ok((GraphBuilder::from_parts(graph, vars), loss))
+}
+
+/// `name`, or `name:slot` for a node's later outputs.
+fn outlet_key(g: &GraphBuilder, o: Outlet) -> String {
+    if o.slot == 0 {
+        g.name_of(o).to_string()
+    } else {
+        format!("{}:{}", g.name_of(o), o.slot)
+    }
+}
+
 /// The finished training graph: `loss` as a fetch key (`name` or
 /// `name:slot`), the trained variables and the optimizer's state.
 fn finish_training(
@@ -368,11 +427,7 @@ fn finish_training(
     params: Vec<String>,
     state: Vec<String>,
 ) -> Result<TrainingGraph, TrainError> {
-    let loss_key = if loss.slot == 0 {
-        g.name_of(loss).to_string()
-    } else {
-        format!("{}:{}", g.name_of(loss), loss.slot)
-    };
+    let loss_key = outlet_key(&g, loss);
     let (graph, vars) = g.finish()?;
     Ok(TrainingGraph {
         graph,

@@ -81,6 +81,7 @@ class Session:
         path: Union[str, "PathLike[str]"],
         batch: int = 1,
         dims: Optional[Mapping[str, int]] = None,
+        precision: Optional[str] = None,
     ) -> None: ...
     def load_zoo(
         self,
@@ -96,6 +97,7 @@ class Session:
         outputs: Sequence[str],
         save_to: Optional[Union[str, "PathLike[str]"]] = None,
         example: Optional[Feeds] = None,
+        precision: Optional[str] = None,
     ) -> None: ...
     def load_training(
         self,
@@ -106,6 +108,7 @@ class Session:
         outputs: Optional[Sequence[str]] = None,
         save_to: Optional[Union[str, "PathLike[str]"]] = None,
         example: Optional[Feeds] = None,
+        precision: Optional[str] = None,
     ) -> Tuple[List[str], List[str]]: ...
     @overload
     def run(self, feeds: Feeds, fetch: None = None) -> Dict[str, Array]: ...

@@ -461,15 +461,18 @@ impl Session {
 
     /// Imports an ONNX file (opset 13 or later) at `batch` (the size of
     /// every input's symbolic first dimension; `dims` sizes other symbolic
-    /// dimensions by name) and loads it.
-    #[pyo3(signature = (path, batch=1, dims=None))]
+    /// dimensions by name) and loads it. `precision` as `load_graph`'s:
+    /// "fp16" or "bf16" serves an f32 model with its weights cast once.
+    #[pyo3(signature = (path, batch=1, dims=None, precision=None))]
     fn load_onnx(
         &self,
         py: Python<'_>,
         path: std::path::PathBuf,
         batch: usize,
         dims: Option<BTreeMap<String, usize>>,
+        precision: Option<&str>,
     ) -> PyResult<()> {
+        let precision = parse_precision(py, precision)?;
         let opts = ImportOptions {
             batch,
             dims: dims.unwrap_or_default(),
@@ -479,7 +482,9 @@ impl Session {
             .detach(move || import_file(&path, &opts))
             .map_err(onnx_error)?;
         let outputs = m.outputs.iter().map(|(n, _)| n.clone()).collect();
-        self.load(py, m.graph, m.vars, m.inputs, outputs)
+        let (graph, vars) = lanes_adaptor::amp::apply(m.graph, m.vars, precision)
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        self.load(py, graph, vars, m.inputs, outputs)
     }
 
     /// Loads a model of the zoo: for inference without `optimizer`, or its
@@ -518,7 +523,10 @@ impl Session {
     /// `run` fetches by default. The builder is used up.
     /// With `save_to` (a directory) and `example` (a feed of every
     /// placeholder), the job is also saved there (`lanes bench infer --job`).
-    #[pyo3(signature = (builder, outputs, save_to=None, example=None))]
+    /// `precision`: "fp32" (the default), "bf16" or "fp16" (weights stored
+    /// and products computed in half; outputs come back float32), or
+    /// "bf16-mixed" / "fp16-mixed" (f32 weights, products in half).
+    #[pyo3(signature = (builder, outputs, save_to=None, example=None, precision=None))]
     fn load_graph(
         &self,
         py: Python<'_>,
@@ -526,10 +534,14 @@ impl Session {
         outputs: Vec<String>,
         save_to: Option<std::path::PathBuf>,
         example: Option<&Bound<'_, PyDict>>,
+        precision: Option<&str>,
     ) -> PyResult<()> {
+        let precision = parse_precision(py, precision)?;
         let b = builder.get().take()?;
         let (g, vars) = b
             .finish()
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        let (g, vars) = lanes_adaptor::amp::apply(g, vars, precision)
             .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
         if let Some(dir) = save_to {
             let fetch = outputs.first().cloned().unwrap_or_default();
@@ -548,9 +560,11 @@ impl Session {
     /// (trained variables, optimizer-state variables). `outputs`: what
     /// `run` fetches by default (the loss when empty).
     /// `save_to` and `example` save the job as `load_graph`'s do (`lanes
-    /// bench train --job`).
+    /// bench train --job`). `precision`: "fp32" (the default) or
+    /// "bf16-mixed" (products and convolutions in bf16, f32 weights,
+    /// gradients and optimizer state).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None))]
+    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None))]
     fn load_training(
         &self,
         py: Python<'_>,
@@ -561,7 +575,9 @@ impl Session {
         outputs: Option<Vec<String>>,
         save_to: Option<std::path::PathBuf>,
         example: Option<&Bound<'_, PyDict>>,
+        precision: Option<&str>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
+        let precision = parse_precision(py, precision)?;
         let b = builder.get().take()?;
         let out = graph::GraphBuilder::resolve(&b, loss).ok_or_else(|| {
             local(
@@ -581,6 +597,7 @@ impl Session {
         let opts = TrainOptions {
             groups,
             max_grad_norm,
+            precision,
         };
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))
@@ -811,5 +828,15 @@ fn dtype_name(t: &TensorType) -> String {
         lanes_adaptor::DType::I64 => "int64".into(),
         lanes_adaptor::DType::F16 => "float16".into(),
         lanes_adaptor::DType::BF16 => "bfloat16".into(),
+    }
+}
+
+/// A `precision=` argument: None is fp32; an unknown name is a ValueError.
+fn parse_precision(py: Python<'_>, p: Option<&str>) -> PyResult<lanes_adaptor::Precision> {
+    match p {
+        None => Ok(lanes_adaptor::Precision::F32),
+        Some(s) => s
+            .parse()
+            .map_err(|e: lanes_adaptor::AmpError| local(py, PyValueError::new_err(e.to_string()))),
     }
 }

@@ -186,6 +186,11 @@ struct RunOpts {
     /// (`lanes serve --tf32-matmul`); off by default, as PyTorch's.
     #[arg(long)]
     tf32_matmul: bool,
+    /// fp32 | bf16-mixed (training or inference: products and convolutions
+    /// in bf16, f32 weights) | bf16 | fp16 (inference: weights stored in
+    /// half) | fp16-mixed (inference); see docs/precision.md.
+    #[arg(long, default_value = "fp32")]
+    precision: lanes_adaptor::Precision,
 }
 
 impl RunOpts {
@@ -265,7 +270,7 @@ fn infer(a: InferArgs) -> anyhow::Result<()> {
         &format!("building {} inference graph (batch {})", a.model, a.batch),
         since,
     );
-    let w = workload::inference(&a.model, a.batch, a.seq)?;
+    let w = workload::inference(&a.model, a.batch, a.seq)?.at_precision(a.run.precision)?;
     let seq = uses_seq(&a.model).then_some(a.seq);
     let out = bench(&w, a.batch, &a.run, device, seq, json!(null), since)?;
     outln!("{out}")?;
@@ -294,7 +299,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         since,
     );
     let opt = Optimizer::sgd_momentum(a.lr as f32, a.momentum as f32, 0.0);
-    let w = workload::training(&a.model, a.batch, a.seq, &opt)?;
+    let w = workload::training_at(&a.model, a.batch, a.seq, &opt, a.run.precision)?;
     let seq = uses_seq(&a.model).then_some(a.seq);
     let optimizer = json!({
         "kind": "sgd",
@@ -389,7 +394,7 @@ fn bench(
     let d = lanes::exec::cuda::CudaOptions::default();
     let precision = match device {
         Device::Cuda => json!({
-            "dtype": "f32",
+            "dtype": o.precision.to_string(),
             "conv_tf32": d.conv_tf32,
             "matmul_tf32": d.matmul_tf32,
             "pytorch_equivalent": format!(
@@ -398,7 +403,7 @@ fn bench(
                 py_bool(d.matmul_tf32)
             ),
         }),
-        Device::Cpu => json!({ "dtype": "f32" }),
+        Device::Cpu => json!({ "dtype": o.precision.to_string() }),
     };
     Ok(json!({
         "bench": w.kind.name(),

@@ -190,6 +190,54 @@ fn variables_are_the_initializers() {
     }
 }
 
+/// A model saved with fp16 or bf16 weights (every float initializer
+/// rewritten as 16-bit raw data) imports with each weight the exact f32
+/// value of its 16-bit one; serving it in half again (`amp`) is lossless.
+#[test]
+fn half_initializers_import_as_their_exact_values() {
+    use proto::tensor_proto::DataType;
+    let original = model("mobilenet_v2.onnx");
+    let f32_vars = import_model(&original).unwrap().vars;
+    for (dt, round) in [
+        (
+            DataType::Float16,
+            (|x: f32| half::f16::from_f32(x).to_bits()) as fn(f32) -> u16,
+        ),
+        (DataType::Bfloat16, |x: f32| {
+            half::bf16::from_f32(x).to_bits()
+        }),
+    ] {
+        let mut m = original.clone();
+        for t in &mut m.graph.as_mut().unwrap().initializer {
+            if t.data_type != Some(DataType::Float as i32) {
+                continue;
+            }
+            let v = value::from_proto(t, 1 << 24).unwrap().as_f32s();
+            t.data_type = Some(dt as i32);
+            t.float_data.clear();
+            t.raw_data = Some(v.iter().flat_map(|&x| round(x).to_le_bytes()).collect());
+        }
+        let imported = import_model(&m).unwrap();
+        assert_eq!(imported.vars.len(), f32_vars.len());
+        for (name, t) in &imported.vars {
+            let want: Vec<f32> = f32_vars[name]
+                .f32s()
+                .unwrap()
+                .iter()
+                .map(|&x| {
+                    let b = round(x);
+                    if dt == DataType::Float16 {
+                        half::f16::from_bits(b).to_f32()
+                    } else {
+                        half::bf16::from_bits(b).to_f32()
+                    }
+                })
+                .collect();
+            assert_eq!(t.f32s().unwrap(), want.as_slice(), "{name} as {dt:?}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
     /// Structured mutations that still decode: an attribute's integers, a

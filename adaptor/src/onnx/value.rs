@@ -171,7 +171,8 @@ impl Host {
 }
 
 /// Reads an ONNX tensor (typed fields or raw little-endian bytes). Integer
-/// types become i64, floating types f32, bool stays bool.
+/// types become i64, floating types f32 (fp16 and bf16 exactly: every
+/// half value is an f32), bool stays bool.
 pub fn from_proto(t: &TensorProto, limit: usize) -> R<Host> {
     if t.data_location == Some(1) {
         return Err("tensor data stored outside the model file is not supported".into());
@@ -279,6 +280,35 @@ pub fn from_proto(t: &TensorProto, limit: usize) -> R<Host> {
                 }
             }
         }
+        DataType::Float16 | DataType::Bfloat16 => {
+            // Raw: little-endian 16-bit patterns; typed: one pattern per
+            // int32_data element (the ONNX spec's layout for both).
+            let bits: Vec<u16> = match raw_of(2)? {
+                Some(r) => r
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+                None => {
+                    check(t.int32_data.len())?;
+                    t.int32_data
+                        .iter()
+                        .map(|&x| {
+                            u16::try_from(x)
+                                .map_err(|_| format!("{x} is not a 16-bit float pattern"))
+                        })
+                        .collect::<R<_>>()?
+                }
+            };
+            HostData::F32(if dt == DataType::Float16 {
+                bits.iter()
+                    .map(|&b| half::f16::from_bits(b).to_f32())
+                    .collect()
+            } else {
+                bits.iter()
+                    .map(|&b| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            })
+        }
         DataType::Bool => match raw_of(1)? {
             Some(r) => HostData::Bool(r.iter().map(|&b| b != 0).collect()),
             None => {
@@ -301,7 +331,7 @@ pub fn from_proto(t: &TensorProto, limit: usize) -> R<Host> {
 pub fn elem_of(code: i32) -> R<Elem> {
     let dt = DataType::try_from(code).map_err(|_| format!("unknown data type {code}"))?;
     Ok(match dt {
-        DataType::Float | DataType::Double => Elem::F32,
+        DataType::Float | DataType::Double | DataType::Float16 | DataType::Bfloat16 => Elem::F32,
         DataType::Int64
         | DataType::Int32
         | DataType::Int16

@@ -14,10 +14,11 @@ mod inception;
 mod resnet;
 mod small;
 
+use crate::amp::Precision;
 use crate::autodiff::trainable_variables;
 use crate::graph::{Graph, GraphBuilder, GraphError, Outlet, VarValues};
 use crate::nn::{Mode, Nn};
-use crate::optim::{training_graph, Optimizer, TrainError, TrainingGraph};
+use crate::optim::{training_graph_at, Optimizer, TrainError, TrainingGraph};
 use crate::tensor::{DType, Tensor, TensorType};
 
 /// Placeholders a job feeds: (name, type).
@@ -292,8 +293,19 @@ impl Arch {
         seed: u64,
         opt: &Optimizer,
     ) -> Result<(TrainingGraph, Inputs), ZooError> {
+        self.training_at(batch, seed, opt, Precision::F32)
+    }
+
+    /// [`Self::training`] computing in `precision` (see [`crate::amp`]).
+    pub fn training_at(
+        &self,
+        batch: usize,
+        seed: u64,
+        opt: &Optimizer,
+        precision: Precision,
+    ) -> Result<(TrainingGraph, Inputs), ZooError> {
         let (g, loss, inputs) = self.with_loss(batch, seed)?;
-        let t = training_graph(g, loss, opt).map_err(|source| ZooError::Train {
+        let t = training_graph_at(g, loss, opt, precision).map_err(|source| ZooError::Train {
             model: self.name(),
             source,
         })?;

@@ -339,6 +339,7 @@ def training_job(
     expected_iterations: Optional[int] = None,
     save_to: Optional[str] = None,
     accumulate: int = 1,
+    precision: Optional[str] = None,
 ) -> TrainingJob:
     """Captures `loss(model(*inputs), *targets)` at the example's shapes and
     loads it as a training session: the example is the model's inputs
@@ -352,7 +353,10 @@ def training_job(
     `loss / k` (models with BatchNorm in training mode: not yet).
     `save_to` (a directory) also saves
     the job with the example batch, to time and profile it on its own:
-    `lanes bench train --job DIR --op-profile`."""
+    `lanes bench train --job DIR --op-profile`. `precision="bf16-mixed"`
+    trains as under `torch.autocast("cuda", torch.bfloat16)`: matrix
+    products and convolutions in bf16, weights, gradients and optimizer
+    state in float32 (docs/precision.md)."""
     example = tuple(example)
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
@@ -398,7 +402,8 @@ def training_job(
     )
     try:
         session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm,
-                              save_to=save_to, example=_example_feeds(t, example) if save_to else None)
+                              save_to=save_to, example=_example_feeds(t, example) if save_to else None,
+                              precision=precision)
     except BaseException:
         session.close()
         raise
@@ -413,10 +418,14 @@ def inference_job(
     name: Optional[str] = None,
     priority: int = 0,
     save_to: Optional[str] = None,
+    precision: Optional[str] = None,
 ) -> InferenceJob:
     """Captures `model` (as it is: call `model.eval()` first for inference
     behaviour) at the example's shapes and loads it as an inference session.
-    `example` is one tensor or a tuple of the model's inputs."""
+    `example` is one tensor or a tuple of the model's inputs.
+    `precision="fp16"` or `"bf16"` serves it as `model.half()` would
+    (weights stored in half, inputs and outputs float32);
+    `"bf16-mixed"`/`"fp16-mixed"` as under `torch.autocast`."""
     example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     ep = _export(model, example, "model")
     t = translate(ep, training=model.training)
@@ -426,7 +435,8 @@ def inference_job(
     session = client.session(name or f"torch-{type(model).__name__}", kind="inference", priority=priority)
     try:
         session.load_graph(t.b, names, save_to=save_to,
-                           example=_example_feeds(t, example) if save_to else None)
+                           example=_example_feeds(t, example) if save_to else None,
+                           precision=precision)
     except BaseException:
         session.close()
         raise

@@ -73,6 +73,23 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// An inference workload rewritten to compute in `precision`
+    /// (`lanes_adaptor::amp`); a training workload is built at its
+    /// precision instead ([`training_at`]).
+    pub fn at_precision(mut self, precision: lanes_adaptor::Precision) -> anyhow::Result<Self> {
+        if precision == lanes_adaptor::Precision::F32 {
+            return Ok(self);
+        }
+        if self.kind != Kind::Infer {
+            bail!("a training workload takes its precision when it is built");
+        }
+        let (graph, vars) = lanes_adaptor::amp::apply(self.graph, self.vars, precision)
+            .with_context(|| format!("{} at {precision}", self.model))?;
+        self.graph = graph;
+        self.vars = vars;
+        Ok(self)
+    }
+
     /// Seeded random feeds: float inputs uniform in [-1, 1), integer inputs
     /// uniform over their range.
     pub fn random_feeds(&self, seed: u64) -> anyhow::Result<BTreeMap<String, Tensor>> {
@@ -232,12 +249,23 @@ pub fn training(
     seq: usize,
     opt: &Optimizer,
 ) -> anyhow::Result<Workload> {
+    training_at(model, batch, seq, opt, lanes_adaptor::Precision::F32)
+}
+
+/// [`training`] computing in `precision` (mixed precision: f32 weights).
+pub fn training_at(
+    model: &str,
+    batch: usize,
+    seq: usize,
+    opt: &Optimizer,
+    precision: lanes_adaptor::Precision,
+) -> anyhow::Result<Workload> {
     if batch == 0 {
         bail!("--batch must be positive");
     }
     let (arch, int_ranges) = zoo_arch(model, seq)
         .with_context(|| format!("unknown model `{model}`: give one of {MODELS}"))?;
-    let (t, inputs) = arch.training(batch, 7, opt)?;
+    let (t, inputs) = arch.training_at(batch, 7, opt, precision)?;
     let params = t.param_count();
     Ok(Workload {
         kind: Kind::Train,

@@ -1,0 +1,98 @@
+"""Mixed and half precision from PyTorch (docs/precision.md): a model
+trained with `precision="bf16-mixed"` follows PyTorch's bf16 autocast, one
+served with `precision="fp16"`/`"bf16"` answers like `model.half()`, and
+what cannot work is refused before anything is sent.
+
+Tolerances: bf16 keeps 8 significant bits (a relative rounding of 2^-9),
+fp16 11 (2^-12). Two programs that round the same products at different
+places (Lanes rounds each op's output; PyTorch's autocast fuses a linear
+layer's bias into its product) differ by a few roundings per layer, and a
+training run compounds them: the curves are compared within 5e-2 relative
+(one bf16 rounding is 4e-3), where a wrong cast (an f32-only op fed half
+values, a gradient not cast back to the f32 weight) shows as a curve that
+stops learning or parts by whole units.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+
+import lanes  # noqa: E402
+import lanes.torch as lt  # noqa: E402
+
+
+def _vit():
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                             num_classes=10, dropout=0.0, attention_dropout=0.0)
+
+
+def test_bf16_mixed_training_follows_pytorch_autocast(client):
+    m = _vit()
+    ref = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(100)
+    x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+    loss = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.05)
+    job = lt.training_job(client, m, example=(x, y), loss=loss, optimizer=opt, precision="bf16-mixed")
+    ours, theirs = [], []
+    try:
+        for _ in range(20):
+            ours.append(job.step(x, y))
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                rl = loss(ref(x), y)
+            rl.backward()
+            ref_opt.step()
+            theirs.append(rl.item())
+        sd = job.state_dict()
+    finally:
+        job.close()
+    print("bf16-mixed loss, lanes:", np.round(ours, 4).tolist(), "pytorch autocast:", np.round(theirs, 4).tolist())
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert abs(a - b) <= 5e-2 * max(1.0, abs(b)), (i, ours, theirs)
+    assert ours[-1] < 0.5 * ours[0], "it must learn the batch"
+    # Master weights stay float32 and come back as such.
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("precision, dtype, tol", [("fp16", torch.float16, 5e-3), ("bf16", torch.bfloat16, 4e-2)])
+def test_half_serving_answers_like_model_half(client, precision, dtype, tol):
+    torch.manual_seed(1)
+    m = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        want = m(x)
+        half = copy.deepcopy(m).to(dtype)(x.to(dtype)).float()
+    job = lt.inference_job(client, m, example=x, precision=precision)
+    try:
+        got = torch.as_tensor(job(x))
+    finally:
+        job.close()
+    assert got.dtype == torch.float32, "outputs come back float32"
+    scale = want.abs().max().item()
+    ours = (got - want).abs().max().item() / scale
+    theirs = (half - want).abs().max().item() / scale
+    print(f"resnet18 at {precision}: lanes {ours:.2e}, pytorch .to({dtype}) {theirs:.2e} of the logits' range")
+    assert ours <= tol, (ours, theirs)
+    assert ours > 0, "half weights must round something"
+
+
+def test_precisions_that_cannot_work_are_refused(client):
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    x, y = torch.randn(2, 8), torch.randint(0, 4, (2,))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ce = torch.nn.CrossEntropyLoss()
+    with pytest.raises(lanes.ModelError, match="loss scaling"):
+        lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, precision="fp16-mixed")
+    with pytest.raises(lanes.ModelError, match="bf16-mixed"):
+        lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, precision="bf16")
+    with pytest.raises(ValueError, match="unknown precision"):
+        lt.inference_job(client, m.eval(), example=x, precision="int8")
