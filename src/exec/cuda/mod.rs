@@ -14,6 +14,7 @@
 mod bn;
 mod conv;
 mod device;
+mod elem;
 mod epilogue;
 pub mod fuse;
 mod ops;

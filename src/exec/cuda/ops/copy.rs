@@ -6,6 +6,7 @@ use lanes_adaptor::DType;
 
 use super::geometry::{i, strided, Strided};
 use crate::exec::cuda::device::grid;
+use crate::exec::cuda::elem::Elem;
 use crate::exec::cuda::program::{dev_err, CudaProgram};
 use crate::exec::ExecError;
 
@@ -15,7 +16,7 @@ struct CopyPlan {
     s: Strided,
     ob: usize,
     ib: usize,
-    /// Bytes moved per index: 4, 8 or 16.
+    /// Bytes moved per index: 2, 4, 8 or 16.
     unit: usize,
 }
 
@@ -55,7 +56,7 @@ impl CopyPlan {
         let (mut ob, mut ib, mut unit) = (ob, ib, esize);
         if let (Some(&1), Some(&1)) = (sa.last(), sb.last()) {
             let r = dims.len();
-            for w in [16usize, 8] {
+            for w in [16usize, 8, 4] {
                 if w <= esize {
                     continue;
                 }
@@ -84,9 +85,15 @@ impl CopyPlan {
 }
 
 impl CudaProgram {
+    /// Sets `n` f32 values at `ptr` to `v`.
     pub(super) fn fill(&self, ptr: u64, n: usize, v: f32) -> Result<(), ExecError> {
+        self.fill_as(Elem::F32, ptr, n, v)
+    }
+
+    /// Sets `n` values of type `elem` at `ptr` to `v` (rounded to `elem`).
+    pub(super) fn fill_as(&self, elem: Elem, ptr: u64, n: usize, v: f32) -> Result<(), ExecError> {
         let n32 = i(n);
-        self.k("fill", grid(n), &[&ptr, &n32, &v])
+        self.kt("fill", elem, grid(n), &[&ptr, &n32, &v])
     }
 
     pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), ExecError> {
@@ -114,10 +121,7 @@ impl CudaProgram {
         ob: usize,
         ib: usize,
     ) -> Result<(), ExecError> {
-        let esize = match dtype {
-            DType::F32 => 4,
-            DType::I64 => 8,
-        };
+        let esize = dtype.size();
         let Some(c) = CopyPlan::new(&s, ob, ib, esize, out, inp) else {
             return Ok(());
         };
@@ -128,7 +132,8 @@ impl CudaProgram {
         let name = match c.unit {
             16 => "strided_copy128",
             8 => "strided_copy64",
-            _ => "strided_copy32",
+            4 => "strided_copy32",
+            _ => "strided_copy16",
         };
         self.k(name, grid(n), &[&out, &inp, &n32, &c.s, &ob, &ib])
     }

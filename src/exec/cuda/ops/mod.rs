@@ -9,6 +9,7 @@ use cudarc::driver::LaunchConfig;
 use lanes_adaptor::{DType, NodeId, Op, TensorType};
 
 use super::device::{blocks, grid, launch, warps, ArgRef};
+use super::elem::Elem;
 use super::program::{op_err, CudaProgram};
 use crate::exec::ExecError;
 pub(super) use geometry::plane_rows;
@@ -33,6 +34,22 @@ impl CudaProgram {
         unsafe { launch(&self.stream, f, cfg, args) }
     }
 
+    /// Launches the `elem` instance of typed kernel `name` (see
+    /// `device.rs`'s `TYPED`).
+    pub(super) fn kt(
+        &self,
+        name: &'static str,
+        elem: Elem,
+        cfg: LaunchConfig,
+        args: &[&dyn ArgRef],
+    ) -> Result<(), ExecError> {
+        let f = self.gpu.typed(name, elem)?;
+        // SAFETY: as for `k`: the instances of one typed kernel share its
+        // parameter list, with pointers to elements of `elem`, which the
+        // call sites pass for tensors of that dtype.
+        unsafe { launch(&self.stream, f, cfg, args) }
+    }
+
     /// cuDNN's plan for batch-norm forward `id`, when cuDNN runs it.
     fn cudnn_bn(&self, id: NodeId) -> Option<(&super::bn::BnPlan, &super::bn::BnHandle)> {
         Some((self.bns.get(&id.index())?, self.bn_handle.as_ref()?))
@@ -52,6 +69,13 @@ impl CudaProgram {
         let rank_err = || err(format!("rank above {MAXR} is not supported on CUDA"));
         let n_out = oty.first().map(|t| t.shape.numel()).unwrap_or(0);
         let n32 = i(n_out);
+        // The float element type of the first output, for the typed
+        // kernels (an op on integers never reaches one of them).
+        let elem = || {
+            oty.first()
+                .and_then(|t| Elem::of(t.dtype))
+                .ok_or_else(|| err("expected a float output".into()))
+        };
         match &node.op {
             Op::Placeholder(_) | Op::Variable(_) | Op::Constant(_) => Ok(()),
             Op::Add | Op::Sub | Op::Mul | Op::Div => {
@@ -81,7 +105,9 @@ impl CudaProgram {
                     let lead = b.iter().take_while(|&&d| d == 1).count();
                     &b[lead..]
                 };
-                if a == o && b == o && n_out % 4 == 0 && (out[0] | pa | pb) % 16 == 0 {
+                let e = elem()?;
+                let f32x4 = e == Elem::F32;
+                if f32x4 && a == o && b == o && n_out % 4 == 0 && (out[0] | pa | pb) % 16 == 0 {
                     let n4 = i(n_out / 4);
                     self.k(
                         "binary_same4",
@@ -89,23 +115,26 @@ impl CudaProgram {
                         &[&out[0], &pa, &pb, &n4, &code],
                     )
                 } else if a == o && b == o {
-                    self.k(
+                    self.kt(
                         "binary_same",
+                        e,
                         grid(n_out),
                         &[&out[0], &pa, &pb, &n32, &code],
                     )
                 } else if a == o && !b_core.is_empty() && o.ends_with(b_core) {
                     let len = i(prod(b_core));
-                    self.k(
+                    self.kt(
                         "binary_row",
+                        e,
                         grid(n_out),
                         &[&out[0], &pa, &pb, &n32, &len, &code],
                     )
                 } else {
                     let s = strided(o, &bcast_strides(a, o), &bcast_strides(b, o))
                         .ok_or_else(rank_err)?;
-                    self.k(
+                    self.kt(
                         "binary_bcast",
+                        e,
                         grid(n_out),
                         &[&out[0], &pa, &pb, &n32, &code, &s],
                     )
@@ -138,7 +167,8 @@ impl CudaProgram {
                     Op::HardSwish => (11, 0.0),
                     _ => (7, 1.0),
                 };
-                if n_out % 4 == 0 && (out[0] | inp[0]) % 16 == 0 {
+                let e = elem()?;
+                if e == Elem::F32 && n_out % 4 == 0 && (out[0] | inp[0]) % 16 == 0 {
                     let n4 = i(n_out / 4);
                     self.k(
                         "unary4",
@@ -146,12 +176,20 @@ impl CudaProgram {
                         &[&out[0], &inp[0], &n4, &code, &p],
                     )
                 } else {
-                    self.k("unary", grid(n_out), &[&out[0], &inp[0], &n32, &code, &p])
+                    self.kt(
+                        "unary",
+                        e,
+                        grid(n_out),
+                        &[&out[0], &inp[0], &n32, &code, &p],
+                    )
                 }
             }
-            Op::Clip { min, max } => {
-                self.k("clip", grid(n_out), &[&out[0], &inp[0], &n32, min, max])
-            }
+            Op::Clip { min, max } => self.kt(
+                "clip",
+                elem()?,
+                grid(n_out),
+                &[&out[0], &inp[0], &n32, min, max],
+            ),
             Op::Where => {
                 let o = oty[0].shape.dims();
                 // Each operand whole (1) or a single value (0), else None.
@@ -236,8 +274,9 @@ impl CudaProgram {
                     Op::HardSwishGrad => 5,
                     _ => 3,
                 };
-                self.k(
+                self.kt(
                     "unary_grad",
+                    elem()?,
                     grid(n_out),
                     &[&out[0], &inp[0], &inp[1], &n32, &code],
                 )
@@ -281,11 +320,11 @@ impl CudaProgram {
                 self.strided_copy(oty[0].dtype, out[0], inp[0], s, 0, start * st[*axis])
             }
             Op::SliceGrad { axis, start, .. } => {
-                self.fill(out[0], n_out, 0.0)?;
+                self.fill_as(elem()?, out[0], n_out, 0.0)?;
                 let ost = contiguous_strides(oty[0].shape.dims());
                 let d = ity[0].shape.dims();
                 let s = strided(d, &ost, &contiguous_strides(d)).ok_or_else(rank_err)?;
-                self.strided_copy(DType::F32, out[0], inp[0], s, start * ost[*axis], 0)
+                self.strided_copy(oty[0].dtype, out[0], inp[0], s, start * ost[*axis], 0)
             }
             Op::Concat { axis } => {
                 let ost = contiguous_strides(oty[0].shape.dims());
@@ -306,7 +345,7 @@ impl CudaProgram {
                     &bcast_strides(ity[0].shape.dims(), o),
                 )
                 .ok_or_else(rank_err)?;
-                self.strided_copy(DType::F32, out[0], inp[0], s, 0, 0)
+                self.strided_copy(oty[0].dtype, out[0], inp[0], s, 0, 0)
             }
             Op::SumTo { shape } => {
                 let d = ity[0].shape.dims();
@@ -344,6 +383,7 @@ impl CudaProgram {
                 transpose_b,
             } => self
                 .matmul(
+                    elem()?,
                     (inp[0], ity[0].shape.dims()),
                     (inp[1], ity[1].shape.dims()),
                     *transpose_a,
@@ -378,8 +418,9 @@ impl CudaProgram {
                 if let (Op::Conv2d(_), Some(bias)) = (&node.op, bias) {
                     let d = oty[0].shape.dims();
                     let (c, inner) = (i(d[1]), i(d[2] * d[3]));
-                    self.k(
+                    self.kt(
                         "channel_bias",
+                        elem()?,
                         grid(n_out),
                         &[&out[0], bias, &n32, &c, &inner],
                     )?;
