@@ -1045,6 +1045,9 @@ fn fusion_matches_unfused() {
                 let t = match ty.dtype {
                     lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
                     lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), b.vocab as i64),
+                    lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
+                        unreachable!("the models take f32 and i64 inputs")
+                    }
                 };
                 (n.clone(), t)
             })
@@ -1393,6 +1396,9 @@ fn model_case(name: &str, built: models::Built, seed: u64) -> Case {
         let t = match ty.dtype {
             lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
             lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), built.vocab as i64),
+            lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
+                unreachable!("the models take f32 and i64 inputs")
+            }
         };
         c.feeds.insert(n.clone(), t);
     }
@@ -1449,6 +1455,7 @@ fn small_training() -> (lanes_adaptor::TrainingGraph, BTreeMap<String, Tensor>) 
             let v = match ty.dtype {
                 DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
                 DType::I64 => ints(&mut rng, ty.shape.dims(), 10),
+                DType::F16 | DType::BF16 => unreachable!("the models take f32 and i64 inputs"),
             };
             (n.clone(), v)
         })
@@ -1562,6 +1569,9 @@ fn graph_replay_matches_op_by_op() {
                     lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
                     lanes_adaptor::DType::I64 => {
                         ints(&mut rng, ty.shape.dims(), built.vocab as i64)
+                    }
+                    lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
+                        unreachable!("the models take f32 and i64 inputs")
                     }
                 };
                 (n.clone(), t)

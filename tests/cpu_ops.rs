@@ -46,10 +46,7 @@ fn exec(op: &Op, inputs: &[Tensor]) -> Result<(Vec<Tensor>, Vec<Tensor>), ExecEr
         .iter()
         .map(|(ty, d)| TensorRef {
             ty,
-            data: match d {
-                TensorData::F32(v) => DataRef::F32(v),
-                TensorData::I64(v) => DataRef::I64(v),
-            },
+            data: DataRef::from(*d),
         })
         .collect();
     let mut outs: Vec<TensorData> = out_types
@@ -95,10 +92,7 @@ fn exec(op: &Op, inputs: &[Tensor]) -> Result<(Vec<Tensor>, Vec<Tensor>), ExecEr
 fn mk_mut<'a>(ty: &'a TensorType, d: &'a mut TensorData) -> TensorMut<'a> {
     TensorMut {
         ty,
-        data: match d {
-            TensorData::F32(v) => DataMut::F32(v),
-            TensorData::I64(v) => DataMut::I64(v),
-        },
+        data: DataMut::from(d),
     }
 }
 

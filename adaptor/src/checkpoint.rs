@@ -52,6 +52,8 @@ pub fn to_bytes(vars: &VarValues) -> Result<Vec<u8>, CheckpointError> {
             let dt = match t.dtype() {
                 DType::F32 => Dtype::F32,
                 DType::I64 => Dtype::I64,
+                DType::F16 => Dtype::F16,
+                DType::BF16 => Dtype::BF16,
             };
             (n.clone(), dt, t.shape().dims().to_vec(), t.to_le_bytes())
         })
@@ -74,6 +76,8 @@ pub fn from_bytes(bytes: &[u8]) -> Result<VarValues, CheckpointError> {
         let dtype = match view.dtype() {
             Dtype::F32 => DType::F32,
             Dtype::I64 => DType::I64,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
             other => {
                 return Err(CheckpointError::UnsupportedDtype {
                     name: name.to_string(),
@@ -174,12 +178,34 @@ mod tests {
             Err(CheckpointError::Format { .. })
         ));
         let raw = [0u8; 4];
-        let view = safetensors::tensor::TensorView::new(Dtype::F16, vec![2], &raw).unwrap();
+        let view = safetensors::tensor::TensorView::new(Dtype::I32, vec![1], &raw).unwrap();
         let b = safetensors::serialize([("h", view)], &None).unwrap();
         assert!(matches!(
             from_bytes(&b),
             Err(CheckpointError::UnsupportedDtype { .. })
         ));
+    }
+
+    #[test]
+    fn half_tensors_round_trip_with_safetensors_dtypes() {
+        let mut v = VarValues::new();
+        let h: Vec<crate::f16> = [1.0f32, -0.5, 65504.0]
+            .iter()
+            .map(|&x| crate::f16::from_f32(x))
+            .collect();
+        let b: Vec<crate::bf16> = [3.0f32, -1.0e30]
+            .iter()
+            .map(|&x| crate::bf16::from_f32(x))
+            .collect();
+        v.insert("h".into(), Tensor::from_f16([3], h).unwrap());
+        v.insert("b".into(), Tensor::from_bf16([1, 2], b).unwrap());
+        let bytes = to_bytes(&v).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("h").unwrap().dtype(), Dtype::F16);
+        assert_eq!(st.tensor("b").unwrap().dtype(), Dtype::BF16);
+        // 1.0 as f16 is 0x3c00, stored little-endian.
+        assert_eq!(&st.tensor("h").unwrap().data()[..2], &[0x00, 0x3c]);
+        assert_eq!(from_bytes(&bytes).unwrap(), v);
     }
 
     #[test]

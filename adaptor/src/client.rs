@@ -1504,10 +1504,7 @@ impl FeedBuffers {
                 reason: format!("feed `{name}` is {ty}, the value {}", value.ty()),
             });
         }
-        match value.data() {
-            crate::TensorData::F32(v) => bytes.copy_from_slice(bytemuck::cast_slice(v)),
-            crate::TensorData::I64(v) => bytes.copy_from_slice(bytemuck::cast_slice(v)),
-        }
+        bytes.copy_from_slice(value.data().ne_bytes());
         Ok(())
     }
 }

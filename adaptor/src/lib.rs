@@ -30,7 +30,7 @@ pub use optim::{
     lr_variable, training_graph, training_graph_from, training_graph_grouped, Optimizer,
     ParamGroup, TrainError, TrainOptions, TrainingGraph,
 };
-pub use tensor::{DType, Shape, Tensor, TensorData, TensorError, TensorType};
+pub use tensor::{bf16, f16, DType, Shape, Tensor, TensorData, TensorError, TensorType};
 pub use wire::auth::AuthKey;
 pub use wire::{ErrorCode, JobKind, Limits, SessionId, SessionSpec, WireError};
 pub use zoo::{Arch, ModelGraph, ZooError};

@@ -809,5 +809,7 @@ fn dtype_name(t: &TensorType) -> String {
     match t.dtype {
         lanes_adaptor::DType::F32 => "float32".into(),
         lanes_adaptor::DType::I64 => "int64".into(),
+        lanes_adaptor::DType::F16 => "float16".into(),
+        lanes_adaptor::DType::BF16 => "bfloat16".into(),
     }
 }

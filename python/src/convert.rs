@@ -97,9 +97,16 @@ pub fn write_feed(buffers: &mut FeedBuffers, name: &str, value: &Bound<'_, PyAny
 /// A tensor as a NumPy array that owns the tensor's vector (no copy).
 pub fn tensor_to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyAny>> {
     let dims = t.shape().dims().to_vec();
+    let t_dtype = t.dtype();
     Ok(match t.into_data() {
         TensorData::F32(v) => PyArray1::from_vec(py, v).reshape(dims)?.into_any(),
         TensorData::I64(v) => PyArray1::from_vec(py, v).reshape(dims)?.into_any(),
+        TensorData::F16(_) | TensorData::BF16(_) => {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "a {} result: this build of lanes returns only float32 and int64 arrays",
+                t_dtype
+            )))
+        }
     })
 }
 

@@ -81,8 +81,10 @@ fn parse_dtype(dtype: &str) -> PyResult<DType> {
     match dtype {
         "float32" => Ok(DType::F32),
         "int64" => Ok(DType::I64),
+        "float16" => Ok(DType::F16),
+        "bfloat16" => Ok(DType::BF16),
         other => Err(PyValueError::new_err(format!(
-            "dtype `{other}`: Lanes graphs hold float32 and int64 tensors"
+            "dtype `{other}`: Lanes graphs hold float32, float16, bfloat16 and int64 tensors"
         ))),
     }
 }
@@ -91,6 +93,8 @@ fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "float32",
         DType::I64 => "int64",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
     }
 }
 

@@ -13,7 +13,7 @@ pub use program::{Backend, GpuShare, Program};
 use std::sync::Arc;
 
 use lanes_adaptor::wire::shm::{AttachedSegment, SharedFeed};
-use lanes_adaptor::{DType, Tensor, TensorData, TensorType};
+use lanes_adaptor::{bf16, f16, DType, Tensor, TensorData, TensorType};
 
 /// A feed's values as the executors read them: a decoded [`Tensor`], or a
 /// [`SharedFeed`], a view of the job's shared-memory segment that is read
@@ -41,10 +41,7 @@ impl HostFeed for Tensor {
         Tensor::ty(self)
     }
     fn bytes(&self) -> &[u8] {
-        match self.data() {
-            TensorData::F32(v) => bytemuck::cast_slice(v),
-            TensorData::I64(v) => bytemuck::cast_slice(v),
-        }
+        self.data().ne_bytes()
     }
     fn to_tensor(&self) -> Result<Tensor, ExecError> {
         Ok(self.clone())
@@ -78,6 +75,8 @@ impl HostFeed for SharedFeed {
 pub enum DataRef<'a> {
     F32(&'a [f32]),
     I64(&'a [i64]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
 }
 
 /// Writable view of a tensor's values.
@@ -85,6 +84,61 @@ pub enum DataRef<'a> {
 pub enum DataMut<'a> {
     F32(&'a mut [f32]),
     I64(&'a mut [i64]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+}
+
+impl<'a> From<&'a TensorData> for DataRef<'a> {
+    fn from(d: &'a TensorData) -> Self {
+        match d {
+            TensorData::F32(v) => DataRef::F32(v),
+            TensorData::I64(v) => DataRef::I64(v),
+            TensorData::F16(v) => DataRef::F16(v),
+            TensorData::BF16(v) => DataRef::BF16(v),
+        }
+    }
+}
+
+impl<'a> From<&'a mut TensorData> for DataMut<'a> {
+    fn from(d: &'a mut TensorData) -> Self {
+        match d {
+            TensorData::F32(v) => DataMut::F32(v),
+            TensorData::I64(v) => DataMut::I64(v),
+            TensorData::F16(v) => DataMut::F16(v),
+            TensorData::BF16(v) => DataMut::BF16(v),
+        }
+    }
+}
+
+impl DataRef<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            DataRef::F32(_) => DType::F32,
+            DataRef::I64(_) => DType::I64,
+            DataRef::F16(_) => DType::F16,
+            DataRef::BF16(_) => DType::BF16,
+        }
+    }
+    /// An owned copy of the values.
+    pub fn to_data(&self) -> TensorData {
+        match *self {
+            DataRef::F32(v) => TensorData::F32(v.to_vec()),
+            DataRef::I64(v) => TensorData::I64(v.to_vec()),
+            DataRef::F16(v) => TensorData::F16(v.to_vec()),
+            DataRef::BF16(v) => TensorData::BF16(v.to_vec()),
+        }
+    }
+}
+
+impl DataMut<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            DataMut::F32(_) => DType::F32,
+            DataMut::I64(_) => DType::I64,
+            DataMut::F16(_) => DType::F16,
+            DataMut::BF16(_) => DType::BF16,
+        }
+    }
 }
 
 /// A tensor input of a kernel.
@@ -105,13 +159,43 @@ impl<'a> TensorRef<'a> {
     pub fn f32s(&self) -> Result<&'a [f32], ExecError> {
         match self.data {
             DataRef::F32(v) => Ok(v),
-            DataRef::I64(_) => Err(ExecError::dtype(DType::F32, DType::I64)),
+            other => Err(ExecError::dtype(DType::F32, other.dtype())),
         }
     }
     pub fn i64s(&self) -> Result<&'a [i64], ExecError> {
         match self.data {
             DataRef::I64(v) => Ok(v),
-            DataRef::F32(_) => Err(ExecError::dtype(DType::I64, DType::F32)),
+            other => Err(ExecError::dtype(DType::I64, other.dtype())),
+        }
+    }
+    pub fn f16s(&self) -> Result<&'a [f16], ExecError> {
+        match self.data {
+            DataRef::F16(v) => Ok(v),
+            other => Err(ExecError::dtype(DType::F16, other.dtype())),
+        }
+    }
+    pub fn bf16s(&self) -> Result<&'a [bf16], ExecError> {
+        match self.data {
+            DataRef::BF16(v) => Ok(v),
+            other => Err(ExecError::dtype(DType::BF16, other.dtype())),
+        }
+    }
+    /// A half tensor's values as their raw 16-bit patterns (for copies).
+    pub fn half_bits(&self) -> Result<&'a [u16], ExecError> {
+        use half::slice::HalfFloatSliceExt;
+        match self.data {
+            DataRef::F16(v) => Ok(v.reinterpret_cast()),
+            DataRef::BF16(v) => Ok(v.reinterpret_cast()),
+            other => Err(ExecError::dtype(DType::F16, other.dtype())),
+        }
+    }
+    /// A float tensor's values widened to f32 (exact for f16 and bf16).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>, ExecError> {
+        match self.data {
+            DataRef::F32(v) => Ok(v.to_vec()),
+            DataRef::F16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            DataRef::BF16(v) => Ok(v.iter().map(|x| x.to_f32()).collect()),
+            DataRef::I64(_) => Err(ExecError::dtype(DType::F32, DType::I64)),
         }
     }
     pub fn dims(&self) -> &'a [usize] {
@@ -121,16 +205,49 @@ impl<'a> TensorRef<'a> {
 
 impl TensorMut<'_> {
     pub fn f32s(&mut self) -> Result<&mut [f32], ExecError> {
+        let got = self.data.dtype();
         match &mut self.data {
             DataMut::F32(v) => Ok(v),
-            DataMut::I64(_) => Err(ExecError::dtype(DType::F32, DType::I64)),
+            _ => Err(ExecError::dtype(DType::F32, got)),
         }
     }
     pub fn i64s(&mut self) -> Result<&mut [i64], ExecError> {
+        let got = self.data.dtype();
         match &mut self.data {
             DataMut::I64(v) => Ok(v),
-            DataMut::F32(_) => Err(ExecError::dtype(DType::I64, DType::F32)),
+            _ => Err(ExecError::dtype(DType::I64, got)),
         }
+    }
+    /// A half tensor's values as their raw 16-bit patterns (for copies).
+    pub fn half_bits(&mut self) -> Result<&mut [u16], ExecError> {
+        use half::slice::HalfFloatSliceExt;
+        let got = self.data.dtype();
+        match &mut self.data {
+            DataMut::F16(v) => Ok(v.reinterpret_cast_mut()),
+            DataMut::BF16(v) => Ok(v.reinterpret_cast_mut()),
+            _ => Err(ExecError::dtype(DType::F16, got)),
+        }
+    }
+    /// Writes f32 values into a float tensor, rounded to its dtype (to
+    /// nearest, ties to even).
+    pub fn store_f32(&mut self, v: &[f32]) -> Result<(), ExecError> {
+        use half::slice::HalfFloatSliceExt;
+        let n = v.len();
+        let short = |len: usize| ExecError::Op {
+            node: String::new(),
+            op: "store",
+            reason: format!("{n} values for a buffer of {len}"),
+        };
+        match &mut self.data {
+            DataMut::F32(y) if y.len() == n => y.copy_from_slice(v),
+            DataMut::F16(y) if y.len() == n => y.convert_from_f32_slice(v),
+            DataMut::BF16(y) if y.len() == n => y.convert_from_f32_slice(v),
+            DataMut::I64(_) => return Err(ExecError::dtype(DType::F32, DType::I64)),
+            DataMut::F32(y) => return Err(short(y.len())),
+            DataMut::F16(y) => return Err(short(y.len())),
+            DataMut::BF16(y) => return Err(short(y.len())),
+        }
+        Ok(())
     }
     pub fn dims(&self) -> &[usize] {
         self.ty.shape.dims()
@@ -170,6 +287,8 @@ pub enum ExecError {
     DType { expected: DType, got: DType },
     #[error("device unavailable: {reason}")]
     NoDevice { reason: String },
+    #[error("{dtype} tensors are not supported by the {backend} backend yet")]
+    UnsupportedDType { dtype: DType, backend: &'static str },
 }
 
 impl ExecError {

@@ -163,6 +163,8 @@ pub fn split(out: &[Tensor], parts: &[Part], model: &str) -> Result<Vec<Vec<Tens
             let data = match t.data() {
                 TensorData::F32(v) => v.get(range).map(|s| TensorData::F32(s.to_vec())),
                 TensorData::I64(v) => v.get(range).map(|s| TensorData::I64(s.to_vec())),
+                TensorData::F16(v) => v.get(range).map(|s| TensorData::F16(s.to_vec())),
+                TensorData::BF16(v) => v.get(range).map(|s| TensorData::BF16(s.to_vec())),
             };
             let mut shape = dims.to_vec();
             shape[0] = p.rows;

@@ -16,6 +16,8 @@ pub fn datatype(d: DType) -> &'static str {
     match d {
         DType::F32 => "FP32",
         DType::I64 => "INT64",
+        DType::F16 => "FP16",
+        DType::BF16 => "BF16",
     }
 }
 
@@ -24,6 +26,8 @@ pub fn config_type(d: DType) -> &'static str {
     match d {
         DType::F32 => "TYPE_FP32",
         DType::I64 => "TYPE_INT64",
+        DType::F16 => "TYPE_FP16",
+        DType::BF16 => "TYPE_BF16",
     }
 }
 
@@ -173,16 +177,19 @@ fn json_tensor(name: &str, dtype: DType, dims: &[usize], data: &Value) -> Result
         )));
     }
     let not = |what: &str, x: &Value| bad(format!("input `{name}`: `{x}` is not {what}"));
+    let floats = || -> Result<Vec<f32>, ApiError> {
+        flat.iter()
+            .map(|x| {
+                x.as_f64()
+                    .map(|f| f as f32)
+                    .ok_or_else(|| not("a number", x))
+            })
+            .collect()
+    };
     let data = match dtype {
-        DType::F32 => TensorData::F32(
-            flat.iter()
-                .map(|x| {
-                    x.as_f64()
-                        .map(|f| f as f32)
-                        .ok_or_else(|| not("a number", x))
-                })
-                .collect::<Result<_, _>>()?,
-        ),
+        DType::F32 => TensorData::F32(floats()?),
+        DType::F16 | DType::BF16 => TensorData::from_f32_rounded(dtype, &floats()?)
+            .ok_or_else(|| bad(format!("input `{name}`: {dtype} is not a float type")))?,
         DType::I64 => TensorData::I64(
             flat.iter()
                 .map(|x| x.as_i64().ok_or_else(|| not("an integer", x)))
@@ -340,6 +347,8 @@ fn json_data(t: &Tensor) -> Value {
     match t.data() {
         TensorData::F32(v) => Value::Array(v.iter().map(|&x| Value::from(x as f64)).collect()),
         TensorData::I64(v) => Value::Array(v.iter().map(|&x| Value::from(x)).collect()),
+        TensorData::F16(v) => Value::Array(v.iter().map(|&x| Value::from(x.to_f64())).collect()),
+        TensorData::BF16(v) => Value::Array(v.iter().map(|&x| Value::from(x.to_f64())).collect()),
     }
 }
 

@@ -90,7 +90,9 @@ pub fn exec_code(e: &ExecError) -> ErrorCode {
         ExecError::MissingVariable { .. } | ExecError::VariableType { .. } => {
             ErrorCode::BadVariable
         }
-        ExecError::Op { .. } | ExecError::DType { .. } => ErrorCode::Exec,
+        ExecError::Op { .. } | ExecError::DType { .. } | ExecError::UnsupportedDType { .. } => {
+            ErrorCode::Exec
+        }
         ExecError::NoDevice { .. } => ErrorCode::NoDevice,
     }
 }

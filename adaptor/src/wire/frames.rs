@@ -22,7 +22,7 @@ use super::error::WireError;
 use super::pool::BufferPool;
 use super::Limits;
 use super::NamedTensor;
-use crate::tensor::{DType, Tensor, TensorData, TensorError, TensorType};
+use crate::tensor::{Tensor, TensorData, TensorError, TensorType};
 
 /// Largest frame a request's sender puts on the wire, and the cap
 /// (`ZMQ_MAXMSGSIZE`) of the service's socket on every frame it receives,
@@ -174,10 +174,7 @@ fn bytes_to_vec(bytes: &[u8]) -> Vec<u8> {
 pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
     #[cfg(target_endian = "little")]
     {
-        match t.data() {
-            TensorData::F32(v) => bytes_to_vec(bytemuck::cast_slice::<f32, u8>(v)),
-            TensorData::I64(v) => bytes_to_vec(bytemuck::cast_slice::<i64, u8>(v)),
-        }
+        bytes_to_vec(t.data().ne_bytes())
     }
     #[cfg(not(target_endian = "little"))]
     {
@@ -190,10 +187,7 @@ pub fn tensor_frame(t: &Tensor) -> Vec<u8> {
 pub(super) fn tensor_frames(t: &Tensor, chunk: usize, frames: &mut Vec<Vec<u8>>) {
     #[cfg(target_endian = "little")]
     {
-        let bytes = match t.data() {
-            TensorData::F32(v) => bytemuck::cast_slice::<f32, u8>(v),
-            TensorData::I64(v) => bytemuck::cast_slice::<i64, u8>(v),
-        };
+        let bytes = t.data().ne_bytes();
         if bytes.len() <= chunk {
             frames.push(bytes_to_vec(bytes));
         } else {
@@ -246,25 +240,17 @@ fn tensor_from_chunks_in(
     };
     #[cfg(target_endian = "little")]
     {
-        let data = match ty.dtype {
-            DType::F32 => {
-                let len = expected / 4;
-                let mut v = pool.map_or_else(|| vec![0.0; len], |p| p.f32s(len));
-                copy(bytemuck::cast_slice_mut::<f32, u8>(&mut v));
-                TensorData::F32(v)
-            }
-            DType::I64 => {
-                let len = expected / 8;
-                let mut v = pool.map_or_else(|| vec![0; len], |p| p.i64s(len));
-                copy(bytemuck::cast_slice_mut::<i64, u8>(&mut v));
-                TensorData::I64(v)
-            }
-        };
+        let len = expected / ty.dtype.size();
+        let mut data = pool.map_or_else(
+            || TensorData::zeros(ty.dtype, len),
+            |p| p.data(ty.dtype, len),
+        );
+        copy(data.ne_bytes_mut());
         Tensor::new(ty.shape.clone(), data)
     }
     #[cfg(not(target_endian = "little"))]
     {
-        let _ = (pool, DType::F32);
+        let _ = pool;
         let mut all = vec![0u8; expected];
         copy(&mut all);
         Tensor::from_le_bytes(ty, &all)

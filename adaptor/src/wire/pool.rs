@@ -59,6 +59,8 @@ fn capacity(d: &TensorData) -> usize {
     match d {
         TensorData::F32(v) => v.capacity(),
         TensorData::I64(v) => v.capacity(),
+        TensorData::F16(v) => v.capacity(),
+        TensorData::BF16(v) => v.capacity(),
     }
 }
 
@@ -131,23 +133,20 @@ impl BufferPool {
         b.bytes = 0;
     }
 
-    /// A buffer of exactly `len` f32 elements (values unspecified), reused
-    /// when the pool has one that fits.
-    pub(crate) fn f32s(&self, len: usize) -> Vec<f32> {
-        let reused = match self.lock().best_fit(DType::F32, len) {
-            Some(TensorData::F32(v)) => Some(v),
-            _ => None,
-        };
-        sized(reused, len, 0.0)
-    }
-
-    /// A buffer of exactly `len` i64 elements (values unspecified).
-    pub(crate) fn i64s(&self, len: usize) -> Vec<i64> {
-        let reused = match self.lock().best_fit(DType::I64, len) {
-            Some(TensorData::I64(v)) => Some(v),
-            _ => None,
-        };
-        sized(reused, len, 0)
+    /// A buffer of exactly `len` elements of `dtype` (values unspecified).
+    pub(crate) fn data(&self, dtype: DType, len: usize) -> TensorData {
+        let reused = self.lock().best_fit(dtype, len);
+        match (dtype, reused) {
+            (DType::F32, Some(TensorData::F32(v))) => TensorData::F32(sized(Some(v), len, 0.0)),
+            (DType::I64, Some(TensorData::I64(v))) => TensorData::I64(sized(Some(v), len, 0)),
+            (DType::F16, Some(TensorData::F16(v))) => {
+                TensorData::F16(sized(Some(v), len, crate::f16::ZERO))
+            }
+            (DType::BF16, Some(TensorData::BF16(v))) => {
+                TensorData::BF16(sized(Some(v), len, crate::bf16::ZERO))
+            }
+            _ => TensorData::zeros(dtype, len),
+        }
     }
 }
 
@@ -173,6 +172,21 @@ mod tests {
     use super::*;
 
     const BIG: usize = MIN_POOLED_BYTES / 4;
+
+    impl BufferPool {
+        fn f32s(&self, len: usize) -> Vec<f32> {
+            match self.data(DType::F32, len) {
+                TensorData::F32(v) => v,
+                other => panic!("asked for f32, got {}", other.dtype()),
+            }
+        }
+        fn i64s(&self, len: usize) -> Vec<i64> {
+            match self.data(DType::I64, len) {
+                TensorData::I64(v) => v,
+                other => panic!("asked for i64, got {}", other.dtype()),
+            }
+        }
+    }
 
     #[test]
     fn given_storage_is_reused_for_a_fitting_size() {

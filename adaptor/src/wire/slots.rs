@@ -35,12 +35,10 @@ pub(super) fn write_shared(
 /// Copies a tensor's values into `dst` (exactly its bytes) little-endian.
 pub(super) fn write_tensor(dst: &mut [u8], t: &Tensor) {
     match t.data() {
-        TensorData::F32(v) => {
-            write_le(dst, bytemuck::cast_slice::<f32, u8>(v), v, f32::to_le_bytes)
-        }
-        TensorData::I64(v) => {
-            write_le(dst, bytemuck::cast_slice::<i64, u8>(v), v, i64::to_le_bytes)
-        }
+        TensorData::F32(v) => write_le(dst, t.data().ne_bytes(), v, f32::to_le_bytes),
+        TensorData::I64(v) => write_le(dst, t.data().ne_bytes(), v, i64::to_le_bytes),
+        TensorData::F16(v) => write_le(dst, t.data().ne_bytes(), v, crate::f16::to_le_bytes),
+        TensorData::BF16(v) => write_le(dst, t.data().ne_bytes(), v, crate::bf16::to_le_bytes),
     }
 }
 

@@ -55,6 +55,18 @@ pub fn seeded_feeds(
                     ty.shape.clone(),
                     (0..n).map(|_| i64::from(next()) % range).collect(),
                 ),
+                DType::F16 => Tensor::from_f16(
+                    ty.shape.clone(),
+                    (0..n)
+                        .map(|_| crate::f16::from_f32((next() % 2000) as f32 / 1000.0 - 1.0))
+                        .collect(),
+                ),
+                DType::BF16 => Tensor::from_bf16(
+                    ty.shape.clone(),
+                    (0..n)
+                        .map(|_| crate::bf16::from_f32((next() % 2000) as f32 / 1000.0 - 1.0))
+                        .collect(),
+                ),
             }?;
             Ok((name.clone(), t))
         })

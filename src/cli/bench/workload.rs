@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{bail, Context};
-use lanes_adaptor::{Arch, DType, Graph, Optimizer, Tensor, TensorType, VarValues};
+use lanes_adaptor::{Arch, DType, Graph, Optimizer, Tensor, TensorData, TensorType, VarValues};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -73,7 +73,7 @@ pub struct Workload {
 }
 
 impl Workload {
-    /// Seeded random feeds: f32 inputs uniform in [-1, 1), integer inputs
+    /// Seeded random feeds: float inputs uniform in [-1, 1), integer inputs
     /// uniform over their range.
     pub fn random_feeds(&self, seed: u64) -> anyhow::Result<BTreeMap<String, Tensor>> {
         if let Some(ex) = &self.example {
@@ -85,10 +85,12 @@ impl Workload {
             .map(|(name, ty)| {
                 let n = ty.shape.numel();
                 let t = match ty.dtype {
-                    DType::F32 => Tensor::from_f32(
-                        ty.shape.clone(),
-                        (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect(),
-                    )?,
+                    DType::F32 | DType::F16 | DType::BF16 => {
+                        let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                        let data = TensorData::from_f32_rounded(ty.dtype, &v)
+                            .context("a float dtype rounds")?;
+                        Tensor::new(ty.shape.clone(), data)?
+                    }
                     DType::I64 => {
                         let hi = *self
                             .int_ranges

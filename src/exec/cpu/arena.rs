@@ -34,7 +34,8 @@
 //!   inputs are copied into a second buffer of the arena, grown to the
 //!   largest update during the first iteration.
 
-use lanes_adaptor::{DType, Op, Tensor, TensorData, TensorType, ValidGraph};
+use half::slice::HalfBitsSliceExt;
+use lanes_adaptor::{DType, Op, Tensor, TensorType, ValidGraph};
 
 use crate::compile::{self, PlanOptions};
 use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
@@ -326,6 +327,8 @@ pub(super) fn view<'a>(ty: &'a TensorType, words: &'a [u64]) -> Result<TensorRef
                 .get(..n)
                 .ok_or_else(short)?,
         ),
+        DType::F16 => DataRef::F16(bits(words).reinterpret_cast().get(..n).ok_or_else(short)?),
+        DType::BF16 => DataRef::BF16(bits(words).reinterpret_cast().get(..n).ok_or_else(short)?),
     };
     Ok(TensorRef { ty, data })
 }
@@ -351,8 +354,30 @@ pub(super) fn view_mut<'a>(
                 .get_mut(..n)
                 .ok_or_else(short)?,
         ),
+        DType::F16 => DataMut::F16(
+            bits_mut(words)
+                .reinterpret_cast_mut()
+                .get_mut(..n)
+                .ok_or_else(short)?,
+        ),
+        DType::BF16 => DataMut::BF16(
+            bits_mut(words)
+                .reinterpret_cast_mut()
+                .get_mut(..n)
+                .ok_or_else(short)?,
+        ),
     };
     Ok(TensorMut { ty, data })
+}
+
+/// 64-bit words as 16-bit values (four a word, in memory order).
+fn bits(words: &[u64]) -> &[u16] {
+    bytemuck::cast_slice(words)
+}
+
+/// [`bits`], writable.
+fn bits_mut(words: &mut [u64]) -> &mut [u16] {
+    bytemuck::cast_slice_mut(words)
 }
 
 /// Writes tensor `t` at `span` of `words` (a feed, a variable).
@@ -360,17 +385,11 @@ pub(super) fn write(words: &mut [u64], span: Span, t: &Tensor) -> Result<(), Str
     let dst = words
         .get_mut(span.start..span.start + span.len)
         .ok_or("a tensor's range lies past the buffer")?;
-    let short = "a tensor does not fit its range";
-    match t.data() {
-        TensorData::F32(v) => bytemuck::cast_slice_mut::<u64, f32>(dst)
-            .get_mut(..v.len())
-            .ok_or(short)?
-            .copy_from_slice(v),
-        TensorData::I64(v) => bytemuck::cast_slice_mut::<u64, i64>(dst)
-            .get_mut(..v.len())
-            .ok_or(short)?
-            .copy_from_slice(v),
-    }
+    let bytes = t.data().ne_bytes();
+    bytemuck::cast_slice_mut::<u64, u8>(dst)
+        .get_mut(..bytes.len())
+        .ok_or("a tensor does not fit its range")?
+        .copy_from_slice(bytes);
     Ok(())
 }
 
@@ -391,9 +410,6 @@ pub(super) fn copy_out(ty: &TensorType, words: &[u64], span: Span) -> Result<Ten
     let range = words
         .get(span.start..span.start + span.len)
         .ok_or("fetched range past the buffer")?;
-    let data = match view(ty, range)?.data {
-        DataRef::F32(v) => TensorData::F32(v.to_vec()),
-        DataRef::I64(v) => TensorData::I64(v.to_vec()),
-    };
+    let data = view(ty, range)?.data.to_data();
     Tensor::new(ty.shape.clone(), data).map_err(|e| e.to_string())
 }

@@ -30,11 +30,10 @@ fn feeds(inputs: &[(String, TensorType)], seed: u64) -> BTreeMap<String, Tensor>
 
 /// Read-only kernel view of tensor `t` of type `ty`.
 fn view<'a>(ty: &'a TensorType, t: &'a Tensor) -> crate::exec::TensorRef<'a> {
-    let data = match t.data() {
-        lanes_adaptor::TensorData::F32(v) => crate::exec::DataRef::F32(v),
-        lanes_adaptor::TensorData::I64(v) => crate::exec::DataRef::I64(v),
-    };
-    crate::exec::TensorRef { ty, data }
+    crate::exec::TensorRef {
+        ty,
+        data: t.data().into(),
+    }
 }
 
 /// The own buffer's address and capacity.

@@ -21,6 +21,8 @@ impl Elem {
     pub fn of(dtype: DType) -> Option<Elem> {
         match dtype {
             DType::F32 => Some(Elem::F32),
+            DType::F16 => Some(Elem::F16),
+            DType::BF16 => Some(Elem::Bf16),
             DType::I64 => None,
         }
     }
@@ -64,7 +66,13 @@ mod tests {
         let s: Vec<&str> = Elem::ALL.iter().map(|e| e.suffix()).collect();
         assert_eq!(s, ["", "_f16", "_bf16"]);
         assert_eq!(Elem::of(DType::F32), Some(Elem::F32));
+        assert_eq!(Elem::of(DType::F16), Some(Elem::F16));
+        assert_eq!(Elem::of(DType::BF16), Some(Elem::Bf16));
         assert_eq!(Elem::of(DType::I64), None);
+        for e in Elem::ALL {
+            let d = [DType::F32, DType::F16, DType::BF16][e as usize];
+            assert_eq!(e.size(), d.size(), "{e:?}");
+        }
         assert_eq!(Elem::F16.size() + Elem::Bf16.size(), Elem::F32.size());
     }
 }

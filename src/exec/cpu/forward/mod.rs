@@ -101,6 +101,8 @@ fn check_views(op: &Op, inputs: &[TensorRef<'_>], outputs: &[TensorMut<'_>]) -> 
         let (dt, len) = match &got.data {
             DataMut::F32(v) => (DType::F32, v.len()),
             DataMut::I64(v) => (DType::I64, v.len()),
+            DataMut::F16(v) => (DType::F16, v.len()),
+            DataMut::BF16(v) => (DType::BF16, v.len()),
         };
         check_buf(got.ty, dt, len).map_err(|r| format!("output {i}: {r}"))?;
     }
@@ -108,6 +110,8 @@ fn check_views(op: &Op, inputs: &[TensorRef<'_>], outputs: &[TensorMut<'_>]) -> 
         let (dt, len) = match t.data {
             DataRef::F32(v) => (DType::F32, v.len()),
             DataRef::I64(v) => (DType::I64, v.len()),
+            DataRef::F16(v) => (DType::F16, v.len()),
+            DataRef::BF16(v) => (DType::BF16, v.len()),
         };
         check_buf(t.ty, dt, len).map_err(|r| format!("input {i}: {r}"))?;
     }

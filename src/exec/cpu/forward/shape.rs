@@ -2,7 +2,7 @@
 //! transpose, concat and slice move any dtype.
 
 use super::{broadcast_strides, gather, prod, split};
-use crate::exec::{DataMut, DataRef, ExecError, TensorMut, TensorRef};
+use crate::exec::{DataMut, ExecError, TensorMut, TensorRef};
 
 /// Applies `f` to the typed input slices and the output slice of one dtype.
 fn typed(
@@ -10,7 +10,12 @@ fn typed(
     out: &mut TensorMut<'_>,
     f32s: impl FnOnce(Vec<&[f32]>, &mut [f32]),
     i64s: impl FnOnce(Vec<&[i64]>, &mut [i64]),
+    halves: impl FnOnce(Vec<&[u16]>, &mut [u16]),
 ) -> Result<(), ExecError> {
+    let dtype = out.ty.dtype;
+    if let Some(t) = inputs.iter().find(|t| t.ty.dtype != dtype) {
+        return Err(ExecError::dtype(dtype, t.ty.dtype));
+    }
     match &mut out.data {
         DataMut::F32(y) => {
             let xs = inputs.iter().map(|t| t.f32s()).collect::<Result<_, _>>()?;
@@ -19,6 +24,13 @@ fn typed(
         DataMut::I64(y) => {
             let xs = inputs.iter().map(|t| t.i64s()).collect::<Result<_, _>>()?;
             i64s(xs, y);
+        }
+        DataMut::F16(_) | DataMut::BF16(_) => {
+            let xs = inputs
+                .iter()
+                .map(|t| t.half_bits())
+                .collect::<Result<_, _>>()?;
+            halves(xs, out.half_bits()?);
         }
     }
     Ok(())
@@ -29,23 +41,13 @@ pub(super) fn copy(
     inputs: &[TensorRef<'_>],
     outputs: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
-    match (&inputs[0].data, &mut outputs[0].data) {
-        (DataRef::F32(x), DataMut::F32(y)) => y.copy_from_slice(x),
-        (DataRef::I64(x), DataMut::I64(y)) => y.copy_from_slice(x),
-        (DataRef::F32(_), DataMut::I64(_)) => {
-            return Err(ExecError::dtype(
-                lanes_adaptor::DType::I64,
-                lanes_adaptor::DType::F32,
-            ))
-        }
-        (DataRef::I64(_), DataMut::F32(_)) => {
-            return Err(ExecError::dtype(
-                lanes_adaptor::DType::F32,
-                lanes_adaptor::DType::I64,
-            ))
-        }
-    }
-    Ok(())
+    typed(
+        inputs,
+        &mut outputs[0],
+        |x, y| y.copy_from_slice(x[0]),
+        |x, y| y.copy_from_slice(x[0]),
+        |x, y| y.copy_from_slice(x[0]),
+    )
 }
 
 /// Output axis i is input axis perm[i].
@@ -60,6 +62,7 @@ pub(super) fn transpose(
     typed(
         inputs,
         &mut outputs[0],
+        |x, y| gather(x[0], &dims, &strides, y),
         |x, y| gather(x[0], &dims, &strides, y),
         |x, y| gather(x[0], &dims, &strides, y),
     )
@@ -86,6 +89,7 @@ pub(super) fn concat(
     typed(
         inputs,
         &mut outputs[0],
+        |x, y| concat_into(&x, &lens, outer, y),
         |x, y| concat_into(&x, &lens, outer, y),
         |x, y| concat_into(&x, &lens, outer, y),
     )
@@ -117,6 +121,7 @@ pub(super) fn slice(
         &mut outputs[0],
         |x, y| slice_into(x[0], parts, start, y),
         |x, y| slice_into(x[0], parts, start, y),
+        |x, y| slice_into(x[0], parts, start, y),
     )
 }
 
@@ -127,6 +132,11 @@ pub(super) fn broadcast_to(
 ) -> Result<(), ExecError> {
     let dims = outputs[0].dims().to_vec();
     let strides = broadcast_strides(inputs[0].dims(), &dims);
-    gather(inputs[0].f32s()?, &dims, &strides, outputs[0].f32s()?);
-    Ok(())
+    typed(
+        inputs,
+        &mut outputs[0],
+        |x, y| gather(x[0], &dims, &strides, y),
+        |x, y| gather(x[0], &dims, &strides, y),
+        |x, y| gather(x[0], &dims, &strides, y),
+    )
 }

@@ -55,29 +55,14 @@ impl CudaProgram {
         let s = self.slot(o);
         let n = s.ty.shape.numel();
         let src = self.addr(o);
-        let data = match s.ty.dtype {
-            DType::F32 => {
-                let mut v = vec![0f32; n];
-                // SAFETY: the arena range holds n f32 values; the copy is
-                // awaited by the synchronize below before `v` is used.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(&mut v, src, self.stream.cu_stream())
-                }
-                .map_err(|e| dev_err("device to host copy", e))?;
-                self.sync()?;
-                TensorData::F32(v)
-            }
-            DType::I64 => {
-                let mut v = vec![0i64; n];
-                // SAFETY: as above, for n i64 values.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(&mut v, src, self.stream.cu_stream())
-                }
-                .map_err(|e| dev_err("device to host copy", e))?;
-                self.sync()?;
-                TensorData::I64(v)
-            }
-        };
+        let mut data = TensorData::zeros(s.ty.dtype, n);
+        let dst = data.ne_bytes_mut();
+        // SAFETY: the arena range holds the n values of the slot's dtype,
+        // `dst.len()` bytes; the copy is awaited by the synchronize below
+        // before `data` is used.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("device to host copy", e))?;
+        self.sync()?;
         Tensor::new(s.ty.shape.clone(), data).map_err(|e| dev_err("result", e))
     }
 
@@ -161,10 +146,8 @@ impl CudaProgram {
             .ok_or_else(|| dev_err("read", "the evicted program has no host image"))?;
         let bytes = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
         let raw = &bytes[s.off..s.off + s.ty.bytes()];
-        let data = match s.ty.dtype {
-            DType::F32 => TensorData::F32(bytemuck::pod_collect_to_vec(raw)),
-            DType::I64 => TensorData::I64(bytemuck::pod_collect_to_vec(raw)),
-        };
+        let mut data = TensorData::zeros(s.ty.dtype, s.ty.shape.numel());
+        data.ne_bytes_mut().copy_from_slice(raw);
         Tensor::new(s.ty.shape.clone(), data).map_err(|e| dev_err("result", e))
     }
 
@@ -203,10 +186,7 @@ impl CudaProgram {
                 .as_mut_slice()
                 .map_err(|e| dev_err("pinned memory", e))?;
             for ((_, t), off) in todo.iter().zip(offs) {
-                let src: &[u8] = match t.data() {
-                    TensorData::F32(v) => bytemuck::cast_slice(v),
-                    TensorData::I64(v) => bytemuck::cast_slice(v),
-                };
+                let src: &[u8] = t.data().ne_bytes();
                 bytes[off..off + src.len()].copy_from_slice(src);
             }
             return Ok(());

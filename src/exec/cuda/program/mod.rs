@@ -16,9 +16,7 @@ use cudarc::cudnn::Cudnn;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream, PinnedHostSlice};
 use lanes_adaptor::wire::shm::AttachedSegment;
-use lanes_adaptor::{
-    DType, NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues,
-};
+use lanes_adaptor::{NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
 
 use crate::compile::{self, MemoryPlan};
 use crate::exec::cuda::bn::{plan_batch_norms, BnHandle, BnPlan};

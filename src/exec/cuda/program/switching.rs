@@ -163,10 +163,7 @@ impl CudaProgram {
             .placeholders()
             .map(|(_, name, ty)| {
                 let n = ty.shape.numel();
-                let data = match ty.dtype {
-                    DType::F32 => TensorData::F32(vec![0.0; n]),
-                    DType::I64 => TensorData::I64(vec![0; n]),
-                };
+                let data = TensorData::zeros(ty.dtype, n);
                 Tensor::new(ty.shape.clone(), data)
                     .map(|t| (name.to_string(), t))
                     .map_err(|e| dev_err("standby feeds", e))
