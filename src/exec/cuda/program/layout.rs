@@ -3,6 +3,7 @@
 //! it holds, and what a program needs of its lane (`ephemeral_need`).
 
 use super::*;
+use crate::exec::cuda::elem::Elem;
 
 impl ArenaLayout {
     /// Plans the ephemeral region for `fetchable` after `persistent` bytes
@@ -120,9 +121,15 @@ pub(super) fn plan_convs(
                 .first()
                 .ok_or_else(|| op_err(id, node, "no output".into()))
         };
+        // The convolution's element type: its output's (inputs and output
+        // share it, shape inference checked).
+        let elem = || -> Result<Elem, ExecError> {
+            Elem::of(out()?.dtype).ok_or_else(|| op_err(id, node, "an integer convolution".into()))
+        };
         let plan = match &node.op {
             Op::Conv2d(a) => Some(ConvPlan::forward(
                 cudnn,
+                elem()?,
                 a,
                 in_ty(0)?.shape.dims(),
                 in_ty(1)?.shape.dims(),
@@ -131,6 +138,7 @@ pub(super) fn plan_convs(
             )),
             Op::Conv2dGradInput { attrs, .. } => Some(ConvPlan::backward_data(
                 cudnn,
+                elem()?,
                 attrs,
                 out()?.shape.dims(),
                 in_ty(1)?.shape.dims(),
@@ -139,6 +147,7 @@ pub(super) fn plan_convs(
             )),
             Op::Conv2dGradFilter { attrs, .. } => Some(ConvPlan::backward_filter(
                 cudnn,
+                elem()?,
                 attrs,
                 in_ty(0)?.shape.dims(),
                 out()?.shape.dims(),
