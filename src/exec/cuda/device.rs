@@ -115,6 +115,18 @@ const TYPED: [&str; 8] = [
     "channel_bias",
 ];
 
+/// Whether `name` is an entry point [`open`] loads (for tests of the
+/// call sites' kernel names).
+#[cfg(test)]
+pub(crate) fn loads(name: &str) -> bool {
+    let typed = TYPED.iter().any(|t| {
+        Elem::ALL
+            .iter()
+            .any(|e| format!("{t}{}", e.suffix()) == name)
+    });
+    typed || FUNCTIONS.iter().any(|(_, fns)| fns.contains(&name))
+}
+
 /// The context and the loaded kernels.
 #[derive(Debug)]
 pub(crate) struct Gpu {

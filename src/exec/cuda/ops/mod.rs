@@ -242,15 +242,15 @@ impl CudaProgram {
                     &[&out[0], &inp[0], &inp[1], &inp[2], &n32, &s, &t],
                 )
             }
-            Op::Cast { to } => match (ity[0].dtype, *to) {
-                (DType::F32, DType::I64) => {
-                    self.k("cast_f32_i64", grid(n_out), &[&out[0], &inp[0], &n32])
+            Op::Cast { to } => {
+                let (from, to) = (ity[0].dtype, *to);
+                if from == to {
+                    return self.copy(out[0], inp[0], oty[0].bytes());
                 }
-                (DType::I64, DType::F32) => {
-                    self.k("cast_i64_f32", grid(n_out), &[&out[0], &inp[0], &n32])
-                }
-                _ => self.copy(out[0], inp[0], oty[0].bytes()),
-            },
+                let name = cast_kernel(from, to)
+                    .ok_or_else(|| err(format!("no cast from {from:?} to {to:?} on CUDA")))?;
+                self.k(name, grid(n_out), &[&out[0], &inp[0], &n32])
+            }
             Op::DropoutMask { p, salt, .. } => {
                 let threshold = lanes_adaptor::graph::op::dropout_threshold(*p);
                 let scale = 1.0f32 / (1.0 - p);
@@ -788,5 +788,54 @@ impl CudaProgram {
             )?;
         }
         Ok(Some(()))
+    }
+}
+
+/// The kernel of a cast between two different dtypes (`elementwise.cu`):
+/// every pair of float types, f32 ↔ i64 and i64 → fp16/bf16.
+fn cast_kernel(from: DType, to: DType) -> Option<&'static str> {
+    use DType::{BF16, F16, F32, I64};
+    Some(match (from, to) {
+        (F32, I64) => "cast_f32_i64",
+        (I64, F32) => "cast_i64_f32",
+        (F32, F16) => "cast_f32_f16",
+        (F32, BF16) => "cast_f32_bf16",
+        (F16, F32) => "cast_f16_f32",
+        (BF16, F32) => "cast_bf16_f32",
+        (F16, BF16) => "cast_f16_bf16",
+        (BF16, F16) => "cast_bf16_f16",
+        (I64, F16) => "cast_i64_f16",
+        (I64, BF16) => "cast_i64_bf16",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every cast the CPU reference does between two dtypes has a kernel
+    /// that `device.rs` loads; a half → i64 cast (refused by the CPU too)
+    /// has none.
+    #[test]
+    fn every_cast_has_a_loaded_kernel() {
+        use DType::{BF16, F16, F32, I64};
+        let all = [F32, F16, BF16, I64];
+        let mut n = 0;
+        for from in all {
+            for to in all {
+                if from == to {
+                    continue;
+                }
+                match cast_kernel(from, to) {
+                    Some(k) => {
+                        assert!(super::super::device::loads(k), "{k} is not loaded");
+                        n += 1;
+                    }
+                    None => assert!(from.is_half() && to == I64, "{from:?} -> {to:?}"),
+                }
+            }
+        }
+        assert_eq!(n, 10);
     }
 }
