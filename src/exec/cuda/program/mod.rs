@@ -252,6 +252,7 @@ impl CudaProgram {
                 });
             }
         }
+        crate::exec::cuda::ops::check_half(g)?;
         let gpu = gpu()?;
         gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let stream = stream_of(&gpu.ctx, options.urgency)?;
