@@ -2,6 +2,9 @@
 //! (forward, backward, in-place updates) and on whole models, on seeded
 //! random inputs.
 //!
+//! fp16 and bf16 cases are in `half.rs`, with their own reference and
+//! tolerances.
+//!
 //! Every test here needs a GPU and is `#[ignore]`d (CI has none). On the GPU
 //! machine: `test-conformance --ignored --test-threads=1 --nocapture`.
 //!
@@ -26,8 +29,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 #[allow(dead_code)]
-#[path = "../src/cli/bench/models.rs"]
+#[path = "../../src/cli/bench/models.rs"]
 mod models;
+
+/// fp16 and bf16 on CUDA (`half.rs`).
+mod half;
 
 #[derive(Debug, Clone, Copy)]
 struct Tol {
