@@ -1787,7 +1787,15 @@ fn imported_model_ops_and_onnx_fixtures() {
             FP32,
         ),
     ];
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx");
+    // Cargo's path, or the repository-relative one where the test binary
+    // was copied to another machine (the GPU machine runs it from the repo
+    // root), as tests/digits.rs.
+    let built = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx");
+    let dir = if built.exists() {
+        built
+    } else {
+        std::path::PathBuf::from("tests/data/onnx")
+    };
     for (model, ins) in [
         ("resnet18", &["input"][..]),
         ("resnet50", &["input"]),
