@@ -294,4 +294,36 @@ mod tests {
         let s = strided(&[2, 0], &[0, 1], &[0, 1]).unwrap();
         assert_eq!(same_as_elementwise(s, 0, 0, 4, 0, 0, (0, 0)), 0);
     }
+
+    /// 16-bit tensors: a contiguous copy widens to 16-byte units, rows of
+    /// an even number of halves to 4 bytes where 8 do not fit, odd rows or
+    /// an odd offset stay at 2 bytes; every plan writes the element-wise
+    /// copy's bytes.
+    #[test]
+    fn half_copies_widen_by_bytes() {
+        let flat = |n: usize, ob: usize| {
+            let s = strided(&[n], &[1], &[1]).unwrap();
+            same_as_elementwise(s, ob, 0, 2, n + ob, n, (0, 0))
+        };
+        assert_eq!(flat(48, 0), 16);
+        assert_eq!(flat(6, 0), 4);
+        assert_eq!(flat(15, 0), 2);
+        assert_eq!(flat(48, 1), 2);
+        assert_eq!(
+            concat_units(&[vec![4, 3, 2], vec![4, 5, 2]], 1, 2, (0, 0)),
+            [4, 4]
+        );
+        assert_eq!(
+            concat_units(&[vec![4, 3], vec![4, 5]], 1, 2, (0, 0)),
+            [2, 2]
+        );
+        let (d, o) = ([4usize, 6, 10], [10usize, 4, 6]);
+        let st = contiguous_strides(&d);
+        let sb = [st[2], st[0], st[1]];
+        let s = strided(&o, &contiguous_strides(&o), &sb).unwrap();
+        assert_eq!(
+            same_as_elementwise(s, 0, 0, 2, prod(&o), prod(&d), (0, 0)),
+            2
+        );
+    }
 }
