@@ -730,3 +730,55 @@ fn half_harness_on_the_cpu() {
         assert_eq!(within_ulps("cpu cast", to, &want, &got, 0), Ok(0), "{to:?}");
     }
 }
+
+/// A training step of a graph cast by hand as autocast does: f32 master
+/// weights and inputs cast to the dtype for the two matrix products, their
+/// results cast back to f32 for the bias, Relu and cross-entropy; SGD with
+/// momentum on the f32 variables. Autodiff gives half MatMuls and Casts in
+/// the backward pass. CUDA against the CPU backend running the same graph:
+/// the loss, the weights and the momentum buffers (the gradients) within
+/// 8u (one or two ulps of a rounded product moved by a different order of
+/// summation, carried through a second product).
+#[test]
+#[ignore = "needs a GPU"]
+fn half_cast_training_step() {
+    use lanes_adaptor::{training_graph, Optimizer};
+    let mut cases = Vec::new();
+    for dtype in HALVES {
+        let mut rng = StdRng::seed_from_u64(35);
+        let mut c = Case::new(&format!("cast'ed mlp step {dtype:?}"));
+        let x = c.input("x", rnd(&mut rng, &[8, 16], -1.0, 1.0));
+        let labels = c.input("labels", ints(&mut rng, &[8], 10));
+        let w1 = c.var("w1", rnd(&mut rng, &[16, 32], -0.3, 0.3));
+        let b1 = c.var("b1", rnd(&mut rng, &[32], -0.1, 0.1));
+        let w2 = c.var("w2", rnd(&mut rng, &[32, 10], -0.3, 0.3));
+        let b2 = c.var("b2", rnd(&mut rng, &[10], -0.1, 0.1));
+        let mut g = std::mem::take(&mut c.g);
+        let down = |g: &mut GraphBuilder, o: Outlet| g.op1(Op::Cast { to: dtype }, &[o]);
+        let up = |g: &mut GraphBuilder, o: Outlet| g.op1(Op::Cast { to: DType::F32 }, &[o]);
+        let (xh, w1h) = (down(&mut g, x), down(&mut g, w1));
+        let h = g.matmul(xh, w1h);
+        let h = up(&mut g, h);
+        let h = g.op1(Op::Add, &[h, b1]);
+        let h = g.op1(Op::Relu, &[h]);
+        let (hh, w2h) = (down(&mut g, h), down(&mut g, w2));
+        let logits = g.matmul(hh, w2h);
+        let logits = up(&mut g, logits);
+        let logits = g.op1(Op::Add, &[logits, b2]);
+        let loss = g.op1(Op::CrossEntropy, &[logits, labels]);
+        let t = match training_graph(g, loss, &Optimizer::sgd_momentum(0.05, 0.9, 0.0)) {
+            Ok(t) => t,
+            Err(e) => panic!("{dtype:?}: the training graph does not build: {e}"),
+        };
+        c.fetches.push(t.loss.clone());
+        c.prebuilt = Some((t.graph, t.vars));
+        let u = unit(dtype);
+        c.tol = Tol {
+            rtol: 8.0 * u,
+            atol: 8.0 * u,
+        };
+        c.runs = 2;
+        cases.push(c);
+    }
+    run_all(cases);
+}
