@@ -382,6 +382,10 @@ fn half_casts_bit_exact() {
 #[test]
 #[ignore = "needs a GPU"]
 fn half_elementwise_and_copies() {
+    run_half(elementwise_cases());
+}
+
+fn elementwise_cases() -> Vec<HalfCase> {
     let mut rng = StdRng::seed_from_u64(31);
     let mut r = |dims: &[usize], lo: f32, hi: f32| rnd(&mut rng, dims, lo, hi);
     let d = [3, 5, 7];
@@ -513,7 +517,7 @@ fn half_elementwise_and_copies() {
         vec![x],
         Check::Ulps(0),
     ));
-    run_half(cases);
+    cases
 }
 
 /// Matrix products in fp16 and bf16 through cuBLAS (f32 accumulation),
@@ -521,6 +525,10 @@ fn half_elementwise_and_copies() {
 #[test]
 #[ignore = "needs a GPU"]
 fn half_matmul() {
+    run_half(matmul_cases());
+}
+
+fn matmul_cases() -> Vec<HalfCase> {
     let mut rng = StdRng::seed_from_u64(32);
     type Shapes<'a> = &'a [(&'a str, &'a [usize], &'a [usize], bool, bool)];
     let shapes: Shapes = &[
@@ -545,7 +553,7 @@ fn half_matmul() {
             Check::Tol(k as f32),
         ));
     }
-    run_half(cases);
+    cases
 }
 
 /// Convolutions in fp16 and bf16 through cuDNN (FLOAT compute), forward
@@ -554,6 +562,10 @@ fn half_matmul() {
 #[test]
 #[ignore = "needs a GPU"]
 fn half_conv2d() {
+    run_half(conv_cases());
+}
+
+fn conv_cases() -> Vec<HalfCase> {
     let mut rng = StdRng::seed_from_u64(33);
     let a = conv_attrs(2, 1, 1, 1);
     let x = rnd(&mut rng, &[2, 4, 9, 9], -1.0, 1.0);
@@ -562,7 +574,7 @@ fn half_conv2d() {
     let dy = rnd(&mut rng, &[2, 6, 5, 5], -1.0, 1.0);
     let grouped = conv_attrs(1, 1, 1, 2);
     let wg = rnd(&mut rng, &[6, 2, 3, 3], -1.0, 1.0);
-    let cases = vec![
+    vec![
         op_case(
             "conv2d",
             Op::Conv2d(a),
@@ -599,8 +611,7 @@ fn half_conv2d() {
             vec![x, dy],
             Check::Tol(50.0),
         ),
-    ];
-    run_half(cases);
+    ]
 }
 
 /// A small MLP in bf16 (and fp16) as autocast makes it: f32 input cast
@@ -781,4 +792,34 @@ fn half_cast_training_step() {
         cases.push(c);
     }
     run_all(cases);
+}
+
+/// Every op case's half graph validates (shape inference takes it in fp16
+/// and bf16) and the CUDA backend's dtype check lets it through, and its
+/// reference runs on the CPU: what the GPU tests need besides the GPU.
+#[test]
+fn half_cases_build_and_have_references() {
+    let mut cases = elementwise_cases();
+    cases.extend(matmul_cases());
+    cases.extend(conv_cases());
+    let mut failed = Vec::new();
+    for c in &cases {
+        for dtype in HALVES {
+            let r = graph_of(dtype, &c.inputs, &*c.build)
+                .and_then(|(g, _)| {
+                    validate(g, &large_limits()).map_err(|e| format!("validate: {e}"))
+                })
+                .and_then(|vg| match CudaProgram::new(vg, VarValues::new()) {
+                    Err(e @ lanes::exec::ExecError::UnsupportedDType { .. }) => {
+                        Err(format!("cuda refuses it: {e}"))
+                    }
+                    _ => Ok(()),
+                })
+                .and_then(|()| reference(dtype, &c.inputs, &*c.build));
+            if let Err(e) = r {
+                failed.push(format!("{} {dtype:?}: {e}", c.name));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
 }
