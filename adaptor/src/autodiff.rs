@@ -163,11 +163,11 @@ pub fn gradients(
             node: w.node,
             slot: w.slot,
         })?;
-        if t.dtype != DType::F32 {
+        if !t.dtype.is_float() {
             return Err(AutodiffError::NotDifferentiable {
                 name: g.name_of(*w).to_string(),
                 op: g.graph_nodes()[w.node.index()].op.name(),
-                reason: format!("its type {t} is not f32"),
+                reason: format!("its type {t} is not a float type"),
             });
         }
     }
@@ -183,7 +183,7 @@ pub fn gradients(
         let d = node.inputs.iter().enumerate().any(|(k, inp)| {
             depends[inp.node.index()]
                 && differentiable_input(&node.op, k)
-                && g.ty(*inp).is_some_and(|t| t.dtype == DType::F32)
+                && g.ty(*inp).is_some_and(|t| t.dtype.is_float())
         });
         if d {
             depends[id.index()] = true;
@@ -215,7 +215,7 @@ pub fn gradients(
                 .map(|(k, inp)| {
                     depends[inp.node.index()]
                         && differentiable_input(&node.op, k)
-                        && g.ty(*inp).is_some_and(|t| t.dtype == DType::F32)
+                        && g.ty(*inp).is_some_and(|t| t.dtype.is_float())
                 })
                 .collect();
             if !want.iter().any(|&w| w) {
@@ -562,17 +562,25 @@ fn backward(
         Op::Where => {
             // dy flows to the branch each element was taken from.
             let (sa, sb) = (dims(g, 1), dims(g, 2));
+            let dt = g.ty(dy).map_or(DType::F32, |t| t.dtype);
+            let zero = |g: &mut GraphBuilder| g.constant(Tensor::zeros(&TensorType::new(dt, [])));
             let da = want[1].then(|| {
-                let zero = g.scalar(0.0);
-                let t = g.op1(Op::Where, &[x(0), dy, zero]);
+                let z = zero(g);
+                let t = g.op1(Op::Where, &[x(0), dy, z]);
                 unbroadcast(g, t, &sa)
             });
             let db = want[2].then(|| {
-                let zero = g.scalar(0.0);
-                let t = g.op1(Op::Where, &[x(0), zero, dy]);
+                let z = zero(g);
+                let t = g.op1(Op::Where, &[x(0), z, dy]);
                 unbroadcast(g, t, &sb)
             });
             vec![None, da, db]
+        }
+        // A float cast's gradient is the cast back to the input's dtype
+        // (casts from i64 carry none: `want` is false for them).
+        Op::Cast { .. } => {
+            let from = g.ty(x(0)).map_or(DType::F32, |t| t.dtype);
+            vec![Some(g.cast(dy, from))]
         }
         Op::MseLoss => {
             let n = g.ty(x(0)).map(|t| t.shape.numel()).unwrap_or(1).max(1);

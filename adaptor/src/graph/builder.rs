@@ -7,7 +7,7 @@
 use super::infer::infer;
 use super::op::{Conv2dAttrs, Op, Pool2dAttrs};
 use super::{Graph, GraphError, Node, NodeId, Outlet, VarValues};
-use crate::tensor::{Tensor, TensorType};
+use crate::tensor::{DType, Tensor, TensorType};
 use std::collections::{HashMap, HashSet};
 
 /// Builds a [`Graph`] and the initial values of its variables.
@@ -241,6 +241,10 @@ impl GraphBuilder {
     }
     pub fn div(&mut self, a: Outlet, b: Outlet) -> Outlet {
         self.op1(Op::Div, &[a, b])
+    }
+    /// `x`'s values as `to` (floats round to nearest, ties to even).
+    pub fn cast(&mut self, x: Outlet, to: DType) -> Outlet {
+        self.op1(Op::Cast { to }, &[x])
     }
     pub fn relu(&mut self, x: Outlet) -> Outlet {
         self.op1(Op::Relu, &[x])

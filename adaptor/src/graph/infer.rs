@@ -23,21 +23,21 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         Add | Sub | Mul | Div => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
-            one(TensorType::f32(broadcast(
-                &inputs[0].shape,
-                &inputs[1].shape,
-            )?))
+            let d = floats(inputs)?;
+            one(TensorType::new(
+                d,
+                broadcast(&inputs[0].shape, &inputs[1].shape)?,
+            ))
         }
         Relu | Gelu | Sigmoid | Tanh | Exp | Log | Sqrt | Scale(_) | Erf | IsNan | HardSigmoid
         | HardSwish => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            floats(inputs)?;
             one(inputs[0].clone())
         }
         Softmax { axis } | LogSoftmax { axis } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             axis_in(*axis, inputs[0].shape.rank())?;
             one(inputs[0].clone())
         }
@@ -114,7 +114,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         BroadcastTo { shape } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             let target = Shape::new(shape.clone());
             if broadcast(&inputs[0].shape, &target)? != target {
                 return Err(format!(
@@ -122,46 +122,48 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                     inputs[0].shape, target
                 ));
             }
-            one(TensorType::f32(target))
+            one(TensorType::new(d, target))
         }
         SumTo { shape } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             let target = Shape::new(shape.clone());
             if broadcast(&target, &inputs[0].shape)? != inputs[0].shape {
                 return Err(format!("cannot sum {} down to {}", inputs[0].shape, target));
             }
-            one(TensorType::f32(target))
+            one(TensorType::new(d, target))
         }
         ReduceSum { axes, keep_dims }
         | ReduceMean { axes, keep_dims }
         | ReduceMax { axes, keep_dims } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
-            one(TensorType::f32(reduced(
-                &inputs[0].shape,
-                axes,
-                *keep_dims,
-            )?))
+            let d = floats(inputs)?;
+            one(TensorType::new(
+                d,
+                reduced(&inputs[0].shape, axes, *keep_dims)?,
+            ))
         }
         MatMul {
             transpose_a,
             transpose_b,
         } => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
-            one(TensorType::f32(matmul_shape(
-                &inputs[0].shape,
-                &inputs[1].shape,
-                *transpose_a,
-                *transpose_b,
-            )?))
+            let d = floats(inputs)?;
+            one(TensorType::new(
+                d,
+                matmul_shape(
+                    &inputs[0].shape,
+                    &inputs[1].shape,
+                    *transpose_a,
+                    *transpose_b,
+                )?,
+            ))
         }
         Conv2d(a) => {
             if inputs.len() != 2 && inputs.len() != 3 {
                 return Err(format!("expects 2 or 3 inputs, got {}", inputs.len()));
             }
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             let out = conv_shape(&inputs[0].shape, &inputs[1].shape, a)?;
             if let Some(b) = inputs.get(2) {
                 if b.shape.dims() != [out[1]] {
@@ -171,22 +173,22 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                     ));
                 }
             }
-            one(TensorType::f32(out))
+            one(TensorType::new(d, out))
         }
         MaxPool2d(p) | AvgPool2d { pool: p, .. } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
-            one(TensorType::f32(pool_shape(&inputs[0].shape, p)?))
+            let d = floats(inputs)?;
+            one(TensorType::new(d, pool_shape(&inputs[0].shape, p)?))
         }
         GlobalAvgPool => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            let dt = floats(inputs)?;
             let d = nchw(&inputs[0].shape)?;
-            one(TensorType::f32([d[0], d[1]]))
+            one(TensorType::new(dt, [d[0], d[1]]))
         }
         BatchNorm { eps } => {
             arity(inputs, 5)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             positive(*eps, "eps")?;
             let c = channels(&inputs[0].shape)?;
             for (i, t) in inputs[1..].iter().enumerate() {
@@ -196,7 +198,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         BatchNormTrain { eps, momentum } => {
             arity(inputs, 5)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             positive(*eps, "eps")?;
             if !(0.0..=1.0).contains(momentum) {
                 return Err(format!("momentum {momentum} is not in [0, 1]"));
@@ -213,7 +215,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         LayerNorm { eps } => {
             arity(inputs, 3)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             positive(*eps, "eps")?;
             let d = last_dim(&inputs[0].shape)?;
             vector_of(&inputs[1], d, "gamma")?;
@@ -222,42 +224,43 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         Embedding => {
             arity(inputs, 2)?;
-            dtype(&inputs[0], DType::F32, "table")?;
+            let d = floats(&inputs[..1])?;
             dtype(&inputs[1], DType::I64, "indices")?;
             if inputs[0].shape.rank() != 2 {
                 return Err(format!("table must be [V, D], got {}", inputs[0].shape));
             }
             let mut dims = inputs[1].shape.dims().to_vec();
             dims.push(inputs[0].shape.dims()[1]);
-            one(TensorType::f32(dims))
+            one(TensorType::new(d, dims))
         }
         CrossEntropy => {
             arity(inputs, 2)?;
+            f32s(op, &inputs[..1])?;
             classification(&inputs[0], &inputs[1])?;
             one(TensorType::f32(Shape::scalar()))
         }
         MseLoss => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             same_shape(&inputs[0], &inputs[1])?;
             one(TensorType::f32(Shape::scalar()))
         }
         ReluGrad | GeluGrad | SigmoidGrad | TanhGrad | HardSigmoidGrad | HardSwishGrad => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
+            floats(inputs)?;
             same_shape(&inputs[0], &inputs[1])?;
             one(inputs[0].clone())
         }
         SoftmaxGrad { axis } | LogSoftmaxGrad { axis } => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             same_shape(&inputs[0], &inputs[1])?;
             axis_in(*axis, inputs[0].shape.rank())?;
             one(inputs[0].clone())
         }
         ReduceMaxGrad { axes, keep_dims } => {
             arity(inputs, 3)?;
-            f32s(inputs)?;
+            floats(inputs)?;
             let r = reduced(&inputs[0].shape, axes, *keep_dims)?;
             if inputs[1].shape != r || inputs[2].shape != r {
                 return Err(format!(
@@ -273,7 +276,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             input_dim,
         } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             axis_in(*axis, inputs[0].shape.rank())?;
             let len = inputs[0].shape.dims()[*axis];
             if start.checked_add(len).is_none_or(|e| e > *input_dim) {
@@ -284,11 +287,11 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             }
             let mut dims = inputs[0].shape.dims().to_vec();
             dims[*axis] = *input_dim;
-            one(TensorType::f32(dims))
+            one(TensorType::new(d, dims))
         }
         Conv2dGradInput { attrs, input_shape } => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             let x = Shape::new(input_shape.to_vec());
             let y = conv_shape(&x, &inputs[1].shape, attrs)?;
             if inputs[0].shape.dims() != y.as_slice() {
@@ -297,14 +300,14 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                     inputs[0].shape, y
                 ));
             }
-            one(TensorType::f32(x))
+            one(TensorType::new(d, x))
         }
         Conv2dGradFilter {
             attrs,
             filter_shape,
         } => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             let w = Shape::new(filter_shape.to_vec());
             let y = conv_shape(&inputs[0].shape, &w, attrs)?;
             if inputs[1].shape.dims() != y.as_slice() {
@@ -313,11 +316,11 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
                     inputs[1].shape, y
                 ));
             }
-            one(TensorType::f32(w))
+            one(TensorType::new(d, w))
         }
         MaxPool2dGrad(p) | AvgPool2dGrad { pool: p, .. } => {
             arity(inputs, 2)?;
-            f32s(inputs)?;
+            floats(inputs)?;
             let y = pool_shape(&inputs[0].shape, p)?;
             if inputs[1].shape.dims() != y.as_slice() {
                 return Err(format!(
@@ -329,7 +332,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         BatchNormTrainGrad => {
             arity(inputs, 5)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             let c = channels(&inputs[0].shape)?;
             for (i, t) in inputs[1..4].iter().enumerate() {
                 vector_of(t, c, ["gamma", "saved_mean", "saved_invstd"][i])?;
@@ -343,7 +346,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         LayerNormGrad { eps } => {
             arity(inputs, 3)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             positive(*eps, "eps")?;
             let d = last_dim(&inputs[0].shape)?;
             vector_of(&inputs[1], d, "gamma")?;
@@ -357,7 +360,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         EmbeddingGrad { num_embeddings } => {
             arity(inputs, 2)?;
             dtype(&inputs[0], DType::I64, "indices")?;
-            dtype(&inputs[1], DType::F32, "dy")?;
+            let dt = floats(&inputs[1..])?;
             let i = inputs[0].shape.dims();
             let d = inputs[1].shape.dims();
             if d.len() != i.len() + 1 || &d[..i.len()] != i {
@@ -369,10 +372,11 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             if *num_embeddings == 0 {
                 return Err("num_embeddings must be positive".into());
             }
-            one(TensorType::f32([*num_embeddings, d[i.len()]]))
+            one(TensorType::new(dt, [*num_embeddings, d[i.len()]]))
         }
         CrossEntropyGrad => {
             arity(inputs, 3)?;
+            f32s(op, &inputs[..1])?;
             classification(&inputs[0], &inputs[1])?;
             dtype(&inputs[2], DType::F32, "dloss")?;
             if inputs[2].shape.numel() != 1 {
@@ -387,7 +391,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             ..
         } => {
             arity_between(inputs, 3, 4)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             lr_scale(inputs, 3)?;
             non_negative(*lr, "lr")?;
             non_negative(*momentum, "momentum")?;
@@ -405,7 +409,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             ..
         } => {
             arity_between(inputs, 5, 6)?;
-            f32s(inputs)?;
+            f32s(op, inputs)?;
             lr_scale(inputs, 5)?;
             non_negative(*lr, "lr")?;
             positive(*eps, "eps")?;
@@ -428,7 +432,7 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         Clip { min, max } => {
             arity(inputs, 1)?;
-            f32s(inputs)?;
+            floats(inputs)?;
             if min.is_nan() || max.is_nan() || min > max {
                 return Err(format!("clip bounds [{min}, {max}] are not an interval"));
             }
@@ -436,12 +440,22 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
         }
         Where => {
             arity(inputs, 3)?;
-            f32s(inputs)?;
+            let d = floats(inputs)?;
             let ab = broadcast(&inputs[1].shape, &inputs[2].shape)?;
-            one(TensorType::f32(broadcast(&inputs[0].shape, &ab)?))
+            one(TensorType::new(d, broadcast(&inputs[0].shape, &ab)?))
         }
         Cast { to } => {
             arity(inputs, 1)?;
+            let from = inputs[0].dtype;
+            let ok = from == *to
+                || (from.is_float() && to.is_float())
+                || (from == DType::I64 && to.is_float())
+                || (from == DType::F32 && *to == DType::I64);
+            if !ok {
+                return Err(format!(
+                    "cannot cast {from} to {to} (casts go between floats, from i64 to a float, and from f32 to i64)"
+                ));
+            }
             one(TensorType::new(*to, inputs[0].shape.clone()))
         }
         DropoutMask { p, shape, .. } => {
@@ -499,13 +513,44 @@ fn lr_scale(inputs: &[TensorType], k: usize) -> R<()> {
     }
 }
 
-fn f32s(inputs: &[TensorType]) -> R<()> {
+/// The inputs of an op that computes in f32 only (the normalising ops, the
+/// losses, the optimizers): every one f32. A half input is refused with a
+/// hint: cast it to f32 first (what autocast does).
+fn f32s(op: &Op, inputs: &[TensorType]) -> R<()> {
     for (i, t) in inputs.iter().enumerate() {
+        if t.dtype.is_half() {
+            return Err(format!(
+                "{} takes f32 only, input {i} is {t}: Cast it to f32 first",
+                op.name()
+            ));
+        }
         if t.dtype != DType::F32 {
             return Err(format!("input {i} must be f32, got {t}"));
         }
     }
     Ok(())
+}
+
+/// The inputs of an op that computes in any float dtype (f32, f16, bf16):
+/// all of one float dtype, which is returned (the output's dtype).
+fn floats(inputs: &[TensorType]) -> R<DType> {
+    let Some(first) = inputs.first() else {
+        return Ok(DType::F32);
+    };
+    let d = first.dtype;
+    for (i, t) in inputs.iter().enumerate() {
+        if !t.dtype.is_float() {
+            return Err(format!(
+                "input {i} must be a float (f32, f16 or bf16), got {t}"
+            ));
+        }
+        if t.dtype != d {
+            return Err(format!(
+                "input {i} is {t} but input 0 is {d}: an op's float inputs share one dtype (Cast one of them)"
+            ));
+        }
+    }
+    Ok(d)
 }
 
 fn dtype(t: &TensorType, want: DType, what: &str) -> R<()> {

@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -287,6 +287,75 @@ mod tests {
         assert_eq!(frames[1].len(), 16);
         assert_eq!(&frames[1][..4], &1.0f32.to_le_bytes());
         assert_eq!(&frames[2][8..16], &(-7i64).to_le_bytes());
+    }
+
+    /// f16 and bf16 tensors travel as their raw little-endian u16 values:
+    /// in a Run (one small, one split over frames and decoded into pooled
+    /// storage), a LoadGraph of a bf16 graph and its variables, and a reply.
+    #[test]
+    fn half_tensors_round_trip_in_runs_and_load_graphs() {
+        use crate::tensor::{bf16, f16, DType};
+        let small =
+            Tensor::from_f16([3], vec![f16::ONE, f16::from_f32(-0.1), f16::INFINITY]).unwrap();
+        let n = 700_001;
+        let big = Tensor::from_bf16(
+            [n],
+            (0..n).map(|i| bf16::from_f32(i as f32 - 5.0)).collect(),
+        )
+        .unwrap();
+        let req = Request::Run {
+            session: SessionId(2),
+            feeds: vec![
+                NamedTensor::new("h", small.clone()),
+                NamedTensor::new("b", big.clone()),
+            ],
+            fetches: vec!["y".into()],
+        };
+        let frames = encode_request(5, &req).unwrap();
+        assert!(frames.iter().all(|f| f.len() <= CHUNK_BYTES));
+        assert_eq!(frames[1], vec![0x00, 0x3c, 0x66, 0xae, 0x00, 0x7c]);
+        assert_eq!(frames.len(), 2 + (n * 2).div_ceil(CHUNK_BYTES));
+        let pool = BufferPool::new(1 << 30);
+        for round in 0..2 {
+            let env = decode_request_in(&frames, &Limits::default(), Some(&pool)).unwrap();
+            assert_eq!(env.message, req, "round {round}");
+            if let Request::Run { feeds, .. } = env.message {
+                feeds.into_iter().for_each(|t| pool.give(t.tensor));
+            }
+        }
+        // A LoadGraph of a bf16 graph with bf16 variables.
+        let mut g = GraphBuilder::new();
+        let x = g.placeholder("x", TensorType::new(DType::BF16, [2, 3]));
+        let w = g.variable(
+            "w",
+            Tensor::from_bf16([3, 4], vec![bf16::from_f32(0.5); 12]).unwrap(),
+        );
+        let y = g.matmul(x, w);
+        let y = g.cast(y, DType::F32);
+        g.set_name(y, "y");
+        let (graph, vars) = g.finish().unwrap();
+        let load = Request::LoadGraph {
+            session: SessionId(7),
+            graph,
+            variables: vars
+                .into_iter()
+                .map(|(n, t)| NamedTensor::new(n, t))
+                .collect(),
+        };
+        let frames = encode_request(6, &load).unwrap();
+        assert_eq!(frames.last().unwrap().len(), 24);
+        assert_eq!(
+            decode_request(&frames, &Limits::default()).unwrap().message,
+            load
+        );
+        let rep = Reply::RunDone {
+            outputs: vec![small, big],
+        };
+        let frames = encode_reply(8, &rep).unwrap();
+        assert_eq!(
+            decode_reply(&frames, &Limits::default()).unwrap().message,
+            rep
+        );
     }
 
     #[test]

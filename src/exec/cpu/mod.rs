@@ -22,6 +22,7 @@ mod backward;
 mod forward;
 mod program;
 mod vars;
+mod widen;
 
 use std::collections::BTreeMap;
 
@@ -623,6 +624,23 @@ impl CpuProgram {
 /// the order of [`Op::mutated_inputs`]; `outputs` are preallocated to their
 /// inferred types.
 pub fn run_op(
+    node: &str,
+    op: &Op,
+    inputs: &[TensorRef<'_>],
+    inplace: &mut [TensorMut<'_>],
+    outputs: &mut [TensorMut<'_>],
+) -> Result<(), ExecError> {
+    if widen::needed(op, inputs, inplace, outputs) {
+        return widen::run(node, op, inputs, inplace, outputs, |i, u, o| {
+            run_f32(node, op, i, u, o)
+        });
+    }
+    run_f32(node, op, inputs, inplace, outputs)
+}
+
+/// [`run_op`] for ops whose tensors hold no half values (or that move
+/// them as they are).
+fn run_f32(
     node: &str,
     op: &Op,
     inputs: &[TensorRef<'_>],

@@ -1,7 +1,7 @@
 //! Elementwise ops with numpy broadcasting, activations, softmax.
 
 use lanes_adaptor::graph::op::{dropout_keep, dropout_threshold};
-use lanes_adaptor::{DType, Op};
+use lanes_adaptor::{bf16, f16, DType, Op};
 use rayon::prelude::*;
 
 use super::{broadcast_strides, gather, split};
@@ -55,22 +55,33 @@ pub(super) fn select(
 }
 
 /// Cast between dtypes: f32 to i64 truncates toward zero, saturating (NaN
-/// becomes 0); to f16 and bf16 rounds to nearest, ties to even (through
-/// f32, exact for i64 values up to 2^24 and for every half value).
+/// becomes 0); to f32, f16 and bf16 rounds to nearest, ties to even (a half
+/// value widens to f32 exactly, so a float cast rounds once; an i64 rounds
+/// from its f64 value, exact up to 2^53).
 pub(super) fn cast(
     inputs: &[TensorRef<'_>],
     outputs: &mut [TensorMut<'_>],
 ) -> Result<(), ExecError> {
     let (from, to) = (inputs[0].ty.dtype, outputs[0].ty.dtype);
     if from.is_half() || to.is_half() {
-        let x = match inputs[0].data {
-            DataRef::I64(v) => v.iter().map(|&x| x as f32).collect(),
-            _ => inputs[0].to_f32_vec()?,
-        };
-        return match &mut outputs[0].data {
-            DataMut::I64(_) => Err(ExecError::dtype(DType::F32, to)),
-            _ => outputs[0].store_f32(&x),
-        };
+        match (&inputs[0].data, &mut outputs[0].data) {
+            (DataRef::I64(x), DataMut::F16(y)) => {
+                for (y, &x) in y.iter_mut().zip(x.iter()) {
+                    *y = f16::from_f64(x as f64);
+                }
+            }
+            (DataRef::I64(x), DataMut::BF16(y)) => {
+                for (y, &x) in y.iter_mut().zip(x.iter()) {
+                    *y = bf16::from_f64(x as f64);
+                }
+            }
+            (_, DataMut::I64(_)) => return Err(ExecError::dtype(DType::F32, to)),
+            _ => {
+                let x = inputs[0].to_f32_vec()?;
+                outputs[0].store_f32(&x)?;
+            }
+        }
+        return Ok(());
     }
     match (&inputs[0].data, &mut outputs[0].data) {
         (DataRef::F32(x), DataMut::F32(y)) => y.copy_from_slice(x),
