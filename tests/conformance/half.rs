@@ -796,7 +796,8 @@ fn half_cast_training_step() {
 
 /// Every op case's half graph validates (shape inference takes it in fp16
 /// and bf16) and the CUDA backend's dtype check lets it through, and its
-/// reference runs on the CPU: what the GPU tests need besides the GPU.
+/// reference runs on the CPU and equals, bit for bit, the CPU backend's
+/// own half op: what the GPU tests need besides the GPU.
 #[test]
 fn half_cases_build_and_have_references() {
     let mut cases = elementwise_cases();
@@ -815,7 +816,11 @@ fn half_cases_build_and_have_references() {
                     }
                     _ => Ok(()),
                 })
-                .and_then(|()| reference(dtype, &c.inputs, &*c.build));
+                .and_then(|()| reference(dtype, &c.inputs, &*c.build))
+                .and_then(|want| {
+                    let got = run_cpu(dtype, &c.inputs, &*c.build)?;
+                    within_ulps("the CPU backend's half op", dtype, &want, &got, 0)
+                });
             if let Err(e) = r {
                 failed.push(format!("{} {dtype:?}: {e}", c.name));
             }
