@@ -522,6 +522,69 @@ fn elementwise_cases() -> Vec<HalfCase> {
 
 /// Matrix products in fp16 and bf16 through cuBLAS (f32 accumulation),
 /// every layout `ops/gemm.rs` takes, against the f32 product rounded.
+/// Sums, means and maxima in fp16 and bf16 (f32 accumulation, rounded at
+/// the store), one case per reduction kernel: leading axes into columns
+/// (`reduce_cols`, SumTo as a bias gradient), a long row per block
+/// (`reduce_block`), a warp per output (`reduce_warp`).
+#[test]
+#[ignore = "needs a GPU"]
+fn half_reductions() {
+    run_half(reduction_cases());
+}
+
+fn reduction_cases() -> Vec<HalfCase> {
+    let mut rng = StdRng::seed_from_u64(36);
+    let mut r = |dims: &[usize]| rnd(&mut rng, dims, -1.0, 1.0);
+    let red = |axes: Vec<usize>, kind: usize| match kind {
+        0 => Op::ReduceSum {
+            axes,
+            keep_dims: false,
+        },
+        1 => Op::ReduceMean {
+            axes,
+            keep_dims: false,
+        },
+        _ => Op::ReduceMax {
+            axes,
+            keep_dims: false,
+        },
+    };
+    let mut cases = vec![op_case(
+        "sum_to bias grad",
+        Op::SumTo { shape: vec![40] },
+        vec![r(&[8, 6, 40])],
+        Check::Tol(48.0),
+    )];
+    for (kind, name) in [(0, "sum"), (1, "mean"), (2, "max")] {
+        // A maximum is one of the values; a mean is about 1/sqrt(K) of a
+        // sum, so its absolute tolerance is that of one value.
+        let check = |k: f32| match kind {
+            0 => Check::Tol(k),
+            1 => Check::Tol(1.0),
+            _ => Check::Ulps(0),
+        };
+        cases.push(op_case(
+            &format!("{name} cols"),
+            red(vec![0], kind),
+            vec![r(&[50, 70])],
+            check(50.0),
+        ));
+        cases.push(op_case(
+            &format!("{name} block"),
+            red(vec![1], kind),
+            vec![r(&[3, 5000])],
+            check(5000.0),
+        ));
+        cases.push(op_case(
+            &format!("{name} warp"),
+            red(vec![0, 2], kind),
+            vec![r(&[4, 9, 11])],
+            check(44.0),
+        ));
+    }
+    cases
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn half_matmul() {
@@ -801,6 +864,7 @@ fn half_cast_training_step() {
 #[test]
 fn half_cases_build_and_have_references() {
     let mut cases = elementwise_cases();
+    cases.extend(reduction_cases());
     cases.extend(matmul_cases());
     cases.extend(conv_cases());
     let mut failed = Vec::new();

@@ -64,9 +64,6 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
     (
         "reduce",
         &[
-            "reduce_warp",
-            "reduce_cols",
-            "reduce_block",
             "reduce_max_grad",
             "softmax",
             "softmax_grad",
@@ -101,25 +98,31 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
     ),
 ];
 
-/// Kernels of `elementwise.cu` written once over the element type, one entry
-/// point per [`Elem`] (the name plus [`Elem::suffix`]); the f32 one is also
+/// Kernels written once over the element type, by module, one entry point
+/// per [`Elem`] (the name plus [`Elem::suffix`]); the f32 one is also
 /// reachable by its plain name through [`Gpu::kernel`].
-const TYPED: [&str; 8] = [
-    "unary",
-    "binary_same",
-    "binary_row",
-    "binary_bcast",
-    "clip",
-    "fill",
-    "unary_grad",
-    "channel_bias",
+const TYPED: [(&str, &[&str]); 2] = [
+    (
+        "elementwise",
+        &[
+            "unary",
+            "binary_same",
+            "binary_row",
+            "binary_bcast",
+            "clip",
+            "fill",
+            "unary_grad",
+            "channel_bias",
+        ],
+    ),
+    ("reduce", &["reduce_warp", "reduce_cols", "reduce_block"]),
 ];
 
 /// Whether `name` is an entry point [`open`] loads (for tests of the
 /// call sites' kernel names).
 #[cfg(test)]
 pub(crate) fn loads(name: &str) -> bool {
-    let typed = TYPED.iter().any(|t| {
+    let typed = TYPED.iter().flat_map(|(_, fns)| fns.iter()).any(|t| {
         Elem::ALL
             .iter()
             .any(|e| format!("{t}{}", e.suffix()) == name)
@@ -143,7 +146,7 @@ impl Gpu {
         })
     }
 
-    /// The instance of typed kernel `name` (one of [`TYPED`]) for `elem`.
+    /// The instance of typed kernel `name` (one of [`TYPED`]'s) for `elem`.
     pub fn typed(&self, name: &'static str, elem: Elem) -> Result<&CudaFunction, ExecError> {
         self.typed
             .get(&(name, elem))
@@ -254,8 +257,8 @@ fn open() -> Result<Arc<Gpu>, ExecError> {
                 .map_err(|e| no_device(format!("kernel {f} in {module_name}.cu: {e:?}")))?;
             kernels.insert(*f, func);
         }
-        if *module_name == "elementwise" {
-            for f in TYPED {
+        for (_, fns) in TYPED.iter().filter(|(m, _)| m == module_name) {
+            for &f in fns.iter() {
                 for e in Elem::ALL {
                     let entry = format!("{f}{}", e.suffix());
                     let func = module.load_function(&entry).map_err(|err| {

@@ -353,7 +353,7 @@ impl CudaProgram {
                 let flags: Vec<bool> = (0..d.len())
                     .map(|k| k < off || (shape[k - off] == 1 && d[k] != 1))
                     .collect();
-                self.reduce(out[0], inp[0], d, &flags, false, false)
+                self.reduce(elem()?, out[0], inp[0], d, &flags, false, false)
                     .and_then(|r| r.ok_or_else(rank_err))
             }
             Op::ReduceSum { axes, .. }
@@ -363,7 +363,7 @@ impl CudaProgram {
                 let flags: Vec<bool> = (0..d.len()).map(|k| axes.contains(&k)).collect();
                 let mean = matches!(node.op, Op::ReduceMean { .. });
                 let max = matches!(node.op, Op::ReduceMax { .. });
-                self.reduce(out[0], inp[0], d, &flags, mean, max)
+                self.reduce(elem()?, out[0], inp[0], d, &flags, mean, max)
                     .and_then(|r| r.ok_or_else(rank_err))
             }
             Op::ReduceMaxGrad { axes, .. } => {
@@ -739,9 +739,11 @@ impl CudaProgram {
 
     /// Sum (times 1/count when `mean`) or max of `dims` over the flagged
     /// axes into `out`, laid out as the kept axes in order. `None` if the
-    /// rank is too high.
+    /// rank is too high. Both tensors hold `elem`s (accumulated in f32).
+    #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
+        elem: Elem,
         out: u64,
         inp: u64,
         dims: &[usize],
@@ -763,8 +765,9 @@ impl CudaProgram {
         let k = flags.iter().take_while(|&&f| f).count();
         if k > 0 && flags[k..].iter().all(|&f| !f) && no >= 32 && nr >= 2 {
             return self
-                .k(
+                .kt(
                     "reduce_cols",
+                    elem,
                     LaunchConfig {
                         grid_dim: (no.div_ceil(32) as u32, 1, 1),
                         block_dim: (32, nr.min(32) as u32, 1),
@@ -775,14 +778,16 @@ impl CudaProgram {
                 .map(Some);
         }
         if nr >= 4096 && no < 1024 {
-            self.k(
+            self.kt(
                 "reduce_block",
+                elem,
                 blocks(no, 512),
                 &[&out, &inp, &no32, &nr32, &r, &op, &scale],
             )?;
         } else {
-            self.k(
+            self.kt(
                 "reduce_warp",
+                elem,
                 warps(no),
                 &[&out, &inp, &no32, &nr32, &r, &op, &scale],
             )?;
@@ -793,8 +798,9 @@ impl CudaProgram {
 
 /// Whether the CUDA backend runs `op` on fp16/bf16 tensors: the ops
 /// docs/precision.md lists as half or f32 (elementwise maps, activations and
-/// their gradients, copies, Cast, MatMul, convolutions). Every other op is
-/// f32 only here, whatever shape inference allows.
+/// their gradients, copies, Cast, MatMul, convolutions) and the sums, means
+/// and maxima (SumTo: a half bias's gradient). Every other op is f32 only
+/// here, whatever shape inference allows.
 fn takes_half(op: &Op) -> bool {
     matches!(
         op,
@@ -832,6 +838,10 @@ fn takes_half(op: &Op) -> bool {
             | Op::SliceGrad { .. }
             | Op::Concat { .. }
             | Op::BroadcastTo { .. }
+            | Op::SumTo { .. }
+            | Op::ReduceSum { .. }
+            | Op::ReduceMean { .. }
+            | Op::ReduceMax { .. }
             | Op::MatMul { .. }
             | Op::Conv2d(_)
             | Op::Conv2dGradInput { .. }
