@@ -262,6 +262,58 @@ fn pack_oversubscribed_models_report_misses() {
     assert!(v["p99_ms"].as_f64().unwrap() >= v["p50_ms"].as_f64().unwrap());
 }
 
+/// `bench pack` with more models than the old per-client session cap (64)
+/// allowed: a hundred models over one connection, ten fitting at once
+/// (issue 32: this stopped at model 64 with `Overloaded`).
+#[test]
+fn pack_a_hundred_models_from_one_client() {
+    let (v, _) = bench(&[
+        "pack",
+        "--model",
+        "mlp",
+        "--batch",
+        "2",
+        "--models",
+        "100",
+        "--fit",
+        "10",
+        "--requests",
+        "30",
+    ]);
+    assert_eq!(v["models"].as_u64(), Some(100), "{v}");
+    let requests = v["requests"].as_u64().unwrap();
+    let hits = v["resident"]["count"].as_u64().unwrap();
+    let misses = v["evicted"]["count"].as_u64().unwrap();
+    assert_eq!(hits + misses, requests, "{v}");
+    assert!(v["evictions"].as_u64().unwrap() > 0, "{v}");
+}
+
+/// `bench load`: per-phase medians of uncached, cold and warm loads; only
+/// the warm ones hit the load cache, and every phase is timed.
+#[test]
+fn load_breaks_a_load_down_by_phase() {
+    let (v, _) = bench(&["load", "--model", "mlp", "--batch", "2", "--loads", "2"]);
+    assert_eq!(v["bench"], "load");
+    assert!(v["weights_bytes"].as_u64().unwrap() > 0, "{v}");
+    for (kind, hits) in [("uncached", 0), ("cold", 0), ("warm", 2)] {
+        assert_eq!(v[kind]["cache_hits"].as_u64(), Some(hits), "{kind}: {v}");
+        for phase in [
+            "decode",
+            "validate",
+            "variables",
+            "plan",
+            "admit",
+            "build",
+            "warm",
+            "total",
+        ] {
+            let ms = v[kind][format!("{phase}_ms")].as_f64();
+            assert!(ms.is_some_and(|m| m >= 0.0), "{kind}.{phase}: {v}");
+        }
+        assert!(v[kind]["total_ms"].as_f64().unwrap() > 0.0, "{v}");
+    }
+}
+
 /// `bench lanes`: the three cases ran every iteration; two jobs are in one
 /// lane when at most one lane may open and in two lanes otherwise; on the
 /// GPU two jobs in one lane hold less device memory than in two lanes

@@ -494,7 +494,7 @@ fn close_all(peers: &[RawPeer; 2], model: &mut Model) -> Result<(), TestCaseErro
 fn run_sequences(cases: u32) {
     let service = start_with(|c| {
         c.memory_bytes = Some(64 << 20);
-        c.max_sessions_per_client = PER_CLIENT;
+        c.max_sessions_per_client = Some(PER_CLIENT);
         c.idle_timeout = Duration::from_secs(600);
     });
     let peers = [

@@ -24,6 +24,7 @@ mod child;
 pub mod colocate;
 mod doorbell;
 mod isolate;
+pub mod load;
 pub mod models;
 pub mod pack;
 pub mod parallel;
@@ -56,6 +57,10 @@ enum What {
     /// Inference packing: more models than fit, requests across them;
     /// latency p50/p99 and how often a request hit an evicted model.
     Pack(pack::PackArgs),
+    /// Where a LoadGraph's time goes: decode, validate, plan, program
+    /// build, warm-up; per-phase medians of cold loads (load cache empty)
+    /// and warm ones (the architecture loaded before).
+    Load(load::LoadArgs),
     /// Lanes in parallel: one job alone, two jobs in one lane (shared
     /// ephemeral memory, taking turns), two jobs in two lanes; throughput
     /// and device memory.
@@ -97,6 +102,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Train(a) => train(a),
         What::Switch(a) => switch::switch(a),
         What::Pack(a) => pack::pack(a),
+        What::Load(a) => load::load(a),
         What::Lanes(a) => parallel::lanes(a),
         What::Colocate(a) => colocate::colocate(a),
         What::Sweep(a) => sweep::sweep(a),

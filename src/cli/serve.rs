@@ -68,19 +68,25 @@ pub struct Args {
     pub policy: PolicyChoice,
     #[command(flatten)]
     pub limits: LimitArgs,
-    /// Most open sessions in all (more are refused with Overloaded).
+    /// Most open sessions in all (the session table's capacity; more are
+    /// refused with Overloaded).
     #[arg(long, default_value_t = server::DEFAULT_MAX_SESSIONS)]
     pub max_sessions: usize,
     /// Most open sessions of one peer across all its connections: one
     /// host's IP address for TCP (every client on loopback is one peer),
     /// one process for ipc:// (so one process opening many connections
-    /// cannot take every slot of --max-sessions).
+    /// cannot take more than its share of --max-sessions).
     #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_PEER)]
     pub max_sessions_per_peer: usize,
-    /// Most open sessions of one client connection (one client cannot
-    /// take every slot).
-    #[arg(long, default_value_t = server::DEFAULT_SESSIONS_PER_CLIENT)]
-    pub max_sessions_per_client: usize,
+    /// Most open sessions of one client connection, if the deployment
+    /// wants one (default: none; sessions with graphs are bounded by their
+    /// memory and requests, empty ones by --max-unloaded-per-client).
+    #[arg(long)]
+    pub max_sessions_per_client: Option<usize>,
+    /// Most sessions of one client connection with no graph loaded yet
+    /// (empty sessions cost a table entry that nothing else bounds).
+    #[arg(long, default_value_t = server::DEFAULT_UNLOADED_PER_CLIENT)]
+    pub max_unloaded_per_client: usize,
     /// Most requests of one client connection queued or running at once
     /// (more are refused with Overloaded; bounds what a client can make
     /// the service hold, see docs/protocol.md).
@@ -112,6 +118,12 @@ pub struct Args {
     /// service's address space (128 TiB on x86-64) either.
     #[arg(long, default_value = "16TiB", value_name = "SIZE")]
     pub max_shared: ByteSize,
+    /// Bound of the load cache: validated graphs and memory plans kept by
+    /// the graph's structure (not its weights), so that a model whose
+    /// architecture the service has seen loads without them being made
+    /// again (docs/memory.md); 0 turns it off.
+    #[arg(long, default_value = "256MiB", value_name = "SIZE")]
+    pub load_cache: ByteSize,
     /// Bind an endpoint other than loopback or `ipc://` without
     /// `--auth-key-file`, or an `--http` address other than loopback:
     /// anyone who reaches the address may open sessions and use the device
@@ -248,8 +260,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_sessions == 0 || args.max_sessions_per_peer == 0 {
         anyhow::bail!("--max-sessions and --max-sessions-per-peer must be at least 1");
     }
-    if args.max_sessions_per_client == 0 {
-        anyhow::bail!("--max-sessions-per-client must be at least 1");
+    if args.max_sessions_per_client == Some(0) || args.max_unloaded_per_client == 0 {
+        anyhow::bail!("--max-sessions-per-client and --max-unloaded-per-client must be at least 1");
     }
     if args.max_requests_per_client == 0 {
         anyhow::bail!("--max-requests-per-client must be at least 1");
@@ -294,6 +306,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         idle_timeout: Duration::from_secs_f64(args.idle_timeout),
         max_sessions: args.max_sessions,
         max_sessions_per_client: args.max_sessions_per_client,
+        max_unloaded_per_client: args.max_unloaded_per_client,
         max_sessions_per_peer: args.max_sessions_per_peer,
         max_requests_per_client: args.max_requests_per_client,
         device,
@@ -308,6 +321,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         shared_memory: !args.no_shared_memory,
         max_shared_per_client: args.max_shared_per_client.0,
         max_shared: args.max_shared.0,
+        load_cache_bytes: args.load_cache.0,
         stream_priority: !args.no_stream_priority,
         auth_key,
         metrics: args

@@ -22,6 +22,7 @@
 //! granule that keeps every tensor suitably aligned for vector loads).
 
 pub mod arena;
+pub mod cache;
 mod lifetime;
 
 pub use arena::{ArenaViolation, Block, Strategy};

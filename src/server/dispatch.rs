@@ -37,6 +37,9 @@ pub enum Work {
     Load {
         graph: Graph,
         variables: Vec<NamedTensor>,
+        /// From the request's arrival at the socket thread to its decoded
+        /// form (waiting behind the peer's earlier request included).
+        decoded: Duration,
     },
     Run {
         feeds: RunFeeds,
@@ -350,6 +353,15 @@ impl Dispatcher {
         (st.queue.queued_for(session), st.busy.contains(&session))
     }
 
+    /// Requests of `sessions` queued or running, all counted under one
+    /// lock.
+    pub fn requests_of(&self, sessions: impl Iterator<Item = SessionId>) -> usize {
+        let st = self.lock();
+        sessions
+            .map(|s| st.queue.queued_for(s) + usize::from(st.busy.contains(&s)))
+            .sum()
+    }
+
     pub fn queued(&self) -> usize {
         self.lock().queue.len()
     }
@@ -512,6 +524,7 @@ mod tests {
                 i.work = Work::Load {
                     graph: lanes_adaptor::Graph { nodes: vec![] },
                     variables: vec![],
+                    decoded: Duration::ZERO,
                 };
                 i
             };

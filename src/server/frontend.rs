@@ -166,6 +166,9 @@ struct Frontend {
     workers: Vec<JoinHandle<Result<(), zmq::Error>>>,
     /// Once stopping: when the grace period ends (`shutdown.rs`).
     stopping: Option<Instant>,
+    /// How long the request being handled took to decode (from its
+    /// arrival), for a LoadGraph's time breakdown.
+    decode_took: Duration,
 }
 
 /// Binds the sockets and starts the workers and the socket thread.
@@ -299,6 +302,7 @@ pub(super) fn spawn(
         opening_from: String::new(),
         trim: super::trim::Trimmer::start(),
         stopping: None,
+        decode_took: Duration::ZERO,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -520,16 +524,29 @@ impl Frontend {
                 ),
             );
         }
-        let mine = self
+        let (mine, unloaded) = self
             .sessions
             .values()
             .filter(|e| e.owner.as_slice() == peer)
-            .count();
-        if mine >= self.config.max_sessions_per_client {
+            .fold((0, 0), |(n, u), e| {
+                (n + 1, u + usize::from(e.feed_types.get().is_none()))
+            });
+        if let Some(limit) = self.config.max_sessions_per_client {
+            if mine >= limit {
+                return Reply::error(
+                    ErrorCode::Overloaded,
+                    format!(
+                        "this connection already has {mine} sessions open, its limit (--max-sessions-per-client {limit})"
+                    ),
+                );
+            }
+        }
+        let limit = self.config.max_unloaded_per_client;
+        if unloaded >= limit {
             return Reply::error(
                 ErrorCode::Overloaded,
                 format!(
-                    "this connection already has {mine} sessions open, its limit (--max-sessions-per-client)"
+                    "this connection already has {unloaded} sessions with no graph loaded, its limit (--max-unloaded-per-client {limit}): load a graph into one, or close one"
                 ),
             );
         }
@@ -578,15 +595,14 @@ impl Frontend {
         if let Err(e) = self.owned(&peer, session) {
             return self.reply(&peer, request_id, &Reply::Error(e));
         }
-        let in_flight: usize = self
-            .sessions
-            .iter()
-            .filter(|(_, e)| e.owner == peer)
-            .map(|(id, _)| {
-                let (queued, running) = self.dispatcher.session_load(*id);
-                queued + usize::from(running)
-            })
-            .sum();
+        // One look at the dispatcher for all of the connection's sessions:
+        // a connection may own thousands.
+        let in_flight = self.dispatcher.requests_of(
+            self.sessions
+                .iter()
+                .filter(|(_, e)| e.owner == peer)
+                .map(|(id, _)| *id),
+        );
         let limit = self.config.max_requests_per_client;
         if in_flight >= limit {
             let e = Reply::error(

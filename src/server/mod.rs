@@ -177,17 +177,30 @@ pub struct ServerConfig {
     /// A session with no request for this long (and nothing queued or
     /// running) is reclaimed.
     pub idle_timeout: Duration,
-    /// Most open sessions; more are refused with `Overloaded`.
+    /// Most open sessions in all (the session table's capacity); more are
+    /// refused with `Overloaded`.
     pub max_sessions: usize,
-    /// Most open sessions of one connection (peer); more are refused with
-    /// `Overloaded`, so that one client cannot take every slot.
-    pub max_sessions_per_client: usize,
+    /// Most open sessions of one connection, if the deployment sets one
+    /// (`--max-sessions-per-client`); `None`, the default: no count of its
+    /// own. A session that holds a graph is bounded by what it costs (its
+    /// memory, admitted under `--memory`; its requests, under
+    /// `max_requests_per_client`), so packing many models over one
+    /// connection is never refused for their number; an empty one by
+    /// `max_unloaded_per_client`.
+    pub max_sessions_per_client: Option<usize>,
+    /// Most sessions of one connection with no graph loaded yet (opened,
+    /// their LoadGraph not yet done or failed); more are refused with
+    /// `Overloaded`. They cost a table entry and nothing else bounds
+    /// them: this keeps one connection from filling the table with empty
+    /// sessions, while a deployment that loads each session it opens never
+    /// meets it.
+    pub max_unloaded_per_client: usize,
     /// Most open sessions of one peer across all its connections (a peer
     /// is the source ZeroMQ reports for a connection: the IP address of a
     /// TCP client, so every client on loopback is one peer; the user,
     /// group and process of an `ipc://` client); more are refused with
     /// `Overloaded`, so that one process opening many connections cannot
-    /// take every slot of `max_sessions`.
+    /// take more than its share of `max_sessions`.
     pub max_sessions_per_peer: usize,
     /// Most requests of one connection queued or running at once (Loads,
     /// Runs, variable reads and writes); more are refused with
@@ -251,21 +264,28 @@ pub struct ServerConfig {
     /// When stopping, how long the requests queued or running may take to
     /// finish before they are answered `ShuttingDown` (`--shutdown-grace`).
     pub shutdown_grace: Duration,
+    /// Bound of the load cache (`--load-cache`; see
+    /// [`crate::compile::cache`]): what loads of a graph's structure
+    /// compute, kept for the next load of that architecture. One cache per
+    /// process: the last service started sets it. 0 turns it off.
+    pub load_cache_bytes: u64,
 }
 
 /// Default of [`ServerConfig::shutdown_grace`].
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// Default of [`ServerConfig::max_sessions_per_client`]: well under the
-/// global cap, enough for a process that packs many models.
-pub const DEFAULT_SESSIONS_PER_CLIENT: usize = 64;
+/// Default of [`ServerConfig::max_unloaded_per_client`]: a client opening
+/// sessions ahead of loading them has room for 64.
+pub const DEFAULT_UNLOADED_PER_CLIENT: usize = 64;
 
-/// Default of [`ServerConfig::max_sessions`].
-pub const DEFAULT_MAX_SESSIONS: usize = 4096;
+/// Default of [`ServerConfig::max_sessions`]: an entry costs a few
+/// kilobytes besides its graph, so the table is large enough that several
+/// deployments of a thousand models each fit.
+pub const DEFAULT_MAX_SESSIONS: usize = 8192;
 
-/// Default of [`ServerConfig::max_sessions_per_peer`]: a quarter of the
-/// global cap.
-pub const DEFAULT_SESSIONS_PER_PEER: usize = 1024;
+/// Default of [`ServerConfig::max_sessions_per_peer`]: half of the table,
+/// so one host (or one local process) never takes the other half.
+pub const DEFAULT_SESSIONS_PER_PEER: usize = DEFAULT_MAX_SESSIONS / 2;
 
 /// Default of [`ServerConfig::max_requests_per_client`]: a client keeps
 /// at most 4 Runs in flight per session (`lanes_adaptor::Client`), so this
@@ -293,7 +313,8 @@ impl Default for ServerConfig {
             workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
             idle_timeout: Duration::from_secs(300),
             max_sessions: DEFAULT_MAX_SESSIONS,
-            max_sessions_per_client: DEFAULT_SESSIONS_PER_CLIENT,
+            max_sessions_per_client: None,
+            max_unloaded_per_client: DEFAULT_UNLOADED_PER_CLIENT,
             max_sessions_per_peer: DEFAULT_SESSIONS_PER_PEER,
             max_requests_per_client: DEFAULT_REQUESTS_PER_CLIENT,
             device: "cpu".into(),
@@ -312,6 +333,7 @@ impl Default for ServerConfig {
             metrics: None,
             busy_poll: Duration::ZERO,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            load_cache_bytes: crate::compile::cache::DEFAULT_CACHE_BYTES,
         }
     }
 }
@@ -388,6 +410,7 @@ impl Drop for ServerHandle {
 /// Binds the endpoint, starts the socket thread and the workers.
 pub fn start(config: ServerConfig) -> Result<ServerHandle, ServerError> {
     lanes_adaptor::wire::keep_freed_blocks_mapped();
+    crate::compile::cache::configure(config.load_cache_bytes);
     let stop = Arc::new(AtomicBool::new(false));
     let (endpoint, thread) = frontend::spawn(config, Arc::clone(&stop))?;
     Ok(ServerHandle {

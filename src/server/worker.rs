@@ -24,20 +24,37 @@ pub(crate) const REPLIES: &str = "inproc://lanes-replies";
 fn execute(session: &mut Session, work: Work, limits: &GraphLimits, request_id: u64) -> Reply {
     let id = session.id();
     let res = match work {
-        Work::Load { graph, variables } => {
-            session
-                .load(graph, variables, limits)
-                .map(|(nodes, variables)| {
-                    let (persistent_bytes, ephemeral_bytes) = session.memory().unwrap_or((0, 0));
-                    Reply::GraphLoaded {
-                        session: id,
-                        nodes,
-                        variables,
-                        persistent_bytes,
-                        ephemeral_bytes,
-                        waiting: session.waiting(),
-                    }
-                })
+        Work::Load {
+            graph,
+            variables,
+            decoded,
+        } => {
+            let loaded = session.load(graph, variables, limits);
+            if let (Ok(_), Some(t)) = (&loaded, session.load_times()) {
+                tracing::info!(
+                    session = %id,
+                    decode_ms = ms(decoded),
+                    validate_ms = ms(t.validate),
+                    variables_ms = ms(t.variables),
+                    plan_ms = ms(t.plan),
+                    admit_ms = ms(t.admit),
+                    build_ms = ms(t.build),
+                    warm_ms = ms(t.warm),
+                    cached = t.cached,
+                    "graph loaded"
+                );
+            }
+            loaded.map(|(nodes, variables)| {
+                let (persistent_bytes, ephemeral_bytes) = session.memory().unwrap_or((0, 0));
+                Reply::GraphLoaded {
+                    session: id,
+                    nodes,
+                    variables,
+                    persistent_bytes,
+                    ephemeral_bytes,
+                    waiting: session.waiting(),
+                }
+            })
         }
         Work::Run {
             feeds,
@@ -65,6 +82,10 @@ fn execute(session: &mut Session, work: Work, limits: &GraphLimits, request_id: 
     })
 }
 
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 /// A reply's frames and what the metrics learn from it.
 pub(crate) struct Answered {
     pub frames: Vec<Vec<u8>>,
@@ -72,6 +93,8 @@ pub(crate) struct Answered {
     pub error: Option<ErrorCode>,
     /// A Run that began with the job's weights on the host.
     pub switched_in: bool,
+    /// A LoadGraph that succeeded: its decode time and its phases.
+    pub loaded: Option<(std::time::Duration, crate::session::LoadTimes)>,
 }
 
 /// Runs one item, turning a panic in the executor into an Internal error.
@@ -86,10 +109,19 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
     let what = work.name();
     let t0 = std::time::Instant::now();
     let mut switched_in = false;
+    let mut loaded = None;
     let reply = catch_unwind(AssertUnwindSafe(|| {
         let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
         switched_in = matches!(work, Work::Run { .. }) && s.is_loaded() && !s.is_resident();
-        execute(&mut s, work, limits, request_id)
+        let decoded = match &work {
+            Work::Load { decoded, .. } => Some(*decoded),
+            _ => None,
+        };
+        let reply = execute(&mut s, work, limits, request_id);
+        if matches!(reply, Reply::GraphLoaded { .. }) {
+            loaded = decoded.zip(s.load_times());
+        }
+        reply
     }))
     .unwrap_or_else(|_| {
         tracing::error!(%session, request = what, "executor panicked");
@@ -122,6 +154,7 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
         frames,
         error,
         switched_in,
+        loaded,
     }
 }
 
@@ -145,10 +178,14 @@ pub(crate) fn run(
             frames,
             error,
             switched_in,
+            loaded,
         } = handle(item, &limits);
         let took = started.elapsed();
         if let Some(m) = &metrics {
             m.answered(session, what, queued, took, error, switched_in);
+            if let Some((decoded, times)) = &loaded {
+                m.loaded(*decoded, times);
+            }
         }
         tracing::trace!(%session, request = what, micros = took.as_micros() as u64, "done");
         let mut out: Vec<Vec<u8>> = Vec::with_capacity(frames.len() + 2);

@@ -11,10 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use lanes_adaptor::wire::shm::SharedFeed;
-use lanes_adaptor::wire::{BufferPool, ErrorCode, JobKind, NamedTensor, SessionId, SessionSpec};
-use lanes_adaptor::{
-    validate, Graph, GraphError, GraphLimits, Tensor, TensorType, ValidGraph, VarValues,
-};
+use lanes_adaptor::wire::{BufferPool, ErrorCode, NamedTensor, SessionId, SessionSpec};
+use lanes_adaptor::{GraphError, Tensor, TensorType, ValidGraph};
 
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuMemory;
@@ -23,6 +21,9 @@ use crate::exec::{ExecError, HostFeed};
 use crate::exec::{GpuShare, Program};
 use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
+
+mod load;
+pub use load::LoadTimes;
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -139,6 +140,8 @@ pub struct Session {
     /// Where the loaded graph's placeholders are published for the
     /// service's decoder (Runs' feeds are checked before being copied).
     feed_types: Option<FeedTypes>,
+    /// Where the last LoadGraph's time went.
+    load_times: Option<LoadTimes>,
 }
 
 /// A session's placeholders by name, set once its graph is loaded.
@@ -196,6 +199,7 @@ impl Session {
             share: GpuShare::default(),
             rank: Default::default(),
             feed_types: None,
+            load_times: None,
         }
     }
 
@@ -446,88 +450,6 @@ impl Session {
             .ok_or(SessionError::NoGraph { session })
     }
 
-    /// Validates `graph`, checks that `variables` holds exactly its
-    /// variables with their declared types, and builds the program.
-    /// Returns (nodes, variables).
-    pub fn load(
-        &mut self,
-        graph: Graph,
-        variables: Vec<NamedTensor>,
-        limits: &GraphLimits,
-    ) -> Result<(u64, u64), SessionError> {
-        if self.loaded.is_some() {
-            return Err(SessionError::AlreadyLoaded { session: self.id });
-        }
-        let valid = validate(graph, limits)?;
-        let g = valid.graph();
-        let placeholders: BTreeMap<String, TensorType> = g
-            .placeholders()
-            .map(|(_, n, t)| (n.to_string(), t.clone()))
-            .collect();
-        let declared: BTreeMap<String, TensorType> = g
-            .variables()
-            .map(|(_, n, t)| (n.to_string(), t.clone()))
-            .collect();
-        let mut values = VarValues::new();
-        for v in variables {
-            let Some(ty) = declared.get(&v.name) else {
-                return Err(SessionError::Variable {
-                    name: v.name,
-                    reason: "the graph has no such variable".into(),
-                });
-            };
-            if *ty != v.tensor.ty() {
-                return Err(SessionError::Variable {
-                    reason: ty_mismatch(ty, &v.tensor.ty()),
-                    name: v.name,
-                });
-            }
-            if values.insert(v.name.clone(), v.tensor).is_some() {
-                return Err(SessionError::Variable {
-                    name: v.name,
-                    reason: "given twice".into(),
-                });
-            }
-        }
-        if let Some(missing) = declared.keys().find(|n| !values.contains_key(*n)) {
-            return Err(SessionError::Variable {
-                name: missing.clone(),
-                reason: "no initial value given".into(),
-            });
-        }
-        let nodes = g.nodes.len() as u64;
-        let nvars = declared.len() as u64;
-        // Exact P and T, then admission (or the queue) before any memory is used.
-        let plan = compile::plan(&valid)?;
-        let (p, t) = admission_sizes(self.backend, &valid, &plan)?;
-        let lease = match &self.lanes {
-            Some(lanes) => Some(lanes.admit_ranked(JobId(self.id.0), p, t, self.rank)?),
-            None => None,
-        };
-        if let Some((_, Admission::Queued { reason, .. })) = &lease {
-            tracing::info!(session = %self.id, %reason, "waiting for memory");
-        }
-        let mut program = Program::sharing(self.backend, valid, values, self.share)?;
-        if self.spec.kind == JobKind::Inference {
-            // Admitted: warm up in the lane's memory, in the lane's turn.
-            let turn = lease.as_ref().and_then(|(l, _)| l.turn());
-            program.bind_lane(turn.as_ref().map(LaneTurn::key))?;
-            program.prepare_standby()?;
-        }
-        self.lease = lease.map(|(l, _)| l);
-        self.memory = Some((p, t));
-        if let Some(cell) = &self.feed_types {
-            let _ = cell.set(placeholders.clone());
-        }
-        self.loaded = Some(Loaded {
-            program,
-            placeholders,
-            variables: declared,
-            nodes,
-        });
-        Ok((nodes, nvars))
-    }
-
     /// Runs one iteration after checking feeds and fetches against the graph.
     pub fn run(
         &mut self,
@@ -712,7 +634,7 @@ impl Session {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
-    use lanes_adaptor::{GraphBuilder, NodeId, Outlet};
+    use lanes_adaptor::{Graph, GraphBuilder, GraphLimits, NodeId, Outlet};
 
     fn graph() -> (Graph, Vec<NamedTensor>) {
         let mut g = GraphBuilder::new();

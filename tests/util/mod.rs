@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use lanes::server::{self, ServerConfig, ServerHandle};
 use lanes_adaptor::wire::{self, Envelope, Reply};
-use lanes_adaptor::{Graph, GraphBuilder, Limits, Tensor, TensorType, VarValues};
+use lanes_adaptor::{
+    Client, Graph, GraphBuilder, Limits, SessionSpec, Tensor, TensorType, VarValues,
+};
 
 /// Starts a service on `tcp://127.0.0.1:*` with `f` applied to the config.
 /// `LANES_TEST_DEVICE=cuda` runs the same tests against a GPU-backed service
@@ -264,4 +266,57 @@ pub fn feeds_for(
     int_range: i64,
 ) -> std::collections::BTreeMap<String, Tensor> {
     lanes_adaptor::zoo::seeded_feeds(inputs, seed, int_range).unwrap()
+}
+
+/// A feed for [`linear_relu`]'s `x`, from `seed`.
+pub fn x_for(seed: u64) -> Tensor {
+    Tensor::from_f32([BATCH, IN], values(seed, BATCH * IN)).unwrap()
+}
+
+/// `y = relu(x @ w)` chained `depth` times on 512 × 512: a Run that takes a
+/// while on the CPU.
+pub fn heavy() -> (Graph, VarValues) {
+    const N: usize = 512;
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([N, N]));
+    let w = g.variable(
+        "w",
+        Tensor::from_f32([N, N], values(2, N * N).iter().map(|v| v / 16.0).collect()).unwrap(),
+    );
+    let mut h = x;
+    for _ in 0..24 {
+        let m = g.matmul(h, w);
+        h = g.relu(m);
+    }
+    g.set_name(h, "y");
+    g.finish().unwrap()
+}
+
+/// `n` placeholders `x0..` of `elems` f32 each, summed into `y`.
+pub fn many_inputs(n: usize, elems: usize) -> (Graph, VarValues) {
+    let mut g = GraphBuilder::new();
+    let xs: Vec<_> = (0..n)
+        .map(|i| g.placeholder(&format!("x{i}"), TensorType::f32([elems])))
+        .collect();
+    let mut y = xs[0];
+    for x in &xs[1..] {
+        y = g.add(y, *x);
+    }
+    g.set_name(y, "y");
+    g.finish().unwrap()
+}
+
+/// MiB.
+pub const MIB: u64 = 1 << 20;
+
+/// Another client opens a session, loads a small model (`seed`) and gets
+/// one Run (`x_for(run)`) answered.
+pub fn bystander_is_served(ep: &str, seed: u64, run: u64) {
+    let mut bystander = Client::connect(ep).unwrap();
+    let mut s = bystander
+        .open_session(SessionSpec::inference("bystander"))
+        .unwrap();
+    let (graph, vars) = linear_relu(seed);
+    s.load(&graph, vars).unwrap();
+    s.run(vec![("x", x_for(run))], &["y"]).unwrap();
 }

@@ -102,8 +102,9 @@ impl Arena {
     /// Plans `graph` (its sinks kept to the end of an iteration); the
     /// buffer comes at the first iteration.
     pub fn new(graph: &ValidGraph) -> Result<Self, ExecError> {
-        let plan = compile::plan_outlets(graph, compile::sinks(graph), PlanOptions::default())
-            .map_err(|e| err(format!("memory plan: {e}")))?;
+        let plan =
+            compile::cache::plan_outlets(graph, compile::sinks(graph), PlanOptions::default())
+                .map_err(|e| err(format!("memory plan: {e}")))?;
         if plan.alignment % WORD as u64 != 0 {
             return Err(err(format!(
                 "plan alignment {} is not a multiple of {WORD} bytes",

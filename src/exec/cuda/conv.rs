@@ -1,6 +1,7 @@
 //! Convolutions through cuDNN: descriptors and algorithm chosen once when a
 //! program is built (cuDNN's heuristics, as PyTorch with
-//! `cudnn.benchmark = False`), run on raw arena addresses.
+//! `cudnn.benchmark = False`, kept per shape and element type for the
+//! process in `algos.rs`), run on raw arena addresses.
 //!
 //! Tensors and filters in f32, fp16 or bf16 (all three of one convolution
 //! of one type), always with FLOAT compute: cuDNN's FLOAT_CONFIG,
@@ -21,6 +22,7 @@ use cudarc::cudnn::{
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use lanes_adaptor::Conv2dAttrs;
 
+use super::algos;
 use super::elem::Elem;
 
 /// A device range given by address, for cuDNN's typed launch API.
@@ -68,14 +70,6 @@ pub(super) enum Algo {
     Fwd(cudnnConvolutionFwdAlgo_t),
     BwdData(cudnnConvolutionBwdDataAlgo_t),
     BwdFilter(cudnnConvolutionBwdFilterAlgo_t),
-}
-
-/// Which of the three a plan runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dir {
-    Fwd,
-    BwdData,
-    BwdFilter,
 }
 
 /// An element type of convolution tensors, with the scaling factors
@@ -177,7 +171,7 @@ fn math_type(elem: Elem, tf32: bool) -> cudnnMathType_t {
 impl<X: ConvElem> Typed<X> {
     #[allow(clippy::too_many_arguments)]
     fn new(
-        dir: Dir,
+        key: algos::Key,
         cudnn: &Arc<Cudnn>,
         a: &Conv2dAttrs,
         x: &[usize],
@@ -198,8 +192,8 @@ impl<X: ConvElem> Typed<X> {
         let x = cudnn.create_4d_tensor::<X>(nchw, dims4(x)?)?;
         let w = cudnn.create_4d_filter::<X>(nchw, dims4(w)?)?;
         let y = cudnn.create_4d_tensor::<X>(nchw, dims4(y)?)?;
-        let (algo, workspace_bytes) = match dir {
-            Dir::Fwd => {
+        let (algo, workspace_bytes) = algos::choose(key.clone(), || match key.pass() {
+            algos::Pass::Forward => {
                 let op = ConvForward {
                     conv: &conv,
                     x: &x,
@@ -207,9 +201,9 @@ impl<X: ConvElem> Typed<X> {
                     y: &y,
                 };
                 let algo = op.pick_algorithm()?;
-                (Algo::Fwd(algo), op.get_workspace_size(algo)?)
+                Ok((Algo::Fwd(algo), op.get_workspace_size(algo)?))
             }
-            Dir::BwdData => {
+            algos::Pass::BackwardData => {
                 let op = ConvBackwardData {
                     conv: &conv,
                     dx: &x,
@@ -217,9 +211,9 @@ impl<X: ConvElem> Typed<X> {
                     dy: &y,
                 };
                 let algo = op.pick_algorithm()?;
-                (Algo::BwdData(algo), op.get_workspace_size(algo)?)
+                Ok((Algo::BwdData(algo), op.get_workspace_size(algo)?))
             }
-            Dir::BwdFilter => {
+            algos::Pass::BackwardFilter => {
                 let op = ConvBackwardFilter {
                     conv: &conv,
                     x: &x,
@@ -227,9 +221,9 @@ impl<X: ConvElem> Typed<X> {
                     dy: &y,
                 };
                 let algo = op.pick_algorithm()?;
-                (Algo::BwdFilter(algo), op.get_workspace_size(algo)?)
+                Ok((Algo::BwdFilter(algo), op.get_workspace_size(algo)?))
             }
-        };
+        })?;
         Ok((
             Typed {
                 conv,
@@ -303,7 +297,7 @@ impl<X: ConvElem> Typed<X> {
 impl ConvPlan {
     #[allow(clippy::too_many_arguments)]
     fn new(
-        dir: Dir,
+        pass: algos::Pass,
         elem: Elem,
         cudnn: &Arc<Cudnn>,
         a: &Conv2dAttrs,
@@ -313,17 +307,18 @@ impl ConvPlan {
         tf32: bool,
     ) -> Result<Self, CudnnError> {
         let math = math_type(elem, tf32);
+        let key = algos::Key::new(pass, elem, a, x, w, y, tf32);
         let (plan, workspace_bytes) = match elem {
             Elem::F32 => {
-                let (t, ws) = Typed::<f32>::new(dir, cudnn, a, x, w, y, math)?;
+                let (t, ws) = Typed::<f32>::new(key, cudnn, a, x, w, y, math)?;
                 (Plan::F32(t), ws)
             }
             Elem::F16 => {
-                let (t, ws) = Typed::<F16>::new(dir, cudnn, a, x, w, y, math)?;
+                let (t, ws) = Typed::<F16>::new(key, cudnn, a, x, w, y, math)?;
                 (Plan::F16(t), ws)
             }
             Elem::Bf16 => {
-                let (t, ws) = Typed::<Bf16>::new(dir, cudnn, a, x, w, y, math)?;
+                let (t, ws) = Typed::<Bf16>::new(key, cudnn, a, x, w, y, math)?;
                 (Plan::Bf16(t), ws)
             }
         };
@@ -343,7 +338,7 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        Self::new(Dir::Fwd, elem, cudnn, a, x, w, y, tf32)
+        Self::new(algos::Pass::Forward, elem, cudnn, a, x, w, y, tf32)
     }
 
     /// dx from dy and w (shapes as [`ConvPlan::forward`]'s x, w, y).
@@ -356,7 +351,7 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        Self::new(Dir::BwdData, elem, cudnn, a, x, w, y, tf32)
+        Self::new(algos::Pass::BackwardData, elem, cudnn, a, x, w, y, tf32)
     }
 
     /// dw from x and dy (shapes as [`ConvPlan::forward`]'s x, w, y).
@@ -369,7 +364,7 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        Self::new(Dir::BwdFilter, elem, cudnn, a, x, w, y, tf32)
+        Self::new(algos::Pass::BackwardFilter, elem, cudnn, a, x, w, y, tf32)
     }
 
     /// Runs the convolution. For the forward plan `a` is x, `b` is w and

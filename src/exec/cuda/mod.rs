@@ -11,6 +11,7 @@
 //! - Precision defaults equal PyTorch's (see [`CudaOptions`]).
 #![allow(unsafe_code)]
 
+mod algos;
 mod bn;
 mod conv;
 mod device;
@@ -21,6 +22,9 @@ mod ops;
 mod pin;
 mod program;
 mod vm;
+
+/// (hits, misses) of the cuDNN algorithm choices kept by convolution shape.
+pub use algos::stats as conv_algorithm_stats;
 
 pub use pin::{pin_host, HostPin};
 pub use program::{

@@ -66,6 +66,7 @@ impl Frontend {
                 received,
             } = d;
             self.decoding.remove(&peer);
+            self.decode_took = received.elapsed();
             tracing::trace!(
                 bytes,
                 decode_us = received.elapsed().as_micros() as u64,
@@ -147,6 +148,7 @@ impl Frontend {
         let decoded =
             wire::decode_request_with(&frames, &self.config.limits, self.pool.as_ref(), &segments);
         drop(frames);
+        self.decode_took = t0.elapsed();
         tracing::trace!(
             bytes,
             decode_us = t0.elapsed().as_micros() as u64,
@@ -262,7 +264,15 @@ impl Frontend {
                 session,
                 graph,
                 variables,
-            } => return self.queue(peer, request_id, session, Work::Load { graph, variables }),
+            } => {
+                let decoded = std::mem::take(&mut self.decode_took);
+                let work = Work::Load {
+                    graph,
+                    variables,
+                    decoded,
+                };
+                return self.queue(peer, request_id, session, work);
+            }
             Request::Run {
                 session,
                 feeds,

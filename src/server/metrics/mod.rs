@@ -51,6 +51,16 @@ struct CodeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabels {
+    cache: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RingLabels {
     outcome: RingOutcome,
 }
@@ -90,6 +100,8 @@ struct Seen {
     lanes: HashSet<u64>,
     /// Per session, (evictions, returns) as last published.
     switches: HashMap<u64, (u64, u64)>,
+    /// The load cache's (hits, misses) as last published.
+    load_cache: (u64, u64),
 }
 
 /// The service's metrics; shared by the workers, the socket thread and
@@ -116,6 +128,11 @@ pub struct Metrics {
     doorbell_bytes: Counter,
     doorbells_closed: Counter,
     shared_mapped_bytes: Gauge,
+    load_phase_seconds: Family<PhaseLabels, Histogram, fn() -> Histogram>,
+    loads: Family<CacheLabels, Counter>,
+    load_cache_lookups: Family<CacheLabels, Counter>,
+    load_cache_bytes: Gauge,
+    load_cache_entries: Gauge,
     seen: Mutex<Seen>,
     /// Sessions a worker created series for since the last publication: a
     /// session opened and closed between two publications is never in a
@@ -164,6 +181,11 @@ impl Metrics {
             doorbell_bytes: Counter::default(),
             doorbells_closed: Counter::default(),
             shared_mapped_bytes: Gauge::default(),
+            load_phase_seconds: Family::new_with_constructor(seconds_histogram),
+            loads: Family::default(),
+            load_cache_lookups: Family::default(),
+            load_cache_bytes: Gauge::default(),
+            load_cache_entries: Gauge::default(),
             seen: Mutex::new(Seen::default()),
             answered_for: Mutex::new(HashSet::new()),
             registry: Registry::default(),
@@ -256,7 +278,47 @@ impl Metrics {
             "Address space the mappings of clients' shared-memory segments take (--max-shared)",
             m.shared_mapped_bytes.clone(),
         );
+        registry.register(
+            "load_phase_duration_seconds",
+            "Time of each phase of a LoadGraph that succeeded: decode (arrival to decoded), validate, variables, plan, admit, build (the executor's program and the variables' upload), warm",
+            m.load_phase_seconds.clone(),
+        );
+        registry.register(
+            "loads",
+            "Graphs loaded, by whether their validated graph came from the load cache (hit) or not (miss)",
+            m.loads.clone(),
+        );
+        registry.register(
+            "load_cache_lookups",
+            "Lookups in the load cache (validated graphs and memory plans), by outcome",
+            m.load_cache_lookups.clone(),
+        );
+        registry.register(
+            "load_cache_bytes",
+            "Estimated bytes the load cache holds (--load-cache bounds them)",
+            m.load_cache_bytes.clone(),
+        );
+        registry.register(
+            "load_cache_entries",
+            "Entries the load cache holds",
+            m.load_cache_entries.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// A LoadGraph succeeded: `decoded` from its arrival to its decoded
+    /// form, then the session's phases.
+    pub fn loaded(&self, decoded: Duration, times: &crate::session::LoadTimes) {
+        self.load_phase_seconds
+            .get_or_create(&PhaseLabels { phase: "decode" })
+            .observe(decoded.as_secs_f64());
+        for (phase, d) in times.phases() {
+            self.load_phase_seconds
+                .get_or_create(&PhaseLabels { phase })
+                .observe(d.as_secs_f64());
+        }
+        let cache = if times.cached { "hit" } else { "miss" };
+        self.loads.get_or_create(&CacheLabels { cache }).inc();
     }
 
     /// A doorbell's ring was examined: `outcome`, and the bytes copied out
@@ -338,6 +400,17 @@ impl Metrics {
                 .unwrap_or_else(PoisonError::into_inner),
         );
         seen.sessions.extend(answered);
+        let c = crate::compile::cache::stats();
+        let (hits, misses) = seen.load_cache;
+        self.load_cache_lookups
+            .get_or_create(&CacheLabels { cache: "hit" })
+            .inc_by(c.hits().saturating_sub(hits));
+        self.load_cache_lookups
+            .get_or_create(&CacheLabels { cache: "miss" })
+            .inc_by(c.misses().saturating_sub(misses));
+        seen.load_cache = (c.hits(), c.misses());
+        gauge_bytes(&self.load_cache_bytes, c.bytes);
+        gauge_bytes(&self.load_cache_entries, c.entries);
         self.sessions_open
             .set(i64::try_from(report.sessions.len()).unwrap_or(i64::MAX));
         self.queued

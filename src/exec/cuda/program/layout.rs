@@ -15,7 +15,7 @@ impl ArenaLayout {
         fetchable: HashSet<Outlet>,
         granularity: usize,
     ) -> Result<(Self, MemoryPlan), ExecError> {
-        let plan = compile::plan_outlets(graph, fetchable, compile::PlanOptions::default())
+        let plan = compile::cache::plan_outlets(graph, fetchable, compile::PlanOptions::default())
             .map_err(|e| ExecError::Op {
                 node: String::new(),
                 op: "memory plan",
