@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use anyhow::{ensure, Context, Result};
 use lanes::exec::cpu::CpuProgram;
 use lanes::server::{self, ServerConfig};
-use lanes_adaptor::{validate, Client, GraphLimits, Optimizer, SessionSpec, Tensor, VarValues};
+use lanes_adaptor::{validate, Client, GraphLimits, Optimizer, SessionSpec, VarValues};
 
 #[path = "util/digits.rs"]
 mod data;

@@ -700,33 +700,6 @@ fn a_bf16_models_persistent_bytes_are_half_the_f32_ones() {
     assert!(b.ephemeral < f.ephemeral);
 }
 
-/// Until its kernels take half tensors, the CUDA backend refuses a graph
-/// with one before touching the device (so this holds without a GPU).
-#[test]
-fn the_cuda_backend_refuses_half_graphs_with_a_typed_error() {
-    let mut g = GraphBuilder::new();
-    let x = g.placeholder("x", TensorType::f32([2]));
-    let h = g.cast(x, DType::BF16);
-    g.set_name(h, "h");
-    let (graph, vars) = g.finish().unwrap();
-    let vg = validate(graph, &GraphLimits::default()).unwrap();
-    let e = lanes::exec::cuda::CudaProgram::new(vg, vars).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            lanes::exec::ExecError::UnsupportedDType {
-                dtype: DType::BF16,
-                backend: "CUDA"
-            }
-        ),
-        "{e}"
-    );
-    assert_eq!(
-        e.to_string(),
-        "bf16 tensors are not supported by the CUDA backend yet"
-    );
-}
-
 /// The trainable variables of a loss reached through casts are the f32
 /// master weights behind them, and bf16 variables count too.
 #[test]

@@ -4,7 +4,7 @@
 //! mask, pooler included). Weights are random (timing does not depend on
 //! them); batch norms hold their inference statistics.
 //!
-//! Also included by `tests/conformance.rs` to run whole models on both
+//! Also included by `tests/conformance/main.rs` to run whole models on both
 //! backends.
 
 use anyhow::{bail, Context};

@@ -1,6 +1,7 @@
 //! cuDNN's algorithm choices, kept for the process by convolution shape:
-//! the choice (and its workspace size) depends on the pass, the
-//! convolution's attributes, the tensors' shapes and the math mode, never
+//! the choice (and its workspace size) depends on the pass, the element
+//! type, the convolution's attributes, the tensors' shapes and the math
+//! mode, never
 //! on the weights, so a program of an architecture the service has seen
 //! takes its choices from here instead of asking cuDNN's heuristics again
 //! (part of the load cache, docs/memory.md). One service drives one
@@ -15,6 +16,7 @@ use cudarc::cudnn::CudnnError;
 use lanes_adaptor::Conv2dAttrs;
 
 use super::conv::Algo;
+use super::elem::Elem;
 
 /// Most convolution shapes kept.
 pub const MAX_SHAPES: usize = 1 << 16;
@@ -31,6 +33,7 @@ pub(super) enum Pass {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(super) struct Key {
     pass: Pass,
+    elem: Elem,
     attrs: [usize; 7],
     dims: Vec<usize>,
     tf32: bool,
@@ -39,6 +42,7 @@ pub(super) struct Key {
 impl Key {
     pub fn new(
         pass: Pass,
+        elem: Elem,
         a: &Conv2dAttrs,
         x: &[usize],
         w: &[usize],
@@ -62,10 +66,16 @@ impl Key {
         }
         Key {
             pass,
+            elem,
             attrs,
             dims,
             tf32,
         }
+    }
+
+    /// The pass the choice is for.
+    pub fn pass(&self) -> Pass {
+        self.pass
     }
 }
 
@@ -127,8 +137,9 @@ mod tests {
     #[test]
     fn keys_tell_passes_attributes_and_shapes_apart() {
         let a = Conv2dAttrs::default();
-        let k =
-            |pass, x: &[usize], tf32| Key::new(pass, &a, x, &[8, 3, 3, 3], &[1, 8, 30, 30], tf32);
+        let k = |pass, x: &[usize], tf32| {
+            Key::new(pass, Elem::F32, &a, x, &[8, 3, 3, 3], &[1, 8, 30, 30], tf32)
+        };
         let x = [1, 3, 32, 32];
         assert_eq!(k(Pass::Forward, &x, false), k(Pass::Forward, &x, false));
         assert_ne!(
@@ -148,6 +159,7 @@ mod tests {
             k(Pass::Forward, &x, false),
             Key::new(
                 Pass::Forward,
+                Elem::F32,
                 &strided,
                 &x,
                 &[8, 3, 3, 3],
@@ -155,5 +167,20 @@ mod tests {
                 false
             )
         );
+        // The element type: fp16 and bf16 convolutions of one shape have
+        // their own algorithms.
+        let half = |e| {
+            Key::new(
+                Pass::Forward,
+                e,
+                &a,
+                &x,
+                &[8, 3, 3, 3],
+                &[1, 8, 30, 30],
+                false,
+            )
+        };
+        assert_ne!(k(Pass::Forward, &x, false), half(Elem::F16));
+        assert_ne!(half(Elem::F16), half(Elem::Bf16));
     }
 }

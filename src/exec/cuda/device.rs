@@ -9,8 +9,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
+use super::elem::Elem;
 use super::CudaInfo;
 use crate::exec::ExecError;
+
+/// The element types and their load/store helpers, compiled in front of
+/// every source (a `#line` directive after it keeps NVRTC's line numbers
+/// those of the source file).
+const PRELUDE: &str = include_str!("kernels/dtype.cuh");
 
 /// CUDA C sources, one module each.
 const SOURCES: [(&str, &str); 3] = [
@@ -24,20 +30,14 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
     (
         "elementwise",
         &[
-            "unary",
             "unary4",
-            "binary_same",
             "binary_same4",
-            "binary_row",
-            "binary_bcast",
+            "strided_copy16",
             "strided_copy32",
             "strided_copy64",
             "strided_copy128",
-            "fill",
-            "unary_grad",
             "batchnorm_infer",
             "batchnorm_planes",
-            "channel_bias",
             "fused_planes",
             "fused_flat",
             "fused_row",
@@ -45,21 +45,25 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "sgd_update",
             "adam_update",
             "step_incr",
-            "clip",
             "where_bcast",
             "where_flat",
             "where_flat4",
             "cast_f32_i64",
             "dropout_mask",
             "cast_i64_f32",
+            "cast_f32_f16",
+            "cast_f32_bf16",
+            "cast_f16_f32",
+            "cast_bf16_f32",
+            "cast_f16_bf16",
+            "cast_bf16_f16",
+            "cast_i64_f16",
+            "cast_i64_bf16",
         ],
     ),
     (
         "reduce",
         &[
-            "reduce_warp",
-            "reduce_cols",
-            "reduce_block",
             "reduce_max_grad",
             "softmax",
             "softmax_grad",
@@ -94,12 +98,45 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
     ),
 ];
 
+/// Kernels written once over the element type, by module, one entry point
+/// per [`Elem`] (the name plus [`Elem::suffix`]); the f32 one is also
+/// reachable by its plain name through [`Gpu::kernel`].
+const TYPED: [(&str, &[&str]); 2] = [
+    (
+        "elementwise",
+        &[
+            "unary",
+            "binary_same",
+            "binary_row",
+            "binary_bcast",
+            "clip",
+            "fill",
+            "unary_grad",
+            "channel_bias",
+        ],
+    ),
+    ("reduce", &["reduce_warp", "reduce_cols", "reduce_block"]),
+];
+
+/// Whether `name` is an entry point [`open`] loads (for tests of the
+/// call sites' kernel names).
+#[cfg(test)]
+pub(crate) fn loads(name: &str) -> bool {
+    let typed = TYPED.iter().flat_map(|(_, fns)| fns.iter()).any(|t| {
+        Elem::ALL
+            .iter()
+            .any(|e| format!("{t}{}", e.suffix()) == name)
+    });
+    typed || FUNCTIONS.iter().any(|(_, fns)| fns.contains(&name))
+}
+
 /// The context and the loaded kernels.
 #[derive(Debug)]
 pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub info: CudaInfo,
     kernels: HashMap<&'static str, CudaFunction>,
+    typed: HashMap<(&'static str, Elem), CudaFunction>,
 }
 
 impl Gpu {
@@ -107,6 +144,15 @@ impl Gpu {
         self.kernels.get(name).ok_or_else(|| ExecError::NoDevice {
             reason: format!("kernel `{name}` was not loaded"),
         })
+    }
+
+    /// The instance of typed kernel `name` (one of [`TYPED`]'s) for `elem`.
+    pub fn typed(&self, name: &'static str, elem: Elem) -> Result<&CudaFunction, ExecError> {
+        self.typed
+            .get(&(name, elem))
+            .ok_or_else(|| ExecError::NoDevice {
+                reason: format!("kernel `{name}{}` was not loaded", elem.suffix()),
+            })
     }
 }
 
@@ -192,13 +238,15 @@ fn open() -> Result<Arc<Gpu>, ExecError> {
         .compute_capability()
         .map_err(|e| no_device(format!("{e:?}")))?;
     let mut kernels = HashMap::new();
+    let mut typed = HashMap::new();
     for ((module_name, src), (_, fns)) in SOURCES.iter().zip(FUNCTIONS.iter()) {
         let opts = CompileOptions {
             arch: arch_for(cc),
             name: Some(format!("{module_name}.cu")),
             ..Default::default()
         };
-        let ptx = contain("NVRTC", || compile_ptx_with_opts(*src, opts))?
+        let full = format!("{PRELUDE}\n#line 1 \"{module_name}.cu\"\n{src}");
+        let ptx = contain("NVRTC", || compile_ptx_with_opts(full, opts))?
             .map_err(|e| no_device(format!("compiling {module_name}.cu: {e:?}")))?;
         let module = ctx
             .load_module(ptx)
@@ -209,11 +257,26 @@ fn open() -> Result<Arc<Gpu>, ExecError> {
                 .map_err(|e| no_device(format!("kernel {f} in {module_name}.cu: {e:?}")))?;
             kernels.insert(*f, func);
         }
+        for (_, fns) in TYPED.iter().filter(|(m, _)| m == module_name) {
+            for &f in fns.iter() {
+                for e in Elem::ALL {
+                    let entry = format!("{f}{}", e.suffix());
+                    let func = module.load_function(&entry).map_err(|err| {
+                        no_device(format!("kernel {entry} in {module_name}.cu: {err:?}"))
+                    })?;
+                    if e == Elem::F32 {
+                        kernels.insert(f, func.clone());
+                    }
+                    typed.insert((f, e), func);
+                }
+            }
+        }
     }
     Ok(Arc::new(Gpu {
         ctx,
         info: CudaInfo { name, total_memory },
         kernels,
+        typed,
     }))
 }
 

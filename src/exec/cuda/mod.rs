@@ -15,6 +15,7 @@ mod algos;
 mod bn;
 mod conv;
 mod device;
+mod elem;
 mod epilogue;
 pub mod fuse;
 mod ops;

@@ -2,6 +2,11 @@
 // strides), strided copies (transpose, slice, concat, broadcast), activation
 // gradients, batch-norm inference, bias add and optimizer updates.
 // Every kernel is a grid-stride loop over `n` elements.
+//
+// The maps (unary, binary, clip, fill, activation gradients, bias) are
+// written once over an element type T (dtype.cuh: load/store through f32)
+// and instantiated by FOR_FLOATS: `name` for float, `name_f16` and
+// `name_bf16` for the 16-bit types. The float4 variants are float only.
 
 #define MAXR 8
 
@@ -14,6 +19,9 @@ struct Strided {
 
 #define GRID_LOOP(i, n) \
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
+
+// M(type, suffix) once per element type; the float entry keeps the plain name.
+#define FOR_FLOATS(M) M(float, ) M(f16, _f16) M(bf16, _bf16)
 
 __device__ __forceinline__ float gelu_f(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
@@ -36,9 +44,13 @@ __device__ __forceinline__ float unary_f(int op, float x, float p) {
     }
 }
 
-extern "C" __global__ void unary(float* out, const float* x, int n, int op, float p) {
-    GRID_LOOP(i, n) { out[i] = unary_f(op, x[i], p); }
+template <typename T>
+__device__ void unary_t(T* out, const T* x, int n, int op, float p) {
+    GRID_LOOP(i, n) { store(out + i, unary_f(op, load(x + i), p)); }
 }
+#define UNARY(T, S) \
+    extern "C" __global__ void unary##S(T* out, const T* x, int n, int op, float p) { unary_t<T>(out, x, n, op, p); }
+FOR_FLOATS(UNARY)
 
 // unary four floats at a time (n4 = n / 4; out and x 16-byte aligned, the
 // host checks).
@@ -66,9 +78,15 @@ __device__ __forceinline__ float binary_f(int op, float a, float b) {
     }
 }
 
-extern "C" __global__ void binary_same(float* out, const float* a, const float* b, int n, int op) {
-    GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i]); }
+template <typename T>
+__device__ void binary_same_t(T* out, const T* a, const T* b, int n, int op) {
+    GRID_LOOP(i, n) { store(out + i, binary_f(op, load(a + i), load(b + i))); }
 }
+#define BINARY_SAME(T, S) \
+    extern "C" __global__ void binary_same##S(T* out, const T* a, const T* b, int n, int op) { \
+        binary_same_t<T>(out, a, b, n, op); \
+    }
+FOR_FLOATS(BINARY_SAME)
 
 // binary_same four floats at a time (n4 = n / 4; all three 16-byte aligned,
 // the host checks).
@@ -85,13 +103,20 @@ extern "C" __global__ void binary_same4(float4* out, const float4* a, const floa
 }
 
 // b repeats along the leading axes of a (e.g. a bias): b[i % len].
-extern "C" __global__ void binary_row(float* out, const float* a, const float* b, int n, int len, int op) {
-    GRID_LOOP(i, n) { out[i] = binary_f(op, a[i], b[i % len]); }
+template <typename T>
+__device__ void binary_row_t(T* out, const T* a, const T* b, int n, int len, int op) {
+    GRID_LOOP(i, n) { store(out + i, binary_f(op, load(a + i), load(b + i % len))); }
 }
+#define BINARY_ROW(T, S) \
+    extern "C" __global__ void binary_row##S(T* out, const T* a, const T* b, int n, int len, int op) { \
+        binary_row_t<T>(out, a, b, n, len, op); \
+    }
+FOR_FLOATS(BINARY_ROW)
 
 // out has dims s.dims (row-major); a and b are read through strides (0 on
 // broadcast axes).
-extern "C" __global__ void binary_bcast(float* out, const float* a, const float* b, int n, int op, Strided s) {
+template <typename T>
+__device__ void binary_bcast_t(T* out, const T* a, const T* b, int n, int op, Strided s) {
     GRID_LOOP(i, n) {
         int rem = i, oa = 0, ob = 0;
         for (int d = s.rank - 1; d >= 0; --d) {
@@ -100,9 +125,14 @@ extern "C" __global__ void binary_bcast(float* out, const float* a, const float*
             oa += k * s.sa[d];
             ob += k * s.sb[d];
         }
-        out[i] = binary_f(op, a[oa], b[ob]);
+        store(out + i, binary_f(op, load(a + oa), load(b + ob)));
     }
 }
+#define BINARY_BCAST(T, S) \
+    extern "C" __global__ void binary_bcast##S(T* out, const T* a, const T* b, int n, int op, Strided s) { \
+        binary_bcast_t<T>(out, a, b, n, op, s); \
+    }
+FOR_FLOATS(BINARY_BCAST)
 
 // Iterates over the index space s.dims: out[ob + idx.sa] = in[ib + idx.sb].
 template <typename T>
@@ -117,6 +147,12 @@ __device__ void strided_copy_impl(T* out, const T* in, int n, Strided s, int ob,
         }
         out[oo] = in[oi];
     }
+}
+
+// 2-byte units: a 16-bit tensor whose offsets or strides allow no wider one.
+extern "C" __global__ void strided_copy16(unsigned short* out, const unsigned short* in, int n, Strided s, int ob,
+                                          int ib) {
+    strided_copy_impl<unsigned short>(out, in, n, s, ob, ib);
 }
 
 extern "C" __global__ void strided_copy32(float* out, const float* in, int n, Strided s, int ob, int ib) {
@@ -134,12 +170,16 @@ extern "C" __global__ void strided_copy128(int4* out, const int4* in, int n, Str
 }
 
 // Clip: NaN stays NaN (as CPU, PyTorch clamp and ONNX Clip).
-extern "C" __global__ void clip(float* out, const float* x, int n, float lo, float hi) {
+template <typename T>
+__device__ void clip_t(T* out, const T* x, int n, float lo, float hi) {
     GRID_LOOP(i, n) {
-        float v = x[i];
-        out[i] = isnan(v) ? v : fminf(fmaxf(v, lo), hi);
+        float v = load(x + i);
+        store(out + i, isnan(v) ? v : fminf(fmaxf(v, lo), hi));
     }
 }
+#define CLIP(T, S) \
+    extern "C" __global__ void clip##S(T* out, const T* x, int n, float lo, float hi) { clip_t<T>(out, x, n, lo, hi); }
+FOR_FLOATS(CLIP)
 
 // Where: out = c != 0 ? a : b; c and a read through s.sa and s.sb, b through
 // t.sb (t.dims = s.dims).
@@ -187,8 +227,6 @@ extern "C" __global__ void where_flat4(float4* out, const float* c, const float*
     }
 }
 
-// f32 -> i64 truncates toward zero, saturating; NaN becomes 0 (as the CPU
-// backend's Rust `as`).
 // A dropout mask: the same integers as lanes_adaptor's dropout_keep (a 24-bit
 // draw from SplitMix64's finaliser of seed, salt and index), so the CPU and
 // the GPU drop the same elements.
@@ -207,6 +245,8 @@ extern "C" __global__ void dropout_mask(float* out, const long long* seed, int n
     }
 }
 
+// f32 -> i64 truncates toward zero, saturating; NaN becomes 0 (as the CPU
+// backend's Rust `as`).
 extern "C" __global__ void cast_f32_i64(long long* out, const float* x, int n) {
     GRID_LOOP(i, n) {
         float v = x[i];
@@ -221,14 +261,41 @@ extern "C" __global__ void cast_i64_f32(float* out, const long long* x, int n) {
     GRID_LOOP(i, n) { out[i] = (float)x[i]; }
 }
 
-extern "C" __global__ void fill(float* out, int n, float v) {
-    GRID_LOOP(i, n) { out[i] = v; }
+// Casts between float types: through f32 (exact from every 16-bit type),
+// rounded to nearest even at the store. From i64: to f32 first (as
+// cast_i64_f32), then rounded to the 16-bit type.
+template <typename D, typename S>
+__device__ void cast_t(D* out, const S* x, int n) {
+    GRID_LOOP(i, n) { store(out + i, load(x + i)); }
 }
+template <typename D>
+__device__ void cast_i64_t(D* out, const long long* x, int n) {
+    GRID_LOOP(i, n) { store(out + i, (float)x[i]); }
+}
+#define CAST(D, DN, S, SN) \
+    extern "C" __global__ void cast_##SN##_##DN(D* out, const S* x, int n) { cast_t<D, S>(out, x, n); }
+CAST(f16, f16, float, f32)
+CAST(bf16, bf16, float, f32)
+CAST(float, f32, f16, f16)
+CAST(float, f32, bf16, bf16)
+CAST(bf16, bf16, f16, f16)
+CAST(f16, f16, bf16, bf16)
+extern "C" __global__ void cast_i64_f16(f16* out, const long long* x, int n) { cast_i64_t<f16>(out, x, n); }
+extern "C" __global__ void cast_i64_bf16(bf16* out, const long long* x, int n) { cast_i64_t<bf16>(out, x, n); }
+
+template <typename T>
+__device__ void fill_t(T* out, int n, float v) {
+    GRID_LOOP(i, n) { store(out + i, v); }
+}
+#define FILL(T, S) \
+    extern "C" __global__ void fill##S(T* out, int n, float v) { fill_t<T>(out, n, v); }
+FOR_FLOATS(FILL)
 
 // op: 0 relu(x), 1 gelu(x), 2 sigmoid(y), 3 tanh(y)
-extern "C" __global__ void unary_grad(float* dx, const float* v, const float* dy, int n, int op) {
+template <typename T>
+__device__ void unary_grad_t(T* dx, const T* v, const T* dy, int n, int op) {
     GRID_LOOP(i, n) {
-        float x = v[i], g = dy[i], r;
+        float x = load(v + i), g = load(dy + i), r;
         switch (op) {
         case 0: r = x > 0.0f ? g : 0.0f; break;
         case 1: {
@@ -242,9 +309,14 @@ extern "C" __global__ void unary_grad(float* dx, const float* v, const float* dy
         case 5: r = x < -3.0f ? 0.0f : (x <= 3.0f ? g * (x / 3.0f + 0.5f) : g); break;
         default: r = g * (1.0f - x * x); break;
         }
-        dx[i] = r;
+        store(dx + i, r);
     }
 }
+#define UNARY_GRAD(T, S) \
+    extern "C" __global__ void unary_grad##S(T* dx, const T* v, const T* dy, int n, int op) { \
+        unary_grad_t<T>(dx, v, dy, n, op); \
+    }
+FOR_FLOATS(UNARY_GRAD)
 
 // x viewed as [outer, C, inner].
 extern "C" __global__ void batchnorm_infer(float* y, const float* x, const float* g, const float* b,
@@ -416,9 +488,15 @@ extern "C" __global__ void fused_row4(float4* y, const float4* x, const float4* 
 }
 
 // y [outer, C, inner] += bias[c]
-extern "C" __global__ void channel_bias(float* y, const float* bias, int n, int C, int inner) {
-    GRID_LOOP(i, n) { y[i] += bias[(i / inner) % C]; }
+template <typename T>
+__device__ void channel_bias_t(T* y, const T* bias, int n, int C, int inner) {
+    GRID_LOOP(i, n) { store(y + i, load(y + i) + load(bias + (i / inner) % C)); }
 }
+#define CHANNEL_BIAS(T, S) \
+    extern "C" __global__ void channel_bias##S(T* y, const T* bias, int n, int C, int inner) { \
+        channel_bias_t<T>(y, bias, n, C, inner); \
+    }
+FOR_FLOATS(CHANNEL_BIAS)
 
 // lr_scale: the optimizer's optional learning-rate scale (one element), read
 // when has_scale is set.

@@ -1,9 +1,17 @@
 // Reductions and row-wise kernels: sum/mean/max over any axes, softmax and
 // log-softmax (and their gradients), layer norm (and gradient), losses, and
 // the routing of ReduceMax's gradient.
+//
+// The sum/mean/max reductions are written once over the element type T
+// (dtype.cuh: read through f32, accumulated in f32, the result rounded
+// once at the store) and instantiated by FOR_FLOATS: `name` for float,
+// `name_f16`, `name_bf16`. The other kernels are float only.
 
 #define MAXR 8
 #define NEG_INF (-__int_as_float(0x7f800000))
+
+// M(type, suffix) once per element type; the float entry keeps the plain name.
+#define FOR_FLOATS(M) M(float, ) M(f16, _f16) M(bf16, _bf16)
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
@@ -65,34 +73,42 @@ __device__ float block_reduce(float v, int is_max) {
 }
 
 // One warp per output. op 0: sum * scale; op 1: max.
-extern "C" __global__ void reduce_warp(float* out, const float* in, int n_out, int n_red, Red r, int op, float scale) {
+template <typename T>
+__device__ void reduce_warp_t(T* out, const T* in, int n_out, int n_red, Red r, int op, float scale) {
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (warp >= n_out) return;
     int base = red_base(r, warp);
     float acc = op ? NEG_INF : 0.0f;
     for (int j = lane; j < n_red; j += 32) {
-        float v = in[base + red_off(r, j)];
+        float v = load(in + base + red_off(r, j));
         acc = op ? fmaxf(acc, v) : acc + v;
     }
     acc = op ? warp_max(acc) : warp_sum(acc);
-    if (lane == 0) out[warp] = op ? acc : acc * scale;
+    if (lane == 0) store(out + warp, op ? acc : acc * scale);
 }
+#define REDUCE_WARP(T, S) \
+    extern "C" __global__ void reduce_warp##S(T* out, const T* in, int n_out, int n_red, Red r, int op, \
+                                              float scale) { \
+        reduce_warp_t<T>(out, in, n_out, n_red, r, op, scale); \
+    }
+FOR_FLOATS(REDUCE_WARP)
 
 // Over the leading axes of a row-major [n_red, n_out] tensor: out[c] combines
 // in[r * n_out + c] over r (a bias gradient: dy [rows, features] summed to
 // [features]). A block takes 32 neighbouring columns, read coalesced, with
 // blockDim.y (at most 32) rows in flight for each; the 32 partial results of a column are combined
 // in shared memory in a fixed order (deterministic, no atomics).
-extern "C" __global__ void reduce_cols(float* out, const float* in, int n_out, int n_red, int op, float scale) {
+template <typename T>
+__device__ void reduce_cols_t(T* out, const T* in, int n_out, int n_red, int op, float scale) {
     __shared__ float part[32][33];
     int c = blockIdx.x * 32 + threadIdx.x;
     float acc = op ? NEG_INF : 0.0f;
     if (c < n_out) {
-        const float* p = in + c;
+        const T* p = in + c;
         #pragma unroll 4
         for (int r = threadIdx.y; r < n_red; r += blockDim.y) {
-            float v = p[(long long)r * n_out];
+            float v = load(p + (long long)r * n_out);
             acc = op ? fmaxf(acc, v) : acc + v;
         }
     }
@@ -104,23 +120,35 @@ extern "C" __global__ void reduce_cols(float* out, const float* in, int n_out, i
             float v = part[k][threadIdx.x];
             s = op ? fmaxf(s, v) : s + v;
         }
-        out[c] = op ? s : s * scale;
+        store(out + c, op ? s : s * scale);
     }
 }
+#define REDUCE_COLS(T, S) \
+    extern "C" __global__ void reduce_cols##S(T* out, const T* in, int n_out, int n_red, int op, float scale) { \
+        reduce_cols_t<T>(out, in, n_out, n_red, op, scale); \
+    }
+FOR_FLOATS(REDUCE_COLS)
 
 // One block per output, for long reductions.
-extern "C" __global__ void reduce_block(float* out, const float* in, int n_out, int n_red, Red r, int op, float scale) {
+template <typename T>
+__device__ void reduce_block_t(T* out, const T* in, int n_out, int n_red, Red r, int op, float scale) {
     int o = blockIdx.x;
     if (o >= n_out) return;
     int base = red_base(r, o);
     float acc = op ? NEG_INF : 0.0f;
     for (int j = threadIdx.x; j < n_red; j += blockDim.x) {
-        float v = in[base + red_off(r, j)];
+        float v = load(in + base + red_off(r, j));
         acc = op ? fmaxf(acc, v) : acc + v;
     }
     acc = block_reduce(acc, op);
-    if (threadIdx.x == 0) out[o] = op ? acc : acc * scale;
+    if (threadIdx.x == 0) store(out + o, op ? acc : acc * scale);
 }
+#define REDUCE_BLOCK(T, S) \
+    extern "C" __global__ void reduce_block##S(T* out, const T* in, int n_out, int n_red, Red r, int op, \
+                                               float scale) { \
+        reduce_block_t<T>(out, in, n_out, n_red, r, op, scale); \
+    }
+FOR_FLOATS(REDUCE_BLOCK)
 
 // dx (zeroed) gets dy at the first position of each group where x == y.
 extern "C" __global__ void reduce_max_grad(float* dx, const float* x, const float* y, const float* dy,

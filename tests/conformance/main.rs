@@ -2,6 +2,9 @@
 //! (forward, backward, in-place updates) and on whole models, on seeded
 //! random inputs.
 //!
+//! fp16 and bf16 cases are in `half.rs`, with their own reference and
+//! tolerances.
+//!
 //! Every test here needs a GPU and is `#[ignore]`d (CI has none). On the GPU
 //! machine: `test-conformance --ignored --test-threads=1 --nocapture`.
 //!
@@ -26,8 +29,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 #[allow(dead_code)]
-#[path = "../src/cli/bench/models.rs"]
+#[path = "../../src/cli/bench/models.rs"]
 mod models;
+
+/// fp16 and bf16 on CUDA (`half.rs`).
+mod half;
 
 #[derive(Debug, Clone, Copy)]
 struct Tol {
@@ -1781,7 +1787,15 @@ fn imported_model_ops_and_onnx_fixtures() {
             FP32,
         ),
     ];
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx");
+    // Cargo's path, or the repository-relative one where the test binary
+    // was copied to another machine (the GPU machine runs it from the repo
+    // root), as tests/digits.rs.
+    let built = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx");
+    let dir = if built.exists() {
+        built
+    } else {
+        std::path::PathBuf::from("tests/data/onnx")
+    };
     for (model, ins) in [
         ("resnet18", &["input"][..]),
         ("resnet50", &["input"]),

@@ -1,0 +1,200 @@
+//! Host ↔ device: feeds uploaded, fetches downloaded, variables read and
+//! written, and the checks of a Run's feeds and fetches.
+
+use super::*;
+
+impl CudaProgram {
+    pub(super) fn upload<F: HostFeed>(&self, o: Outlet, t: &F) -> Result<(), ExecError> {
+        self.upload_on(o, t, &self.stream)
+    }
+
+    pub(super) fn upload_on<F: HostFeed>(
+        &self,
+        o: Outlet,
+        t: &F,
+        stream: &CudaStream,
+    ) -> Result<(), ExecError> {
+        let dst = self.addr(o);
+        let bytes = t.bytes();
+        if bytes.len() != self.slot(o).ty.bytes() {
+            return Err(dev_err(
+                "host to device copy",
+                "a feed's bytes do not match its type",
+            ));
+        }
+        // SAFETY: `dst` is the start of this outlet's range in the arena,
+        // which holds exactly `bytes.len()` bytes (checked just above), and
+        // the host bytes live until the stream is synchronised by the caller
+        // (from page-locked memory the copy is asynchronous).
+        let r =
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, stream.cu_stream()) };
+        r.map_err(|e| dev_err("host to device copy", e))
+    }
+
+    /// Registers the shared segments `feeds` lie in (once each), so that
+    /// their copies to the device are DMA from where the job wrote them.
+    pub(super) fn pin_feeds<F: HostFeed>(&mut self, feeds: &BTreeMap<String, F>) {
+        // The span of the feeds in each segment (a Run's feeds lie in one).
+        let mut spans: Vec<(&Arc<AttachedSegment>, std::ops::Range<usize>)> = Vec::new();
+        for f in feeds.values() {
+            let (Some(seg), Some(at)) = (f.segment(), f.offset()) else {
+                continue;
+            };
+            let end = at + f.bytes().len();
+            match spans.iter_mut().find(|(s, _)| Arc::ptr_eq(s, seg)) {
+                Some((_, r)) => *r = r.start.min(at)..r.end.max(end),
+                None => spans.push((seg, at..end)),
+            }
+        }
+        for (seg, range) in spans {
+            self.pins.pin(seg, range);
+        }
+    }
+
+    pub(super) fn download(&self, o: Outlet) -> Result<Tensor, ExecError> {
+        let s = self.slot(o);
+        let n = s.ty.shape.numel();
+        let src = self.addr(o);
+        let mut data = TensorData::zeros(s.ty.dtype, n);
+        let dst = data.ne_bytes_mut();
+        // SAFETY: the arena range holds the n values of the slot's dtype,
+        // `dst.len()` bytes; the copy is awaited by the synchronize below
+        // before `data` is used.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("device to host copy", e))?;
+        self.sync()?;
+        Tensor::new(s.ty.shape.clone(), data).map_err(|e| dev_err("result", e))
+    }
+
+    /// Feeds in placeholder order and fetch outlets, checked.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn check_io<'t, F: HostFeed>(
+        &self,
+        feeds: &'t BTreeMap<String, F>,
+        fetches: &[String],
+    ) -> Result<(Vec<(Outlet, &'t F)>, Vec<Outlet>), ExecError> {
+        let g = self.graph.graph();
+        for name in feeds.keys() {
+            match g.find(name).map(|id| &g.nodes[id.index()].op) {
+                Some(Op::Placeholder(_)) => {}
+                _ => return Err(ExecError::UnknownFeed { name: name.clone() }),
+            }
+        }
+        let mut feed_list = Vec::new();
+        for (id, name, ty) in g.placeholders() {
+            let t = feeds
+                .get(name)
+                .ok_or_else(|| ExecError::MissingFeed { name: name.into() })?;
+            if t.ty() != *ty {
+                return Err(ExecError::FeedType {
+                    name: name.into(),
+                    expected: ty.clone(),
+                    got: t.ty(),
+                });
+            }
+            feed_list.push((Outlet::new(id, 0), t));
+        }
+        let outs = fetches
+            .iter()
+            .map(|k| {
+                g.resolve(k)
+                    .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((feed_list, outs))
+    }
+
+    /// Current values of the named variables (all variables when `names` is empty).
+    pub fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        let g = self.graph.graph();
+        let mut out = VarValues::new();
+        let all: Vec<String>;
+        let names = if names.is_empty() {
+            all = g.variables().map(|(_, n, _)| n.to_string()).collect();
+            &all
+        } else {
+            names
+        };
+        for n in names {
+            let id = g
+                .variables()
+                .find(|(_, vn, _)| vn == n)
+                .map(|(id, _, _)| id)
+                .ok_or_else(|| ExecError::MissingVariable { name: n.clone() })?;
+            let o = Outlet::new(id, 0);
+            let t = if self.res.resident {
+                self.download(o)?
+            } else {
+                self.read_host(o)?
+            };
+            out.insert(n.clone(), t);
+        }
+        Ok(out)
+    }
+
+    /// A persistent tensor's value from the pinned image (while evicted).
+    pub(super) fn read_host(&self, o: Outlet) -> Result<Tensor, ExecError> {
+        let s = self.slot(o);
+        let host = self
+            .res
+            .host
+            .as_ref()
+            .ok_or_else(|| dev_err("read", "the evicted program has no host image"))?;
+        let bytes = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let raw = &bytes[s.off..s.off + s.ty.bytes()];
+        let mut data = TensorData::zeros(s.ty.dtype, s.ty.shape.numel());
+        data.ne_bytes_mut().copy_from_slice(raw);
+        Tensor::new(s.ty.shape.clone(), data).map_err(|e| dev_err("result", e))
+    }
+
+    /// Overwrites variables; each must exist and keep its type.
+    pub fn write_variables(&mut self, values: VarValues) -> Result<(), ExecError> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        let g = self.graph.graph();
+        let mut todo = Vec::new();
+        for (name, t) in &values {
+            let (id, ty) = g
+                .variables()
+                .find(|(_, vn, _)| vn == name)
+                .map(|(id, _, ty)| (id, ty.clone()))
+                .ok_or_else(|| ExecError::MissingVariable { name: name.clone() })?;
+            if ty != t.ty() {
+                return Err(ExecError::VariableType {
+                    name: name.clone(),
+                    expected: ty,
+                    got: t.ty(),
+                });
+            }
+            todo.push((Outlet::new(id, 0), t));
+        }
+        if !self.res.resident {
+            // Into the pinned image, which the next run brings back.
+            let offs: Vec<usize> = todo.iter().map(|(o, _)| self.slot(*o).off).collect();
+            let host = self
+                .res
+                .host
+                .as_mut()
+                .ok_or_else(|| dev_err("write", "the evicted program has no host image"))?;
+            let bytes = host
+                .as_mut_slice()
+                .map_err(|e| dev_err("pinned memory", e))?;
+            for ((_, t), off) in todo.iter().zip(offs) {
+                let src: &[u8] = t.data().ne_bytes();
+                bytes[off..off + src.len()].copy_from_slice(src);
+            }
+            return Ok(());
+        }
+        for (o, t) in todo {
+            self.upload(o, t)?;
+        }
+        self.res.dirty = true;
+        self.sync()
+    }
+}

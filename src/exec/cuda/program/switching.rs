@@ -1,0 +1,416 @@
+//! Residency: evicting the persistent region to its host image and bringing
+//! it back, pipelined with the iteration's compute (docs/switching.md).
+
+use super::*;
+
+/// `LANES_ARENA_FILL`: `zero` or `poison` (0xFF bytes: NaN) fills the
+/// ephemeral part of an arena allocated by a switch; unset leaves it as is.
+pub(super) fn arena_fill() -> Option<u8> {
+    static FILL: std::sync::OnceLock<Option<u8>> = std::sync::OnceLock::new();
+    *FILL.get_or_init(|| match std::env::var("LANES_ARENA_FILL").as_deref() {
+        Ok("zero") => Some(0),
+        Ok("poison") => Some(0xFF),
+        _ => None,
+    })
+}
+
+/// Per-group cost on the compute side (one stream wait), seconds.
+const WAIT_OVERHEAD: f64 = 2e-6;
+
+impl CudaProgram {
+    /// Whether the persistent region is on the device.
+    pub fn is_resident(&self) -> bool {
+        self.res.resident
+    }
+
+    /// Persistent bytes (variables and constants).
+    pub fn persistent_bytes(&self) -> u64 {
+        self.res.layout.bytes()
+    }
+
+    /// The unit layout (persistent tensors by first use).
+    pub fn layout(&self) -> &Layout {
+        &self.res.layout
+    }
+
+    /// Per-unit compute profile of the first resident iteration.
+    pub fn profile(&self) -> Option<&Profile> {
+        self.res.profile.as_ref()
+    }
+
+    /// Measured pinned host → device bandwidth in bytes/s (after an eviction).
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.res.link.map(|(bw, _)| bw)
+    }
+
+    /// The group plan `strategy` would use now.
+    pub fn plan(&self, strategy: Strategy) -> GroupPlan {
+        self.res.plans.get(strategy, || self.costs())
+    }
+
+    /// The measured costs (zeros where nothing was measured yet).
+    pub(super) fn costs(&self) -> Costs {
+        let res = &self.res;
+        let n = res.layout.units.len();
+        let mut profile = res.profile.clone().unwrap_or_else(|| Profile::zeros(n));
+        // Switches replay recorded segments: scale the op-by-op profile to
+        // the recorded iteration's time.
+        let total = profile.prefix + profile.compute.iter().sum::<f64>();
+        if let (Some(g), true) = (res.graph_secs, total > 0.0) {
+            let f = g / total;
+            profile.prefix *= f;
+            profile.compute.iter_mut().for_each(|c| *c *= f);
+        }
+        let (bw, over) = res.link.unwrap_or((0.0, 0.0));
+        Costs::from_bandwidth(
+            &res.layout,
+            bw,
+            profile.compute,
+            profile.prefix,
+            over,
+            WAIT_OVERHEAD,
+        )
+    }
+
+    pub(super) fn event(&self, stream: &CudaStream, timing: bool) -> Result<CudaEvent, ExecError> {
+        let flags =
+            (!timing).then_some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let flags = flags.unwrap_or(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        stream
+            .record_event(Some(flags))
+            .map_err(|e| dev_err("record event", e))
+    }
+
+    /// Copies the persistent region to pinned host memory when the host
+    /// image is stale (always for training state; once for an inference
+    /// graph) and releases the device arena. Returns the bytes copied.
+    pub fn evict(&mut self) -> Result<u64, ExecError> {
+        if !self.res.resident {
+            return Ok(0);
+        }
+        let t0 = std::time::Instant::now();
+        let copied = self.refresh_host_image()?;
+        let t1 = std::time::Instant::now();
+        self.arena.unmap()?;
+        self.res.resident = false;
+        tracing::debug!(
+            copied,
+            host_ms = (t1 - t0).as_secs_f64() * 1e3,
+            unmap_ms = t1.elapsed().as_secs_f64() * 1e3,
+            "evicted"
+        );
+        Ok(copied)
+    }
+
+    /// Brings the pinned host image up to date (copying only when stale),
+    /// measures the link once and caches the plans. Returns bytes copied.
+    pub(super) fn refresh_host_image(&mut self) -> Result<u64, ExecError> {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        self.sync()?;
+        let bytes = self.res.bytes;
+        let mut copied = 0u64;
+        if self.res.dirty || self.res.host.is_none() {
+            if self.res.host.is_none() && bytes > 0 {
+                // SAFETY: the buffer is written by the copy below before any read.
+                let pinned = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }
+                    .map_err(|e| dev_err(&format!("allocating {bytes} pinned bytes"), e))?;
+                self.res.host = Some(pinned);
+            }
+            if let Some(host) = self.res.host.as_mut() {
+                let dst = host
+                    .as_mut_slice()
+                    .map_err(|e| dev_err("pinned memory", e))?;
+                // SAFETY: the arena's first `bytes` bytes are the persistent
+                // region; `dst` holds exactly `bytes` bytes and stays borrowed
+                // until the synchronize below.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        self.base,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| dev_err("device to host copy", e))?;
+                self.sync()?;
+                copied = bytes as u64;
+            }
+            self.res.dirty = false;
+        }
+        if self.res.link.is_none() {
+            self.res.link = Some(self.measure_link()?);
+            self.res.plans.invalidate();
+        }
+        let costs = self.costs();
+        self.res.plans.fill(&costs);
+        Ok(copied)
+    }
+
+    /// Standby for an inference program (no in-place updates): runs it with
+    /// zero feeds until it is warm, profiled and recorded, takes the pinned
+    /// host image, measures the link, plans the switch and records the
+    /// pipelined plan's segments — so that the first eviction copies nothing
+    /// and every switch replays recorded segments. A graph that updates
+    /// variables is left alone (running it would change its state).
+    pub fn prepare_standby(&mut self) -> Result<(), ExecError> {
+        if self.res.updates || !self.res.resident {
+            return Ok(());
+        }
+        let g = self.graph.graph();
+        let feeds: BTreeMap<String, Tensor> = g
+            .placeholders()
+            .map(|(_, name, ty)| {
+                let n = ty.shape.numel();
+                let data = TensorData::zeros(ty.dtype, n);
+                Tensor::new(ty.shape.clone(), data)
+                    .map(|t| (name.to_string(), t))
+                    .map_err(|e| dev_err("standby feeds", e))
+            })
+            .collect::<Result<_, _>>()?;
+        // Warm-up, profile, record and time the recorded iteration.
+        for _ in 0..3 {
+            if self.res.graph_secs.is_some() && self.res.profile.is_some() {
+                break;
+            }
+            self.run(&feeds, &[])?;
+        }
+        self.refresh_host_image()?;
+        if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
+            let plan = self.plan(Strategy::Pipelined);
+            let sg = self.record_segments(&plan)?;
+            self.res.segments.insert(Strategy::Pipelined, sg);
+        }
+        Ok(())
+    }
+
+    /// Times one copy of the whole persistent region from the pinned image
+    /// and one copy per unit (writing the same bytes back: harmless):
+    /// bandwidth and the fixed cost of one more copy.
+    pub(super) fn measure_link(&self) -> Result<(f64, f64), ExecError> {
+        let Some(host) = self.res.host.as_ref() else {
+            return Ok((0.0, 0.0));
+        };
+        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let copy = &self.res.copy;
+        let e0 = self.event(copy, true)?;
+        // SAFETY: the persistent region holds `src.len()` bytes at `base`; the
+        // pinned source lives in `self` and the stream is synchronised below.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.base, src, copy.cu_stream()) }
+            .map_err(|e| dev_err("host to device copy", e))?;
+        let e1 = self.event(copy, true)?;
+        for &(lo, hi) in &self.res.ranges {
+            // SAFETY: as above, for the unit's sub-range.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.base + lo as u64,
+                    &src[lo..hi],
+                    copy.cu_stream(),
+                )
+            }
+            .map_err(|e| dev_err("host to device copy", e))?;
+        }
+        let e2 = self.event(copy, true)?;
+        wait_idle(copy)?;
+        let whole = f64::from(e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?) / 1e3;
+        let units = f64::from(e1.elapsed_ms(&e2).map_err(|e| dev_err("event", e))?) / 1e3;
+        let bw = if whole > 0.0 {
+            src.len() as f64 / whole
+        } else {
+            0.0
+        };
+        let n = self.res.ranges.len();
+        let over = if n > 1 {
+            ((units - whole) / (n - 1) as f64).max(0.0)
+        } else {
+            0.0
+        };
+        Ok((bw, over))
+    }
+
+    /// Runs one iteration; when the program is not resident, its persistent
+    /// region comes back in the groups of `strategy` on the copy stream while
+    /// the compute stream runs the nodes whose weights are there (each
+    /// group's first node waits for that group's copy event).
+    pub fn run_switching<F: HostFeed>(
+        &mut self,
+        feeds: &BTreeMap<String, F>,
+        fetches: &[String],
+        strategy: Strategy,
+    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        if self.res.resident {
+            let out = self.run(feeds, fetches)?;
+            return Ok((out, None));
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        self.pin_feeds(feeds);
+        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        self.cover_fetches(&outs)?;
+        let plan = self.plan(strategy);
+        let fill = arena_fill();
+        // Memory back under the arena's fixed address: the recorded graphs
+        // stay valid. The persistent part's chunks beyond the first group
+        // are mapped while the earlier groups copy (below); a fill touches
+        // it all at once.
+        let units = &self.res.layout.units;
+        let first = match plan.groups() {
+            0 => 0,
+            _ => self.res.ranges[plan.range(0, units.len()).end - 1].1,
+        };
+        if fill.is_some() {
+            self.arena.map()?;
+        } else {
+            self.arena.map_deferred(first)?;
+        }
+        let base = self.base;
+        let p = self.res.bytes;
+        // The ephemeral part is left as mapped: every kernel
+        // writes its outputs before anything reads them (checked by filling
+        // it with NaN bytes under LANES_ARENA_FILL=poison and comparing with
+        // resident runs, see docs/switching.md). The fill, when asked for,
+        // runs on the compute stream around the feeds, which the copy stream
+        // brings in first: a copy from pageable memory returns only once
+        // done, so behind the weights it would hold up every launch.
+        let mut fed: Vec<(usize, usize)> = feed_list
+            .iter()
+            .map(|(o, t)| {
+                let off = self.slot(*o).off;
+                (off, off + t.ty().bytes())
+            })
+            .collect();
+        fed.sort_unstable();
+        let mut at = p;
+        for (lo, hi) in fed
+            .iter()
+            .copied()
+            .chain([(self.mem.bytes, self.mem.bytes)])
+        {
+            if let (Some(byte), true) = (fill, lo > at) {
+                // SAFETY: [base + at, base + lo) is inside the new arena.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        base + at as u64,
+                        byte,
+                        lo - at,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| dev_err("memset", e))?;
+            }
+            at = at.max(hi);
+        }
+        let copy = &self.res.copy;
+        for (o, t) in &feed_list {
+            self.upload_on(*o, *t, copy)?;
+        }
+        let feeds_in = self.event(copy, false)?;
+        self.stream
+            .wait(&feeds_in)
+            .map_err(|e| dev_err("stream wait", e))?;
+        let host = self
+            .res
+            .host
+            .as_ref()
+            .ok_or_else(|| dev_err("restore", "the evicted program has no host image"))?;
+        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let units = &self.res.layout.units;
+        let mut groups: Vec<(usize, CudaEvent)> = Vec::with_capacity(plan.groups());
+        for k in 0..plan.groups() {
+            let r = plan.range(k, units.len());
+            let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
+            self.arena.map_through(hi)?;
+            // SAFETY: [lo, hi) lies in the persistent region of the new arena
+            // (mapped through `hi` just above) and of the pinned image, which
+            // outlives the copy (synchronised before returning).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + lo as u64,
+                    &src[lo..hi],
+                    copy.cu_stream(),
+                )
+            }
+            .map_err(|e| dev_err("host to device copy", e))?;
+            groups.push((units[r.start].first_use, self.event(copy, false)?));
+        }
+        // Whatever the groups did not cover (alignment tail), before any
+        // kernel runs.
+        self.arena.map()?;
+        let recorded = self
+            .res
+            .segments
+            .get(&strategy)
+            .filter(|sg| sg.starts == plan.starts);
+        let replayed = recorded.is_some();
+        let launched = if let Some(sg) = recorded {
+            // Prefix, then each group's segment after its copy event.
+            let mut r = Ok(());
+            for (k, g) in sg.graphs.iter().enumerate() {
+                if k > 0 {
+                    self.stream
+                        .wait(&groups[k - 1].1)
+                        .map_err(|e| dev_err("stream wait", e))?;
+                }
+                if let Some(g) = g {
+                    r = g.launch().map_err(|e| dev_err("graph launch", e));
+                    if r.is_err() {
+                        break;
+                    }
+                }
+            }
+            for (_, ev) in &groups {
+                self.stream
+                    .wait(ev)
+                    .map_err(|e| dev_err("stream wait", e))?;
+            }
+            r
+        } else {
+            let mut next = 0;
+            let mut wait_until = |pos: usize| -> Result<(), ExecError> {
+                while next < groups.len() && groups[next].0 <= pos {
+                    self.stream
+                        .wait(&groups[next].1)
+                        .map_err(|e| dev_err("stream wait", e))?;
+                    next += 1;
+                }
+                Ok(())
+            };
+            let launched = self.launch_nodes_with(&mut wait_until);
+            wait_until(usize::MAX)?;
+            launched
+        };
+        // Wait before copying to pageable memory (see `wait_idle`).
+        let r: Result<Vec<Tensor>, ExecError> = launched
+            .and_then(|()| self.sync())
+            .and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
+        self.sync()?;
+        wait_idle(copy)?;
+        self.res.resident = true;
+        self.res.dirty = self.res.updates;
+        if !replayed
+            && r.is_ok()
+            && self.options.cuda_graph
+            && self.capture_failures < CAPTURE_TRIES
+        {
+            // Record this cut's segments for the next switch.
+            // Recording launches nothing: the switch's result is unchanged.
+            match self.record_segments(&plan) {
+                Ok(sg) => {
+                    self.res.segments.insert(strategy, sg);
+                }
+                Err(e) => tracing::debug!(error = %e, "segments not recorded"),
+            }
+        }
+        let report = SwitchReport {
+            strategy,
+            replayed,
+            groups: plan.groups(),
+            bytes: self.res.layout.bytes(),
+            predicted: plan.predicted,
+        };
+        r.map(|o| (o, Some(report)))
+    }
+}
