@@ -7,8 +7,9 @@ Tolerances: bf16 keeps 8 significant bits (a relative rounding of 2^-9),
 fp16 11 (2^-12). Two programs that round the same products at different
 places (Lanes rounds each op's output; PyTorch's autocast fuses a linear
 layer's bias into its product) differ by a few roundings per layer, and a
-training run compounds them: the curves are compared within 5e-2 relative
-(one bf16 rounding is 4e-3), where a wrong cast (an f32-only op fed half
+training run compounds them: the curves are compared within 1e-2 relative
+(one bf16 rounding is 4e-3; measured: 2e-3 on the CPU and on an H200 over
+20 steps), where a wrong cast (an f32-only op fed half
 values, a gradient not cast back to the f32 weight) shows as a curve that
 stops learning or parts by whole units.
 """
@@ -57,8 +58,8 @@ def test_bf16_mixed_training_follows_pytorch_autocast(client):
         job.close()
     print("bf16-mixed loss, lanes:", np.round(ours, 4).tolist(), "pytorch autocast:", np.round(theirs, 4).tolist())
     for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert abs(a - b) <= 5e-2 * max(1.0, abs(b)), (i, ours, theirs)
-    assert ours[-1] < 0.5 * ours[0], "it must learn the batch"
+        assert abs(a - b) <= 1e-2 * max(1.0, abs(b)), (i, ours, theirs)
+    assert ours[-1] < 0.75 * ours[0], "it must learn the batch"
     # Master weights stay float32 and come back as such.
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
 
