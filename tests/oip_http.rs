@@ -7,49 +7,9 @@
 
 mod util;
 
-use std::path::{Path, PathBuf};
-
 use serde_json::{json, Value};
+use util::oip::{close, fixture, npy, put, repo, Repo};
 use util::serve::Serve;
-
-const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/onnx");
-
-/// A model repository in Triton's layout, removed when dropped.
-struct Repo(PathBuf);
-
-impl Drop for Repo {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn put(dir: &Path, name: &str, bytes: &[u8], config: Option<&str>) {
-    let v = dir.join(name).join("1");
-    std::fs::create_dir_all(&v).unwrap();
-    std::fs::write(v.join("model.onnx"), bytes).unwrap();
-    if let Some(c) = config {
-        std::fs::write(dir.join(name).join("config.pbtxt"), c).unwrap();
-    }
-}
-
-fn fixture(name: &str) -> Vec<u8> {
-    std::fs::read(format!("{DATA}/{name}")).unwrap()
-}
-
-fn repo(tag: &str) -> Repo {
-    let dir = std::env::temp_dir().join(format!("lanes-oip-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    put(
-        &dir,
-        "resnet18",
-        &fixture("resnet18.onnx"),
-        Some("max_batch_size: 4\n"),
-    );
-    put(&dir, "conv", &fixture("ops_conv.onnx"), None);
-    put(&dir, "garbage", b"not a model", None);
-    put(&dir, "hardmax", &fixture("unsupported_op.onnx"), None);
-    Repo(dir)
-}
 
 struct Http {
     serve: Serve,
@@ -122,18 +82,6 @@ fn got(r: minreq::Response) -> Got {
             .get("inference-header-content-length")
             .map(|v| v.parse().unwrap()),
         body: r.as_bytes().to_vec(),
-    }
-}
-
-fn npy(name: &str) -> (Vec<usize>, Vec<f32>) {
-    let t = lanes::npy::read(format!("{DATA}/{name}")).unwrap();
-    (t.shape().dims().to_vec(), t.f32s().unwrap().to_vec())
-}
-
-fn close(got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len());
-    for (g, w) in got.iter().zip(want) {
-        assert!((g - w).abs() <= 1e-4 + 1e-4 * w.abs(), "{g} vs {w}");
     }
 }
 

@@ -1,8 +1,9 @@
-"""The Open Inference Protocol front end (`lanes serve --http`) driven by
-Triton's own Python client, `tritonclient.http`, unchanged: metadata,
-infer with JSON and binary tensors compared with PyTorch's outputs and
-with the same model run through a Lanes session, the model repository,
-statistics, dynamic batching, and errors."""
+"""The Open Inference Protocol front end (`lanes serve --http --grpc`)
+driven by Triton's own Python clients, `tritonclient.http` and
+`tritonclient.grpc`, unchanged: metadata, infer with JSON and binary
+tensors (and over gRPC) compared with PyTorch's outputs and with the same
+model run through a Lanes session, the model repository, statistics,
+dynamic batching, and errors."""
 
 import shutil
 import subprocess
@@ -22,7 +23,8 @@ ONNX = DATA / "onnx"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(HTTP address, ZeroMQ endpoint) of a service with a repository."""
+    """(HTTP address, ZeroMQ endpoint, gRPC address) of a service with a
+    repository."""
     root = tmp_path_factory.mktemp("oip")
     repo = root / "models"
     for name, src, config in [
@@ -44,7 +46,8 @@ def served(tmp_path_factory):
     log = open(root / "serve.log", "wb")
     proc = subprocess.Popen(
         [str(lanes_bin()), "serve", "--endpoint", endpoint, "--workers", "2",
-         "--http", "127.0.0.1:0", "--model-repository", str(repo), *device_args()],
+         "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+         "--model-repository", str(repo), *device_args()],
         stdout=subprocess.PIPE,
         stderr=log,
     )
@@ -55,8 +58,10 @@ def served(tmp_path_factory):
         log.close()
         raise RuntimeError(f"lanes serve did not start: {line!r}\n"
                            + (root / "serve.log").read_text(errors="replace"))
-    url = line.split("inference protocol at http://")[1].split()[0].removesuffix("/v2")
-    yield url, endpoint
+    url = line.split("inference protocol at http://")[1].split()[0].removesuffix(",")
+    url = url.removesuffix("/v2")
+    grpc_url = line.split("gRPC inference protocol at ")[1].split()[0]
+    yield url, endpoint, grpc_url
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -70,6 +75,14 @@ def served(tmp_path_factory):
 def triton(served):
     c = httpclient.InferenceServerClient(url=served[0], concurrency=8)
     yield c
+    c.close()
+
+
+@pytest.fixture
+def triton_grpc(served):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    c = grpcclient.InferenceServerClient(url=served[2])
+    yield grpcclient, c
     c.close()
 
 
@@ -171,3 +184,62 @@ def test_dynamic_batching_gathers_concurrent_requests(triton):
     runs = after["execution_count"] - before["execution_count"]
     assert runs < n, f"{n} concurrent requests took {runs} Runs"
     assert max(b["batch_size"] for b in after["batch_stats"]) > 1
+
+
+def test_grpc_health_and_metadata(triton_grpc):
+    _, c = triton_grpc
+    assert c.is_server_live()
+    assert c.is_server_ready()
+    assert c.is_model_ready("resnet18")
+    assert not c.is_model_ready("garbage")
+    assert not c.is_model_ready("absent")
+    assert "statistics" in c.get_server_metadata().extensions
+    m = c.get_model_metadata("resnet18")
+    assert m.platform == "lanes_onnx"
+    assert [(t.name, t.datatype, list(t.shape)) for t in m.inputs] == [
+        ("input", "FP32", [-1, 3, 32, 32])]
+    assert list(m.outputs[0].shape) == [-1, 10]
+
+
+def test_grpc_infer_matches_http_pytorch_and_statistics(triton_grpc, triton, served):
+    grpcclient, c = triton_grpc
+    x = np.load(ONNX / "resnet18.input.npy")
+    want = np.load(ONNX / "resnet18.output.npy")
+    before = c.get_inference_statistics("resnet18", as_json=True)["model_stats"][0]
+    i = grpcclient.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    r = c.infer("resnet18", [i], request_id="g-1",
+                outputs=[grpcclient.InferRequestedOutput("output")])
+    assert r.get_response().id == "g-1"
+    got = r.as_numpy("output")
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # The same model and session as over HTTP, and as a Lanes session.
+    np.testing.assert_array_equal(got, infer(triton, "resnet18", x, True))
+    np.testing.assert_array_equal(got, reference(served[1], x))
+    after = c.get_inference_statistics("resnet18", as_json=True)["model_stats"][0]
+    # as_json renders uint64 as strings.
+    assert int(after["inference_count"]) - int(before.get("inference_count", 0)) == 4
+
+
+def test_grpc_errors_are_exceptions_with_messages(triton_grpc):
+    grpcclient, c = triton_grpc
+
+    def infer_grpc(model, x, dtype="FP32", name="input"):
+        i = grpcclient.InferInput(name, list(x.shape), dtype)
+        i.set_data_from_numpy(x)
+        return c.infer(model, [i])
+
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    with pytest.raises(InferenceServerException, match="unknown model") as e:
+        infer_grpc("absent", x)
+    assert "NOT_FOUND" in e.value.status()
+    with pytest.raises(InferenceServerException, match="does not match") as e:
+        infer_grpc("resnet18", np.zeros((1, 3, 16, 16), np.float32))
+    assert "INVALID_ARGUMENT" in e.value.status()
+    with pytest.raises(InferenceServerException, match="datatype INT64"):
+        infer_grpc("resnet18", np.zeros((1, 3, 32, 32), np.int64), dtype="INT64")
+    with pytest.raises(InferenceServerException, match="max_batch_size"):
+        infer_grpc("resnet18", np.zeros((5, 3, 32, 32), np.float32))
+    with pytest.raises(InferenceServerException, match="not available"):
+        infer_grpc("garbage", x)

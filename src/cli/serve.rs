@@ -168,17 +168,24 @@ pub struct HttpArgs {
     /// data, model repository, configuration and statistics extensions.
     #[arg(long, value_name = "ADDR")]
     pub http: Option<String>,
-    /// Models to serve over --http, in Triton's layout
+    /// Serve the same protocol over gRPC at ADDR (e.g. 127.0.0.1:8001;
+    /// port 0 picks a free one): the service inference.GRPCInferenceService
+    /// (health, metadata, infer, statistics), sharing the models and
+    /// limits with --http.
+    #[arg(long, value_name = "ADDR")]
+    pub grpc: Option<String>,
+    /// Models to serve over --http and --grpc, in Triton's layout
     /// (DIR/NAME/VERSION/model.onnx, optional DIR/NAME/config.pbtxt),
     /// loaded at start (each an inference session of this service).
-    #[arg(long, value_name = "DIR", requires = "http")]
+    #[arg(long, value_name = "DIR")]
     pub model_repository: Option<std::path::PathBuf>,
-    /// Largest HTTP request body (JSON and binary tensor data); larger
-    /// ones are answered 413.
+    /// Largest HTTP request body (JSON and binary tensor data) and largest
+    /// gRPC request message; larger ones are answered 413
+    /// (RESOURCE_EXHAUSTED over gRPC).
     #[arg(long, default_value = "64MiB", value_name = "SIZE")]
     pub http_max_body: ByteSize,
-    /// Most inference requests served over HTTP at once; more are
-    /// answered 503 at once.
+    /// Most inference requests served over HTTP and gRPC together at
+    /// once; more are answered 503 (RESOURCE_EXHAUSTED) at once.
     #[arg(long, default_value_t = lanes::oip::DEFAULT_MAX_IN_FLIGHT, value_name = "N")]
     pub http_max_in_flight: usize,
 }
@@ -338,45 +345,53 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => None,
     };
     let handle = server::start(config).with_context(|| format!("starting on {}", args.endpoint))?;
-    let oip = match &args.http.http {
-        Some(addr) => {
-            if args.http.http_max_in_flight == 0 {
-                anyhow::bail!("--http-max-in-flight must be at least 1");
-            }
+    let oip = if args.http.http.is_some() || args.http.grpc.is_some() {
+        if args.http.http_max_in_flight == 0 {
+            anyhow::bail!("--http-max-in-flight must be at least 1");
+        }
+        for (flag, addr) in [("--http", &args.http.http), ("--grpc", &args.http.grpc)] {
+            let Some(addr) = addr else { continue };
             let remote = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str())
-                .with_context(|| format!("--http {addr} is not an address (e.g. 127.0.0.1:8000)"))?
+                .with_context(|| format!("{flag} {addr} is not an address (e.g. 127.0.0.1:8000)"))?
                 .any(|a| !a.ip().is_loopback());
             if remote {
                 if !args.allow_unauthenticated_remote {
                     anyhow::bail!(
-                        "--http {addr} is reachable from other hosts, and the inference protocol's HTTP port does not authenticate: \
+                        "{flag} {addr} is reachable from other hosts, and the inference protocol's ports do not authenticate: \
                          bind a loopback address (127.0.0.1:PORT) behind a proxy that does, or pass \
                          --allow-unauthenticated-remote on a network you trust (docs/serving.md)"
                     );
                 }
-                tracing::warn!(http = %addr, "serving the inference protocol to other hosts without authentication");
+                tracing::warn!(addr = %addr, "serving the inference protocol ({flag}) to other hosts without authentication");
             }
-            let oip = lanes::oip::start(lanes::oip::OipConfig {
-                http: addr.clone(),
-                endpoint: handle.endpoint().to_string(),
-                auth_key: auth_key_for_http,
-                repository: args.http.model_repository.clone(),
-                max_body_bytes: usize::try_from(args.http.http_max_body.0)
-                    .context("--http-max-body does not fit this machine")?,
-                max_in_flight: args.http.http_max_in_flight,
-                run_timeout: Duration::from_secs(300),
-                stopping: Some(handle.stop_flag()),
-            })
-            .with_context(|| format!("starting the HTTP front end on {addr}"))?;
-            for (name, state, reason) in oip.models() {
-                match reason {
-                    Some(r) => tracing::warn!(model = %name, state = %state, reason = %r, "model"),
-                    None => tracing::info!(model = %name, state = %state, "model"),
-                }
-            }
-            Some(oip)
         }
-        None => None,
+        let oip = lanes::oip::start(lanes::oip::OipConfig {
+            http: args.http.http.clone(),
+            grpc: args.http.grpc.clone(),
+            endpoint: handle.endpoint().to_string(),
+            auth_key: auth_key_for_http,
+            repository: args.http.model_repository.clone(),
+            max_body_bytes: usize::try_from(args.http.http_max_body.0)
+                .context("--http-max-body does not fit this machine")?,
+            max_in_flight: args.http.http_max_in_flight,
+            run_timeout: Duration::from_secs(300),
+            stopping: Some(handle.stop_flag()),
+        })
+        .context("starting the inference protocol's front end")?;
+        for (name, state, reason) in oip.models() {
+            match reason {
+                Some(r) => tracing::warn!(model = %name, state = %state, reason = %r, "model"),
+                None => tracing::info!(model = %name, state = %state, "model"),
+            }
+        }
+        Some(oip)
+    } else {
+        if args.http.model_repository.is_some() {
+            anyhow::bail!(
+                "--model-repository serves models over --http or --grpc: give one of them"
+            );
+        }
+        None
     };
     let stop = handle.stop_flag();
     ctrlc::set_handler(move || {
@@ -395,8 +410,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(h) = &metrics_http {
         line.push_str(&format!(", metrics at http://{}/metrics", h.addr()));
     }
-    if let Some(o) = &oip {
-        line.push_str(&format!(", inference protocol at http://{}/v2", o.addr()));
+    if let Some(a) = oip.as_ref().and_then(|o| o.http_addr()) {
+        line.push_str(&format!(", inference protocol at http://{a}/v2"));
+    }
+    if let Some(a) = oip.as_ref().and_then(|o| o.grpc_addr()) {
+        line.push_str(&format!(", gRPC inference protocol at {a}"));
     }
     outln!("{line}")?;
     handle.wait()?;

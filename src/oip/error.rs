@@ -1,4 +1,5 @@
-//! The protocol's error responses: an HTTP status and `{"error": "..."}`.
+//! The protocol's error responses: an HTTP status and `{"error": "..."}`,
+//! or a gRPC status with the same message.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -40,6 +41,17 @@ impl ApiError {
         }
     }
 
+    /// The gRPC status code of the same error.
+    pub fn grpc_code(&self) -> tonic::Code {
+        match self {
+            ApiError::NotFound(_) => tonic::Code::NotFound,
+            ApiError::BadRequest(_) => tonic::Code::InvalidArgument,
+            ApiError::Unavailable(_) => tonic::Code::Unavailable,
+            ApiError::TooLarge(_) | ApiError::Overloaded(_) => tonic::Code::ResourceExhausted,
+            ApiError::Internal(_) => tonic::Code::Internal,
+        }
+    }
+
     /// A service error met while running a model's request.
     pub fn from_client(model: &str, e: &ClientError) -> ApiError {
         let msg = format!("model `{model}`: {e}");
@@ -62,6 +74,12 @@ impl IntoResponse for ApiError {
     }
 }
 
+impl From<ApiError> for tonic::Status {
+    fn from(e: ApiError) -> tonic::Status {
+        tonic::Status::new(e.grpc_code(), e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +90,17 @@ mod tests {
         assert_eq!(ApiError::BadRequest("x".into()).status(), 400);
         assert_eq!(ApiError::TooLarge("x".into()).status(), 413);
         assert_eq!(ApiError::Overloaded("x".into()).status(), 503);
+        let s = tonic::Status::from(ApiError::NotFound("unknown model `q`".into()));
+        assert_eq!(s.code(), tonic::Code::NotFound);
+        assert_eq!(s.message(), "unknown model `q`");
+        assert_eq!(
+            ApiError::BadRequest("x".into()).grpc_code(),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(
+            ApiError::Overloaded("x".into()).grpc_code(),
+            tonic::Code::ResourceExhausted
+        );
         let e = ClientError::Service {
             code: ErrorCode::BadFeed,
             message: "shape".into(),

@@ -1,6 +1,6 @@
-//! The Open Inference Protocol (KServe v2) over HTTP, with Triton's
-//! extensions that the stock tools need: `lanes serve --http ADDR
-//! --model-repository DIR`.
+//! The Open Inference Protocol (KServe v2) over HTTP and gRPC, with
+//! Triton's extensions that the stock tools need: `lanes serve --http ADDR
+//! --grpc ADDR --model-repository DIR`.
 //!
 //! # Design: an in-process client of the service
 //!
@@ -20,10 +20,16 @@
 //! connection and one session per batch size seen (the ONNX importer makes
 //! static shapes: a model is imported again for each batch size, lazily,
 //! at most `max_batch_size` of them). Requests reach the thread through a
-//! channel and are answered through a one-shot channel, so the HTTP side
-//! (axum on a small tokio runtime, `routes.rs`) never blocks on the
-//! service.
+//! channel and are answered through a one-shot channel, so the front
+//! doors (axum and tonic on one small tokio runtime) never block on the
+//! service. Both share one models' table, one limit on the requests in
+//! flight and the batching (`infer.rs`); they differ only in how a request
+//! is read and an answer written.
 //!
+//! - `routes.rs`: the REST routes;
+//! - `grpc/`: the gRPC service (`inference.proto`, its generated code
+//!   checked in as `inference.rs`);
+//! - `infer.rs`: what the two share, and running a checked request;
 //! - `repository.rs`: the model repository (Triton's layout) and the
 //!   little of `config.pbtxt` that is read;
 //! - `tensors.rs`: request and response bodies, JSON tensors and the
@@ -34,6 +40,8 @@
 
 mod batch;
 mod error;
+pub mod grpc;
+mod infer;
 mod model;
 mod repository;
 mod routes;
@@ -51,8 +59,10 @@ pub use repository::{RepositoryError, DEFAULT_MAX_BATCH};
 /// How to serve the protocol.
 #[derive(Debug, Clone)]
 pub struct OipConfig {
-    /// The address to listen on (`127.0.0.1:8000`; port 0 picks one).
-    pub http: String,
+    /// The address to serve HTTP on (`127.0.0.1:8000`; port 0 picks one).
+    pub http: Option<String>,
+    /// The address to serve gRPC on (`127.0.0.1:8001`; port 0 picks one).
+    pub grpc: Option<String>,
     /// The service's endpoint that the models' sessions are opened on.
     pub endpoint: String,
     /// The key for a service that authenticates its peers.
@@ -60,10 +70,11 @@ pub struct OipConfig {
     /// The model repository; `None`: no models until loaded (and none can
     /// be, as loading reads the repository).
     pub repository: Option<PathBuf>,
-    /// Largest request body (JSON and binary data together).
+    /// Largest request body (JSON and binary data together), and largest
+    /// gRPC request message.
     pub max_body_bytes: usize,
-    /// Most inference requests being served at once; more are answered
-    /// 503 at once.
+    /// Most inference requests being served at once over HTTP and gRPC
+    /// together; more are answered 503 (RESOURCE_EXHAUSTED) at once.
     pub max_in_flight: usize,
     /// How long a model's thread waits for the service's reply to one Run.
     pub run_timeout: std::time::Duration,
@@ -71,6 +82,21 @@ pub struct OipConfig {
     /// once set, `v2/health/ready` answers 503.
     pub stopping: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
+
+/// The server's name in its metadata.
+const SERVER_NAME: &str = "lanes";
+
+/// The platform models' metadata names.
+const PLATFORM: &str = "lanes_onnx";
+
+/// The protocol extensions served over HTTP (gRPC serves the statistics
+/// only).
+const EXTENSIONS: [&str; 4] = [
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+];
 
 /// Default of [`OipConfig::max_body_bytes`].
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
@@ -86,26 +112,31 @@ pub enum OipError {
         addr: String,
         source: std::io::Error,
     },
-    #[error("cannot start the HTTP front end's threads: {0}")]
+    #[error("cannot start the front end's threads: {0}")]
     Runtime(std::io::Error),
     #[error("model repository: {0}")]
     Repository(#[from] RepositoryError),
 }
 
-/// The running front end. Dropping it stops the HTTP server and the
-/// models' threads (their sessions close with their connections).
+/// The running front end. Dropping it stops the HTTP and gRPC servers
+/// and the models' threads (their sessions close with their connections).
 #[derive(Debug)]
 pub struct OipHandle {
-    addr: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    http: Option<SocketAddr>,
+    grpc: Option<SocketAddr>,
+    shutdown: tokio::sync::watch::Sender<bool>,
     thread: Option<JoinHandle<()>>,
-    state: Arc<routes::State>,
+    state: Arc<infer::State>,
 }
 
 impl OipHandle {
-    /// The address actually bound.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
+    /// The HTTP address actually bound.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http
+    }
+    /// The gRPC address actually bound.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc
     }
     /// The models of the repository and their states, as the index lists
     /// them (for the start-up log).
@@ -121,9 +152,7 @@ impl OipHandle {
 
 impl Drop for OipHandle {
     fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
+        let _ = self.shutdown.send(true);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -131,23 +160,29 @@ impl Drop for OipHandle {
     }
 }
 
-/// Binds the address, loads the repository's models (waiting for each to
-/// be loaded or to fail) and serves until the handle is dropped.
+/// A listener bound at `addr`, ready for tokio.
+fn bind(addr: &str) -> Result<(std::net::TcpListener, SocketAddr), OipError> {
+    let err = |source| OipError::Bind {
+        addr: addr.to_string(),
+        source,
+    };
+    let listener = std::net::TcpListener::bind(addr).map_err(err)?;
+    let bound = listener.local_addr().map_err(err)?;
+    listener.set_nonblocking(true).map_err(err)?;
+    Ok((listener, bound))
+}
+
+/// Resolves once the handle is dropped.
+async fn stopped(mut rx: tokio::sync::watch::Receiver<bool>) {
+    // An error: the handle is gone, which is a stop too.
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+/// Binds the addresses, loads the repository's models (waiting for each
+/// to be loaded or to fail) and serves until the handle is dropped.
 pub fn start(config: OipConfig) -> Result<OipHandle, OipError> {
-    let listener = std::net::TcpListener::bind(&config.http).map_err(|source| OipError::Bind {
-        addr: config.http.clone(),
-        source,
-    })?;
-    let addr = listener.local_addr().map_err(|source| OipError::Bind {
-        addr: config.http.clone(),
-        source,
-    })?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|source| OipError::Bind {
-            addr: config.http.clone(),
-            source,
-        })?;
+    let http = config.http.as_deref().map(bind).transpose()?;
+    let grpc = config.grpc.as_deref().map(bind).transpose()?;
     let models = model::Models::new(model::Connect {
         endpoint: local_endpoint(&config.endpoint),
         auth_key: config.auth_key.clone(),
@@ -158,39 +193,56 @@ pub fn start(config: OipConfig) -> Result<OipHandle, OipError> {
         models.set_repository(repo);
         models.load_all();
     }
-    let state = Arc::new(routes::State::new(models, &config));
+    let state = Arc::new(infer::State::new(models, &config));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .thread_name("lanes-http")
+        .thread_name("lanes-oip")
         .enable_io()
         .enable_time()
         .build()
         .map_err(OipError::Runtime)?;
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (tx, rx) = tokio::sync::watch::channel(false);
     let app = routes::router(Arc::clone(&state));
+    let grpc_state = Arc::clone(&state);
+    let (http_addr, grpc_addr) = (http.as_ref().map(|h| h.1), grpc.as_ref().map(|g| g.1));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
-        .name("lanes-http".into())
+        .name("lanes-oip".into())
         .spawn(move || {
             runtime.block_on(async move {
-                let listener = match tokio::net::TcpListener::from_std(listener) {
-                    Ok(l) => {
+                let tokio_listener = |l: Option<(std::net::TcpListener, SocketAddr)>| {
+                    l.map(|(l, _)| tokio::net::TcpListener::from_std(l))
+                        .transpose()
+                };
+                let (http, grpc) = match (tokio_listener(http), tokio_listener(grpc)) {
+                    (Ok(h), Ok(g)) => {
                         let _ = ready_tx.send(Ok(()));
-                        l
+                        (h, g)
                     }
-                    Err(e) => {
+                    (Err(e), _) | (_, Err(e)) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let served = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = rx.await;
-                    })
-                    .await;
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "the HTTP front end stopped");
-                }
+                let http_rx = rx.clone();
+                let serve_http = async move {
+                    if let Some(l) = http {
+                        let served = axum::serve(l, app)
+                            .with_graceful_shutdown(stopped(http_rx))
+                            .await;
+                        if let Err(e) = served {
+                            tracing::error!(error = %e, "the HTTP front end stopped");
+                        }
+                    }
+                };
+                let serve_grpc = async move {
+                    if let Some(l) = grpc {
+                        if let Err(e) = grpc::serve(l, grpc_state, stopped(rx)).await {
+                            tracing::error!(error = %e, "the gRPC front end stopped");
+                        }
+                    }
+                };
+                tokio::join!(serve_http, serve_grpc);
             });
         })
         .map_err(OipError::Runtime)?;
@@ -198,19 +250,20 @@ pub fn start(config: OipConfig) -> Result<OipHandle, OipError> {
         Ok(Ok(())) => {}
         Ok(Err(source)) => {
             return Err(OipError::Bind {
-                addr: config.http,
+                addr: config.http.or(config.grpc).unwrap_or_default(),
                 source,
             })
         }
         Err(_) => {
             return Err(OipError::Runtime(std::io::Error::other(
-                "the HTTP thread ended at start",
+                "the front end's thread ended at start",
             )))
         }
     }
     Ok(OipHandle {
-        addr,
-        shutdown: Some(tx),
+        http: http_addr,
+        grpc: grpc_addr,
+        shutdown: tx,
         thread: Some(thread),
         state,
     })

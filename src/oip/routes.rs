@@ -1,9 +1,7 @@
 //! The REST routes (KServe v2 and Triton's extensions) on axum.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State as St};
@@ -12,12 +10,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tokio::sync::Semaphore;
 
 use super::error::ApiError;
-use super::model::{Job, Model, Models};
+use super::infer::{self, State};
+use super::model::Model;
 use super::tensors::{self, config_type, datatype};
-use super::OipConfig;
 
 /// The protocol's header naming the JSON part's length.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -25,28 +22,6 @@ pub const HEADER_LENGTH: &str = "inference-header-content-length";
 /// JSON bodies larger than this (in bytes, or about this many bytes of
 /// numbers in a response) are parsed or written on the blocking pool.
 const LARGE_JSON: usize = 64 << 10;
-
-/// What the handlers share.
-#[derive(Debug)]
-pub struct State {
-    pub models: Models,
-    max_body: usize,
-    in_flight: Arc<Semaphore>,
-    max_in_flight: usize,
-    stopping: Option<Arc<AtomicBool>>,
-}
-
-impl State {
-    pub fn new(models: Models, config: &OipConfig) -> State {
-        State {
-            models,
-            max_body: config.max_body_bytes,
-            in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
-            max_in_flight: config.max_in_flight,
-            stopping: config.stopping.clone(),
-        }
-    }
-}
 
 type S = Arc<State>;
 type Result<T> = std::result::Result<T, ApiError>;
@@ -83,21 +58,18 @@ pub fn router(state: S) -> Router {
 }
 
 async fn ready(St(s): St<S>) -> StatusCode {
-    if s.stopping
-        .as_ref()
-        .is_some_and(|f| f.load(Ordering::Relaxed))
-    {
-        StatusCode::SERVICE_UNAVAILABLE
-    } else {
+    if s.ready() {
         StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     }
 }
 
 async fn server_metadata() -> Json<Value> {
     Json(json!({
-        "name": "lanes",
+        "name": super::SERVER_NAME,
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": ["binary_tensor_data", "model_repository", "model_configuration", "statistics"],
+        "extensions": super::EXTENSIONS,
     }))
 }
 
@@ -114,7 +86,7 @@ async fn metadata(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
     Ok(Json(json!({
         "name": m.info.name,
         "versions": [m.info.version],
-        "platform": "lanes_onnx",
+        "platform": super::PLATFORM,
         "inputs": tensor_list(&m, &m.info.inputs),
         "outputs": tensor_list(&m, &m.info.outputs),
     })))
@@ -138,7 +110,7 @@ async fn config(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
     };
     let mut c = json!({
         "name": m.info.name,
-        "platform": "lanes_onnx",
+        "platform": super::PLATFORM,
         "backend": "lanes",
         "version_policy": { "latest": { "num_versions": 1 } },
         "max_batch_size": m.info.max_batch_size,
@@ -223,12 +195,7 @@ async fn infer_inner(
     version: Option<String>,
     req: Request,
 ) -> Result<Response> {
-    let _permit = Arc::clone(&s.in_flight).try_acquire_owned().map_err(|_| {
-        ApiError::Overloaded(format!(
-            "{} inference requests are in flight already (--http-max-in-flight)",
-            s.max_in_flight
-        ))
-    })?;
+    let _permit = s.permit()?;
     let model = s.models.get(&name, version.as_deref())?;
     let (headers, bytes) = body(req, s.max_body).await?;
     if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
@@ -260,48 +227,23 @@ async fn infer_inner(
     } else {
         decode()?
     };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let job = Job {
-        rows: decoded.rows,
-        feeds: decoded.feeds,
-        arrived: Instant::now(),
-        reply: tx,
-    };
-    // A reload replaces the model while requests are on their way: those
-    // that reach the old one after it stopped go to the new one (whose
-    // service session checks the feeds again).
-    let model = match model.submit(job) {
-        Ok(()) => model,
-        Err((e, job)) => match s.models.get(&name, version.as_deref()) {
-            Ok(now) if !Arc::ptr_eq(&now, &model) => {
-                now.submit(job).map_err(|(e, _)| e)?;
-                now
-            }
-            _ => return Err(e),
-        },
-    };
-    let outputs = rx
-        .await
-        .map_err(|_| ApiError::Internal(format!("model `{name}` stopped before answering")))??;
-    let mut outputs: Vec<Option<lanes_adaptor::Tensor>> = outputs.into_iter().map(Some).collect();
-    let mut picked = Vec::with_capacity(decoded.outputs.len());
-    let mut json_elements = 0;
-    for (wanted, binary) in &decoded.outputs {
-        let t = model
-            .info
-            .outputs
-            .iter()
-            .position(|o| &o.name == wanted)
-            .and_then(|k| outputs.get_mut(k))
-            .and_then(Option::take)
-            .ok_or_else(|| {
-                ApiError::Internal(format!("model `{name}` did not return `{wanted}`"))
-            })?;
-        if !binary {
-            json_elements += t.numel();
-        }
-        picked.push(t);
-    }
+    let (model, picked) = infer::run(
+        &s,
+        model,
+        &name,
+        version.as_deref(),
+        decoded.rows,
+        decoded.feeds,
+        decoded.outputs.iter().map(|(n, _)| n.as_str()),
+    )
+    .await?;
+    let json_elements: usize = decoded
+        .outputs
+        .iter()
+        .zip(&picked)
+        .filter(|((_, binary), _)| !binary)
+        .map(|(_, t)| t.numel())
+        .sum();
     let (id, wanted) = (decoded.id, decoded.outputs);
     let encode = move || tensors::encode(&model.info, id, &wanted, &picked);
     let enc = if json_elements * 8 > LARGE_JSON {

@@ -199,46 +199,144 @@ fn json_tensor(name: &str, dtype: DType, dims: &[usize], data: &Value) -> Result
     Tensor::new(dims.to_vec(), data).map_err(|e| bad(format!("input `{name}`: {e}")))
 }
 
-/// Decodes and checks a request's JSON header and binary part.
-pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decoded, ApiError> {
-    let req: RequestBody = serde_json::from_slice(json)
-        .map_err(|e| bad(format!("malformed inference request: {e}")))?;
-    let mut feeds: Vec<Option<Tensor>> = vec![None; model.inputs.len()];
-    let mut rows: Option<usize> = None;
-    for input in &req.inputs {
+/// The inputs of one request, checked one by one against the model as
+/// they are read (from JSON and binary data, or from a gRPC message).
+#[derive(Debug)]
+pub struct Feeds<'m> {
+    model: &'m ModelInfo,
+    feeds: Vec<Option<Tensor>>,
+    rows: Option<usize>,
+}
+
+/// Where a checked input goes, and its dimensions.
+#[derive(Debug)]
+pub struct InputSlot {
+    k: usize,
+    pub dtype: DType,
+    pub dims: Vec<usize>,
+}
+
+impl<'m> Feeds<'m> {
+    pub fn new(model: &'m ModelInfo) -> Feeds<'m> {
+        Feeds {
+            model,
+            feeds: vec![None; model.inputs.len()],
+            rows: None,
+        }
+    }
+
+    /// Checks an input's name (one of the model's, not given before), its
+    /// datatype and its shape (and that its rows match the other inputs').
+    pub fn check(&mut self, name: &str, dtype: &str, shape: &[i64]) -> Result<InputSlot, ApiError> {
+        let model = self.model;
         let k = model
             .inputs
             .iter()
-            .position(|s| s.name == input.name)
+            .position(|s| s.name == name)
             .ok_or_else(|| {
                 bad(format!(
-                    "unknown input `{}`; the model's inputs are {}",
-                    input.name,
+                    "unknown input `{name}`; the model's inputs are {}",
                     model.input_names()
                 ))
             })?;
         let spec = &model.inputs[k];
-        if feeds[k].is_some() {
-            return Err(bad(format!("input `{}` is given twice", input.name)));
+        if self.feeds[k].is_some() {
+            return Err(bad(format!("input `{name}` is given twice")));
         }
-        if input.datatype != datatype(spec.dtype) {
+        if dtype != datatype(spec.dtype) {
             return Err(bad(format!(
-                "input `{}`: datatype {} does not match the model's {}",
-                input.name,
-                input.datatype,
+                "input `{name}`: datatype {dtype} does not match the model's {}",
                 datatype(spec.dtype)
             )));
         }
-        let r = check_shape(model, spec, &input.shape)?;
-        if rows.is_some_and(|x| x != r) {
+        let r = check_shape(model, spec, shape)?;
+        if let Some(x) = self.rows.filter(|&x| x != r) {
             return Err(bad(format!(
-                "input `{}`: batch size {r} differs from the other inputs' {}",
-                input.name,
-                rows.unwrap_or(0)
+                "input `{name}`: batch size {r} differs from the other inputs' {x}"
             )));
         }
-        rows = Some(r);
-        let dims: Vec<usize> = input.shape.iter().map(|&d| d as usize).collect();
+        self.rows = Some(r);
+        Ok(InputSlot {
+            k,
+            dtype: spec.dtype,
+            dims: shape.iter().map(|&d| d as usize).collect(),
+        })
+    }
+
+    /// Keeps a checked input's tensor.
+    pub fn put(&mut self, slot: InputSlot, tensor: Tensor) {
+        self.feeds[slot.k] = Some(tensor);
+    }
+
+    /// The rows and one tensor per model input, in the model's order;
+    /// an input not given is an error.
+    pub fn finish(self) -> Result<(usize, Vec<(String, Tensor)>), ApiError> {
+        let mut out = Vec::with_capacity(self.feeds.len());
+        for (spec, t) in self.model.inputs.iter().zip(self.feeds) {
+            let t = t.ok_or_else(|| bad(format!("input `{}` is missing", spec.name)))?;
+            out.push((spec.name.clone(), t));
+        }
+        Ok((self.rows.unwrap_or(1), out))
+    }
+}
+
+/// A checked input's tensor from its raw bytes (little-endian, row-major),
+/// which must be exactly as many as its shape and datatype take.
+pub fn raw_tensor(name: &str, slot: &InputSlot, bytes: &[u8]) -> Result<Tensor, ApiError> {
+    let want = slot.dims.iter().product::<usize>() * slot.dtype.size();
+    if bytes.len() != want {
+        return Err(bad(format!(
+            "input `{name}`: {} bytes of data for shape {:?} of {} ({want} bytes)",
+            bytes.len(),
+            slot.dims,
+            datatype(slot.dtype)
+        )));
+    }
+    let ty = lanes_adaptor::TensorType::new(slot.dtype, slot.dims.clone());
+    // One copy into aligned storage (the wire's own decode).
+    lanes_adaptor::wire::tensor_from_frame(&ty, bytes)
+        .map_err(|e| bad(format!("input `{name}`: {e}")))
+}
+
+/// A checked input's tensor from its elements.
+pub fn typed_tensor(name: &str, slot: &InputSlot, data: TensorData) -> Result<Tensor, ApiError> {
+    let n = slot.dims.iter().product::<usize>();
+    if data.len() != n {
+        return Err(bad(format!(
+            "input `{name}`: {} data elements for shape {:?} ({n} elements)",
+            data.len(),
+            slot.dims
+        )));
+    }
+    Tensor::new(slot.dims.clone(), data).map_err(|e| bad(format!("input `{name}`: {e}")))
+}
+
+/// Checks that an output asked for is one of the model's and not asked
+/// for before (`earlier`).
+pub fn check_output<'a>(
+    model: &ModelInfo,
+    name: &str,
+    mut earlier: impl Iterator<Item = &'a str>,
+) -> Result<(), ApiError> {
+    if !model.outputs.iter().any(|s| s.name == name) {
+        return Err(bad(format!(
+            "unknown output `{name}`; the model's outputs are {}",
+            model.output_names()
+        )));
+    }
+    if earlier.any(|n| n == name) {
+        return Err(bad(format!("output `{name}` is asked for twice")));
+    }
+    Ok(())
+}
+
+/// Decodes and checks a request's JSON header and binary part.
+pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decoded, ApiError> {
+    let req: RequestBody = serde_json::from_slice(json)
+        .map_err(|e| bad(format!("malformed inference request: {e}")))?;
+    let mut feeds = Feeds::new(model);
+    for input in &req.inputs {
+        let slot = feeds.check(&input.name, &input.datatype, &input.shape)?;
         let binary_size = match input
             .parameters
             .as_ref()
@@ -264,9 +362,9 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
                 )))
             }
             (None, None) => return Err(bad(format!("input `{}` has no data", input.name))),
-            (None, Some(data)) => json_tensor(&input.name, spec.dtype, &dims, data)?,
+            (None, Some(data)) => json_tensor(&input.name, slot.dtype, &slot.dims, data)?,
             (Some(size), None) => {
-                let want = dims.iter().product::<usize>() * spec.dtype.size();
+                let want = slot.dims.iter().product::<usize>() * slot.dtype.size();
                 if size != want {
                     return Err(bad(format!(
                         "input `{}`: binary_data_size {size} for shape {:?} of {} ({want} bytes)",
@@ -282,13 +380,10 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
                 }
                 let (mine, rest) = binary.split_at(size);
                 binary = rest;
-                let ty = lanes_adaptor::TensorType::new(spec.dtype, dims);
-                // One copy into aligned storage (the wire's own decode).
-                lanes_adaptor::wire::tensor_from_frame(&ty, mine)
-                    .map_err(|e| bad(format!("input `{}`: {e}", input.name)))?
+                raw_tensor(&input.name, &slot, mine)?
             }
         };
-        feeds[k] = Some(tensor);
+        feeds.put(slot, tensor);
     }
     if !binary.is_empty() {
         return Err(bad(format!(
@@ -296,11 +391,7 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
             binary.len()
         )));
     }
-    let mut out = Vec::with_capacity(feeds.len());
-    for (spec, t) in model.inputs.iter().zip(feeds) {
-        let t = t.ok_or_else(|| bad(format!("input `{}` is missing", spec.name)))?;
-        out.push((spec.name.clone(), t));
-    }
+    let (rows, out) = feeds.finish()?;
     let all_binary = flag(&req.parameters, "binary_data_output")?.unwrap_or(false);
     let outputs = match &req.outputs {
         None => model
@@ -311,16 +402,7 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
         Some(list) => {
             let mut v: Vec<(String, bool)> = Vec::with_capacity(list.len());
             for o in list {
-                if !model.outputs.iter().any(|s| s.name == o.name) {
-                    return Err(bad(format!(
-                        "unknown output `{}`; the model's outputs are {}",
-                        o.name,
-                        model.output_names()
-                    )));
-                }
-                if v.iter().any(|(n, _)| *n == o.name) {
-                    return Err(bad(format!("output `{}` is asked for twice", o.name)));
-                }
+                check_output(model, &o.name, v.iter().map(|(n, _)| n.as_str()))?;
                 let b = flag(&o.parameters, "binary_data")?.unwrap_or(all_binary);
                 v.push((o.name.clone(), b));
             }
@@ -329,7 +411,7 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
     };
     Ok(Decoded {
         id: req.id,
-        rows: rows.unwrap_or(1),
+        rows,
         feeds: out,
         outputs,
     })

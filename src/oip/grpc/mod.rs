@@ -1,0 +1,348 @@
+//! The Open Inference Protocol over gRPC (`lanes serve --grpc ADDR`): the
+//! service `inference.GRPCInferenceService` on tonic.
+//!
+//! A thin front door beside the REST one: it reads a request from the
+//! protocol's messages and hands it to the same models' table, checks and
+//! batching (`super::infer`, `super::tensors`); only the reading and the
+//! writing are its own. Inputs come as `raw_input_contents` (what
+//! tritonclient sends) or as typed `contents`; outputs go back as
+//! `raw_output_contents`. Errors are gRPC statuses
+//! ([`super::ApiError::grpc_code`]); a request message over
+//! `--http-max-body` is refused by tonic before it is read.
+
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    missing_docs,
+    missing_debug_implementations,
+    unused_qualifications
+)]
+/// The protocol's messages, server and client, generated from
+/// `inference.proto` by `gen/` (checked in, so that building Lanes needs no
+/// protobuf compiler).
+pub mod proto {
+    include!("inference.rs");
+}
+
+use std::future::Future;
+use std::sync::Arc;
+
+use lanes_adaptor::{DType, TensorData};
+use tonic::codegen::http;
+use tonic::{Request, Response, Status};
+
+use super::error::ApiError;
+use super::infer::{self, State};
+use super::model::ModelInfo;
+use super::tensors::{self, datatype, Feeds};
+use proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use proto::model_infer_request::InferInputTensor;
+use proto::model_infer_response::InferOutputTensor;
+use proto::model_metadata_response::TensorMetadata;
+use proto::*;
+
+/// Serves the protocol on `listener` until `shutdown` resolves.
+pub(super) async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<State>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let max = state.max_body;
+    let service = GrpcInferenceServiceServer::new(Service { state })
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(usize::MAX);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .layer(tower::util::MapResponseLayer::new(move |r| {
+            too_large(r, max)
+        }))
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}
+
+/// tonic refuses a request message over its limit with OUT_OF_RANGE; the
+/// protocol's clients, like gRPC's own libraries, expect
+/// RESOURCE_EXHAUSTED, and the user wants the flag that sets the limit.
+fn too_large(
+    mut r: http::Response<tonic::body::Body>,
+    max: usize,
+) -> http::Response<tonic::body::Body> {
+    let over = Status::from_header_map(r.headers()).is_some_and(|s| {
+        s.code() == tonic::Code::OutOfRange && s.message().contains("message length too large")
+    });
+    if over {
+        let s = Status::resource_exhausted(format!(
+            "the request message exceeds {max} bytes (--http-max-body)"
+        ));
+        // Only fails on a message that is no header value; this one is.
+        let _ = s.add_header(r.headers_mut());
+    }
+    r
+}
+
+#[derive(Debug)]
+struct Service {
+    state: Arc<State>,
+}
+
+/// The protocol leaves a version empty to mean "whichever is loaded".
+fn version(v: &str) -> Option<&str> {
+    (!v.is_empty()).then_some(v)
+}
+
+fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(msg.into())
+}
+
+/// A request read and checked against its model.
+#[derive(Debug)]
+struct Decoded {
+    rows: usize,
+    feeds: Vec<(String, lanes_adaptor::Tensor)>,
+    /// The outputs asked for (all, in the model's order, when none named).
+    outputs: Vec<String>,
+}
+
+/// An input's typed contents: the list its datatype takes, and no other.
+fn typed(
+    input: &InferInputTensor,
+    slot: &tensors::InputSlot,
+    c: InferTensorContents,
+) -> Result<lanes_adaptor::Tensor, ApiError> {
+    let others = [
+        !c.bool_contents.is_empty(),
+        !c.int_contents.is_empty(),
+        !c.uint_contents.is_empty(),
+        !c.uint64_contents.is_empty(),
+        !c.fp64_contents.is_empty(),
+        !c.bytes_contents.is_empty(),
+    ];
+    let wrong = match slot.dtype {
+        DType::F32 => !c.int64_contents.is_empty(),
+        DType::I64 => !c.fp32_contents.is_empty(),
+    };
+    if wrong || others.iter().any(|&x| x) {
+        let list = match slot.dtype {
+            DType::F32 => "fp32_contents",
+            DType::I64 => "int64_contents",
+        };
+        return Err(bad(format!(
+            "input `{}`: {} data goes in contents.{list}, and only there",
+            input.name, input.datatype
+        )));
+    }
+    let data = match slot.dtype {
+        DType::F32 => TensorData::F32(c.fp32_contents),
+        DType::I64 => TensorData::I64(c.int64_contents),
+    };
+    tensors::typed_tensor(&input.name, slot, data)
+}
+
+/// Reads and checks an inference request's tensors.
+fn decode(model: &ModelInfo, req: ModelInferRequest) -> Result<Decoded, ApiError> {
+    let raw = req.raw_input_contents;
+    if !raw.is_empty() && raw.len() != req.inputs.len() {
+        return Err(bad(format!(
+            "{} raw_input_contents for {} inputs: give one per input, in the inputs' order",
+            raw.len(),
+            req.inputs.len()
+        )));
+    }
+    let mut feeds = Feeds::new(model);
+    for (i, mut input) in req.inputs.into_iter().enumerate() {
+        let slot = feeds.check(&input.name, &input.datatype, &input.shape)?;
+        let contents = input.contents.take();
+        let tensor = match (raw.get(i), contents) {
+            (Some(_), Some(_)) => {
+                return Err(bad(format!(
+                "input `{}` has contents, and the request raw_input_contents: use one or the other",
+                input.name
+            )))
+            }
+            (Some(bytes), None) => tensors::raw_tensor(&input.name, &slot, bytes)?,
+            (None, Some(c)) => typed(&input, &slot, c)?,
+            (None, None) => return Err(bad(format!("input `{}` has no data", input.name))),
+        };
+        feeds.put(slot, tensor);
+    }
+    let (rows, feeds) = feeds.finish()?;
+    let outputs = if req.outputs.is_empty() {
+        model.outputs.iter().map(|s| s.name.clone()).collect()
+    } else {
+        let mut v: Vec<String> = Vec::with_capacity(req.outputs.len());
+        for o in req.outputs {
+            tensors::check_output(model, &o.name, v.iter().map(String::as_str))?;
+            v.push(o.name);
+        }
+        v
+    };
+    Ok(Decoded {
+        rows,
+        feeds,
+        outputs,
+    })
+}
+
+fn shape_i64(dims: &[usize]) -> Vec<i64> {
+    dims.iter().map(|&d| d as i64).collect()
+}
+
+fn duration(v: &serde_json::Value) -> Option<StatisticDuration> {
+    Some(StatisticDuration {
+        count: v["count"].as_u64().unwrap_or(0),
+        ns: v["ns"].as_u64().unwrap_or(0),
+    })
+}
+
+/// A model's statistics, from the form the REST side serves.
+fn statistics(j: &serde_json::Value) -> ModelStatistics {
+    let s = &j["inference_stats"];
+    let batches = j["batch_stats"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    ModelStatistics {
+        name: j["name"].as_str().unwrap_or_default().to_string(),
+        version: j["version"].as_str().unwrap_or_default().to_string(),
+        last_inference: j["last_inference"].as_u64().unwrap_or(0),
+        inference_count: j["inference_count"].as_u64().unwrap_or(0),
+        execution_count: j["execution_count"].as_u64().unwrap_or(0),
+        inference_stats: Some(InferStatistics {
+            success: duration(&s["success"]),
+            fail: duration(&s["fail"]),
+            queue: duration(&s["queue"]),
+            compute_input: duration(&s["compute_input"]),
+            compute_infer: duration(&s["compute_infer"]),
+            compute_output: duration(&s["compute_output"]),
+            cache_hit: duration(&s["cache_hit"]),
+            cache_miss: duration(&s["cache_miss"]),
+        }),
+        batch_stats: batches
+            .iter()
+            .map(|b| InferBatchStatistics {
+                batch_size: b["batch_size"].as_u64().unwrap_or(0),
+                compute_input: duration(&b["compute_input"]),
+                compute_infer: duration(&b["compute_infer"]),
+                compute_output: duration(&b["compute_output"]),
+            })
+            .collect(),
+    }
+}
+
+type Answer<T> = Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl GrpcInferenceService for Service {
+    async fn server_live(&self, _: Request<ServerLiveRequest>) -> Answer<ServerLiveResponse> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(&self, _: Request<ServerReadyRequest>) -> Answer<ServerReadyResponse> {
+        Ok(Response::new(ServerReadyResponse {
+            ready: self.state.ready(),
+        }))
+    }
+
+    async fn model_ready(&self, req: Request<ModelReadyRequest>) -> Answer<ModelReadyResponse> {
+        let r = req.get_ref();
+        // Not loaded, unknown or another version: not ready (as over HTTP,
+        // where tritonclient reads any answer but 200 as false).
+        let ready = self.state.models.get(&r.name, version(&r.version)).is_ok();
+        Ok(Response::new(ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<ServerMetadataRequest>,
+    ) -> Answer<ServerMetadataResponse> {
+        Ok(Response::new(ServerMetadataResponse {
+            name: super::SERVER_NAME.into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            // Of the extensions served over HTTP, the one gRPC serves too.
+            extensions: vec!["statistics".into()],
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        req: Request<ModelMetadataRequest>,
+    ) -> Answer<ModelMetadataResponse> {
+        let r = req.get_ref();
+        let m = self.state.models.get(&r.name, version(&r.version))?;
+        let list = |specs: &[super::model::TensorSpec]| -> Vec<TensorMetadata> {
+            specs
+                .iter()
+                .map(|s| TensorMetadata {
+                    name: s.name.clone(),
+                    datatype: datatype(s.dtype).into(),
+                    shape: m.info.shape(s),
+                })
+                .collect()
+        };
+        Ok(Response::new(ModelMetadataResponse {
+            name: m.info.name.clone(),
+            versions: vec![m.info.version.clone()],
+            platform: super::PLATFORM.into(),
+            inputs: list(&m.info.inputs),
+            outputs: list(&m.info.outputs),
+        }))
+    }
+
+    async fn model_infer(&self, req: Request<ModelInferRequest>) -> Answer<ModelInferResponse> {
+        let _permit = self.state.permit()?;
+        let req = req.into_inner();
+        let name = req.model_name.clone();
+        let ver = version(&req.model_version).map(str::to_owned);
+        let id = req.id.clone();
+        let model = self.state.models.get(&name, ver.as_deref())?;
+        let d = decode(&model.info, req)?;
+        let (model, picked) = infer::run(
+            &self.state,
+            model,
+            &name,
+            ver.as_deref(),
+            d.rows,
+            d.feeds,
+            d.outputs.iter().map(String::as_str),
+        )
+        .await?;
+        let mut outputs = Vec::with_capacity(picked.len());
+        let mut raw = Vec::with_capacity(picked.len());
+        for (o, t) in d.outputs.into_iter().zip(picked) {
+            outputs.push(InferOutputTensor {
+                name: o,
+                datatype: datatype(t.dtype()).into(),
+                shape: shape_i64(t.shape().dims()),
+                parameters: Default::default(),
+                contents: None,
+            });
+            raw.push(t.to_le_bytes());
+        }
+        Ok(Response::new(ModelInferResponse {
+            model_name: model.info.name.clone(),
+            model_version: model.info.version.clone(),
+            id,
+            parameters: Default::default(),
+            outputs,
+            raw_output_contents: raw,
+        }))
+    }
+
+    async fn model_statistics(
+        &self,
+        req: Request<ModelStatisticsRequest>,
+    ) -> Answer<ModelStatisticsResponse> {
+        let r = req.get_ref();
+        let models = if r.name.is_empty() {
+            self.state.models.ready()
+        } else {
+            vec![self.state.models.get(&r.name, version(&r.version))?]
+        };
+        let model_stats = models
+            .iter()
+            .map(|m| statistics(&m.stats.json(&m.info.name, &m.info.version)))
+            .collect();
+        Ok(Response::new(ModelStatisticsResponse { model_stats }))
+    }
+}
