@@ -118,13 +118,20 @@ fn typed(
         !c.fp64_contents.is_empty(),
         !c.bytes_contents.is_empty(),
     ];
+    if matches!(slot.dtype, DType::F16 | DType::BF16) {
+        // The protocol has no typed list for 16-bit floats.
+        return Err(bad(format!(
+            "input `{}`: {} data travels in raw_input_contents only",
+            input.name, input.datatype
+        )));
+    }
     let wrong = match slot.dtype {
         DType::F32 => !c.int64_contents.is_empty(),
-        DType::I64 => !c.fp32_contents.is_empty(),
+        DType::I64 | DType::F16 | DType::BF16 => !c.fp32_contents.is_empty(),
     };
     if wrong || others.iter().any(|&x| x) {
         let list = match slot.dtype {
-            DType::F32 => "fp32_contents",
+            DType::F32 | DType::F16 | DType::BF16 => "fp32_contents",
             DType::I64 => "int64_contents",
         };
         return Err(bad(format!(
@@ -133,8 +140,8 @@ fn typed(
         )));
     }
     let data = match slot.dtype {
-        DType::F32 => TensorData::F32(c.fp32_contents),
         DType::I64 => TensorData::I64(c.int64_contents),
+        DType::F32 | DType::F16 | DType::BF16 => TensorData::F32(c.fp32_contents),
     };
     tensors::typed_tensor(&input.name, slot, data)
 }
