@@ -144,6 +144,38 @@ fn infer_on_the_service_path_alone() {
         .is_finite());
 }
 
+/// `--precision` reaches the graph: a bf16-mixed training step and an
+/// fp16-served model run, and the JSON says in which precision.
+#[test]
+fn precision_is_chosen_per_bench() {
+    for (kind, precision, dtype) in [("train", "bf16-mixed", "bf16"), ("infer", "fp16", "f16")] {
+        let (v, _) = bench(&[
+            kind,
+            "--model",
+            "lenet",
+            "--batch",
+            "2",
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--path",
+            "executor",
+            "--precision",
+            precision,
+        ]);
+        assert_eq!(v["precision"]["dtype"], dtype, "{v}");
+        assert_eq!(v["precision"]["amp"], precision, "{v}");
+        check_path(&v, "executor");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["bench", "infer", "--model", "lenet", "--precision", "int8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown precision"));
+}
+
 #[test]
 fn infer_on_both_paths_gives_the_same_output() {
     let (v, _) = bench(&[

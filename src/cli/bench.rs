@@ -392,9 +392,15 @@ fn bench(
     // Both paths build their CUDA programs with these defaults (the executor
     // path changes only `cuda_graph`).
     let d = lanes::exec::cuda::CudaOptions::default();
+    // The dtype products compute in, and the precision as the job chose it.
+    let dtype = o
+        .precision
+        .half()
+        .map_or("f32".to_string(), |d| d.to_string());
     let precision = match device {
         Device::Cuda => json!({
-            "dtype": o.precision.to_string(),
+            "dtype": dtype,
+            "amp": o.precision.to_string(),
             "conv_tf32": d.conv_tf32,
             "matmul_tf32": d.matmul_tf32,
             "pytorch_equivalent": format!(
@@ -403,7 +409,7 @@ fn bench(
                 py_bool(d.matmul_tf32)
             ),
         }),
-        Device::Cpu => json!({ "dtype": o.precision.to_string() }),
+        Device::Cpu => json!({ "dtype": dtype, "amp": o.precision.to_string() }),
     };
     Ok(json!({
         "bench": w.kind.name(),
