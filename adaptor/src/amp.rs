@@ -10,7 +10,8 @@
 //! The op lists follow PyTorch's autocast:
 //! - matrix products and convolutions take their inputs in the half dtype;
 //! - the normalising ops (softmax, norms, losses), reductions, `exp` and
-//!   `log` take theirs in f32;
+//!   `log` take theirs in f32, and so do the pools and `Where` (no half
+//!   kernels for them on CUDA yet);
 //! - elementwise ops of several inputs run in the widest dtype among their
 //!   *activations*; a weight or a constant beside an activation follows the
 //!   activation's dtype (a linear layer's bias is added in bf16, as in
