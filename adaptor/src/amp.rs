@@ -256,14 +256,10 @@ pub fn apply(
         out.map.insert(id, new_id);
     }
     // What no node reads comes back in f32 under its own name.
-    let sinks: Vec<NodeId> = valid
-        .order()
-        .iter()
-        .copied()
-        .filter(|&id| valid.consumers(id).is_empty())
-        .collect();
-    for id in sinks {
-        out.widen_sink(id)?;
+    for &id in valid.order() {
+        if valid.consumers(id).is_empty() {
+            out.widen_sink(id);
+        }
     }
     Ok((Graph { nodes: out.nodes }, vars))
 }
@@ -422,14 +418,14 @@ impl<'g> Rewriter<'g> {
 
     /// A node no one reads, with one half output: renamed `<name>/half`,
     /// and a cast to f32 takes its name.
-    fn widen_sink(&mut self, old_id: NodeId) -> Result<(), AmpError> {
+    fn widen_sink(&mut self, old_id: NodeId) {
         let new_id = self.map[&old_id];
         let node = &self.nodes[new_id.index()];
-        if node.outputs.len() != 1 || !matches!(node.outputs[0].dtype, DType::F16 | DType::BF16) {
-            return Ok(());
+        if node.outputs.len() != 1 || !node.outputs[0].dtype.is_half() {
+            return;
         }
         if matches!(node.op, Op::Variable(_) | Op::Constant(_)) {
-            return Ok(());
+            return;
         }
         let name = self.old.nodes[old_id.index()].name.clone();
         let renamed = self.fresh(format!("{name}/half"));
@@ -444,7 +440,6 @@ impl<'g> Rewriter<'g> {
             vec![Outlet::new(new_id, 0)],
             vec![ty],
         );
-        Ok(())
     }
 }
 
