@@ -254,3 +254,42 @@ fn a_service_killed_mid_run_is_noticed_within_seconds() {
     assert!(t1.elapsed() < Duration::from_secs(30), "{:?}", t1.elapsed());
     let _ = std::fs::remove_dir_all(path.parent().unwrap());
 }
+
+/// A client dropped with Runs still unsent, whose service dies while its
+/// socket lingers, leaves the other clients of the process working.
+/// (libzmq reports the broken connection to the socket's monitor from the
+/// context's one I/O thread, with a blocking send; once the monitor's
+/// reader was closed that send never returned and every client of the
+/// process stalled: new ones timed out connecting.)
+#[test]
+fn a_client_dropped_as_its_service_dies_leaves_the_others_working() {
+    let mut serve = Serve::start(&["--memory", "none"]);
+    let mut c = Client::connect_with(
+        &serve.endpoint,
+        ClientOptions {
+            shared_memory: false,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    {
+        let mut s = c.open_session(SessionSpec::training("doomed")).unwrap();
+        let (graph, vars) = heavy();
+        s.load(&graph, vars).unwrap();
+        // The service reads nothing more: 32 MB of feeds stay in the socket.
+        signal(&serve, "-STOP");
+        for _ in 0..8 {
+            s.submit_run(vec![("x", x())], &["y"]).unwrap();
+        }
+        std::mem::forget(s);
+    }
+    drop(c);
+    serve.child.kill().unwrap();
+    serve.child.wait().unwrap();
+    // The broken connection is noticed while the dropped socket lingers.
+    std::thread::sleep(Duration::from_millis(300));
+    let other = util::start();
+    let r = Client::connect(other.endpoint());
+    assert!(r.is_ok(), "{:?}", r.map(|_| ()));
+    other.shutdown().unwrap();
+}

@@ -229,9 +229,8 @@ struct Sent {
 
 /// A connection to one Lanes service. Blocking: one request at a time.
 pub struct Client {
-    socket: zmq::Socket,
-    /// The socket's monitor: its handshake, and a lost connection.
-    monitor: zmq::Socket,
+    /// The DEALER and its monitor (the handshake, and a lost connection).
+    conn: Monitored,
     /// When the connection was lost. ZeroMQ would connect again, but the
     /// service reclaims a closed connection's sessions and sees a new one
     /// as a stranger: from then on every wait fails at once.
@@ -382,11 +381,11 @@ impl Client {
             Ok(Some(k)) => Some(k.connection_token(auth::unix_now())),
             _ => None,
         };
-        let (socket, monitor) = loop {
-            let (socket, monitor) = open_socket(endpoint, &options, token.as_deref())?;
+        let conn = loop {
+            let conn = open_socket(endpoint, &options, token.as_deref())?;
             let left = options.connect_timeout.saturating_sub(started.elapsed());
-            match handshake(&monitor, left)? {
-                Handshake::Done => break (socket, monitor),
+            match handshake(&conn.monitor, left)? {
+                Handshake::Done => break conn,
                 // Which side notices a mismatch first varies: either failure
                 // with a token is tried again without.
                 Handshake::Mismatch | Handshake::Failed(_) if token.is_some() => token = None,
@@ -427,8 +426,7 @@ impl Client {
         };
         let request_timeout = options.timeout;
         let mut client = Client {
-            socket,
-            monitor,
+            conn,
             lost_at: None,
             pool: BufferPool::new(usize::MAX),
             next_id: 1,
@@ -595,13 +593,16 @@ impl Client {
         let frames = encode(id).map_err(ClientError::Encode)?;
         let bytes: usize = frames.iter().map(Vec::len).sum();
         let encoded = Instant::now();
-        self.socket.send_multipart(frames, 0).map_err(|e| match e {
-            zmq::Error::EAGAIN => ClientError::Timeout {
-                request,
-                timeout: self.options.timeout,
-            },
-            other => ClientError::Zmq(other),
-        })?;
+        self.conn
+            .socket
+            .send_multipart(frames, 0)
+            .map_err(|e| match e {
+                zmq::Error::EAGAIN => ClientError::Timeout {
+                    request,
+                    timeout: self.options.timeout,
+                },
+                other => ClientError::Zmq(other),
+            })?;
         Ok(Sent {
             id,
             request,
@@ -627,7 +628,8 @@ impl Client {
             }
             if !self.options.busy_poll.is_zero() {
                 let until = Instant::now() + self.options.busy_poll;
-                while Instant::now() < until.min(deadline) && self.socket.poll(zmq::POLLIN, 0)? == 0
+                while Instant::now() < until.min(deadline)
+                    && self.conn.socket.poll(zmq::POLLIN, 0)? == 0
                 {
                     std::hint::spin_loop();
                 }
@@ -638,8 +640,8 @@ impl Client {
                 (false, false)
             } else {
                 let mut items = [
-                    self.socket.as_poll_item(zmq::POLLIN),
-                    self.monitor.as_poll_item(zmq::POLLIN),
+                    self.conn.socket.as_poll_item(zmq::POLLIN),
+                    self.conn.monitor.as_poll_item(zmq::POLLIN),
                 ];
                 zmq::poll(&mut items, ms)?;
                 (items[0].is_readable(), items[1].is_readable())
@@ -650,7 +652,7 @@ impl Client {
                 }
                 continue;
             }
-            if event && connection_lost(&self.monitor)? {
+            if event && connection_lost(&self.conn.monitor)? {
                 self.lost_at = Some(Instant::now());
             }
             if event {
@@ -673,7 +675,7 @@ impl Client {
         pool: Option<&BufferPool>,
     ) -> Result<Option<Result<Reply, ClientError>>, ClientError> {
         let ready = Instant::now();
-        let frames = recv_frames(&self.socket)?;
+        let frames = recv_frames(&self.conn.socket)?;
         let received = Instant::now();
         let decoded = wire::decode_reply_in(&frames, &self.options.limits, pool);
         drop(frames);
@@ -985,7 +987,7 @@ impl Client {
                 loop {
                     let left = wake.saturating_duration_since(Instant::now());
                     let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
-                    if ms == 0 || self.socket.poll(zmq::POLLIN, ms)? == 0 {
+                    if ms == 0 || self.conn.socket.poll(zmq::POLLIN, ms)? == 0 {
                         break;
                     }
                     if let Some(r) = self.take_reply(sent, None)? {
@@ -1013,7 +1015,7 @@ impl Client {
                 }
                 // Replies to earlier Runs answered through their slots
                 // arrive meanwhile: taken and dropped without leaving.
-                if self.socket.poll(zmq::POLLIN, 0)? != 0 {
+                if self.conn.socket.poll(zmq::POLLIN, 0)? != 0 {
                     if let Some(r) = self.take_reply(sent, None)? {
                         socket_reply = Some(r);
                         break;
@@ -1292,14 +1294,43 @@ fn needs_key() -> String {
     format!("the service requires a key: set ClientOptions::auth_key or {AUTH_KEY_FILE_ENV}")
 }
 
+/// Names the inproc endpoints client monitors bind (unique in the process).
+static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn monitor_address() -> String {
+    let n = MONITORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("inproc://lanes-client-monitor-{n}")
+}
+
+/// A DEALER and the PAIR its socket monitor reports to.
+///
+/// libzmq sends monitor events from the context's I/O thread with a
+/// blocking send, and keeps the monitor until the socket is destroyed,
+/// which happens after the linger, on the reaper. Closed in field order,
+/// the PAIR is gone while the socket lingers; an event then (the service
+/// going away) blocks the I/O thread for good, and with it every client of
+/// the process (they share one context). Dropping this first points the
+/// monitor at a fresh endpoint with no events, which closes the old one
+/// and sends nothing.
+struct Monitored {
+    socket: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+impl Drop for Monitored {
+    fn drop(&mut self) {
+        // Only fails once the context is terminated, when no event is sent.
+        let _ = self.socket.monitor(&monitor_address(), 0);
+    }
+}
+
 /// A DEALER connecting to `endpoint` (with a connection token, as PLAIN
 /// password, when given) and the PAIR its monitor reports to.
 fn open_socket(
     endpoint: &str,
     options: &ClientOptions,
     token: Option<&str>,
-) -> Result<(zmq::Socket, zmq::Socket), ClientError> {
-    static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+) -> Result<Monitored, ClientError> {
     let socket = context().socket(zmq::DEALER)?;
     let ms = i32::try_from(options.timeout.as_millis()).unwrap_or(i32::MAX);
     socket.set_sndtimeo(ms)?;
@@ -1313,8 +1344,7 @@ fn open_socket(
         socket.set_plain_username(Some(auth::TOKEN_USER))?;
         socket.set_plain_password(Some(token))?;
     }
-    let n = MONITORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let address = format!("inproc://lanes-client-monitor-{n}");
+    let address = monitor_address();
     let events = zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32
         | zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL as i32
         | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL as i32
@@ -1323,9 +1353,10 @@ fn open_socket(
     socket.monitor(&address, events)?;
     let monitor = context().socket(zmq::PAIR)?;
     monitor.set_linger(0)?;
-    monitor.connect(&address)?;
-    socket.connect(endpoint)?;
-    Ok((socket, monitor))
+    let conn = Monitored { socket, monitor };
+    conn.monitor.connect(&address)?;
+    conn.socket.connect(endpoint)?;
+    Ok(conn)
 }
 
 /// How a connection's ZeroMQ handshake ended.
@@ -1669,7 +1700,11 @@ impl Drop for Session<'_> {
         self.client.shared.by_session.remove(&self.id);
         if let Ok(frames) = wire::encode_request(id, &Request::CloseSession { session: self.id }) {
             // Best effort: the reply is skipped by the next request's id check.
-            let _ = self.client.socket.send_multipart(frames, zmq::DONTWAIT);
+            let _ = self
+                .client
+                .conn
+                .socket
+                .send_multipart(frames, zmq::DONTWAIT);
         }
     }
 }
