@@ -104,8 +104,11 @@ impl Client {
     }
 
     /// Opens a session: `kind` is "inference" or "training"; larger
-    /// `priority` runs first under priority policies.
-    #[pyo3(signature = (name, kind="inference", priority=0, expected_iterations=None))]
+    /// `priority` runs first under priority policies; `slo_ms` states a
+    /// latency objective for its Runs (milliseconds, positive and finite,
+    /// at most an hour: `ValueError` otherwise), whose attainment
+    /// `status()` reports.
+    #[pyo3(signature = (name, kind="inference", priority=0, expected_iterations=None, slo_ms=None))]
     fn session(
         &self,
         py: Python<'_>,
@@ -113,6 +116,7 @@ impl Client {
         kind: &str,
         priority: i32,
         expected_iterations: Option<u64>,
+        slo_ms: Option<f64>,
     ) -> PyResult<Session> {
         let kind = match kind {
             "inference" => JobKind::Inference,
@@ -126,6 +130,11 @@ impl Client {
         let mut spec = SessionSpec::new(name, kind).with_priority(priority);
         if let Some(n) = expected_iterations {
             spec = spec.with_expected_iterations(n);
+        }
+        if let Some(ms) = slo_ms {
+            spec = spec
+                .with_slo_ms(ms)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
         let conn = self.conn.clone();
         let id = py

@@ -57,6 +57,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// One report. `queue (ms)` and `run (ms)` are the session's mean Run
 /// queueing delay (arrival to dispatch) and mean measured Run duration.
+/// A session's objective and how its Runs kept it, e.g.
+/// `5ms: 982/1000 98.2%, p99 4.10ms`.
+fn slo_cell(a: &lanes_adaptor::wire::SloAttainment) -> String {
+    let pct = a
+        .attainment()
+        .map_or_else(|| "-".to_string(), |f| format!("{:.1}%", f * 100.0));
+    let p99 = a
+        .recent_p99_ms
+        .map_or_else(|| "-".to_string(), |p| format!("{p:.2}ms"));
+    format!("{}ms: {}/{} {pct}, p99 {p99}", a.slo_ms, a.within, a.runs)
+}
+
 fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
     let s = client.status()?;
     if args.json {
@@ -69,6 +81,16 @@ fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
                 .and_then(|j| j.as_str().and_then(|t| serde_json::from_str(t).ok()))
                 .unwrap_or(serde_json::Value::Null);
             o.insert("lanes".into(), lanes);
+            // Each objective's attainment as a fraction, beside its counts.
+            if let Some(sessions) = o.get_mut("sessions").and_then(|v| v.as_array_mut()) {
+                for (x, v) in s.sessions.iter().zip(sessions) {
+                    if let (Some(a), Some(slo)) =
+                        (&x.slo, v.get_mut("slo").and_then(|o| o.as_object_mut()))
+                    {
+                        slo.insert("attainment".into(), a.attainment().into());
+                    }
+                }
+            }
         }
         outln!("{}", serde_json::to_string(&v)?)?;
         return Ok(());
@@ -85,7 +107,7 @@ fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
         s.queued
     )?;
     outln!(
-        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11} {:>10}",
+        "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9} {:<8} {:>9} {:>11} {:>11} {:>10}  {}",
         "session",
         "name",
         "kind",
@@ -97,7 +119,8 @@ fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
         "evictions",
         "queue (ms)",
         "run (ms)",
-        "feeds"
+        "feeds",
+        "slo: within/runs, recent p99"
     )?;
     for x in &s.sessions {
         let iters = match x.spec.expected_iterations {
@@ -105,7 +128,7 @@ fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
             None => x.iterations.to_string(),
         };
         outln!(
-            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3} {:>10}",
+            "{:<8} {:<24} {:<10} {:>8} {:>12} {:<8} {:>9.1} {:<8} {:>9} {:>11.3} {:>11.3} {:>10}  {}",
             x.session.to_string(),
             x.spec.name,
             x.spec.kind.to_string(),
@@ -123,7 +146,8 @@ fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
                 format!("shm {:.0}M", x.shared_bytes as f64 / (1u64 << 20) as f64)
             } else {
                 "socket".to_string()
-            }
+            },
+            x.slo.as_ref().map_or_else(|| "-".to_string(), slo_cell)
         )?;
     }
     if s.sessions.is_empty() {

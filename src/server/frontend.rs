@@ -23,6 +23,7 @@ mod connections;
 mod requests;
 mod segments;
 mod shutdown;
+mod slo;
 mod status;
 
 /// Longest job name accepted.
@@ -76,6 +77,8 @@ struct Entry {
     /// Its graph's placeholders once loaded: Runs' feeds are checked
     /// against them before being copied.
     feed_types: crate::session::FeedTypes,
+    /// Its Runs' count against its `slo_ms`, when it stated one.
+    slo: Option<slo::SloTrack>,
 }
 
 /// Largest message a connection that has not authenticated may send (a
@@ -435,6 +438,14 @@ impl Frontend {
                 .ok()
                 .map(|b| SessionId(u64::from_le_bytes(b)));
             frames.remove(0);
+            if let Some(t) = sid
+                .and_then(|s| self.sessions.get_mut(&s))
+                .and_then(|e| e.slo.as_mut())
+            {
+                if let Some(id) = wire::peek_request_id(&frames[1]) {
+                    t.answered(id, wire::peek_run_done(&frames[1]), Instant::now());
+                }
+            }
             let peer = frames[0].to_vec();
             // A reply that reached its client shows the client is there; one
             // to a client that is gone reclaims its sessions.
@@ -500,6 +511,9 @@ impl Frontend {
                 format!("job name must be 1 to {MAX_NAME_BYTES} bytes"),
             );
         }
+        if let Err(e) = spec.check() {
+            return Reply::error(ErrorCode::BadRequest, e.to_string());
+        }
         if self.sessions.len() >= self.config.max_sessions {
             return Reply::error(
                 ErrorCode::Overloaded,
@@ -554,6 +568,7 @@ impl Frontend {
         self.next_session += 1;
         tracing::info!(%session, name = %spec.name, kind = %spec.kind, priority = spec.priority, "session opened");
         let feed_types = crate::session::FeedTypes::default();
+        let slo = spec.slo_ms.map(slo::SloTrack::new);
         self.sessions.insert(
             session,
             Entry {
@@ -580,6 +595,7 @@ impl Frontend {
                 switches: (0, 0),
                 segments: HashMap::new(),
                 feed_types,
+                slo,
             },
         );
         Reply::SessionOpened { session }
@@ -622,12 +638,16 @@ impl Frontend {
                 Ok(mut s) => s.prepare_return().unwrap_or(false),
                 Err(_) => false,
             };
+        let enqueued = Instant::now();
+        if let (Some(t), Work::Run { .. }) = (entry.slo.as_mut(), &work) {
+            t.queued(request_id, enqueued);
+        }
         let item = WorkItem {
             session,
             kind: entry.spec.kind,
             priority: entry.spec.priority,
             expected_iterations: entry.spec.expected_iterations,
-            enqueued: Instant::now(),
+            enqueued,
             peer,
             request_id,
             work,

@@ -532,6 +532,23 @@ pub fn peek_request_name(header: &[u8]) -> Option<&'static str> {
     REQUEST_NAMES.get(usize::try_from(tag).ok()?).copied()
 }
 
+/// `ReplyBody::RunDone`'s variant index (bincode writes a variant as its
+/// index): the tag [`peek_run_done`] looks for.
+const RUN_DONE_TAG: u32 = 3;
+
+/// Whether a reply's header frame is a [`Reply::RunDone`] (a Run answered
+/// with its outputs), read from its body's variant tag without decoding
+/// the body; false without the magic or when too short.
+pub fn peek_run_done(header: &[u8]) -> bool {
+    if header.get(..4) != Some(&MAGIC[..]) {
+        return false;
+    }
+    header
+        .get(PREFIX_BYTES..PREFIX_BYTES + 4)
+        .and_then(|t| <[u8; 4]>::try_from(t).ok())
+        .is_some_and(|t| u32::from_le_bytes(t) == RUN_DONE_TAG)
+}
+
 /// Reads the request id from a header frame's prefix, if it has one with the
 /// right magic (whatever its version), so an error can still be matched.
 pub fn peek_request_id(header: &[u8]) -> Option<u64> {
@@ -548,6 +565,31 @@ pub fn peek_request_id(header: &[u8]) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::wire::decode_reply;
+
+    #[test]
+    fn run_done_is_told_from_its_tag() {
+        let done = encode_reply(
+            5,
+            &Reply::RunDone {
+                outputs: vec![Tensor::from_f32([1], vec![1.0]).unwrap()],
+            },
+        )
+        .unwrap();
+        assert!(peek_run_done(&done[0]));
+        assert_eq!(peek_request_id(&done[0]), Some(5));
+        let opened = encode_reply(
+            6,
+            &Reply::SessionOpened {
+                session: SessionId(1),
+            },
+        )
+        .unwrap();
+        assert!(!peek_run_done(&opened[0]));
+        assert!(!peek_run_done(
+            &encode_error(7, ErrorCode::Internal, "x")[0]
+        ));
+        assert!(!peek_run_done(b"LNS"));
+    }
 
     #[test]
     fn error_texts_are_bounded() {

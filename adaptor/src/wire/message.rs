@@ -35,7 +35,7 @@ impl fmt::Display for JobKind {
 }
 
 /// What a job tells the service when it opens a session.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionSpec {
     /// Human-readable job name (shown by `lanes status`); not empty.
     pub name: String,
@@ -44,6 +44,25 @@ pub struct SessionSpec {
     pub priority: i32,
     /// Iterations the job expects to run, if known (used by SRTF-like policies).
     pub expected_iterations: Option<u64>,
+    /// The latency objective of its Runs, in milliseconds (a p99 target):
+    /// the service counts how many of its Runs answered within it
+    /// (`lanes status`, `/metrics`). Positive, finite, at most
+    /// [`MAX_SLO_MS`] ([`SessionSpec::check`]); `None`: no objective.
+    pub slo_ms: Option<f64>,
+}
+
+/// The largest `slo_ms` a session may state: one hour.
+pub const MAX_SLO_MS: f64 = 3_600_000.0;
+
+/// Why a [`SessionSpec`] is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpecError {
+    /// `slo_ms` is not a finite number of milliseconds in (0, [`MAX_SLO_MS`]].
+    #[error("slo_ms must be a finite number of milliseconds above 0 and at most {MAX_SLO_MS}, not {slo_ms}")]
+    Slo {
+        /// The value given.
+        slo_ms: f64,
+    },
 }
 
 impl SessionSpec {
@@ -53,6 +72,7 @@ impl SessionSpec {
             kind,
             priority: 0,
             expected_iterations: None,
+            slo_ms: None,
         }
     }
     pub fn inference(name: impl Into<String>) -> Self {
@@ -68,6 +88,27 @@ impl SessionSpec {
     pub fn with_expected_iterations(mut self, n: u64) -> Self {
         self.expected_iterations = Some(n);
         self
+    }
+    /// States a latency objective for the session's Runs, in milliseconds
+    /// (e.g. `SessionSpec::inference("resnet").with_slo_ms(5.0)?`); refused
+    /// unless positive, finite and at most [`MAX_SLO_MS`].
+    pub fn with_slo_ms(mut self, slo_ms: f64) -> Result<Self, SpecError> {
+        check_slo_ms(slo_ms)?;
+        self.slo_ms = Some(slo_ms);
+        Ok(self)
+    }
+    /// What the service checks of a spec's numbers when a session opens
+    /// (its name is the service's business): `slo_ms`, when given.
+    pub fn check(&self) -> Result<(), SpecError> {
+        self.slo_ms.map_or(Ok(()), check_slo_ms)
+    }
+}
+
+fn check_slo_ms(slo_ms: f64) -> Result<(), SpecError> {
+    if slo_ms.is_finite() && slo_ms > 0.0 && slo_ms <= MAX_SLO_MS {
+        Ok(())
+    } else {
+        Err(SpecError::Slo { slo_ms })
     }
 }
 
@@ -231,6 +272,35 @@ pub struct SessionStatus {
     /// Bytes of the shared-memory segments it has attached (its Runs' large
     /// feeds travel in them; 0: over the socket).
     pub shared_bytes: u64,
+    /// How its Runs kept its `slo_ms`, when it stated one.
+    pub slo: Option<SloAttainment>,
+}
+
+/// How a session's Runs kept its latency objective (`SessionSpec::slo_ms`).
+/// A Run's latency is measured in the service from when its request was
+/// decoded and queued to when its reply was handed to the socket; only
+/// Runs that answered with outputs count (an error reply is no completion).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SloAttainment {
+    /// The objective, milliseconds (the session's `slo_ms`).
+    pub slo_ms: f64,
+    /// Runs completed.
+    pub runs: u64,
+    /// Of them, answered within `slo_ms`.
+    pub within: u64,
+    /// The 99th percentile (nearest rank) of the latest Runs' latencies,
+    /// up to [`SLO_WINDOW`] of them, milliseconds; `None` before the first.
+    pub recent_p99_ms: Option<f64>,
+}
+
+/// Latest Runs over which [`SloAttainment::recent_p99_ms`] is taken.
+pub const SLO_WINDOW: usize = 1000;
+
+impl SloAttainment {
+    /// `within / runs` as a fraction; `None` before the first Run.
+    pub fn attainment(&self) -> Option<f64> {
+        (self.runs > 0).then(|| self.within as f64 / self.runs as f64)
+    }
 }
 
 /// The service's answer to [`Request::Status`].

@@ -26,8 +26,8 @@ mod slots;
 
 pub use codec::{
     bounded_text, encode_error, encode_reply, encode_request, encode_request_into,
-    encode_shared_run, peek_request_id, peek_request_name, Envelope, SharedAreas, SlotRange, MAGIC,
-    MAX_ERROR_TEXT, PREFIX_BYTES,
+    encode_shared_run, peek_request_id, peek_request_name, peek_run_done, Envelope, SharedAreas,
+    SlotRange, MAGIC, MAX_ERROR_TEXT, PREFIX_BYTES,
 };
 pub use decode::{
     decode_reply, decode_reply_in, decode_request, decode_request_in, decode_request_with,
@@ -39,7 +39,7 @@ pub use frames::{
 };
 pub use message::{
     ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,
-    SessionStatus, StatusReport,
+    SessionStatus, SloAttainment, SpecError, StatusReport, MAX_SLO_MS, SLO_WINDOW,
 };
 pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
 pub use slots::{post_outputs, read_slot, SlotRead};
@@ -49,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -240,6 +240,12 @@ mod tests {
         for req in [
             Request::Hello { client: "t".into() },
             Request::OpenSession(SessionSpec::training("job").with_priority(-3)),
+            Request::OpenSession(
+                SessionSpec::inference("resnet")
+                    .with_slo_ms(5.25)
+                    .unwrap()
+                    .with_expected_iterations(7),
+            ),
             load_graph(),
             run(),
             Request::ReadVariables {
@@ -355,6 +361,85 @@ mod tests {
         assert_eq!(
             decode_reply(&frames, &Limits::default()).unwrap().message,
             rep
+        );
+    }
+
+    /// `slo_ms` travels as the float given; outside (0, MAX_SLO_MS] or not
+    /// finite it is a typed error, from the builder and from `check` (what
+    /// the service runs on a decoded spec, which a peer may have built by
+    /// hand).
+    #[test]
+    fn slo_ms_round_trips_and_is_checked() {
+        let spec = SessionSpec::inference("a").with_slo_ms(60_000.0).unwrap();
+        assert_eq!(spec.slo_ms, Some(60_000.0));
+        assert_eq!(spec.check(), Ok(()));
+        assert_eq!(SessionSpec::inference("b").check(), Ok(()));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, MAX_SLO_MS * 2.0] {
+            let e = SessionSpec::inference("c").with_slo_ms(bad).unwrap_err();
+            assert!(matches!(e, SpecError::Slo { .. }), "{bad}: {e}");
+            assert!(e.to_string().contains("slo_ms"), "{e}");
+            let mut raw = SessionSpec::inference("d");
+            raw.slo_ms = Some(bad);
+            // A hand-built spec crosses the wire as it is; the service checks it.
+            let frames = encode_request(1, &Request::OpenSession(raw.clone())).unwrap();
+            match decode_request(&frames, &Limits::default()).unwrap().message {
+                Request::OpenSession(got) => assert!(got.check().is_err(), "{bad}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        let report = StatusReport {
+            server: "s".into(),
+            version: PROTOCOL_VERSION,
+            device: "cpu".into(),
+            policy: "priority".into(),
+            memory_bytes: None,
+            lanes: None,
+            lanes_json: None,
+            max_lanes: 1,
+            workers: 1,
+            uptime_ms: 1,
+            queued: 0,
+            sessions: vec![SessionStatus {
+                session: SessionId(1),
+                spec,
+                state: SessionState::Ready,
+                iterations: 4,
+                idle_ms: 0,
+                queueing_mean_us: 0,
+                service_mean_us: 0,
+                resident: true,
+                evictions: 0,
+                returns: 0,
+                shared_bytes: 0,
+                slo: Some(SloAttainment {
+                    slo_ms: 60_000.0,
+                    runs: 4,
+                    within: 3,
+                    recent_p99_ms: Some(2.5),
+                }),
+            }],
+        };
+        let rep = Reply::Status(report);
+        let frames = encode_reply(3, &rep).unwrap();
+        assert_eq!(
+            decode_reply(&frames, &Limits::default()).unwrap().message,
+            rep
+        );
+        let a = SloAttainment {
+            slo_ms: 1.0,
+            runs: 4,
+            within: 3,
+            recent_p99_ms: None,
+        };
+        assert_eq!(a.attainment(), Some(0.75));
+        assert_eq!(
+            SloAttainment {
+                runs: 0,
+                within: 0,
+                ..a
+            }
+            .attainment(),
+            None
         );
     }
 

@@ -58,6 +58,7 @@ impl Frontend {
                 evictions: e.switches.0,
                 returns: e.switches.1,
                 shared_bytes: e.segments.values().map(|s| s.bytes().len() as u64).sum(),
+                slo: e.slo.as_ref().map(|t| t.attainment()),
             });
         }
         let snapshot = self.lanes.as_ref().map(|l| l.snapshot());

@@ -10,6 +10,7 @@
 //! Series of a session are removed when the session closes.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -102,7 +103,12 @@ struct Seen {
     switches: HashMap<u64, (u64, u64)>,
     /// The load cache's (hits, misses) as last published.
     load_cache: (u64, u64),
+    /// Per session with an `slo_ms`, (runs, within) as last published.
+    slo: HashMap<u64, (u64, u64)>,
 }
+
+/// A gauge holding a float (ratios, seconds).
+type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// The service's metrics; shared by the workers, the socket thread and
 /// the HTTP thread.
@@ -133,6 +139,11 @@ pub struct Metrics {
     load_cache_lookups: Family<CacheLabels, Counter>,
     load_cache_bytes: Gauge,
     load_cache_entries: Gauge,
+    slo_seconds: Family<SessionLabels, FloatGauge>,
+    slo_runs: Family<SessionLabels, Counter>,
+    slo_within: Family<SessionLabels, Counter>,
+    slo_attainment: Family<SessionLabels, FloatGauge>,
+    slo_recent_p99_seconds: Family<SessionLabels, FloatGauge>,
     seen: Mutex<Seen>,
     /// Sessions a worker created series for since the last publication: a
     /// session opened and closed between two publications is never in a
@@ -186,6 +197,11 @@ impl Metrics {
             load_cache_lookups: Family::default(),
             load_cache_bytes: Gauge::default(),
             load_cache_entries: Gauge::default(),
+            slo_seconds: Family::default(),
+            slo_runs: Family::default(),
+            slo_within: Family::default(),
+            slo_attainment: Family::default(),
+            slo_recent_p99_seconds: Family::default(),
             seen: Mutex::new(Seen::default()),
             answered_for: Mutex::new(HashSet::new()),
             registry: Registry::default(),
@@ -302,6 +318,31 @@ impl Metrics {
             "load_cache_entries",
             "Entries the load cache holds",
             m.load_cache_entries.clone(),
+        );
+        registry.register(
+            "session_slo_seconds",
+            "The latency objective a session stated (slo_ms), per session that stated one",
+            m.slo_seconds.clone(),
+        );
+        registry.register(
+            "session_slo_runs",
+            "Runs of a session with an objective answered with their outputs",
+            m.slo_runs.clone(),
+        );
+        registry.register(
+            "session_slo_within",
+            "Of them, answered within the objective (latency from the Run queued to its reply sent, in the service)",
+            m.slo_within.clone(),
+        );
+        registry.register(
+            "session_slo_attainment",
+            "Fraction of a session's Runs answered within its objective (within / runs; absent before its first Run)",
+            m.slo_attainment.clone(),
+        );
+        registry.register(
+            "session_slo_recent_p99_seconds",
+            "99th percentile of a session's latest Runs' latencies (up to 1000), per session with an objective",
+            m.slo_recent_p99_seconds.clone(),
         );
         Metrics { registry, ..m }
     }
@@ -430,6 +471,24 @@ impl Metrics {
             self.evictions.inc_by(s.evictions.saturating_sub(last.0));
             self.returns.inc_by(s.returns.saturating_sub(last.1));
             *last = (last.0.max(s.evictions), last.1.max(s.returns));
+            if let Some(a) = &s.slo {
+                let l = SessionLabels { session: id };
+                self.slo_seconds.get_or_create(&l).set(a.slo_ms / 1e3);
+                let last = seen.slo.entry(id).or_default();
+                self.slo_runs
+                    .get_or_create(&l)
+                    .inc_by(a.runs.saturating_sub(last.0));
+                self.slo_within
+                    .get_or_create(&l)
+                    .inc_by(a.within.saturating_sub(last.1));
+                *last = (last.0.max(a.runs), last.1.max(a.within));
+                if let Some(f) = a.attainment() {
+                    self.slo_attainment.get_or_create(&l).set(f);
+                }
+                if let Some(p99) = a.recent_p99_ms {
+                    self.slo_recent_p99_seconds.get_or_create(&l).set(p99 / 1e3);
+                }
+            }
         }
         // Closed sessions' series go.
         for gone in seen.sessions.difference(&open).copied().collect::<Vec<_>>() {
@@ -446,6 +505,13 @@ impl Metrics {
                 self.session_info.remove(&info);
             }
             seen.switches.remove(&gone);
+            if seen.slo.remove(&gone).is_some() {
+                self.slo_seconds.remove(&s);
+                self.slo_runs.remove(&s);
+                self.slo_within.remove(&s);
+                self.slo_attainment.remove(&s);
+                self.slo_recent_p99_seconds.remove(&s);
+            }
         }
         seen.sessions = open;
         let Some(snap) = lanes else {
@@ -612,5 +678,66 @@ mod tests {
         );
         m.publish(&report, None);
         assert!(!m.encode().unwrap().contains("session=\"9\""));
+    }
+
+    /// A session with an `slo_ms` has its attainment, counts, objective
+    /// and recent p99 as series labelled by session; they go with it.
+    #[test]
+    fn slo_attainment_is_published_per_session() {
+        use lanes_adaptor::wire::{SessionSpec, SessionState, SessionStatus, SloAttainment};
+        let m = Metrics::new();
+        let session = |runs, within| SessionStatus {
+            session: SessionId(3),
+            spec: SessionSpec::inference("r").with_slo_ms(5.0).unwrap(),
+            state: SessionState::Ready,
+            iterations: runs,
+            idle_ms: 0,
+            queueing_mean_us: 0,
+            service_mean_us: 0,
+            resident: true,
+            evictions: 0,
+            returns: 0,
+            shared_bytes: 0,
+            slo: Some(SloAttainment {
+                slo_ms: 5.0,
+                runs,
+                within,
+                recent_p99_ms: Some(7.5),
+            }),
+        };
+        let mut report = StatusReport {
+            server: String::new(),
+            version: 0,
+            device: "cpu".into(),
+            policy: "priority".into(),
+            memory_bytes: None,
+            lanes: None,
+            lanes_json: None,
+            max_lanes: 1,
+            workers: 1,
+            uptime_ms: 0,
+            queued: 0,
+            sessions: vec![session(4, 3)],
+        };
+        m.publish(&report, None);
+        report.sessions = vec![session(8, 6)];
+        m.publish(&report, None);
+        let text = m.encode().unwrap();
+        for line in [
+            "lanes_session_slo_runs_total{session=\"3\"} 8",
+            "lanes_session_slo_within_total{session=\"3\"} 6",
+            "lanes_session_slo_attainment{session=\"3\"} 0.75",
+            "lanes_session_slo_seconds{session=\"3\"} 0.005",
+            "lanes_session_slo_recent_p99_seconds{session=\"3\"} 0.0075",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        report.sessions.clear();
+        m.publish(&report, None);
+        let text = m.encode().unwrap();
+        assert!(
+            !text.contains("session=\"3\""),
+            "series go with the session: {text}"
+        );
     }
 }
