@@ -407,3 +407,110 @@ fn doorbell_abuse_costs_the_service_counted_work_only() {
     let huge = v["huge"]["ringer_run_reply"].as_str().unwrap();
     assert!(huge.contains("max_doorbell_bytes"), "{huge}");
 }
+
+fn positive(v: &Value, what: &str) -> f64 {
+    let x = v
+        .as_f64()
+        .unwrap_or_else(|| panic!("{what} is a number: {v}"));
+    assert!(x > 0.0 && x.is_finite(), "{what} = {x}");
+    x
+}
+
+/// `bench colocate` with issue 31's protocol on tiny models: Poisson
+/// arrivals at one load, two repetitions, two inference jobs beside one
+/// training job. The shape of the report and that every number is
+/// positive and finite; no timing asserts.
+#[test]
+fn colocate_runs_the_protocol_and_reports_each_repetition() {
+    let (v, stderr) = bench(&[
+        "colocate",
+        "--train-model",
+        "mlp",
+        "--train-batch",
+        "2",
+        "--infer-model",
+        "lenet",
+        "--infer-batch",
+        "2",
+        "--requests",
+        "20",
+        "--warmup",
+        "2",
+        "--calibrate",
+        "5",
+        "--train-window",
+        "0.2",
+        "--arrivals",
+        "poisson",
+        "--load",
+        "0.3",
+        "--repeat",
+        "2",
+        "--inference-jobs",
+        "2",
+    ]);
+    assert_eq!(v["bench"], "colocate");
+    assert_eq!(v["system"], "lanes");
+    assert_eq!(v["arrivals"], "poisson");
+    assert_eq!(
+        (v["requests"].as_u64(), v["repeat"].as_u64()),
+        (Some(20), Some(2))
+    );
+    assert_eq!(v["inference"]["jobs"], 2);
+    assert_eq!(v["training"]["jobs"], 1);
+    for m in v["inference"]["alone_median_ms"].as_array().unwrap() {
+        positive(m, "alone median");
+    }
+    positive(&v["arrival"]["open_to_first_reply_ms"], "arrival");
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "one per repetition: {v}");
+    for (rep, r) in runs.iter().enumerate() {
+        assert_eq!(r["repetition"], rep);
+        assert_eq!(r["load"].as_f64(), Some(0.3));
+        let jobs = r["inference"].as_array().unwrap();
+        assert_eq!(jobs.len(), 2);
+        for j in jobs {
+            positive(&j["interval_ms"], "interval");
+            for side in ["alone", "beside_training"] {
+                assert_eq!(j[side]["n"], 20, "{j}");
+                let (p50, p99, max) = (
+                    positive(&j[side]["p50_ms"], "p50"),
+                    positive(&j[side]["p99_ms"], "p99"),
+                    positive(&j[side]["max_ms"], "max"),
+                );
+                assert!(p50 <= p99 && p99 <= max, "{j}");
+            }
+            positive(&j["p99_beside_over_alone"], "p99 ratio");
+            positive(&j["max_beside_over_alone"], "max ratio");
+        }
+        for k in ["alone_it_per_s", "beside_it_per_s", "kept"] {
+            positive(&r["training"][k], k);
+        }
+        let g = &r["goals"];
+        assert_eq!(g["p99_bound"].as_f64(), Some(1.10), "{g}");
+        assert!(
+            (g["kept_bound"].as_f64().unwrap() - 0.8).abs() < 1e-9,
+            "{g}"
+        );
+        for k in ["p99_within", "max_within_1_5x", "kept_at_least", "all"] {
+            assert!(g[k].is_boolean(), "{k}: {g}");
+        }
+    }
+    let summary = v["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 1);
+    let s = &summary[0];
+    for k in [
+        "p99_beside_over_alone",
+        "max_beside_over_alone",
+        "training_kept",
+    ] {
+        let (min, med, max) = (
+            positive(&s[k]["min"], k),
+            positive(&s[k]["median"], k),
+            positive(&s[k]["max"], k),
+        );
+        assert!(min <= med && med <= max, "{s}");
+    }
+    assert!(s["goals_met"].as_u64().unwrap() <= 2);
+    assert!(stderr.contains("repetition 1"), "{stderr}");
+}
