@@ -448,6 +448,8 @@ fn colocate_runs_the_protocol_and_reports_each_repetition() {
         "2",
         "--inference-jobs",
         "2",
+        "--slo-ms",
+        "60000",
     ]);
     assert_eq!(v["bench"], "colocate");
     assert_eq!(v["system"], "lanes");
@@ -462,6 +464,16 @@ fn colocate_runs_the_protocol_and_reports_each_repetition() {
         positive(m, "alone median");
     }
     positive(&v["arrival"]["open_to_first_reply_ms"], "arrival");
+    // The service counted every timed request (and the calibration's and
+    // warm-up's) against the inference sessions' objective.
+    let slo = v["inference"]["slo"].as_array().unwrap();
+    assert_eq!(slo.len(), 2, "{v}");
+    for s in slo {
+        assert_eq!(s["slo_ms"].as_f64(), Some(60_000.0), "{s}");
+        let (runs, within) = (s["runs"].as_u64().unwrap(), s["within"].as_u64().unwrap());
+        assert!(runs >= 2 * 2 * 20, "alone and beside, two repetitions: {s}");
+        assert!(within <= runs, "{s}");
+    }
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2, "one per repetition: {v}");
     for (rep, r) in runs.iter().enumerate() {

@@ -111,6 +111,11 @@ pub struct ColocateArgs {
     /// Seconds over which training's throughput alone is measured.
     #[arg(long, default_value_t = 5.0)]
     train_window: f64,
+    /// A latency objective the inference sessions state (`slo_ms`,
+    /// docs/scheduling.md); the service's count of it, over the whole
+    /// bench (calibration, alone and beside), is reported.
+    #[arg(long)]
+    slo_ms: Option<f64>,
 }
 
 pub(super) fn feeds_of(feeds: &BTreeMap<String, Tensor>) -> Vec<(String, Tensor)> {
@@ -141,6 +146,11 @@ fn check(a: &ColocateArgs) -> anyhow::Result<()> {
     }
     if !(a.train_window.is_finite() && a.train_window > 0.0) {
         bail!("--train-window must be a positive number of seconds");
+    }
+    if let Some(slo) = a.slo_ms {
+        SessionSpec::inference("check")
+            .with_slo_ms(slo)
+            .context("--slo-ms")?;
     }
     Ok(())
 }
@@ -250,11 +260,12 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
             &format!("colocate-infer-{j}"),
             Duration::from_secs(900),
         )?;
+        let mut spec = SessionSpec::inference(format!("infer-{}-{j}", w.model));
+        if let Some(slo) = a.slo_ms {
+            spec = spec.with_slo_ms(slo).context("--slo-ms")?;
+        }
         let t_open = Instant::now();
-        let id = open(
-            &mut client,
-            SessionSpec::inference(format!("infer-{}-{j}", w.model)),
-        )?;
+        let id = open(&mut client, spec)?;
         let t_load = Instant::now();
         client.load_in(id, &w.graph, w.vars.clone())?;
         let load_ms = ms(t_load.elapsed());
@@ -407,6 +418,25 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
     for (i, t) in trainers.into_iter().enumerate() {
         t.finish().with_context(|| format!("training job {i}"))?;
     }
+    // The service's count against the objective, per inference job.
+    let mut slo = Vec::new();
+    if a.slo_ms.is_some() {
+        if let Some(first) = jobs.first_mut() {
+            let status = first.client.status()?;
+            for job in &jobs {
+                let s = status.sessions.iter().find(|s| s.session == job.id);
+                slo.push(s.and_then(|s| s.slo).map(|x| {
+                    json!({
+                        "slo_ms": x.slo_ms,
+                        "runs": x.runs,
+                        "within": x.within,
+                        "attainment": x.attainment(),
+                        "recent_p99_ms": x.recent_p99_ms,
+                    })
+                }));
+            }
+        }
+    }
     for job in &mut jobs {
         job.client.close_in(job.id)?;
     }
@@ -433,6 +463,7 @@ pub fn colocate(a: ColocateArgs) -> anyhow::Result<()> {
             "batch": a.infer_batch,
             "jobs": a.inference_jobs,
             "alone_median_ms": alone_ms,
+            "slo": slo,
         },
         "arrival": arrival,
         "runs": runs,
