@@ -92,6 +92,27 @@ def test_status_lists_sessions(client):
         assert "visible" in repr(st)
 
 
+def test_slo_ms_is_counted_and_checked(client):
+    """A session's latency objective: its Runs counted in status (a minute
+    holds every Run of the small MLP); out of bounds a ValueError before
+    anything is sent."""
+    with client.session("objective", slo_ms=60000.0) as s:
+        s.load_zoo("mlp", batch=2)
+        for _ in range(3):
+            s.run({"input": np.zeros((2, 64), np.float32)})
+        st = client.status()
+        mine = [x for x in st["sessions"] if x["spec"]["name"] == "objective"][0]
+        assert mine["spec"]["slo_ms"] == 60000.0
+        assert mine["slo"]["runs"] == 3 and mine["slo"]["within"] == 3
+        assert mine["slo"]["recent_p99_ms"] > 0
+    for bad in [0.0, -1.0, float("nan"), float("inf"), 3_600_001.0]:
+        with pytest.raises(ValueError, match="slo_ms"):
+            client.session("bad-objective", slo_ms=bad)
+    with client.session("no-objective") as s:
+        mine = [x for x in client.status()["sessions"] if x["spec"]["name"] == "no-objective"][0]
+        assert mine["slo"] is None
+
+
 def test_a_stopped_service_raises_service_gone_at_once(tmp_path):
     import subprocess
 
