@@ -141,6 +141,7 @@ class Inference:
             out = self._forward()
             self.out_host = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
             if cuda and args.cuda_graph:
+                self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
                     for _ in range(3):  # warm-up on the capture stream
                         self._forward()
@@ -281,13 +282,20 @@ class Mps:
             os.makedirs(path)
             self.env[k] = path
             os.environ[k] = path
-        r = subprocess.run(
-            ["nvidia-cuda-mps-control", "-d"], env=self.env, capture_output=True, text=True
-        )
+        # The daemon forks and may keep the descriptors it was given: a file,
+        # not a pipe whose end would never come.
+        err_path = os.path.join(self.dir, "start.err")
+        with open(err_path, "w") as err:
+            r = subprocess.run(
+                ["nvidia-cuda-mps-control", "-d"], env=self.env, stdout=subprocess.DEVNULL, stderr=err
+            )
         if r.returncode != 0:
+            with open(err_path) as f:
+                why = f.read().strip()
+            shutil.rmtree(self.dir, ignore_errors=True)
             sys.exit(
                 f"could not start the MPS daemon (nvidia-cuda-mps-control -d: exit {r.returncode}) "
-                f"{r.stderr.strip()}; another daemon may own the GPU, or the GPU's compute mode forbids it"
+                f"{why}; another daemon may own the GPU, or the GPU's compute mode forbids it"
             )
         time.sleep(1)
 
