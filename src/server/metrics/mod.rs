@@ -10,7 +10,6 @@
 //! Series of a session are removed when the session closes.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -27,6 +26,7 @@ use crate::lanes::LanesSnapshot;
 
 mod http;
 pub use http::{serve_http, MetricsError, MetricsServer, MAX_CONNECTIONS, REQUEST_WITHIN};
+mod slo;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -107,9 +107,6 @@ struct Seen {
     slo: HashMap<u64, (u64, u64)>,
 }
 
-/// A gauge holding a float (ratios, seconds).
-type FloatGauge = Gauge<f64, AtomicU64>;
-
 /// The service's metrics; shared by the workers, the socket thread and
 /// the HTTP thread.
 pub struct Metrics {
@@ -134,16 +131,12 @@ pub struct Metrics {
     doorbell_bytes: Counter,
     doorbells_closed: Counter,
     shared_mapped_bytes: Gauge,
+    slo: slo::SloMetrics,
     load_phase_seconds: Family<PhaseLabels, Histogram, fn() -> Histogram>,
     loads: Family<CacheLabels, Counter>,
     load_cache_lookups: Family<CacheLabels, Counter>,
     load_cache_bytes: Gauge,
     load_cache_entries: Gauge,
-    slo_seconds: Family<SessionLabels, FloatGauge>,
-    slo_runs: Family<SessionLabels, Counter>,
-    slo_within: Family<SessionLabels, Counter>,
-    slo_attainment: Family<SessionLabels, FloatGauge>,
-    slo_recent_p99_seconds: Family<SessionLabels, FloatGauge>,
     seen: Mutex<Seen>,
     /// Sessions a worker created series for since the last publication: a
     /// session opened and closed between two publications is never in a
@@ -192,16 +185,12 @@ impl Metrics {
             doorbell_bytes: Counter::default(),
             doorbells_closed: Counter::default(),
             shared_mapped_bytes: Gauge::default(),
+            slo: slo::SloMetrics::default(),
             load_phase_seconds: Family::new_with_constructor(seconds_histogram),
             loads: Family::default(),
             load_cache_lookups: Family::default(),
             load_cache_bytes: Gauge::default(),
             load_cache_entries: Gauge::default(),
-            slo_seconds: Family::default(),
-            slo_runs: Family::default(),
-            slo_within: Family::default(),
-            slo_attainment: Family::default(),
-            slo_recent_p99_seconds: Family::default(),
             seen: Mutex::new(Seen::default()),
             answered_for: Mutex::new(HashSet::new()),
             registry: Registry::default(),
@@ -294,6 +283,7 @@ impl Metrics {
             "Address space the mappings of clients' shared-memory segments take (--max-shared)",
             m.shared_mapped_bytes.clone(),
         );
+        m.slo.register(&mut registry);
         registry.register(
             "load_phase_duration_seconds",
             "Time of each phase of a LoadGraph that succeeded: decode (arrival to decoded), validate, variables, plan, admit, build (the executor's program and the variables' upload), warm",
@@ -318,31 +308,6 @@ impl Metrics {
             "load_cache_entries",
             "Entries the load cache holds",
             m.load_cache_entries.clone(),
-        );
-        registry.register(
-            "session_slo_seconds",
-            "The latency objective a session stated (slo_ms), per session that stated one",
-            m.slo_seconds.clone(),
-        );
-        registry.register(
-            "session_slo_runs",
-            "Runs of a session with an objective answered with their outputs",
-            m.slo_runs.clone(),
-        );
-        registry.register(
-            "session_slo_within",
-            "Of them, answered within the objective (latency from the Run queued to its reply sent, in the service)",
-            m.slo_within.clone(),
-        );
-        registry.register(
-            "session_slo_attainment",
-            "Fraction of a session's Runs answered within its objective (within / runs; absent before its first Run)",
-            m.slo_attainment.clone(),
-        );
-        registry.register(
-            "session_slo_recent_p99_seconds",
-            "99th percentile of a session's latest Runs' latencies (up to 1000), per session with an objective",
-            m.slo_recent_p99_seconds.clone(),
         );
         Metrics { registry, ..m }
     }
@@ -472,22 +437,7 @@ impl Metrics {
             self.returns.inc_by(s.returns.saturating_sub(last.1));
             *last = (last.0.max(s.evictions), last.1.max(s.returns));
             if let Some(a) = &s.slo {
-                let l = SessionLabels { session: id };
-                self.slo_seconds.get_or_create(&l).set(a.slo_ms / 1e3);
-                let last = seen.slo.entry(id).or_default();
-                self.slo_runs
-                    .get_or_create(&l)
-                    .inc_by(a.runs.saturating_sub(last.0));
-                self.slo_within
-                    .get_or_create(&l)
-                    .inc_by(a.within.saturating_sub(last.1));
-                *last = (last.0.max(a.runs), last.1.max(a.within));
-                if let Some(f) = a.attainment() {
-                    self.slo_attainment.get_or_create(&l).set(f);
-                }
-                if let Some(p99) = a.recent_p99_ms {
-                    self.slo_recent_p99_seconds.get_or_create(&l).set(p99 / 1e3);
-                }
+                self.slo.publish(id, a, seen.slo.entry(id).or_default());
             }
         }
         // Closed sessions' series go.
@@ -506,11 +456,7 @@ impl Metrics {
             }
             seen.switches.remove(&gone);
             if seen.slo.remove(&gone).is_some() {
-                self.slo_seconds.remove(&s);
-                self.slo_runs.remove(&s);
-                self.slo_within.remove(&s);
-                self.slo_attainment.remove(&s);
-                self.slo_recent_p99_seconds.remove(&s);
+                self.slo.remove(gone);
             }
         }
         seen.sessions = open;
