@@ -16,6 +16,7 @@ use lanes_adaptor::{GraphError, Tensor, TensorType, ValidGraph};
 
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuMemory;
+use crate::exec::gate::{Armed, Gate};
 pub use crate::exec::Backend;
 use crate::exec::{ExecError, HostFeed};
 use crate::exec::{GpuShare, Program};
@@ -134,6 +135,9 @@ pub struct Session {
     /// How the job's GPU work shares the device (its streams' urgency, and
     /// whether urgent lanes may run beside it).
     share: GpuShare,
+    /// Keeps the device's gate armed while this urgent job is loaded
+    /// (yielding jobs then run their iterations in segments).
+    armed: Option<Armed>,
     /// Its place in the lanes' admission queue when it has to wait (the
     /// policy's `admission_rank`).
     rank: crate::lanes::AdmissionRank,
@@ -197,6 +201,7 @@ impl Session {
             switches: (0, 0),
             pool: None,
             share: GpuShare::default(),
+            armed: None,
             rank: Default::default(),
             feed_types: None,
             load_times: None,
@@ -537,6 +542,11 @@ impl Session {
         let key = turn.as_ref().map(LaneTurn::key);
         let loaded = self.loaded()?;
         loaded.program.bind_lane(key)?;
+        // An urgent job closes the device's gate while its iteration runs
+        // (after taking its lane's turn: a yielding job holding the turn
+        // must be able to finish its iteration).
+        let _inside = self.share.urgent_gate().map(Gate::enter);
+        let loaded = self.loaded()?;
         // With a reservation (CPU), the job's memory in it for this turn.
         let mem = turn.as_mut().and_then(LaneTurn::memory).map(|m| CpuMemory {
             persistent: m.persistent,

@@ -35,6 +35,9 @@ mod models;
 /// fp16 and bf16 on CUDA (`half.rs`).
 mod half;
 
+/// Training in segments through the device gate (`gate.rs`).
+mod gate;
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,
@@ -1528,7 +1531,11 @@ fn cudnn_batch_norm_matches_ours_in_training() {
 
     // A job that urgent lanes may outrank keeps to our kernels.
     for (yields, expected) in [(true, 0), (false, 20)] {
-        let share = GpuShare { urgency: 0, yields };
+        let share = GpuShare {
+            urgency: 0,
+            yields,
+            gate: None,
+        };
         match Program::sharing(Backend::Cuda, vg.clone(), t.vars.clone(), share).unwrap() {
             Program::Cuda(p) => assert_eq!(p.cudnn_batch_norms(), expected, "yields {yields}"),
             Program::Cpu(_) => panic!("a CPU program for the CUDA backend"),

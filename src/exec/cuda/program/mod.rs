@@ -2,6 +2,7 @@
 //! iteration at a time on its own stream. Same contract as
 //! [`crate::exec::cpu::CpuProgram`].
 
+mod gated;
 mod io;
 mod layout;
 mod options;
@@ -118,6 +119,8 @@ pub struct CudaProgram {
     captured: Option<CudaGraph>,
     /// Captures that failed; after [`CAPTURE_TRIES`] launch op by op.
     capture_failures: u32,
+    /// A yielding job's gate and segments (`gated.rs`).
+    gated: Option<gated::Gated>,
     /// Residency: persistent tensors sit at the arena's start in first-use
     /// order, so a group of units is one contiguous copy.
     res: Residency,
@@ -367,6 +370,7 @@ impl CudaProgram {
             options,
             fusion: Fusion::default(),
             captured: None,
+            gated: None,
             capture_failures: 0,
             res: Residency {
                 updates,
@@ -654,6 +658,9 @@ impl CudaProgram {
         self.fusion = self.match_chains();
         self.captured = None;
         self.capture_failures = 0;
+        if let Some(g) = &mut self.gated {
+            g.invalidate();
+        }
         self.res.segments.clear();
         self.res.graph_secs = None;
         self.res.plans.invalidate();
@@ -674,6 +681,10 @@ impl CudaProgram {
         }
         if !self.options.cuda_graph || self.capture_failures >= CAPTURE_TRIES {
             return self.launch_nodes();
+        }
+        if self.gating() {
+            // An urgent job is loaded: through the gate, in segments.
+            return self.launch_gated();
         }
         if self.captured.is_none() {
             self.stream
@@ -725,24 +736,9 @@ impl CudaProgram {
     /// Records one CUDA graph per segment of `plan` at the current base.
     fn record_segments(&self, plan: &GroupPlan) -> Result<Segments, ExecError> {
         let bounds = self.segment_bounds(plan);
-        let order = self.graph.order();
         let mut graphs = Vec::with_capacity(bounds.len() - 1);
         for w in bounds.windows(2) {
-            let (a, b) = (w[0].min(order.len()), w[1].min(order.len()));
-            if a >= b {
-                graphs.push(None);
-                continue;
-            }
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .map_err(|e| dev_err("begin capture", e))?;
-            let launched = order[a..b].iter().try_for_each(|&id| self.step(id));
-            let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            match (launched, ended) {
-                (Ok(()), Ok(g)) => graphs.push(g),
-                (Err(e), _) => return Err(e),
-                (_, Err(e)) => return Err(dev_err("end capture", e)),
-            }
+            graphs.push(self.record_range(w[0], w[1])?);
         }
         Ok(Segments {
             starts: plan.starts.clone(),
