@@ -28,8 +28,8 @@ fn yielding(vg: &lanes_adaptor::ValidGraph, vars: &VarValues, gate: Option<Arc<G
 
 /// Five steps of the small ResNet, gated (an urgent session armed, 50 µs
 /// segments) and not: the same loss each step and the same variables
-/// after, within 1e-6 relative (the same kernels in the same order; only
-/// atomics may reorder sums).
+/// after (the same kernels in the same order; only atomics may reorder
+/// sums).
 #[test]
 #[ignore = "needs a GPU"]
 fn gated_training_matches_the_whole_iteration() {
@@ -54,16 +54,19 @@ fn gated_training_matches_the_whole_iteration() {
         }
         runs.push((losses, p.read_variables(&[]).unwrap()));
     }
-    let tol = Tol {
-        rtol: 1e-6,
-        atol: 1e-6,
-    };
+    // The first iterations run op by op either way; from the fourth the
+    // gated program replays segments. Training steps reorder atomics'
+    // sums (cuDNN's weight gradients, the batch norms' reductions) from
+    // run to run: the tolerances of `models_training`.
+    let mut worst = 0.0f32;
     for (k, (a, b)) in runs[0].0.iter().zip(&runs[1].0).enumerate() {
-        compare(&format!("loss {k}"), a, b, tol).unwrap();
+        worst = worst.max(compare(&format!("loss {k}"), a, b, ACCUM).unwrap());
     }
     for (name, x) in &runs[0].1 {
-        compare(name, x, &runs[1].1[name], tol).unwrap();
+        let tol = var_tol(name, ACCUM, Some(TRAIN_VARS));
+        worst = worst.max(compare(name, x, &runs[1].1[name], tol).unwrap());
     }
+    println!("gated vs whole iteration, five steps: worst {worst:.3} of tolerance");
     let s = g.stats();
     assert!(s.launches > 0, "{s:?}");
 }
