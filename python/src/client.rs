@@ -598,6 +598,7 @@ impl Session {
             groups,
             max_grad_norm,
             precision,
+            ..TrainOptions::default()
         };
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))
