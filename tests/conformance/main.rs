@@ -3,7 +3,7 @@
 //! random inputs.
 //!
 //! fp16 and bf16 cases are in `half.rs`, with their own reference and
-//! tolerances.
+//! tolerances; loss scaling (fp16-mixed training) in `amp.rs`.
 //!
 //! Every test here needs a GPU and is `#[ignore]`d (CI has none). On the GPU
 //! machine: `test-conformance --ignored --test-threads=1 --nocapture`.
@@ -34,6 +34,9 @@ mod models;
 
 /// fp16 and bf16 on CUDA (`half.rs`).
 mod half;
+
+/// Loss scaling's ops and fp16-mixed training steps (`amp.rs`).
+mod amp;
 
 #[derive(Debug, Clone, Copy)]
 struct Tol {
