@@ -128,3 +128,30 @@ impl CudaProgram {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every kernel launched above is loaded, and defined in
+    /// `elementwise.cu` with the parameters passed (counted).
+    #[test]
+    fn the_kernels_are_loaded_with_their_arities() {
+        let src = include_str!("../kernels/elementwise.cu");
+        for (k, params) in [
+            ("sgd_update", 12),
+            ("adam_update", 16),
+            ("step_incr", 3),
+            ("amp_found_init", 3),
+            ("amp_unscale", 5),
+            ("amp_scale_update", 6),
+        ] {
+            assert!(super::super::super::device::loads(k), "{k} is not loaded");
+            let head = format!("void {k}(");
+            let at = src
+                .find(&head)
+                .unwrap_or_else(|| panic!("{k} is not defined"));
+            let rest = &src[at + head.len()..];
+            let list = &rest[..rest.find(')').unwrap_or(0)];
+            assert_eq!(list.split(',').count(), params, "{k}'s parameters: {list}");
+        }
+    }
+}
