@@ -4,16 +4,21 @@
 //! bit for bit as before), the scale halves until steps apply and no NaN
 //! reaches a weight; clean steps grow the scale every `growth_interval`;
 //! clipping sees unscaled gradients; bf16 and f32 steps have no scaler.
+//! Through a service (`LANES_TEST_DEVICE=cuda`: on the GPU) the scaler's
+//! variables are read and written like any other.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod util;
 
 use std::collections::BTreeMap;
 
 use lanes::exec::cpu::CpuProgram;
 use lanes_adaptor::graph::{validate, GraphBuilder, GraphLimits, Outlet};
 use lanes_adaptor::{
-    training_graph_grouped, LossScale, Optimizer, ParamGroup, Precision, Tensor, TensorType,
-    TrainOptions, VarValues, FOUND_INF_NODE, GROWTH_TRACKER_VARIABLE, SCALE_VARIABLE,
+    training_graph_grouped, Client, LossScale, Optimizer, ParamGroup, Precision, SessionSpec,
+    Tensor, TensorType, TrainOptions, VarValues, FOUND_INF_NODE, GROWTH_TRACKER_VARIABLE,
+    SCALE_VARIABLE,
 };
 
 const N: usize = 16;
@@ -342,4 +347,57 @@ fn bad_settings_are_refused() {
             training_graph_grouped(g, l, &options(adamw(), Precision::F16Mixed, ls)).unwrap_err();
         assert!(e.to_string().contains("loss scaling"), "{e}");
     }
+}
+
+/// An fp16-mixed training session of a service: three clean steps at a
+/// growth interval of 3 double the scale (read back with ReadVariables); a
+/// scale written so large that the fp16 gradients overflow makes the next
+/// step a skipped one (its flag fetched as `amp/found_inf:1`): the weights
+/// and momentum buffers read back unchanged, the scale halved.
+#[test]
+fn a_service_session_reads_and_writes_its_scaler() {
+    let service = util::start();
+    let mut client = Client::connect(service.endpoint()).unwrap();
+    let mut s = client
+        .open_session(SessionSpec::training("fp16-mixed"))
+        .unwrap();
+    let ls = LossScale {
+        init_scale: 1024.0,
+        growth_interval: 3,
+        ..LossScale::default()
+    };
+    let (g, l) = model();
+    let t =
+        training_graph_grouped(g, l, &options(sgd_momentum(), Precision::F16Mixed, ls)).unwrap();
+    s.load(&t.graph, t.vars).unwrap();
+    let found_key = format!("{FOUND_INF_NODE}:1");
+    let fetch = ["loss", found_key.as_str()];
+    let step = |s: &mut lanes_adaptor::Session<'_>, k: usize| -> f32 {
+        let out = s.run(feeds(k).into_iter().collect(), &fetch).unwrap();
+        assert!(out[0].f32s().unwrap()[0].is_finite());
+        out[1].f32s().unwrap()[0]
+    };
+    for k in 0..3 {
+        assert_eq!(step(&mut s, k), 0.0, "step {k} overflowed");
+    }
+    let scaler = [SCALE_VARIABLE, GROWTH_TRACKER_VARIABLE];
+    let v = s.read_variables(&scaler).unwrap();
+    assert_eq!(scalar(&v, SCALE_VARIABLE), 2048.0);
+    assert_eq!(scalar(&v, GROWTH_TRACKER_VARIABLE), 0.0);
+    let mut kept: Vec<String> = PARAMS.iter().map(|p| p.to_string()).collect();
+    kept.extend(PARAMS.iter().map(|p| format!("opt/{p}/momentum")));
+    let kept: Vec<&str> = kept.iter().map(String::as_str).collect();
+    let before = s.read_variables(&kept).unwrap();
+    let huge = Tensor::full(v[SCALE_VARIABLE].shape().clone(), 2f32.powi(40));
+    s.write_variables(VarValues::from([(SCALE_VARIABLE.to_string(), huge)]))
+        .unwrap();
+    assert_eq!(step(&mut s, 3), 1.0, "a scale of 2^40 must overflow");
+    assert_eq!(
+        bits_but_scaler(&before),
+        bits_but_scaler(&s.read_variables(&kept).unwrap())
+    );
+    let v = s.read_variables(&scaler).unwrap();
+    assert_eq!(scalar(&v, SCALE_VARIABLE), 2f32.powi(39));
+    assert_eq!(scalar(&v, GROWTH_TRACKER_VARIABLE), 0.0);
+    s.close().unwrap();
 }
