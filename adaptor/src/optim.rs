@@ -296,7 +296,8 @@ pub fn training_graph(
 }
 
 /// [`training_graph`] computing in `precision` (mixed precision: the
-/// forward graph rewritten by [`amp::apply`], f32 master weights).
+/// forward graph rewritten by [`amp::apply`], f32 master weights;
+/// fp16-mixed with [`LossScale::default`]'s loss scaling).
 pub fn training_graph_at(
     g: GraphBuilder,
     loss: Outlet,
