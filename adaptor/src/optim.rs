@@ -7,7 +7,7 @@
 //! variables (persistent memory of the job) whose initial values come with
 //! the graph. One Run of the training graph, fetching the loss, is one
 //! training iteration. Under fp16-mixed the step scales the loss
-//! ([`scaler`]: `GradScaler`'s semantics) and skips an overflowing step.
+//! (`optim/scaler.rs`: `GradScaler`'s semantics) and skips an overflowing step.
 
 mod scaler;
 
