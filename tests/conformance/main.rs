@@ -3,7 +3,7 @@
 //! random inputs.
 //!
 //! fp16 and bf16 cases are in `half.rs`, with their own reference and
-//! tolerances.
+//! tolerances; loss scaling (fp16-mixed training) in `amp.rs`.
 //!
 //! Every test here needs a GPU and is `#[ignore]`d (CI has none). On the GPU
 //! machine: `test-conformance --ignored --test-threads=1 --nocapture`.
@@ -37,6 +37,9 @@ mod half;
 
 /// Training in segments through the device gate (`gate.rs`).
 mod gate;
+
+/// Loss scaling's ops and fp16-mixed training steps (`amp.rs`).
+mod amp;
 
 #[derive(Debug, Clone, Copy)]
 struct Tol {

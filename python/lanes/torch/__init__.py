@@ -400,7 +400,11 @@ def training_job(
     `lanes bench train --job DIR --op-profile`. `precision="bf16-mixed"`
     trains as under `torch.autocast("cuda", torch.bfloat16)`: matrix
     products and convolutions in bf16, weights, gradients and optimizer
-    state in float32 (docs/precision.md)."""
+    state in float32 (docs/precision.md). `precision="fp16-mixed"` the same
+    in fp16 with a `torch.amp.GradScaler`'s loss scaling (initial scale
+    2^16, halved on an overflow, whose step is skipped; doubled after 2000
+    clean steps): the scale and the clean-step count are the session's
+    variables `amp/scale` and `amp/growth_tracker`."""
     example = tuple(example)
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
