@@ -304,3 +304,47 @@ fn under_fifo_inference_waits_for_the_training_queue() {
     );
     server.shutdown().unwrap();
 }
+
+/// Under `priority` every inference Run closes the device's gate while it
+/// runs (`exec::gate`; the CPU backend's training ignores it, the GPU's
+/// waits): the gate counts them, and /metrics shows the count. Under
+/// `fifo` nothing is gated.
+#[test]
+fn under_priority_inference_runs_close_the_gate() {
+    for (policy, expected) in [(PolicyChoice::Priority, 5.0), (PolicyChoice::Fifo, 0.0)] {
+        let metrics = Arc::new(lanes::server::metrics::Metrics::new());
+        let m = Arc::clone(&metrics);
+        let server = util::start_with(move |c| {
+            c.policy = policy;
+            c.metrics = Some(m);
+        });
+        let job = inference_job();
+        let train = training_job();
+        let mut c = client(server.endpoint());
+        let tid = open(&mut c, SessionSpec::training("t"));
+        c.load_in(tid, &train.graph, train.vars.clone()).unwrap();
+        c.run_in(tid, train.feeds(), &[train.fetch.as_str()])
+            .unwrap();
+        let id = open(&mut c, SessionSpec::inference("i"));
+        c.load_in(id, &job.graph, job.vars.clone()).unwrap();
+        for _ in 0..5 {
+            c.run_in(id, job.feeds(), &[job.fetch.as_str()]).unwrap();
+        }
+        // The socket thread publishes twice a second.
+        let series = "lanes_gate_urgent_runs_total ";
+        let t0 = Instant::now();
+        let seen = loop {
+            let text = metrics.encode().unwrap();
+            let v = text
+                .lines()
+                .find_map(|l| l.strip_prefix(series))
+                .and_then(|v| v.trim().parse::<f64>().ok());
+            if v == Some(expected) || t0.elapsed() > Duration::from_secs(10) {
+                break (v, text);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(seen.0, Some(expected), "{policy}: {}", seen.1);
+        server.shutdown().unwrap();
+    }
+}

@@ -1,7 +1,7 @@
 //! Mixed and half precision on the CPU reference backend (docs/precision.md):
-//! a bf16-mixed training run learns a real task as fp32 does, a model served
-//! in bf16 or fp16 answers as in fp32 within the dtype's rounding, and its
-//! weights take half the persistent memory.
+//! a bf16-mixed or fp16-mixed (loss-scaled) training run learns a real task
+//! as fp32 does, a model served in bf16 or fp16 answers as in fp32 within
+//! the dtype's rounding, and its weights take half the persistent memory.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
@@ -53,28 +53,32 @@ fn train_digits(precision: Precision) -> Result<(f32, f32)> {
     Ok((last, accuracy(&d, &test, &logits[0])?))
 }
 
-/// bf16-mixed reaches fp32's accuracy on held-out digits (within 2
-/// points: 7 of 359 images) and a last-epoch loss within 0.05 of fp32's.
-/// bf16 keeps 8 significant bits, so its products differ from fp32's by
-/// up to 2⁻⁸ relative; Adam's steps are in f32 on f32 master weights, so
-/// the difference stays a perturbation of the path, not a bias.
+/// bf16-mixed and fp16-mixed reach fp32's accuracy on held-out digits
+/// (within 2 points: 7 of 359 images) and a last-epoch loss within 0.05 of
+/// fp32's. bf16 keeps 8 significant bits, so its products differ from
+/// fp32's by up to 2⁻⁸ relative; fp16 keeps 11 but has a narrow range, so
+/// its step scales the loss (2^16 at first, halved on an overflow). Adam's
+/// steps are in f32 on f32 master weights, so the difference stays a
+/// perturbation of the path, not a bias.
 #[test]
-fn bf16_mixed_training_learns_digits_as_fp32_does() -> Result<()> {
+fn mixed_training_learns_digits_as_fp32_does() -> Result<()> {
     let (loss32, acc32) = train_digits(Precision::F32)?;
-    let (loss16, acc16) = train_digits(Precision::Bf16Mixed)?;
-    eprintln!(
-        "digits MLP, last-epoch loss / held-out accuracy: fp32 {loss32:.4} / {acc32:.3}, \
-         bf16-mixed {loss16:.4} / {acc16:.3}"
-    );
-    ensure!(acc16 >= 0.95, "bf16-mixed accuracy {acc16} < 0.95");
-    ensure!(
-        (acc16 - acc32).abs() <= 0.02,
-        "accuracy {acc16} vs fp32 {acc32}"
-    );
-    ensure!(
-        (loss16 - loss32).abs() <= 0.05,
-        "loss {loss16} vs fp32 {loss32}"
-    );
+    for precision in [Precision::Bf16Mixed, Precision::F16Mixed] {
+        let (loss16, acc16) = train_digits(precision)?;
+        eprintln!(
+            "digits MLP, last-epoch loss / held-out accuracy: fp32 {loss32:.4} / {acc32:.3}, \
+             {precision} {loss16:.4} / {acc16:.3}"
+        );
+        ensure!(acc16 >= 0.95, "{precision} accuracy {acc16} < 0.95");
+        ensure!(
+            (acc16 - acc32).abs() <= 0.02,
+            "{precision} accuracy {acc16} vs fp32 {acc32}"
+        );
+        ensure!(
+            (loss16 - loss32).abs() <= 0.05,
+            "{precision} loss {loss16} vs fp32 {loss32}"
+        );
+    }
     Ok(())
 }
 

@@ -177,6 +177,8 @@ fn is_training_op(op: &Op) -> bool {
             | Assign
             | HardSigmoidGrad
             | HardSwishGrad
+            | AmpUnscale
+            | AmpScaleUpdate { .. }
     )
 }
 
@@ -640,17 +642,46 @@ mod tests {
             apply(t.graph, t.vars, Precision::Bf16Mixed),
             Err(AmpError::NotForward { .. })
         ));
-        // fp16 training needs loss scaling; half weights do not train.
-        for (p, half_weights) in [(Precision::F16Mixed, false), (Precision::Bf16, true)] {
+        // Half weights do not train.
+        for p in [Precision::Bf16, Precision::F16] {
             let g = mlp();
             let loss = Outlet::new(NodeId(g.graph_nodes().len() as u32 - 1), 0);
             let e = training_graph_at(g, loss, &Optimizer::sgd(0.1), p).unwrap_err();
-            if half_weights {
-                assert!(matches!(e, TrainError::HalfWeights(..)), "{e}");
-            } else {
-                assert!(matches!(e, TrainError::NeedsLossScaling(_)), "{e}");
-            }
+            assert!(matches!(e, TrainError::HalfWeights(..)), "{e}");
         }
+    }
+
+    #[test]
+    fn an_fp16_mixed_training_graph_scales_its_loss() {
+        let g = mlp();
+        let loss = Outlet::new(NodeId(g.graph_nodes().len() as u32 - 1), 0);
+        let t =
+            training_graph_at(g, loss, &Optimizer::adamw(1e-3, 0.01), Precision::F16Mixed).unwrap();
+        assert_eq!(t.loss, "loss");
+        assert_eq!(
+            t.vars[crate::optim::SCALE_VARIABLE].f32s().unwrap(),
+            &[65536.0]
+        );
+        assert_eq!(
+            t.vars[crate::optim::GROWTH_TRACKER_VARIABLE]
+                .f32s()
+                .unwrap(),
+            &[0.0]
+        );
+        for v in [
+            crate::optim::SCALE_VARIABLE,
+            crate::optim::GROWTH_TRACKER_VARIABLE,
+        ] {
+            assert!(t.state.iter().any(|s| s == v), "{v} in {:?}", t.state);
+        }
+        let count = |name: &str| t.graph.nodes.iter().filter(|n| n.op.name() == name).count();
+        assert_eq!(count("amp_unscale"), t.params.len());
+        assert_eq!(count("amp_scale_update"), 1);
+        assert!(t
+            .graph
+            .resolve(&format!("{}:1", crate::optim::FOUND_INF_NODE))
+            .is_some());
+        validate(t.graph, &GraphLimits::default()).unwrap();
     }
 
     #[test]

@@ -134,6 +134,8 @@ fn has_rule(op: &Op) -> bool {
             | Op::SgdUpdate { .. }
             | Op::AdamUpdate { .. }
             | Op::Assign
+            | Op::AmpUnscale
+            | Op::AmpScaleUpdate { .. }
     )
 }
 

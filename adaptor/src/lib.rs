@@ -30,7 +30,8 @@ pub use graph::{
 };
 pub use optim::{
     lr_variable, training_graph, training_graph_at, training_graph_from, training_graph_grouped,
-    Optimizer, ParamGroup, TrainError, TrainOptions, TrainingGraph,
+    LossScale, Optimizer, ParamGroup, TrainError, TrainOptions, TrainingGraph, FOUND_INF_NODE,
+    GROWTH_TRACKER_VARIABLE, SCALE_VARIABLE,
 };
 pub use tensor::{bf16, f16, DType, Shape, Tensor, TensorData, TensorError, TensorType};
 pub use wire::auth::AuthKey;

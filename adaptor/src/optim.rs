@@ -6,7 +6,12 @@
 //! state — momentum buffers, Adam's moments and step counters — are extra
 //! variables (persistent memory of the job) whose initial values come with
 //! the graph. One Run of the training graph, fetching the loss, is one
-//! training iteration.
+//! training iteration. Under fp16-mixed the step scales the loss
+//! (`optim/scaler.rs`: `GradScaler`'s semantics) and skips an overflowing step.
+
+mod scaler;
+
+pub use scaler::{LossScale, FOUND_INF_NODE, GROWTH_TRACKER_VARIABLE, SCALE_VARIABLE};
 
 use crate::amp::{self, AmpError, Precision};
 use crate::autodiff::{gradients, trainable_variables, AutodiffError};
@@ -108,19 +113,24 @@ impl Optimizer {
 
     /// Appends the in-place update of `param` by `grad`; returns the names
     /// of the state variables it created.
-    fn append_update(&self, g: &mut GraphBuilder, param: Outlet, grad: Outlet) -> Vec<String> {
-        self.append_update_scaled(g, param, grad, None)
-    }
-
-    /// [`Self::append_update`] whose learning rate is `lr` times the value
-    /// of `scale` (a one-element variable) when given.
-    fn append_update_scaled(
+    /// The learning rate is `lr` times the value of `scale` (a one-element
+    /// variable) when given; a non-zero `skip` (one element, loss scaling's
+    /// overflow flag) leaves the parameter and the state as they were.
+    fn append_update(
         &self,
         g: &mut GraphBuilder,
         param: Outlet,
         grad: Outlet,
         scale: Option<Outlet>,
+        skip: Option<Outlet>,
     ) -> Vec<String> {
+        // The ops take the skip flag after the rate's scale: a rate of 1
+        // stands in for an absent one.
+        let scale = match (scale, skip) {
+            (None, Some(_)) => Some(g.scalar(1.0)),
+            _ => scale,
+        };
+        let extra = [scale.as_slice(), skip.as_slice()].concat();
         let name = g.name_of(param).to_string();
         let ty = g.ty(param).cloned();
         let Some(ty) = ty else {
@@ -142,7 +152,7 @@ impl Optimizer {
                         weight_decay,
                         nesterov,
                     },
-                    &[&[param, grad, buf][..], scale.as_slice()].concat(),
+                    &[&[param, grad, buf][..], &extra].concat(),
                 );
                 debug_assert!(upd.is_empty());
                 vec![buf_name]
@@ -179,7 +189,7 @@ impl Optimizer {
                         weight_decay,
                         decoupled,
                     },
-                    &[&[param, grad, m, v, step][..], scale.as_slice()].concat(),
+                    &[&[param, grad, m, v, step][..], &extra].concat(),
                 );
                 names.to_vec()
             }
@@ -212,11 +222,8 @@ pub enum TrainError {
     BadClipNorm(f32),
     #[error(transparent)]
     Precision(#[from] AmpError),
-    #[error(
-        "{0} training needs loss scaling, which Lanes does not have yet; train in bf16-mixed \
-         (same speed on tensor cores, no overflow) or fp32"
-    )]
-    NeedsLossScaling(Precision),
+    #[error("bad loss scaling settings: {0}")]
+    BadLossScale(String),
     #[error("{0} keeps weights in half precision, which training does not support; use {1}")]
     HalfWeights(Precision, &'static str),
 }
@@ -241,6 +248,9 @@ pub struct TrainOptions {
     /// The precision the forward and backward compute in (weights,
     /// gradients and optimizer state stay f32; [`crate::amp`]).
     pub precision: Precision,
+    /// Loss scaling's settings, used under [`Precision::F16Mixed`] only
+    /// (bf16 and f32 train unscaled).
+    pub loss_scale: LossScale,
 }
 
 /// Name of the variable holding group `k`'s learning rate in a graph built
@@ -286,7 +296,8 @@ pub fn training_graph(
 }
 
 /// [`training_graph`] computing in `precision` (mixed precision: the
-/// forward graph rewritten by [`amp::apply`], f32 master weights).
+/// forward graph rewritten by [`amp::apply`], f32 master weights;
+/// fp16-mixed with [`LossScale::default`]'s loss scaling).
 pub fn training_graph_at(
     g: GraphBuilder,
     loss: Outlet,
@@ -301,14 +312,27 @@ pub fn training_graph_at(
     if params.is_empty() {
         return Err(TrainError::NoParameters);
     }
-    let grads = gradients(&mut g, loss, &params)?;
+    let (scaler, target) = scale_loss(&mut g, loss, precision, LossScale::default())?;
+    let grads = gradients(&mut g, target, &params)?;
+    // trainable_variables only returns variables the loss depends on.
+    let mut grads: Vec<(Outlet, Outlet)> = params
+        .iter()
+        .zip(grads)
+        .filter_map(|(&p, gr)| Some((p, gr?)))
+        .collect();
+    let found = scaler
+        .as_ref()
+        .and_then(|s| s.unscale(&mut g, grads.iter_mut().map(|(_, gr)| gr)));
+    // The skip flag follows a rate scale: one constant 1 for every update.
+    let rate = found.map(|_| g.scalar(1.0));
     let mut state = Vec::new();
     let mut names = Vec::with_capacity(params.len());
-    for (p, gr) in params.iter().zip(grads) {
-        // trainable_variables only returns variables the loss depends on.
-        let Some(gr) = gr else { continue };
-        names.push(g.name_of(*p).to_string());
-        state.extend(opt.append_update(&mut g, *p, gr));
+    for (p, gr) in grads {
+        names.push(g.name_of(p).to_string());
+        state.extend(opt.append_update(&mut g, p, gr, rate, found));
+    }
+    if let (Some(s), Some(f)) = (&scaler, found) {
+        state.extend(s.update(&mut g, f));
     }
     finish_training(g, loss, names, state)
 }
@@ -360,12 +384,17 @@ pub fn training_graph_grouped(
         return Err(TrainError::NoParameters);
     }
     let wrt: Vec<Outlet> = chosen.iter().map(|(o, _)| *o).collect();
-    let grads = gradients(&mut g, loss, &wrt)?;
+    let (scaler, target) = scale_loss(&mut g, loss, opts.precision, opts.loss_scale)?;
+    let grads = gradients(&mut g, target, &wrt)?;
     let mut grads: Vec<(Outlet, usize, Outlet)> = chosen
         .iter()
         .zip(grads)
         .filter_map(|(&(p, k), gr)| Some((p, k, gr?)))
         .collect();
+    // Unscaled before clipping (`scaler.unscale_` before `clip_grad_norm_`).
+    let found = scaler
+        .as_ref()
+        .and_then(|s| s.unscale(&mut g, grads.iter_mut().map(|(_, _, gr)| gr)));
     if let Some(max_norm) = opts.max_grad_norm {
         clip_by_global_norm(&mut g, &mut grads, max_norm);
     }
@@ -381,14 +410,32 @@ pub fn training_graph_grouped(
         names.push(g.name_of(p).to_string());
         // The rate is the variable's value: the op's own factor is 1.
         let opt = opts.groups[k].optimizer.with_lr(1.0);
-        state.extend(opt.append_update_scaled(&mut g, p, gr, Some(scales[k])));
+        state.extend(opt.append_update(&mut g, p, gr, Some(scales[k]), found));
+    }
+    if let (Some(s), Some(f)) = (&scaler, found) {
+        state.extend(s.update(&mut g, f));
     }
     finish_training(g, loss, names, state)
 }
 
+/// Under fp16-mixed, the scaler's variables and the scaled loss to
+/// differentiate; otherwise no scaler and `loss` itself.
+fn scale_loss(
+    g: &mut GraphBuilder,
+    loss: Outlet,
+    precision: Precision,
+    settings: LossScale,
+) -> Result<(Option<scaler::Scaler>, Outlet), TrainError> {
+    if precision != Precision::F16Mixed {
+        return Ok((None, loss));
+    }
+    let (s, scaled) = scaler::Scaler::scale_loss(g, loss, settings)?;
+    Ok((Some(s), scaled))
+}
+
 /// The forward graph `g` rewritten to compute in `precision`, and its
 /// loss there. Only the mixed precisions train: half weights would lose
-/// small updates, and fp16 needs loss scaling.
+/// small updates (fp16-mixed scales the loss: [`scale_loss`]).
 fn with_precision(
     g: GraphBuilder,
     loss: Outlet,
@@ -396,8 +443,7 @@ fn with_precision(
 ) -> Result<(GraphBuilder, Outlet), TrainError> {
     match precision {
         Precision::F32 => return Ok((g, loss)),
-        Precision::Bf16Mixed => {}
-        Precision::F16Mixed => return Err(TrainError::NeedsLossScaling(precision)),
+        Precision::Bf16Mixed | Precision::F16Mixed => {}
         Precision::Bf16 => return Err(TrainError::HalfWeights(precision, "bf16-mixed")),
         Precision::F16 => return Err(TrainError::HalfWeights(precision, "bf16-mixed")),
     }

@@ -569,9 +569,11 @@ impl Session {
     /// (trained variables, optimizer-state variables). `outputs`: what
     /// `run` fetches by default (the loss when empty).
     /// `save_to` and `example` save the job as `load_graph`'s do (`lanes
-    /// bench train --job`). `precision`: "fp32" (the default) or
+    /// bench train --job`). `precision`: "fp32" (the default),
     /// "bf16-mixed" (products and convolutions in bf16, f32 weights,
-    /// gradients and optimizer state).
+    /// gradients and optimizer state) or "fp16-mixed" (the same in fp16,
+    /// the loss scaled as by a `GradScaler`: variables `amp/scale` and
+    /// `amp/growth_tracker`, docs/precision.md).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None))]
     fn load_training(
@@ -607,6 +609,7 @@ impl Session {
             groups,
             max_grad_norm,
             precision,
+            ..TrainOptions::default()
         };
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))

@@ -1,7 +1,9 @@
 """Mixed and half precision from PyTorch (docs/precision.md): a model
 trained with `precision="bf16-mixed"` follows PyTorch's bf16 autocast, one
-served with `precision="fp16"`/`"bf16"` answers like `model.half()`, and
-what cannot work is refused before anything is sent.
+trained with `precision="fp16-mixed"` follows PyTorch's fp32 training and
+skips an overflowing step (loss scaling), one served with
+`precision="fp16"`/`"bf16"` answers like `model.half()`, and what cannot
+work is refused before anything is sent.
 
 Tolerances: bf16 keeps 8 significant bits (a relative rounding of 2^-9),
 fp16 11 (2^-12). Two programs that round the same products at different
@@ -64,6 +66,54 @@ def test_bf16_mixed_training_follows_pytorch_autocast(client):
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
 
 
+def _scaler(job):
+    v = job.session.read_variables(["amp/scale", "amp/growth_tracker"])
+    return np.asarray(v["amp/scale"]).item(), np.asarray(v["amp/growth_tracker"]).item(), v["amp/scale"].shape
+
+
+def test_fp16_mixed_training_scales_the_loss_and_skips_overflows(client):
+    """fp16-mixed (fp16 products, float32 master weights, the loss scaled by
+    2^16) follows PyTorch's float32 curve within 1e-2 relative (fp16 keeps
+    11 significant bits, a rounding of 2^-12 per product); the scaler's
+    variables count the clean steps; a scale written so large that the fp16
+    gradients overflow makes the next step a skipped one: the weights stay
+    as they were and the scale halves."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    loss = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    job = lt.training_job(client, m, example=(x, y), loss=loss, optimizer=opt, precision="fp16-mixed")
+    ours, theirs = [], []
+    try:
+        for _ in range(10):
+            ours.append(job.step(x, y))
+            ref_opt.zero_grad()
+            rl = loss(ref(x), y)
+            rl.backward()
+            ref_opt.step()
+            theirs.append(rl.item())
+        scale, tracker, shape = _scaler(job)
+        assert (scale, tracker) == (65536.0, 10.0), "ten clean steps at PyTorch's initial scale"
+        before = job.state_dict()
+        job.session.write_variables({"amp/scale": np.full(shape, 2.0**40, dtype=np.float32)})
+        job.step(x, y)
+        after = job.state_dict()
+        scale, tracker, _ = _scaler(job)
+    finally:
+        job.close()
+    print("fp16-mixed loss, lanes:", np.round(ours, 4).tolist(), "pytorch fp32:", np.round(theirs, 4).tolist())
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert abs(a - b) <= 1e-2 * max(1.0, abs(b)), (i, ours, theirs)
+    assert ours[-1] < 0.75 * ours[0], "it must learn the batch"
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), f"{k} changed in a skipped step"
+    assert (scale, tracker) == (2.0**39, 0.0), "an overflow halves the scale and resets the tracker"
+
+
 @pytest.mark.parametrize("precision, dtype, tol", [("fp16", torch.float16, 5e-3), ("bf16", torch.bfloat16, 4e-2)])
 def test_half_serving_answers_like_model_half(client, precision, dtype, tol):
     torch.manual_seed(1)
@@ -91,8 +141,6 @@ def test_precisions_that_cannot_work_are_refused(client):
     x, y = torch.randn(2, 8), torch.randint(0, 4, (2,))
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     ce = torch.nn.CrossEntropyLoss()
-    with pytest.raises(lanes.ModelError, match="loss scaling"):
-        lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, precision="fp16-mixed")
     with pytest.raises(lanes.ModelError, match="bf16-mixed"):
         lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, precision="bf16")
     with pytest.raises(ValueError, match="unknown precision"):

@@ -480,6 +480,52 @@ def test_another_batch_size_is_refused_with_the_captured_shape(client):
         job.close()
 
 
+def test_a_dynamic_batch_inference_job_takes_any_batch_size(client):
+    torch.manual_seed(0)
+    m = torchvision.models.resnet18(num_classes=5).eval()
+    # A conv net in evaluation mode (BatchNorm on running statistics) and a
+    # second output, captured at batch 4.
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = m
+
+        def forward(self, x):
+            y = self.net(x)
+            return y, y.softmax(1)
+
+    two = TwoOutputs().eval()
+    job = lt.inference_job(client, two, example=torch.randn(4, 3, 32, 32), dynamic_batch=True)
+    try:
+        assert job.batch == 4
+        for n in [1, 3, 4, 9]:
+            x = torch.randn(n, 3, 32, 32)
+            logits, probs = job(x)
+            with torch.no_grad():
+                want, want_p = two(x)
+            assert logits.shape == (n, 5) and probs.shape == (n, 5)
+            np.testing.assert_allclose(logits.numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(probs.numpy(), want_p.numpy(), rtol=1e-4, atol=1e-5)
+        # The other dimensions still have to match, and N must be the same
+        # in every input.
+        with pytest.raises(lanes.FeedError, match=r"\[N, 3, 32, 32\]"):
+            job(torch.randn(2, 3, 16, 16))
+        with pytest.raises(lanes.FeedError, match="empty batch"):
+            job(torch.randn(0, 3, 32, 32))
+    finally:
+        job.close()
+    # Without it another batch is refused with the captured shape; a model
+    # in training mode cannot take it.
+    fixed = lt.inference_job(client, two, example=torch.randn(4, 3, 32, 32))
+    try:
+        with pytest.raises(lanes.FeedError, match=r"\[4, 3, 32, 32\]"):
+            fixed(torch.randn(3, 3, 32, 32))
+    finally:
+        fixed.close()
+    with pytest.raises(ValueError, match="evaluation mode"):
+        lt.inference_job(client, _Mlp().train(), example=torch.randn(4, 8), dynamic_batch=True)
+
+
 def test_a_model_larger_than_the_service_gets_the_admission_error(tmp_path):
     sock = tmp_path / "small.sock"
     ep = f"ipc://{sock}"

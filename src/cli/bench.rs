@@ -188,7 +188,8 @@ struct RunOpts {
     tf32_matmul: bool,
     /// fp32 | bf16-mixed (training or inference: products and convolutions
     /// in bf16, f32 weights) | bf16 | fp16 (inference: weights stored in
-    /// half) | fp16-mixed (inference); see docs/precision.md.
+    /// half) | fp16-mixed (training with loss scaling, or inference); see
+    /// docs/precision.md.
     #[arg(long, default_value = "fp32")]
     precision: lanes_adaptor::Precision,
 }

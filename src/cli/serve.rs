@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
+use lanes::exec::gate::{GateConfig, GateMode};
 use lanes::server::{self, ByteSize, DeviceChoice, MemoryChoice, PolicyChoice, ServerConfig};
 use lanes_adaptor::Limits;
 
@@ -143,6 +144,25 @@ pub struct Args {
     /// inference lanes before training lanes); for comparison.
     #[arg(long)]
     pub no_stream_priority: bool,
+    /// Under `priority` on the GPU, no gate: training's iterations run as
+    /// one graph beside inference's Runs, ordered by stream priorities
+    /// alone (by default training runs in short segments that wait while
+    /// an inference Run runs; docs/scheduling.md).
+    #[arg(long)]
+    pub no_gate: bool,
+    /// What training may launch while an inference Run runs: `hold`
+    /// (nothing) or `trickle` (one short segment at a time).
+    #[arg(long, value_enum, default_value_t = GateMode::Hold)]
+    pub gate_mode: GateMode,
+    /// How long the gate stays closed after the last inference Run, in
+    /// microseconds.
+    #[arg(long, default_value_t = 100, value_name = "US")]
+    pub gate_release_us: u64,
+    /// The GPU time training's segments aim at, in microseconds: how long
+    /// an inference Run may wait for one.
+    #[arg(long, default_value_t = 300, value_name = "US",
+          value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    pub gate_segment_us: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
     /// 127.0.0.1:9400): request latency and queueing per session,
     /// iterations, errors by code, lanes, reservation, evictions,
@@ -330,6 +350,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_shared: args.max_shared.0,
         load_cache_bytes: args.load_cache.0,
         stream_priority: !args.no_stream_priority,
+        gate: (!args.no_gate).then(|| GateConfig {
+            mode: args.gate_mode,
+            release: Duration::from_micros(args.gate_release_us),
+            segment: Duration::from_micros(args.gate_segment_us),
+        }),
         auth_key,
         metrics: args
             .metrics

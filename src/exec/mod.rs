@@ -6,6 +6,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod gate;
 mod program;
 
 pub use program::{Backend, GpuShare, Program};

@@ -2,11 +2,13 @@
 //! sessions, the benchmarks and the tests that run on either backend.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use lanes_adaptor::{Tensor, ValidGraph, VarValues};
 
 use super::cpu::{CpuMemory, CpuProgram};
 use super::cuda::CudaProgram;
+use super::gate::Gate;
 use super::{ExecError, HostFeed};
 use crate::residency::{GroupPlan, Layout, Strategy, SwitchReport};
 
@@ -28,7 +30,7 @@ pub enum Program {
 
 /// How a job's GPU work shares the device with the other lanes (the
 /// service sets it from its policy).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct GpuShare {
     /// Levels above the device's least stream priority
     /// (`CudaOptions::urgency`).
@@ -41,6 +43,36 @@ pub struct GpuShare {
     /// (`CudaOptions::cudnn_batch_norm`; docs/scheduling.md has what they
     /// cost an inference lane beside them on the H100).
     pub yields: bool,
+    /// The device's gate (`exec::gate`), under a policy that gates: a job
+    /// that yields runs its iterations as segments the gate lets through;
+    /// an urgent job (not yielding) closes it while its Runs run.
+    pub gate: Option<Arc<Gate>>,
+}
+
+impl PartialEq for GpuShare {
+    fn eq(&self, other: &Self) -> bool {
+        self.urgency == other.urgency
+            && self.yields == other.yields
+            && match (&self.gate, &other.gate) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            }
+    }
+}
+
+impl Eq for GpuShare {}
+
+impl GpuShare {
+    /// The gate this job closes while its Runs run (an urgent job's).
+    pub fn urgent_gate(&self) -> Option<&Arc<Gate>> {
+        self.gate.as_ref().filter(|_| !self.yields)
+    }
+
+    /// The gate this job's iterations pass (a yielding job's).
+    pub fn yielding_gate(&self) -> Option<&Arc<Gate>> {
+        self.gate.as_ref().filter(|_| self.yields)
+    }
 }
 
 impl Program {
@@ -66,7 +98,9 @@ impl Program {
                     cudnn_batch_norm: d.cudnn_batch_norm && !share.yields,
                     ..d
                 };
-                Program::Cuda(Box::new(CudaProgram::with_options(graph, vars, options)?))
+                let mut p = CudaProgram::with_options(graph, vars, options)?;
+                p.set_gate(share.yielding_gate().cloned());
+                Program::Cuda(Box::new(p))
             }
         })
     }

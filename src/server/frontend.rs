@@ -148,6 +148,10 @@ struct Frontend {
     /// Admits connections at their ZeroMQ handshake when the service
     /// authenticates its peers (`zap.rs`).
     zap: Option<Zap>,
+    /// Keeps lower-urgency GPU work off the device while urgent Runs run
+    /// (`exec::gate`; under `priority` with stream priorities, unless
+    /// `--no-gate`).
+    device_gate: Option<Arc<crate::exec::gate::Gate>>,
     /// Warnings about connections refused at their handshake.
     refused_connections: Throttle,
     /// Decodes large requests off this thread (`decoder.rs`); `decoded`
@@ -277,6 +281,10 @@ pub(super) fn spawn(
         tracing::info!("peers must authenticate (pre-shared key; traffic is not encrypted)");
     }
     let config_shared = (config.max_shared_per_client, config.max_shared);
+    let device_gate = config.gate.map(crate::exec::gate::Gate::new);
+    if let (Some(g), Some(m)) = (&device_gate, &config.metrics) {
+        m.watch_gate(Arc::clone(g));
+    }
     let fe = Frontend {
         pool,
         config,
@@ -296,6 +304,7 @@ pub(super) fn spawn(
         dropped_replies: Throttle::default(),
         gate,
         zap,
+        device_gate,
         refused_connections: Throttle::default(),
         decoder,
         decoded,
@@ -585,6 +594,7 @@ impl Frontend {
                             spec.kind,
                             spec.priority,
                             self.config.stream_priority,
+                            self.device_gate.as_ref(),
                         )),
                 )),
                 spec,

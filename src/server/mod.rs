@@ -244,6 +244,10 @@ pub struct ServerConfig {
     /// it at ([`PolicyChoice::urgency`]); off, every lane's streams have
     /// CUDA's default priority (`--no-stream-priority`, for comparison).
     pub stream_priority: bool,
+    /// Under `priority` with stream priorities: the device's gate
+    /// (`exec::gate`) keeps training's segments off the GPU while an
+    /// inference Run runs; `None` (`--no-gate`): stream priorities alone.
+    pub gate: Option<crate::exec::gate::GateConfig>,
     /// Authenticate peers with this pre-shared key (`--auth-key-file`):
     /// a connection is admitted at ZeroMQ's handshake only with a
     /// connection token made with the key (`zap.rs`), and must answer its
@@ -329,6 +333,7 @@ impl Default for ServerConfig {
             max_shared_per_client: DEFAULT_SHARED_PER_CLIENT,
             max_shared: DEFAULT_MAX_SHARED,
             stream_priority: true,
+            gate: Some(crate::exec::gate::GateConfig::default()),
             auth_key: None,
             metrics: None,
             busy_poll: Duration::ZERO,

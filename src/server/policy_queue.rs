@@ -31,12 +31,14 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::{JobKind as WireKind, SessionId, SessionSpec};
 use lanes_policies::{JobKind, JobSpec, Policy};
 
 use super::dispatch::{ReadyQueue, Work, WorkItem};
+use crate::exec::gate::Gate;
 use crate::exec::GpuShare;
 use crate::sched::{JobStats, Scheduler};
 
@@ -96,9 +98,17 @@ impl PolicyChoice {
 
     /// How a job's GPU work shares the device under this policy: its
     /// [`urgency`](Self::urgency) when stream priorities are on (else 0),
-    /// and whether a lane of greater urgency may run beside it (only under
-    /// `priority`, for every job below inference's [`MAX_URGENCY`]).
-    pub fn share(self, kind: WireKind, priority: i32, stream_priority: bool) -> GpuShare {
+    /// whether a lane of greater urgency may run beside it (only under
+    /// `priority`, for every job below inference's [`MAX_URGENCY`]), and
+    /// under `priority` the device's `gate` (`exec::gate`), if the service
+    /// gates.
+    pub fn share(
+        self,
+        kind: WireKind,
+        priority: i32,
+        stream_priority: bool,
+        gate: Option<&Arc<Gate>>,
+    ) -> GpuShare {
         if !stream_priority {
             return GpuShare::default();
         }
@@ -106,6 +116,7 @@ impl PolicyChoice {
         GpuShare {
             urgency,
             yields: self == PolicyChoice::Priority && urgency < MAX_URGENCY,
+            gate: gate.filter(|_| self == PolicyChoice::Priority).cloned(),
         }
     }
 
@@ -466,22 +477,53 @@ mod tests {
     #[test]
     fn only_jobs_an_urgent_lane_may_outrank_yield() {
         use PolicyChoice::*;
-        let share = |urgency, yields| GpuShare { urgency, yields };
-        assert_eq!(Priority.share(WireKind::Training, 0, true), share(0, true));
-        assert_eq!(Priority.share(WireKind::Training, 3, true), share(3, true));
+        let share = |urgency, yields| GpuShare {
+            urgency,
+            yields,
+            gate: None,
+        };
         assert_eq!(
-            Priority.share(WireKind::Inference, 0, true),
+            Priority.share(WireKind::Training, 0, true, None),
+            share(0, true)
+        );
+        assert_eq!(
+            Priority.share(WireKind::Training, 3, true, None),
+            share(3, true)
+        );
+        assert_eq!(
+            Priority.share(WireKind::Inference, 0, true, None),
             share(MAX_URGENCY, false)
         );
         // Without stream priorities nobody outranks anybody.
         assert_eq!(
-            Priority.share(WireKind::Training, 0, false),
+            Priority.share(WireKind::Training, 0, false, None),
             GpuShare::default()
         );
         for p in [Fifo, Srtf, Fair, Pack] {
             for kind in [WireKind::Training, WireKind::Inference] {
-                assert_eq!(p.share(kind, 4, true), share(0, false), "{p}");
+                assert_eq!(p.share(kind, 4, true, None), share(0, false), "{p}");
             }
+        }
+    }
+
+    #[test]
+    fn only_priority_gates_and_the_gate_knows_who_closes_it() {
+        use PolicyChoice::*;
+        let gate = crate::exec::gate::Gate::new(Default::default());
+        let train = Priority.share(WireKind::Training, 0, true, Some(&gate));
+        let infer = Priority.share(WireKind::Inference, 0, true, Some(&gate));
+        assert!(train.yielding_gate().is_some() && train.urgent_gate().is_none());
+        assert!(infer.urgent_gate().is_some() && infer.yielding_gate().is_none());
+        // Without stream priorities, or under another policy: no gate.
+        assert!(Priority
+            .share(WireKind::Inference, 0, false, Some(&gate))
+            .gate
+            .is_none());
+        for p in [Fifo, Srtf, Fair, Pack] {
+            assert!(p
+                .share(WireKind::Training, 0, true, Some(&gate))
+                .gate
+                .is_none());
         }
     }
 

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::{admission_sizes, ty_mismatch, Loaded, Session, SessionError};
 use crate::compile;
+use crate::exec::gate::Gate;
 use crate::exec::Program;
 use crate::lanes::{Admission, JobId, LaneTurn};
 
@@ -151,7 +152,8 @@ impl Session {
             tracing::info!(session = %self.id, %reason, "waiting for memory");
         }
         times.admit = clock.lap();
-        let mut program = Program::sharing(self.backend, valid, values, self.share)?;
+        let mut program = Program::sharing(self.backend, valid, values, self.share.clone())?;
+        self.armed = self.share.urgent_gate().map(Gate::arm);
         times.build = clock.lap();
         if self.spec.kind == JobKind::Inference {
             // Admitted: warm up in the lane's memory, in the lane's turn.

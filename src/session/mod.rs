@@ -16,6 +16,7 @@ use lanes_adaptor::{GraphError, Tensor, TensorType, ValidGraph};
 
 use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuMemory;
+use crate::exec::gate::{Armed, Gate};
 pub use crate::exec::Backend;
 use crate::exec::{ExecError, HostFeed};
 use crate::exec::{GpuShare, Program};
@@ -23,6 +24,7 @@ use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
 
 mod load;
+mod slo;
 pub use load::LoadTimes;
 
 /// Why a session request failed.
@@ -134,6 +136,12 @@ pub struct Session {
     /// How the job's GPU work shares the device (its streams' urgency, and
     /// whether urgent lanes may run beside it).
     share: GpuShare,
+    /// Keeps the device's gate armed while this urgent job is loaded
+    /// (yielding jobs then run their iterations in segments).
+    armed: Option<Armed>,
+    /// Whether its Runs close the gate (an urgent job's latency objective
+    /// and its recent Runs, `slo.rs`).
+    slo: slo::SloGate,
     /// Its place in the lanes' admission queue when it has to wait (the
     /// policy's `admission_rank`).
     rank: crate::lanes::AdmissionRank,
@@ -197,6 +205,8 @@ impl Session {
             switches: (0, 0),
             pool: None,
             share: GpuShare::default(),
+            armed: None,
+            slo: slo::SloGate::default(),
             rank: Default::default(),
             feed_types: None,
             load_times: None,
@@ -213,6 +223,14 @@ impl Session {
     /// first; see `lanes_policies::Policy::admission_rank`).
     pub fn with_admission_rank(mut self, rank: crate::lanes::AdmissionRank) -> Self {
         self.rank = rank;
+        self
+    }
+
+    /// The job's latency objective (`SessionSpec::slo_ms`): while its
+    /// recent Runs leave room under it, its Runs leave the device's gate
+    /// open (`slo.rs`).
+    pub fn with_slo(mut self, target: Option<std::time::Duration>) -> Self {
+        self.slo = slo::SloGate::new(target);
         self
     }
 
@@ -537,6 +555,15 @@ impl Session {
         let key = turn.as_ref().map(LaneTurn::key);
         let loaded = self.loaded()?;
         loaded.program.bind_lane(key)?;
+        // An urgent job closes the device's gate while its iteration runs
+        // (after taking its lane's turn: a yielding job holding the turn
+        // must be able to finish its iteration).
+        let inside = self
+            .share
+            .urgent_gate()
+            .filter(|_| self.slo.closes())
+            .map(Gate::enter);
+        let loaded = self.loaded()?;
         // With a reservation (CPU), the job's memory in it for this turn.
         let mem = turn.as_mut().and_then(LaneTurn::memory).map(|m| CpuMemory {
             persistent: m.persistent,
@@ -546,6 +573,8 @@ impl Session {
         let (out, report) = loaded
             .program
             .run_in(mem, fed, fetches, Strategy::Pipelined)?;
+        drop(inside);
+        self.slo.record(t0.elapsed());
         drop(turn);
         if let Some(r) = report {
             tracing::debug!(
@@ -632,156 +661,4 @@ impl Session {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
-mod tests {
-    use super::*;
-    use lanes_adaptor::{Graph, GraphBuilder, GraphLimits, NodeId, Outlet};
-
-    fn graph() -> (Graph, Vec<NamedTensor>) {
-        let mut g = GraphBuilder::new();
-        let x = g.placeholder("x", TensorType::f32([2, 3]));
-        let w = g.variable("w", Tensor::full([3, 4], 0.5));
-        let y = g.matmul(x, w);
-        g.set_name(y, "y");
-        let (graph, vars) = g.finish().unwrap();
-        (
-            graph,
-            vars.into_iter()
-                .map(|(n, t)| NamedTensor::new(n, t))
-                .collect(),
-        )
-    }
-
-    fn session() -> Session {
-        Session::new(SessionId(1), SessionSpec::inference("t"))
-    }
-
-    #[test]
-    fn requests_before_load_are_no_graph() {
-        let mut s = session();
-        let e = s.run(vec![], &[]).unwrap_err();
-        assert_eq!(e.code(), ErrorCode::NoGraph);
-        assert_eq!(
-            s.read_variables(&[]).unwrap_err().code(),
-            ErrorCode::NoGraph
-        );
-        assert_eq!(
-            s.write_variables(vec![]).unwrap_err().code(),
-            ErrorCode::NoGraph
-        );
-        assert_eq!(s.iterations(), 0);
-    }
-
-    #[test]
-    fn load_checks_graph_and_variables() {
-        let limits = GraphLimits::default();
-        let (mut g, vars) = graph();
-        g.nodes[2].inputs[1] = Outlet::new(NodeId(40), 0);
-        let e = session().load(g, vars, &limits).unwrap_err();
-        assert_eq!(e.code(), ErrorCode::InvalidGraph);
-        assert!(e.to_string().contains("matmul"), "{e}");
-
-        let (g, _) = graph();
-        let e = session().load(g, vec![], &limits).unwrap_err();
-        assert!(
-            matches!(&e, SessionError::Variable { name, .. } if name == "w"),
-            "{e}"
-        );
-
-        let (g, _) = graph();
-        let wrong = vec![NamedTensor::new("w", Tensor::full([4, 3], 0.5))];
-        let e = session().load(g, wrong, &limits).unwrap_err();
-        assert_eq!(e.code(), ErrorCode::BadVariable);
-
-        let (g, mut vars) = graph();
-        vars.push(NamedTensor::new("extra", Tensor::scalar(1.0)));
-        assert_eq!(
-            session().load(g, vars, &limits).unwrap_err().code(),
-            ErrorCode::BadVariable
-        );
-    }
-
-    #[test]
-    fn exec_errors_map_to_stable_codes() {
-        let e = SessionError::Exec(ExecError::MissingFeed { name: "x".into() });
-        assert_eq!(e.code(), ErrorCode::BadFeed);
-        let e = SessionError::Exec(ExecError::Op {
-            node: "n".into(),
-            op: "relu",
-            reason: "r".into(),
-        });
-        assert_eq!(e.code(), ErrorCode::Exec);
-    }
-
-    /// A CPU session over lanes that own 1 MiB, its graph loaded.
-    fn loaded_in_a_reservation() -> (SharedLanes, Session) {
-        let lanes = SharedLanes::new(crate::lanes::LanesConfig::new(1 << 20)).unwrap();
-        let mut s = session().with_lanes(Some(lanes.clone()));
-        let (g, vars) = graph();
-        s.load(g, vars, &GraphLimits::default()).unwrap();
-        (lanes, s)
-    }
-
-    /// On the CPU with lanes that own memory, the job's variables live in
-    /// the reservation (the program keeps none of its own) and every path —
-    /// run, read, write, evict, return — works there.
-    #[test]
-    fn cpu_jobs_live_in_the_reservation() {
-        let (lanes, mut s) = loaded_in_a_reservation();
-        let x = || vec![NamedTensor::new("x", Tensor::full([2, 3], 1.0))];
-        let y = s.run(x(), &["y".to_string()]).unwrap();
-        assert_eq!(y[0].f32s().unwrap(), &[1.5; 8]);
-        let program = &s.loaded.as_ref().unwrap().program;
-        assert!(program.needs_memory());
-        let Program::Cpu(cpu) = program else {
-            panic!("a CPU program")
-        };
-        assert_eq!((cpu.own_persistent_bytes(), cpu.arena_bytes()), (0, 0));
-        // w's twelve 0.5s are in the job's persistent region.
-        let job = JobId(1);
-        let held = lanes
-            .with_persistent(job, |b| bytemuck::cast_slice::<u8, f32>(&b[..48]).to_vec())
-            .unwrap();
-        assert_eq!(held, vec![0.5; 12]);
-        // Written and read where they live.
-        s.write_variables(vec![NamedTensor::new("w", Tensor::full([3, 4], 2.0))])
-            .unwrap();
-        let w = s.read_variables(&["w".to_string()]).unwrap();
-        assert_eq!(w[0].tensor.f32s().unwrap(), &[2.0; 12]);
-        assert_eq!(
-            s.run(x(), &["y".to_string()]).unwrap()[0].f32s().unwrap(),
-            &[6.0; 8]
-        );
-        // Evicted: the memory goes back to the lanes; the next run returns.
-        s.evict().unwrap();
-        assert!(lanes.placement(job).is_none());
-        assert_eq!(
-            s.read_variables(&[]).unwrap()[0].tensor.f32s().unwrap(),
-            &[2.0; 12]
-        );
-        assert_eq!(
-            s.run(x(), &["y".to_string()]).unwrap()[0].f32s().unwrap(),
-            &[6.0; 8]
-        );
-        assert!(lanes.placement(job).is_some());
-        assert_eq!(s.switches(), (1, 1));
-    }
-
-    /// Evicting without waiting leaves a CPU job in place while its lane
-    /// runs an iteration, and evicts it once the lane is free.
-    #[test]
-    fn try_evict_never_waits_for_the_lane() {
-        let (lanes, mut s) = loaded_in_a_reservation();
-        let x = vec![NamedTensor::new("x", Tensor::full([2, 3], 1.0))];
-        s.run(x, &["y".to_string()]).unwrap();
-        let busy = lanes.turn(JobId(1)).unwrap();
-        assert_eq!(s.try_evict().unwrap(), None);
-        assert!(s.is_resident() && lanes.placement(JobId(1)).is_some());
-        drop(busy);
-        // The whole persistent buffer: P of the plan (w's 48 bytes, aligned).
-        let (p, _) = s.memory().unwrap();
-        assert_eq!(p, 256);
-        assert_eq!(s.try_evict().unwrap(), Some(p));
-        assert!(!s.is_resident() && lanes.placement(JobId(1)).is_none());
-        assert_eq!(s.try_evict().unwrap(), Some(0));
-    }
-}
+mod tests;

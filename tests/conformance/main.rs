@@ -3,7 +3,7 @@
 //! random inputs.
 //!
 //! fp16 and bf16 cases are in `half.rs`, with their own reference and
-//! tolerances.
+//! tolerances; loss scaling (fp16-mixed training) in `amp.rs`.
 //!
 //! Every test here needs a GPU and is `#[ignore]`d (CI has none). On the GPU
 //! machine: `test-conformance --ignored --test-threads=1 --nocapture`.
@@ -34,6 +34,12 @@ mod models;
 
 /// fp16 and bf16 on CUDA (`half.rs`).
 mod half;
+
+/// Training in segments through the device gate (`gate.rs`).
+mod gate;
+
+/// Loss scaling's ops and fp16-mixed training steps (`amp.rs`).
+mod amp;
 
 #[derive(Debug, Clone, Copy)]
 struct Tol {
@@ -1528,7 +1534,11 @@ fn cudnn_batch_norm_matches_ours_in_training() {
 
     // A job that urgent lanes may outrank keeps to our kernels.
     for (yields, expected) in [(true, 0), (false, 20)] {
-        let share = GpuShare { urgency: 0, yields };
+        let share = GpuShare {
+            urgency: 0,
+            yields,
+            gate: None,
+        };
         match Program::sharing(Backend::Cuda, vg.clone(), t.vars.clone(), share).unwrap() {
             Program::Cuda(p) => assert_eq!(p.cudnn_batch_norms(), expected, "yields {yields}"),
             Program::Cpu(_) => panic!("a CPU program for the CUDA backend"),

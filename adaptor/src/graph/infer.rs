@@ -2,6 +2,8 @@
 //! Every attribute is checked here, so a graph whose nodes all infer is one the
 //! backends can run without further checks.
 
+mod update;
+
 use super::op::{Conv2dAttrs, Op, Pool2dAttrs};
 use crate::tensor::{DType, Shape, TensorType};
 
@@ -384,51 +386,8 @@ pub fn infer(op: &Op, inputs: &[TensorType]) -> R<Vec<TensorType>> {
             }
             one(inputs[0].clone())
         }
-        SgdUpdate {
-            lr,
-            momentum,
-            weight_decay,
-            ..
-        } => {
-            arity_between(inputs, 3, 4)?;
-            f32s(op, inputs)?;
-            lr_scale(inputs, 3)?;
-            non_negative(*lr, "lr")?;
-            non_negative(*momentum, "momentum")?;
-            non_negative(*weight_decay, "weight_decay")?;
-            same_shape(&inputs[0], &inputs[1])?;
-            same_shape(&inputs[0], &inputs[2])?;
-            Ok(vec![])
-        }
-        AdamUpdate {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            ..
-        } => {
-            arity_between(inputs, 5, 6)?;
-            f32s(op, inputs)?;
-            lr_scale(inputs, 5)?;
-            non_negative(*lr, "lr")?;
-            positive(*eps, "eps")?;
-            non_negative(*weight_decay, "weight_decay")?;
-            for (b, n) in [(beta1, "beta1"), (beta2, "beta2")] {
-                if !(0.0..1.0).contains(b) {
-                    return Err(format!("{n} {b} is not in [0, 1)"));
-                }
-            }
-            for t in &inputs[1..4] {
-                same_shape(&inputs[0], t)?;
-            }
-            if inputs[4].shape.numel() != 1 {
-                return Err(format!(
-                    "step must hold one element, got {}",
-                    inputs[4].shape
-                ));
-            }
-            Ok(vec![])
+        SgdUpdate { .. } | AdamUpdate { .. } | AmpUnscale | AmpScaleUpdate { .. } => {
+            update::infer(op, inputs)
         }
         Clip { min, max } => {
             arity(inputs, 1)?;
@@ -500,17 +459,6 @@ fn arity_between(inputs: &[TensorType], lo: usize, hi: usize) -> R<()> {
         return Err(format!("expects {lo} to {hi} inputs, got {}", inputs.len()));
     }
     Ok(())
-}
-
-/// An optimizer's optional learning-rate scale (input `k`): one element.
-fn lr_scale(inputs: &[TensorType], k: usize) -> R<()> {
-    match inputs.get(k) {
-        Some(t) if t.shape.numel() != 1 => Err(format!(
-            "the learning-rate scale must hold one element, got {}",
-            t.shape
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// The inputs of an op that computes in f32 only (the normalising ops, the

@@ -195,8 +195,11 @@ pub enum Op {
 
     // ---- in-place updates --------------------------------------------------------
     /// PyTorch's SGD: (param (mut), grad, momentum_buf (mut), lr_scale [1]
-    /// optional); no outputs. With `lr_scale` the step uses `lr * lr_scale`,
-    /// so a job changes its learning rate by writing that variable.
+    /// optional, skip [1] optional after lr_scale); no outputs. With
+    /// `lr_scale` the step uses `lr * lr_scale`, so a job changes its
+    /// learning rate by writing that variable. A non-zero `skip` (the found
+    /// flag of [`Op::AmpUnscale`]) leaves the parameter and the buffer as
+    /// they were.
     SgdUpdate {
         lr: f32,
         momentum: f32,
@@ -204,8 +207,10 @@ pub enum Op {
         nesterov: bool,
     },
     /// Adam, or AdamW when `decoupled`: (param (mut), grad, m (mut), v (mut),
-    /// step (mut) f32 [1], lr_scale [1] optional); no outputs. With
-    /// `lr_scale` the step uses `lr * lr_scale` (decoupled decay included).
+    /// step (mut) f32 [1], lr_scale [1] optional, skip [1] optional after
+    /// lr_scale); no outputs. With `lr_scale` the step uses `lr * lr_scale`
+    /// (decoupled decay included). A non-zero `skip` leaves the parameter,
+    /// the moments and the step count as they were.
     AdamUpdate {
         lr: f32,
         beta1: f32,
@@ -248,6 +253,25 @@ pub enum Op {
     HardSigmoidGrad,
     /// (x, dy) -> dx: 0 below -3, dy · (x / 3 + 1/2) up to 3, dy above (as PyTorch).
     HardSwishGrad,
+
+    // ---- loss scaling (fp16 training, docs/precision.md); appended ------------
+    /// (grad f32, scale f32 [1], found_in f32 [1] optional) -> (grad · (1 /
+    /// scale), found f32 [1]): the gradient of a scaled loss unscaled, and
+    /// 1 where `found_in` is non-zero or any element of `grad` is NaN or
+    /// infinite, else 0 (chained through a training graph's gradients, the
+    /// last `found` says whether any overflowed).
+    AmpUnscale,
+    /// (scale (mut) f32 [1], growth_tracker (mut) f32 [1], found f32 [1]); no
+    /// outputs. `GradScaler.update`: on a non-zero `found` the scale is
+    /// multiplied by `backoff_factor` and the tracker set to 0; otherwise the
+    /// tracker counts the clean step and, reaching `growth_interval`, is set
+    /// to 0 while the scale is multiplied by `growth_factor` (kept when that
+    /// product is not finite).
+    AmpScaleUpdate {
+        growth_factor: f32,
+        backoff_factor: f32,
+        growth_interval: u32,
+    },
 }
 
 /// The 24-bit threshold below which [`dropout_keep`]'s draw drops an element.
@@ -342,6 +366,8 @@ impl Op {
             Op::HardSwish => "hard_swish",
             Op::HardSigmoidGrad => "hard_sigmoid_grad",
             Op::HardSwishGrad => "hard_swish_grad",
+            Op::AmpUnscale => "amp_unscale",
+            Op::AmpScaleUpdate { .. } => "amp_scale_update",
         }
     }
 
@@ -352,6 +378,7 @@ impl Op {
             Op::SgdUpdate { .. } => &[0, 2],
             Op::AdamUpdate { .. } => &[0, 2, 3, 4],
             Op::Assign => &[0],
+            Op::AmpScaleUpdate { .. } => &[0, 1],
             _ => &[],
         }
     }

@@ -298,21 +298,65 @@ class TrainingJob:
 
 
 class InferenceJob:
-    """A PyTorch model served by the service; calling it is one Run."""
+    """A PyTorch model served by the service; calling it is one Run (with
+    `dynamic_batch`, one Run per captured batch of the call's samples)."""
 
-    def __init__(self, session: Any, t: _Translator, names: List[str]):
+    def __init__(self, session: Any, t: _Translator, names: List[str], dynamic_batch: bool = False):
         self.session = session
         self.inputs = t.inputs
         self.outputs = names
         self._dropout = t.seed is not None
+        #: The captured batch when calls may bring another (None: only it).
+        self.batch: Optional[int] = t.inputs[0][1][0] if dynamic_batch else None
 
-    def __call__(self, *args: Any) -> Any:
-        feeds = _feeds(self.inputs, args, "the model")
+    def _run(self, feeds: Dict[str, np.ndarray]) -> List[np.ndarray]:
         if self._dropout:  # a model captured in training mode
             feeds[DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
-        outs = self.session.run(feeds, fetch=self.outputs)
-        ts = [torch.from_numpy(np.asarray(o)) for o in outs]
+        return [np.asarray(o) for o in self.session.run(feeds, fetch=self.outputs)]
+
+    def __call__(self, *args: Any) -> Any:
+        if self.batch is None:
+            outs = self._run(_feeds(self.inputs, args, "the model"))
+        else:
+            outs = self._run_any_batch(args)
+        ts = [torch.from_numpy(o) for o in outs]
         return ts[0] if len(ts) == 1 else tuple(ts)
+
+    def _run_any_batch(self, args: Sequence[Any]) -> List[np.ndarray]:
+        """Samples in runs of the captured batch, the last padded with
+        zeros; each output's rows of the real samples, in order."""
+        batch = self.batch or 1
+        if len(args) != len(self.inputs):
+            raise TypeError(f"the model takes {len(self.inputs)} tensors (as in the example), got {len(args)}")
+        arrays = [_to_numpy(a, name) for (name, _, _), a in zip(self.inputs, args)]
+        n = arrays[0].shape[0] if arrays[0].ndim else 0
+        for (name, shape, _), a in zip(self.inputs, arrays):
+            if a.ndim != len(shape) or tuple(a.shape[1:]) != tuple(shape[1:]) or a.shape[0] != n:
+                raise _lanes.FeedError(
+                    f"the model: input {name[len('input_'):]} has shape {list(a.shape)}; the job takes "
+                    f"[N, {', '.join(str(d) for d in shape[1:])}] (any N, the same in every input)"
+                )
+        if n == 0:
+            raise _lanes.FeedError("the model: an empty batch (N = 0)")
+        parts: List[List[np.ndarray]] = []
+        for start in range(0, n, batch):
+            rows = min(batch, n - start)
+            feeds = {}
+            for (name, _, _), a in zip(self.inputs, arrays):
+                chunk = a[start:start + rows]
+                if rows < batch:
+                    pad = np.zeros((batch - rows,) + a.shape[1:], dtype=a.dtype)
+                    chunk = np.concatenate([chunk, pad])
+                feeds[name] = np.ascontiguousarray(chunk)
+            outs = self._run(feeds)
+            for o in outs:
+                if o.ndim == 0 or o.shape[0] != batch:
+                    raise _lanes.ModelError(
+                        f"dynamic_batch: an output of shape {list(o.shape)} does not have the batch "
+                        f"({batch}) first, so the samples' rows cannot be told apart"
+                    )
+            parts.append([o[:rows] for o in outs])
+        return [np.concatenate([p[k] for p in parts]) for k in range(len(self.outputs))]
 
     def close(self) -> None:
         self.session.close()
@@ -356,7 +400,11 @@ def training_job(
     `lanes bench train --job DIR --op-profile`. `precision="bf16-mixed"`
     trains as under `torch.autocast("cuda", torch.bfloat16)`: matrix
     products and convolutions in bf16, weights, gradients and optimizer
-    state in float32 (docs/precision.md)."""
+    state in float32 (docs/precision.md). `precision="fp16-mixed"` the same
+    in fp16 with a `torch.amp.GradScaler`'s loss scaling (initial scale
+    2^16, halved on an overflow, whose step is skipped; doubled after 2000
+    clean steps): the scale and the clean-step count are the session's
+    variables `amp/scale` and `amp/growth_tracker`."""
     example = tuple(example)
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
@@ -419,14 +467,28 @@ def inference_job(
     priority: int = 0,
     save_to: Optional[str] = None,
     precision: Optional[str] = None,
+    dynamic_batch: bool = False,
 ) -> InferenceJob:
     """Captures `model` (as it is: call `model.eval()` first for inference
     behaviour) at the example's shapes and loads it as an inference session.
     `example` is one tensor or a tuple of the model's inputs.
     `precision="fp16"` or `"bf16"` serves it as `model.half()` would
     (weights stored in half, inputs and outputs float32);
-    `"bf16-mixed"`/`"fp16-mixed"` as under `torch.autocast`."""
+    `"bf16-mixed"`/`"fp16-mixed"` as under `torch.autocast`.
+
+    `dynamic_batch=True`: calls may bring any number N of samples (the
+    example's shapes but the first dimension). They run as Runs of the
+    example's batch, the last padded with zeros, and each output keeps the
+    rows of the real samples. Only for a model whose samples do not mix
+    (evaluation mode: BatchNorm with running statistics); a model in
+    training mode is refused. Without it, another batch size is refused
+    with the captured shape."""
     example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    if dynamic_batch and model.training:
+        raise ValueError(
+            "dynamic_batch needs a model in evaluation mode (call model.eval()): in training mode "
+            "BatchNorm and dropout would see the padding rows"
+        )
     ep = _export(model, example, "model")
     t = translate(ep, training=model.training)
     names = ["output"] if len(t.outputs) == 1 else [f"output_{k}" for k in range(len(t.outputs))]
@@ -440,4 +502,4 @@ def inference_job(
     except BaseException:
         session.close()
         raise
-    return InferenceJob(session, t, names)
+    return InferenceJob(session, t, names, dynamic_batch)

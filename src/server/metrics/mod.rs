@@ -24,6 +24,7 @@ use prometheus_client::registry::Registry;
 
 use crate::lanes::LanesSnapshot;
 
+mod gate;
 mod http;
 pub use http::{serve_http, MetricsError, MetricsServer, MAX_CONNECTIONS, REQUEST_WITHIN};
 mod slo;
@@ -137,6 +138,7 @@ pub struct Metrics {
     load_cache_lookups: Family<CacheLabels, Counter>,
     load_cache_bytes: Gauge,
     load_cache_entries: Gauge,
+    gate: gate::GateMetrics,
     seen: Mutex<Seen>,
     /// Sessions a worker created series for since the last publication: a
     /// session opened and closed between two publications is never in a
@@ -191,6 +193,7 @@ impl Metrics {
             load_cache_lookups: Family::default(),
             load_cache_bytes: Gauge::default(),
             load_cache_entries: Gauge::default(),
+            gate: gate::GateMetrics::default(),
             seen: Mutex::new(Seen::default()),
             answered_for: Mutex::new(HashSet::new()),
             registry: Registry::default(),
@@ -309,7 +312,13 @@ impl Metrics {
             "Entries the load cache holds",
             m.load_cache_entries.clone(),
         );
+        m.gate.register(&mut registry);
         Metrics { registry, ..m }
+    }
+
+    /// Publishes the device gate's counters (`exec::gate`) from now on.
+    pub fn watch_gate(&self, gate: std::sync::Arc<crate::exec::gate::Gate>) {
+        self.gate.watch(gate);
     }
 
     /// A LoadGraph succeeded: `decoded` from its arrival to its decoded
@@ -406,6 +415,7 @@ impl Metrics {
                 .unwrap_or_else(PoisonError::into_inner),
         );
         seen.sessions.extend(answered);
+        self.gate.publish();
         let c = crate::compile::cache::stats();
         let (hits, misses) = seen.load_cache;
         self.load_cache_lookups

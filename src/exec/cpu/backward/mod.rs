@@ -1,5 +1,5 @@
 //! Backward kernels (the `*Grad` ops) and in-place updates (optimizers,
-//! batch-norm training statistics, assign) of the CPU backend.
+//! batch-norm training statistics, assign, loss scaling) of the CPU backend.
 //!
 //! Kernels return `Err(reason)`; [`run`] wraps it into [`ExecError::Op`]
 //! with the node and op names. No kernel indexes past a slice: lengths are
@@ -7,6 +7,7 @@
 //! a panic.
 
 mod act;
+mod amp;
 mod conv;
 mod norm;
 mod optim;
@@ -84,6 +85,20 @@ pub(super) fn run(
             inplace,
         ),
         Op::Assign => optim::assign(inputs, inplace),
+        Op::AmpUnscale => amp::unscale(inputs, outputs),
+        Op::AmpScaleUpdate {
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+        } => amp::update_scale(
+            amp::Growth {
+                growth_factor: *growth_factor,
+                backoff_factor: *backoff_factor,
+                growth_interval: *growth_interval,
+            },
+            inputs,
+            inplace,
+        ),
         _ => return None,
     };
     Some(r.map_err(|reason| ExecError::Op {

@@ -3,8 +3,9 @@
 use super::{fin, fout, R};
 use crate::exec::{DataMut, DataRef, TensorMut, TensorRef};
 
-/// (param (mut), grad, momentum_buf (mut)): PyTorch's SGD with dampening 0.
-/// A zero-initialised buffer makes the first step's `buf = grad`, as in PyTorch.
+/// (param (mut), grad, momentum_buf (mut), lr_scale, skip): PyTorch's SGD
+/// with dampening 0. A zero-initialised buffer makes the first step's
+/// `buf = grad`, as in PyTorch. A non-zero skip flag changes nothing.
 pub(super) fn sgd(
     lr: f32,
     momentum: f32,
@@ -13,6 +14,9 @@ pub(super) fn sgd(
     inputs: &[TensorRef<'_>],
     inplace: &mut [TensorMut<'_>],
 ) -> R {
+    if skipped(inputs, 4)? {
+        return Ok(());
+    }
     let grad = fin(inputs, 1)?;
     let lr = lr * lr_scale(inputs, 3)?;
     let [p, buf] = inplace else {
@@ -47,6 +51,19 @@ fn lr_scale(inputs: &[TensorRef<'_>], k: usize) -> Result<f32, String> {
         .ok_or_else(|| "the learning-rate scale is empty".to_string())
 }
 
+/// Whether the optional skip flag at input `k` is set (non-zero; a NaN
+/// flag skips too).
+fn skipped(inputs: &[TensorRef<'_>], k: usize) -> Result<bool, String> {
+    if inputs.len() <= k {
+        return Ok(false);
+    }
+    let flag = fin(inputs, k)?
+        .first()
+        .copied()
+        .ok_or_else(|| "the skip flag is empty".to_string())?;
+    Ok(flag != 0.0)
+}
+
 /// Hyper-parameters of one Adam step.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct AdamParams {
@@ -58,9 +75,14 @@ pub(super) struct AdamParams {
     pub decoupled: bool,
 }
 
-/// (param (mut), grad, m (mut), v (mut), step (mut)): PyTorch's Adam, or
-/// AdamW when `decoupled` (weight decay applied to the parameter directly).
+/// (param (mut), grad, m (mut), v (mut), step (mut), lr_scale, skip):
+/// PyTorch's Adam, or AdamW when `decoupled` (weight decay applied to the
+/// parameter directly). A non-zero skip flag changes nothing, the step
+/// count included.
 pub(super) fn adam(h: AdamParams, inputs: &[TensorRef<'_>], inplace: &mut [TensorMut<'_>]) -> R {
+    if skipped(inputs, 6)? {
+        return Ok(());
+    }
     let grad = fin(inputs, 1)?;
     let h = AdamParams {
         lr: h.lr * lr_scale(inputs, 5)?,

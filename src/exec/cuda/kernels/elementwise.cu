@@ -500,9 +500,13 @@ FOR_FLOATS(CHANNEL_BIAS)
 
 // lr_scale: the optimizer's optional learning-rate scale (one element), read
 // when has_scale is set.
+// skip: the optional skip flag (AmpUnscale's found flag), read when has_skip
+// is set; a non-zero flag leaves every tensor as it was.
 extern "C" __global__ void sgd_update(float* p, const float* g, float* buf, int n, float lr,
                                       float momentum, float wd, int nesterov,
-                                      const float* lr_scale, int has_scale) {
+                                      const float* lr_scale, int has_scale,
+                                      const float* skip, int has_skip) {
+    if (has_skip && skip[0] != 0.0f) return;
     if (has_scale) lr *= lr_scale[0];
     GRID_LOOP(i, n) {
         float d = g[i] + wd * p[i];
@@ -519,7 +523,9 @@ extern "C" __global__ void sgd_update(float* p, const float* g, float* buf, int 
 // `step_incr` stores it afterwards.
 extern "C" __global__ void adam_update(float* p, const float* g, float* m, float* v, const float* step, int n,
                                        float lr, float b1, float b2, float eps, float wd, int decoupled,
-                                       const float* lr_scale, int has_scale) {
+                                       const float* lr_scale, int has_scale,
+                                       const float* skip, int has_skip) {
+    if (has_skip && skip[0] != 0.0f) return;
     if (has_scale) lr *= lr_scale[0];
     float t = step[0] + 1.0f;
     float bc1 = 1.0f - powf(b1, t);
@@ -540,6 +546,47 @@ extern "C" __global__ void adam_update(float* p, const float* g, float* m, float
     }
 }
 
-extern "C" __global__ void step_incr(float* step) {
+extern "C" __global__ void step_incr(float* step, const float* skip, int has_skip) {
+    if (has_skip && skip[0] != 0.0f) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) step[0] += 1.0f;
+}
+
+// Loss scaling (AmpUnscale): `found` starts as found_in's flag (0 or 1; 0
+// without one), then `amp_unscale` writes g * (1 / scale) and sets `found`
+// to 1 if any element of g is NaN or infinite (an exponent of all ones).
+// Every writer stores the same 1, so the race between blocks is benign.
+extern "C" __global__ void amp_found_init(float* found, const float* found_in, int has_in) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) found[0] = (has_in && found_in[0] != 0.0f) ? 1.0f : 0.0f;
+}
+
+extern "C" __global__ void amp_unscale(float* out, float* found, const float* g, const float* scale, int n) {
+    float inv = 1.0f / scale[0];
+    int bad = 0;
+    GRID_LOOP(i, n) {
+        float x = g[i];
+        if ((__float_as_uint(x) & 0x7f800000u) == 0x7f800000u) bad = 1;
+        out[i] = x * inv;
+    }
+    if (bad) found[0] = 1.0f;
+}
+
+// GradScaler.update (AmpScaleUpdate), one thread: back off and reset the
+// tracker after an overflow, else count the clean step and grow the scale
+// (kept when the product is not finite) every `interval` of them.
+extern "C" __global__ void amp_scale_update(float* scale, float* tracker, const float* found, float growth,
+                                            float backoff, int interval) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (found[0] != 0.0f) {
+        scale[0] = scale[0] * backoff;
+        tracker[0] = 0.0f;
+        return;
+    }
+    float clean = tracker[0] + 1.0f;
+    if (clean >= (float)interval) {
+        float grown = scale[0] * growth;
+        if ((__float_as_uint(grown) & 0x7f800000u) != 0x7f800000u) scale[0] = grown;
+        tracker[0] = 0.0f;
+    } else {
+        tracker[0] = clean;
+    }
 }

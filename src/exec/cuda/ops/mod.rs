@@ -5,6 +5,7 @@ mod copy;
 mod dtypes;
 mod gemm;
 mod geometry;
+mod optim;
 
 use cudarc::driver::LaunchConfig;
 use lanes_adaptor::{NodeId, Op, TensorType};
@@ -677,66 +678,10 @@ impl CudaProgram {
                     &[&out[0], &inp[0], &inp[1], &n],
                 )
             }
-            Op::SgdUpdate {
-                lr,
-                momentum,
-                weight_decay,
-                nesterov,
-            } => {
-                let n = ity[0].shape.numel();
-                let (n32, nest) = (i(n), i32::from(*nesterov));
-                // The optional learning-rate scale; any valid pointer when absent.
-                let (scale, has) = (inp.get(3).unwrap_or(&inp[1]), i32::from(inp.len() > 3));
-                self.k(
-                    "sgd_update",
-                    grid(n),
-                    &[
-                        &inp[0],
-                        &inp[1],
-                        &inp[2],
-                        &n32,
-                        lr,
-                        momentum,
-                        weight_decay,
-                        &nest,
-                        scale,
-                        &has,
-                    ],
-                )
-            }
-            Op::AdamUpdate {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                decoupled,
-            } => {
-                let n = ity[0].shape.numel();
-                let (n32, dec) = (i(n), i32::from(*decoupled));
-                let (scale, has) = (inp.get(5).unwrap_or(&inp[1]), i32::from(inp.len() > 5));
-                self.k(
-                    "adam_update",
-                    grid(n),
-                    &[
-                        &inp[0],
-                        &inp[1],
-                        &inp[2],
-                        &inp[3],
-                        &inp[4],
-                        &n32,
-                        lr,
-                        beta1,
-                        beta2,
-                        eps,
-                        weight_decay,
-                        &dec,
-                        scale,
-                        &has,
-                    ],
-                )?;
-                self.k("step_incr", blocks(1, 32), &[&inp[4]])
-            }
+            Op::SgdUpdate { .. }
+            | Op::AdamUpdate { .. }
+            | Op::AmpUnscale
+            | Op::AmpScaleUpdate { .. } => self.update(node, &inp, &ity, &out),
         }
     }
 

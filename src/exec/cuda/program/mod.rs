@@ -2,9 +2,11 @@
 //! iteration at a time on its own stream. Same contract as
 //! [`crate::exec::cpu::CpuProgram`].
 
+mod gated;
 mod io;
 mod layout;
 mod options;
+mod profile;
 mod switching;
 mod wait;
 
@@ -118,6 +120,8 @@ pub struct CudaProgram {
     captured: Option<CudaGraph>,
     /// Captures that failed; after [`CAPTURE_TRIES`] launch op by op.
     capture_failures: u32,
+    /// A yielding job's gate and segments (`gated.rs`).
+    gated: Option<gated::Gated>,
     /// Residency: persistent tensors sit at the arena's start in first-use
     /// order, so a group of units is one contiguous copy.
     res: Residency,
@@ -367,6 +371,7 @@ impl CudaProgram {
             options,
             fusion: Fusion::default(),
             captured: None,
+            gated: None,
             capture_failures: 0,
             res: Residency {
                 updates,
@@ -514,57 +519,6 @@ impl CudaProgram {
         outs.iter().map(|&o| self.download(o)).collect()
     }
 
-    /// Runs one iteration op by op with a timing event after every node and
-    /// returns the GPU time per op kind as (op, nodes, milliseconds), the
-    /// largest first. A real iteration: in-place updates happen.
-    pub fn profile_ops<F: HostFeed>(
-        &mut self,
-        feeds: &BTreeMap<String, F>,
-        fetches: &[String],
-    ) -> Result<Vec<(&'static str, usize, f64)>, ExecError> {
-        if !self.res.resident {
-            self.run_switching(feeds, fetches, Strategy::Pipelined)?;
-        }
-        self.gpu
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| dev_err("bind", e))?;
-        self.arena.map()?;
-        let (feed_list, outs) = self.check_io(feeds, fetches)?;
-        self.cover_fetches(&outs)?;
-        for (o, t) in feed_list {
-            self.upload(o, t)?;
-        }
-        let order = self.graph.order().to_vec();
-        let mut marks = Vec::with_capacity(order.len() + 1);
-        marks.push(self.event(&self.stream, true)?);
-        for &id in &order {
-            self.step(id)?;
-            marks.push(self.event(&self.stream, true)?);
-        }
-        self.sync()?;
-        if self.res.updates {
-            self.res.dirty = true;
-        }
-        let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
-        for (k, id) in order.iter().enumerate() {
-            // Nodes inside a fused chain launch nothing; the chain's kernel
-            // counts under its own name (at its last node).
-            let Some(name) = self.step_name(*id) else {
-                continue;
-            };
-            let ms = marks[k]
-                .elapsed_ms(&marks[k + 1])
-                .map_err(|e| dev_err("event", e))?;
-            let e = by_op.entry(name).or_default();
-            e.0 += 1;
-            e.1 += f64::from(ms);
-        }
-        let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
-        out.sort_by(|a, b| b.2.total_cmp(&a.2));
-        Ok(out)
-    }
-
     /// The ephemeral bytes (T with the workspaces, as admission counts
     /// them) the program will use once a Run fetched `fetches`: `None` when
     /// they need no re-plan (see [`CudaProgram::cover_fetches`]).
@@ -654,6 +608,9 @@ impl CudaProgram {
         self.fusion = self.match_chains();
         self.captured = None;
         self.capture_failures = 0;
+        if let Some(g) = &mut self.gated {
+            g.invalidate();
+        }
         self.res.segments.clear();
         self.res.graph_secs = None;
         self.res.plans.invalidate();
@@ -674,6 +631,10 @@ impl CudaProgram {
         }
         if !self.options.cuda_graph || self.capture_failures >= CAPTURE_TRIES {
             return self.launch_nodes();
+        }
+        if self.gating() {
+            // An urgent job is loaded: through the gate, in segments.
+            return self.launch_gated();
         }
         if self.captured.is_none() {
             self.stream
@@ -725,24 +686,9 @@ impl CudaProgram {
     /// Records one CUDA graph per segment of `plan` at the current base.
     fn record_segments(&self, plan: &GroupPlan) -> Result<Segments, ExecError> {
         let bounds = self.segment_bounds(plan);
-        let order = self.graph.order();
         let mut graphs = Vec::with_capacity(bounds.len() - 1);
         for w in bounds.windows(2) {
-            let (a, b) = (w[0].min(order.len()), w[1].min(order.len()));
-            if a >= b {
-                graphs.push(None);
-                continue;
-            }
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .map_err(|e| dev_err("begin capture", e))?;
-            let launched = order[a..b].iter().try_for_each(|&id| self.step(id));
-            let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            match (launched, ended) {
-                (Ok(()), Ok(g)) => graphs.push(g),
-                (Err(e), _) => return Err(e),
-                (_, Err(e)) => return Err(dev_err("end capture", e)),
-            }
+            graphs.push(self.record_range(w[0], w[1])?);
         }
         Ok(Segments {
             starts: plan.starts.clone(),
@@ -763,41 +709,6 @@ impl CudaProgram {
             before(pos)?;
             self.step(id)?;
         }
-        Ok(())
-    }
-
-    /// Launches op by op with a timing event at each unit boundary and keeps
-    /// the per-unit times.
-    fn launch_profiled(&mut self) -> Result<(), ExecError> {
-        let unit_of = self.res.layout.unit_of_position();
-        let mut marks: Vec<(Option<usize>, CudaEvent)> =
-            vec![(None, self.event(&self.stream, true)?)];
-        let mut current = None;
-        let launched = self.launch_nodes_with(&mut |pos| {
-            let u = unit_of.get(pos).copied().flatten();
-            if u != current {
-                marks.push((current, self.event(&self.stream, true)?));
-                current = u;
-            }
-            Ok(())
-        });
-        launched?;
-        marks.push((current, self.event(&self.stream, true)?));
-        self.sync()?;
-        let mut profile = Profile::zeros(self.res.layout.units.len());
-        for w in marks.windows(2) {
-            let dt = f64::from(
-                w[0].1
-                    .elapsed_ms(&w[1].1)
-                    .map_err(|e| dev_err("event", e))?,
-            ) / 1e3;
-            match w[1].0 {
-                None => profile.prefix += dt,
-                Some(u) => profile.compute[u] += dt,
-            }
-        }
-        self.res.profile = Some(profile);
-        self.res.plans.invalidate();
         Ok(())
     }
 

@@ -1,0 +1,95 @@
+//! Timing a program's iterations op by op: the per-unit profile pipelined
+//! switching plans with, and the per-op-kind breakdown of `lanes bench`.
+
+use std::collections::BTreeMap;
+
+use super::{dev_err, CudaEvent, CudaProgram, Profile, Strategy};
+use crate::exec::{ExecError, HostFeed};
+
+impl CudaProgram {
+    /// Runs one iteration op by op with a timing event after every node and
+    /// returns the GPU time per op kind as (op, nodes, milliseconds), the
+    /// largest first. A real iteration: in-place updates happen.
+    pub fn profile_ops<F: HostFeed>(
+        &mut self,
+        feeds: &BTreeMap<String, F>,
+        fetches: &[String],
+    ) -> Result<Vec<(&'static str, usize, f64)>, ExecError> {
+        if !self.res.resident {
+            self.run_switching(feeds, fetches, Strategy::Pipelined)?;
+        }
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| dev_err("bind", e))?;
+        self.arena.map()?;
+        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        self.cover_fetches(&outs)?;
+        for (o, t) in feed_list {
+            self.upload(o, t)?;
+        }
+        let order = self.graph.order().to_vec();
+        let mut marks = Vec::with_capacity(order.len() + 1);
+        marks.push(self.event(&self.stream, true)?);
+        for &id in &order {
+            self.step(id)?;
+            marks.push(self.event(&self.stream, true)?);
+        }
+        self.sync()?;
+        if self.res.updates {
+            self.res.dirty = true;
+        }
+        let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
+        for (k, id) in order.iter().enumerate() {
+            // Nodes inside a fused chain launch nothing; the chain's kernel
+            // counts under its own name (at its last node).
+            let Some(name) = self.step_name(*id) else {
+                continue;
+            };
+            let ms = marks[k]
+                .elapsed_ms(&marks[k + 1])
+                .map_err(|e| dev_err("event", e))?;
+            let e = by_op.entry(name).or_default();
+            e.0 += 1;
+            e.1 += f64::from(ms);
+        }
+        let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
+        out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(out)
+    }
+
+    /// Launches op by op with a timing event at each unit boundary and keeps
+    /// the per-unit times.
+    pub(super) fn launch_profiled(&mut self) -> Result<(), ExecError> {
+        let unit_of = self.res.layout.unit_of_position();
+        let mut marks: Vec<(Option<usize>, CudaEvent)> =
+            vec![(None, self.event(&self.stream, true)?)];
+        let mut current = None;
+        let launched = self.launch_nodes_with(&mut |pos| {
+            let u = unit_of.get(pos).copied().flatten();
+            if u != current {
+                marks.push((current, self.event(&self.stream, true)?));
+                current = u;
+            }
+            Ok(())
+        });
+        launched?;
+        marks.push((current, self.event(&self.stream, true)?));
+        self.sync()?;
+        let mut profile = Profile::zeros(self.res.layout.units.len());
+        for w in marks.windows(2) {
+            let dt = f64::from(
+                w[0].1
+                    .elapsed_ms(&w[1].1)
+                    .map_err(|e| dev_err("event", e))?,
+            ) / 1e3;
+            match w[1].0 {
+                None => profile.prefix += dt,
+                Some(u) => profile.compute[u] += dt,
+            }
+        }
+        self.res.profile = Some(profile);
+        self.res.plans.invalidate();
+        Ok(())
+    }
+}
