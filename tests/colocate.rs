@@ -305,6 +305,55 @@ fn under_fifo_inference_waits_for_the_training_queue() {
     server.shutdown().unwrap();
 }
 
+/// The gate's count of urgent Runs on /metrics once it reads `expected`
+/// (the socket thread publishes twice a second), or what it read last.
+fn gate_count(metrics: &lanes::server::metrics::Metrics, expected: f64) -> (Option<f64>, String) {
+    let series = "lanes_gate_urgent_runs_total ";
+    let t0 = Instant::now();
+    loop {
+        let text = metrics.encode().unwrap();
+        let v = text
+            .lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        if v == Some(expected) || t0.elapsed() > Duration::from_secs(10) {
+            return (v, text);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A service under `policy` with metrics, a training job loaded and run
+/// once, and an inference job of `spec` loaded and run `runs` times.
+fn runs_beside_training(
+    policy: PolicyChoice,
+    spec: SessionSpec,
+    runs: usize,
+) -> (
+    lanes::server::ServerHandle,
+    Arc<lanes::server::metrics::Metrics>,
+) {
+    let metrics = Arc::new(lanes::server::metrics::Metrics::new());
+    let m = Arc::clone(&metrics);
+    let server = util::start_with(move |c| {
+        c.policy = policy;
+        c.metrics = Some(m);
+    });
+    let job = inference_job();
+    let train = training_job();
+    let mut c = client(server.endpoint());
+    let tid = open(&mut c, SessionSpec::training("t"));
+    c.load_in(tid, &train.graph, train.vars.clone()).unwrap();
+    c.run_in(tid, train.feeds(), &[train.fetch.as_str()])
+        .unwrap();
+    let id = open(&mut c, spec);
+    c.load_in(id, &job.graph, job.vars.clone()).unwrap();
+    for _ in 0..runs {
+        c.run_in(id, job.feeds(), &[job.fetch.as_str()]).unwrap();
+    }
+    (server, metrics)
+}
+
 /// Under `priority` every inference Run closes the device's gate while it
 /// runs (`exec::gate`; the CPU backend's training ignores it, the GPU's
 /// waits): the gate counts them, and /metrics shows the count. Under
@@ -312,39 +361,23 @@ fn under_fifo_inference_waits_for_the_training_queue() {
 #[test]
 fn under_priority_inference_runs_close_the_gate() {
     for (policy, expected) in [(PolicyChoice::Priority, 5.0), (PolicyChoice::Fifo, 0.0)] {
-        let metrics = Arc::new(lanes::server::metrics::Metrics::new());
-        let m = Arc::clone(&metrics);
-        let server = util::start_with(move |c| {
-            c.policy = policy;
-            c.metrics = Some(m);
-        });
-        let job = inference_job();
-        let train = training_job();
-        let mut c = client(server.endpoint());
-        let tid = open(&mut c, SessionSpec::training("t"));
-        c.load_in(tid, &train.graph, train.vars.clone()).unwrap();
-        c.run_in(tid, train.feeds(), &[train.fetch.as_str()])
-            .unwrap();
-        let id = open(&mut c, SessionSpec::inference("i"));
-        c.load_in(id, &job.graph, job.vars.clone()).unwrap();
-        for _ in 0..5 {
-            c.run_in(id, job.feeds(), &[job.fetch.as_str()]).unwrap();
-        }
-        // The socket thread publishes twice a second.
-        let series = "lanes_gate_urgent_runs_total ";
-        let t0 = Instant::now();
-        let seen = loop {
-            let text = metrics.encode().unwrap();
-            let v = text
-                .lines()
-                .find_map(|l| l.strip_prefix(series))
-                .and_then(|v| v.trim().parse::<f64>().ok());
-            if v == Some(expected) || t0.elapsed() > Duration::from_secs(10) {
-                break (v, text);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert_eq!(seen.0, Some(expected), "{policy}: {}", seen.1);
+        let (server, metrics) = runs_beside_training(policy, SessionSpec::inference("i"), 5);
+        let (seen, text) = gate_count(&metrics, expected);
+        assert_eq!(seen, Some(expected), "{policy}: {text}");
+        server.shutdown().unwrap();
+    }
+}
+
+/// An inference session with a latency objective its Runs stay well under
+/// closes the gate only until it has seen a window of 32 Runs
+/// (`session/slo.rs`); with one they all exceed, every Run closes it.
+#[test]
+fn an_objective_with_room_leaves_the_gate_open() {
+    for (slo_ms, expected) in [(60_000.0, 32.0), (0.001, 40.0)] {
+        let spec = SessionSpec::inference("i").with_slo_ms(slo_ms).unwrap();
+        let (server, metrics) = runs_beside_training(PolicyChoice::Priority, spec, 40);
+        let (seen, text) = gate_count(&metrics, expected);
+        assert_eq!(seen, Some(expected), "slo {slo_ms} ms: {text}");
         server.shutdown().unwrap();
     }
 }
