@@ -270,3 +270,41 @@ fn a_launcher_that_cannot_start_a_service_says_so_and_starts_none() {
     assert!(!out.status.success());
     assert!(err.contains("--endpoint is lanes host's own flag"), "{err}");
 }
+
+/// `lanes bench gpus` on the CPU backend at tiny size: both arrangements
+/// run every job, one on service 0 and spread over both; the ratios are
+/// reported (not judged: two CPU services share this machine's cores).
+#[test]
+fn the_two_gpu_bench_runs_on_the_cpu() {
+    let out = Command::new(util::lanes_bin())
+        .args(["bench", "gpus", "--device", "cpu"])
+        .args(["--train-model", "mlp", "--train-batch", "8"])
+        .args(["--infer-model", "mlp", "--infer-batch", "4"])
+        .args(["--warmup", "1", "--seconds", "0.3"])
+        .args(["--serve-arg=--workers=1", "--serve-arg=--memory=256MiB"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let services = |arr: &str| -> Vec<u64> {
+        v[arr]["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| {
+                assert!(j["iterations"].as_u64().unwrap() >= 1, "{j}");
+                j["service"].as_u64().unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(services("one_gpu"), vec![0; 6]);
+    assert_eq!(services("spread"), vec![0, 1, 0, 1, 0, 1]);
+    assert!(v["train_ratio"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["infer_ratio"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["ratio"].is_number(), "{v}");
+}
