@@ -308,3 +308,68 @@ fn the_two_gpu_bench_runs_on_the_cpu() {
     assert!(v["infer_ratio"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["ratio"].is_number(), "{v}");
 }
+
+// On the GPU machine (ignored here: no GPU): `LANES_BIN=… host_cli
+// --ignored --test-threads=1`.
+
+/// `lanes serve --device cuda:N` names GPU N; an ordinal past the host's
+/// GPUs is refused at start-up with the count.
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_serve_by_ordinal_names_its_gpu_and_refuses_a_missing_one() {
+    let count = lanes::exec::cuda::device_count().expect("a GPU host");
+    let last = count - 1;
+    let mut child = Command::new(util::lanes_bin())
+        .args(["serve", "--device", &format!("cuda:{last}")])
+        .args(["--endpoint", "tcp://127.0.0.1:*", "--memory", "1GiB"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let line = util::serve::serving_line(&mut child);
+    signal(child.id(), "TERM");
+    let _ = child.wait();
+    assert!(line.contains(&format!("(device cuda:{last} (")), "{line}");
+    let (code, err) = util::serve::refusal(&["--device", &format!("cuda:{count}")]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains(&format!("no GPU {count}: this host has {count}")), "{err}");
+}
+
+/// `lanes host --gpus all`: one service per GPU, each on its own GPU, each
+/// running a job.
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_host_serves_every_gpu() {
+    let count = lanes::exec::cuda::device_count().expect("a GPU host");
+    let directory = std::env::temp_dir().join(format!("lanes-gpus-{}.json", std::process::id()));
+    let mut child = Command::new(util::lanes_bin())
+        .args(["host", "--gpus", "all", "--endpoint", "tcp://127.0.0.1:*"])
+        .arg("--directory")
+        .arg(&directory)
+        .args(["--", "--memory", "2GiB"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = lines_of(child.stdout.take().unwrap());
+    let errors = lines_of(child.stderr.take().unwrap());
+    let mut host = Host {
+        child,
+        lines,
+        errors,
+        directory,
+    };
+    wait_for(&host.lines, "service(s) ready");
+    let dir = Directory::read(&host.directory).unwrap();
+    assert_eq!(dir.services.len(), count);
+    for (i, s) in dir.services.iter().enumerate() {
+        assert!(s.device.starts_with(&format!("cuda:{i} (")), "{s:?}");
+        let mut c = Client::connect_with(&s.endpoint, options()).unwrap();
+        assert!(c.status().unwrap().device.starts_with(&format!("cuda:{i} (")));
+        load_and_run(&mut c, 256, &format!("on-{i}"));
+    }
+    let (_c, p) = connect_best(&dir.endpoints(), None, options()).unwrap();
+    assert!(p.index < count);
+    signal(host.child.id(), "TERM");
+    assert!(host.child.wait().unwrap().success());
+}
