@@ -332,7 +332,10 @@ fn gpu_serve_by_ordinal_names_its_gpu_and_refuses_a_missing_one() {
     assert!(line.contains(&format!("(device cuda:{last} (")), "{line}");
     let (code, err) = util::serve::refusal(&["--device", &format!("cuda:{count}")]);
     assert_eq!(code, Some(1));
-    assert!(err.contains(&format!("no GPU {count}: this host has {count}")), "{err}");
+    assert!(
+        err.contains(&format!("no GPU {count}: this host has {count}")),
+        "{err}"
+    );
 }
 
 /// `lanes host --gpus all`: one service per GPU, each on its own GPU, each
@@ -365,7 +368,11 @@ fn gpu_host_serves_every_gpu() {
     for (i, s) in dir.services.iter().enumerate() {
         assert!(s.device.starts_with(&format!("cuda:{i} (")), "{s:?}");
         let mut c = Client::connect_with(&s.endpoint, options()).unwrap();
-        assert!(c.status().unwrap().device.starts_with(&format!("cuda:{i} (")));
+        assert!(c
+            .status()
+            .unwrap()
+            .device
+            .starts_with(&format!("cuda:{i} (")));
         load_and_run(&mut c, 256, &format!("on-{i}"));
     }
     let (_c, p) = connect_best(&dir.endpoints(), None, options()).unwrap();

@@ -262,11 +262,12 @@ pub fn choose(
     })
 }
 
+/// An endpoint and what asking it gave: a connected client and its
+/// Status report, or why not.
+pub type Surveyed = (String, Result<(Client, StatusReport), String>);
+
 /// Asks each endpoint's Status (a connection each, with `options`).
-pub fn survey(
-    endpoints: &[String],
-    options: &ClientOptions,
-) -> Vec<(String, Result<(Client, StatusReport), String>)> {
+pub fn survey(endpoints: &[String], options: &ClientOptions) -> Vec<Surveyed> {
     endpoints
         .iter()
         .map(|e| {

@@ -583,7 +583,10 @@ mod tests {
         m.publish(&report, None);
         let text = m.encode().unwrap();
         assert!(!text.contains("session=\"7\""), "{text}");
-        assert!(text.contains("lanes_device_info{device=\"cpu\"} 1"), "{text}");
+        assert!(
+            text.contains("lanes_device_info{device=\"cpu\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("lanes_sessions_open 0"), "{text}");
         report.queued = 3;
         m.publish(&report, None);
