@@ -219,6 +219,9 @@ pub fn gpus(a: GpusArgs) -> anyhow::Result<()> {
     if !(a.seconds.is_finite() && a.seconds > 0.0) {
         bail!("--seconds must be positive");
     }
+    if a.serve.endpoint.is_some() {
+        bail!("bench gpus starts its services on free loopback ports: leave out --endpoint");
+    }
     let devices = devices(&a)?;
     let since = Instant::now();
     progress(
