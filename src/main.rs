@@ -16,6 +16,9 @@ struct Cli {
 enum Command {
     /// Run the execution service.
     Serve(cli::serve::Args),
+    /// Every GPU of the host: one `lanes serve` per GPU, each on its own
+    /// endpoint (a directory file lists them).
+    Host(cli::host::Args),
     /// Start an embedded service and run several jobs through real sockets.
     Demo(cli::demo::Args),
     /// Show a running service's sessions, lanes and queues.
@@ -43,6 +46,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(a) => cli::serve::run(a),
+        Command::Host(a) => cli::host::run(a),
         Command::Demo(a) => cli::demo::run(a),
         Command::Status(a) => cli::status::run(a),
         Command::Simulate(a) => cli::simulate::run(a),

@@ -12,6 +12,7 @@ pub mod nn;
 #[cfg(feature = "onnx")]
 pub mod onnx;
 pub mod optim;
+pub mod placement;
 pub mod saved;
 pub mod tensor;
 pub mod wire;

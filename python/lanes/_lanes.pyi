@@ -137,6 +137,17 @@ class Client:
         shared_memory: bool = True,
         busy_poll: float = 0.0,
     ) -> None: ...
+    @staticmethod
+    def connect_best(
+        endpoints: Optional[Sequence[str]] = None,
+        *,
+        directory: Optional[Union[str, "PathLike[str]"]] = None,
+        persistent: Optional[int] = None,
+        ephemeral: Optional[int] = None,
+        timeout: float = 300.0,
+        connect_timeout: float = 5.0,
+        name: Optional[str] = None,
+    ) -> "Client": ...
     @property
     def endpoint(self) -> str: ...
     def session(

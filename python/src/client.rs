@@ -97,6 +97,68 @@ impl Client {
         })
     }
 
+    /// Connects to the service where a job is admitted soonest, among
+    /// `endpoints` or the services of a `lanes host --directory` file
+    /// (`lanes_adaptor::placement`, docs/multi-gpu.md): where a job of
+    /// `persistent` + `ephemeral` bytes fits now, the least loaded; else
+    /// the shortest admission queue; without sizes, by load only.
+    /// Unreachable services are skipped; `NoServiceError` when none
+    /// answers, naming each endpoint and why.
+    #[staticmethod]
+    #[pyo3(signature = (endpoints=None, *, directory=None, persistent=None, ephemeral=None, timeout=300.0, connect_timeout=5.0, name=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect_best(
+        py: Python<'_>,
+        endpoints: Option<Vec<String>>,
+        directory: Option<std::path::PathBuf>,
+        persistent: Option<u64>,
+        ephemeral: Option<u64>,
+        timeout: f64,
+        connect_timeout: f64,
+        name: Option<String>,
+    ) -> PyResult<Self> {
+        use lanes_adaptor::placement::{connect_best, Directory, JobSize};
+        let placement_error = |e: lanes_adaptor::placement::PlacementError| {
+            local(py, crate::errors::NoServiceError::new_err(e.to_string()))
+        };
+        let endpoints = match (endpoints, directory) {
+            (Some(e), None) => e,
+            (None, Some(path)) => Directory::read(&path).map_err(placement_error)?.endpoints(),
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give endpoints or directory (one of them)",
+                ))
+            }
+        };
+        for (v, what) in [(timeout, "timeout"), (connect_timeout, "connect_timeout")] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(PyValueError::new_err(format!(
+                    "{what} must be a positive number of seconds"
+                )));
+            }
+        }
+        let need = match (persistent, ephemeral) {
+            (None, None) => None,
+            (p, t) => Some(JobSize {
+                persistent: p.unwrap_or(0),
+                ephemeral: t.unwrap_or(0),
+            }),
+        };
+        let options = ClientOptions {
+            timeout: Duration::from_secs_f64(timeout),
+            connect_timeout: Duration::from_secs_f64(connect_timeout),
+            name: name.unwrap_or_else(|| format!("python/{}", env!("CARGO_PKG_VERSION"))),
+            ..ClientOptions::default()
+        };
+        let (conn, placement) = py
+            .detach(move || connect_best(&endpoints, need, options))
+            .map_err(placement_error)?;
+        Ok(Client {
+            conn: Arc::new(Mutex::new(Some(conn))),
+            endpoint: placement.endpoint,
+        })
+    }
+
     /// The endpoint this client is connected to.
     #[getter]
     fn endpoint(&self) -> &str {

@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 mod child;
 pub mod colocate;
 mod doorbell;
+pub mod gpus;
 mod isolate;
 pub mod load;
 pub mod models;
@@ -73,6 +74,10 @@ enum What {
     /// different learning rates through a real `lanes serve`, together and
     /// one after another; makespan and per-job completion times.
     Sweep(sweep::SweepArgs),
+    /// The same jobs (2 training, 4 inference by default) on one GPU and
+    /// spread over two, one `lanes serve` per GPU; total throughput of
+    /// each and the ratio (issue 34's goal: at least 1.9).
+    Gpus(gpus::GpusArgs),
     /// Speed of the trace simulator: a large (generated or given) trace
     /// under every policy; seconds per policy and peak memory.
     Sim(sim::SimArgs),
@@ -106,6 +111,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Lanes(a) => parallel::lanes(a),
         What::Colocate(a) => colocate::colocate(a),
         What::Sweep(a) => sweep::sweep(a),
+        What::Gpus(a) => gpus::gpus(a),
         What::Sim(a) => sim::sim(a),
         What::Doorbell(a) => doorbell::doorbell(a),
         What::Soak(a) => soak::soak(a),

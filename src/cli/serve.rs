@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use lanes::exec::gate::{GateConfig, GateMode};
-use lanes::server::{self, ByteSize, DeviceChoice, MemoryChoice, PolicyChoice, ServerConfig};
+use lanes::server::{self, ByteSize, DeviceArg, MemoryChoice, PolicyChoice, ServerConfig};
 use lanes_adaptor::Limits;
 
 #[derive(Debug, clap::Args)]
@@ -13,9 +13,11 @@ pub struct Args {
     /// ZeroMQ endpoint to bind (`tcp://HOST:PORT`, `tcp://127.0.0.1:*` for a free port, `ipc://PATH`).
     #[arg(long, default_value = "tcp://127.0.0.1:5555")]
     pub endpoint: String,
-    /// Where iterations run: `auto` falls back to the CPU when no GPU is usable.
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-    pub device: DeviceChoice,
+    /// Where iterations run: `auto` (the first GPU, or the CPU when no GPU
+    /// is usable), `cpu`, `cuda` (the first GPU) or `cuda:N` (GPU N; one
+    /// service per GPU, see `lanes host` and docs/multi-gpu.md).
+    #[arg(long, default_value = "auto", value_name = "DEVICE")]
+    pub device: DeviceArg,
     /// Memory that lane admission shares among jobs: `auto` (a safe share
     /// of the device read at start-up: on the GPU 90% of its free memory
     /// less 1 GiB headroom, on the CPU half of the host's available memory),
@@ -312,7 +314,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let busy_poll = super::busy_poll_window(args.busy_poll)?;
     lanes::exec::cuda::set_conv_tf32(!args.no_tf32);
     lanes::exec::cuda::set_matmul_tf32(args.tf32_matmul);
-    let device = server::resolve_device(args.device)?;
+    let device = server::resolve_device_arg(args.device)?;
     let memory_bytes = server::resolve_memory(args.memory, &device)?;
     let limits = args.limits.limits()?;
     let bell_header = lanes_adaptor::wire::shm::DOORBELL_HEADER;
@@ -326,6 +328,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.max_shared_per_client.0 > args.max_shared.0 {
         anyhow::bail!("--max-shared-per-client may not be more than --max-shared");
     }
+    let device_name = device.clone();
     let config = ServerConfig {
         endpoint: args.endpoint.clone(),
         limits,
@@ -428,8 +431,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
     .context("installing the SIGINT and SIGTERM handler")?;
     let mut line = format!(
-        "lanes serving on {} (policy {})",
+        "lanes serving on {} (device {}, policy {})",
         handle.endpoint(),
+        device_name,
         args.policy
     );
     if let Some(h) = &metrics_http {

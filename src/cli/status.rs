@@ -5,13 +5,19 @@ use std::time::Duration;
 use std::io::IsTerminal;
 
 use lanes::size::format_size;
+use lanes_adaptor::placement::Directory;
 use lanes_adaptor::{Client, ClientOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The service's endpoint.
+    /// The service's endpoint; several (`--endpoint A --endpoint B`) show
+    /// each service in turn.
     #[arg(long, default_value = "tcp://127.0.0.1:5555")]
-    pub endpoint: String,
+    pub endpoint: Vec<String>,
+    /// Every service `lanes host --directory FILE` listed, each under a
+    /// heading with its device (`--json`: an array of reports).
+    #[arg(long, value_name = "FILE", conflicts_with = "endpoint")]
+    pub directory: Option<std::path::PathBuf>,
     /// Seconds to wait for the service.
     #[arg(long, default_value_t = 5.0)]
     pub timeout: f64,
@@ -33,9 +39,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         name: "lanes status".into(),
         ..ClientOptions::default()
     };
-    let mut client = Client::connect_with(&args.endpoint, options)?;
+    let services: Vec<(String, Option<String>)> = match &args.directory {
+        Some(path) => Directory::read(path)?
+            .services
+            .into_iter()
+            .map(|s| {
+                let heading = format!(
+                    "== {} {}: {}{} ==",
+                    if s.device == "cpu" { "cpu" } else { "gpu" },
+                    s.index,
+                    s.device,
+                    if s.running { "" } else { " (exited)" }
+                );
+                (s.endpoint, Some(heading))
+            })
+            .collect(),
+        None if args.endpoint.len() > 1 => args
+            .endpoint
+            .iter()
+            .map(|e| (e.clone(), Some(format!("== {e} =="))))
+            .collect(),
+        None => args.endpoint.iter().map(|e| (e.clone(), None)).collect(),
+    };
+    if services.len() != 1 || args.directory.is_some() {
+        return several(&services, &options, &args);
+    }
+    let endpoint = &services[0].0;
+    let mut client = Client::connect_with(endpoint, options)?;
     let Some(every) = args.watch else {
-        return report(&mut client, &args);
+        return report(&mut client, endpoint, &args);
     };
     let every = Duration::try_from_secs_f64(every)
         .ok()
@@ -47,12 +79,90 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // Clear the screen and go home.
             out!("\x1b[2J\x1b[H")?;
         }
-        report(&mut client, &args)?;
+        report(&mut client, endpoint, &args)?;
         if !terminal && !args.json {
             outln!()?;
         }
         std::thread::sleep(every);
     }
+}
+
+/// Several services, one after another (`--watch` is for one): a service
+/// that does not answer is shown as such and the others still are; the
+/// command fails only when none answers. `--json`: one array, a service
+/// that did not answer as `{"endpoint", "error"}`.
+fn several(
+    services: &[(String, Option<String>)],
+    options: &ClientOptions,
+    args: &Args,
+) -> anyhow::Result<()> {
+    if args.watch.is_some() {
+        anyhow::bail!("--watch shows one service: give one --endpoint");
+    }
+    let mut answered = 0;
+    let mut array = Vec::new();
+    for (i, (endpoint, heading)) in services.iter().enumerate() {
+        let reply = Client::connect_with(endpoint, options.clone()).and_then(|mut c| c.status());
+        if args.json {
+            array.push(match reply {
+                Ok(s) => {
+                    answered += 1;
+                    json_of(&s, endpoint)?
+                }
+                Err(e) => serde_json::json!({ "endpoint": endpoint, "error": e.to_string() }),
+            });
+            continue;
+        }
+        if i > 0 {
+            outln!()?;
+        }
+        if let Some(h) = heading {
+            outln!("{h}")?;
+        }
+        match reply {
+            Ok(s) => {
+                answered += 1;
+                print_report(&s, endpoint)?;
+            }
+            Err(e) => outln!("{endpoint}: no answer: {e}")?,
+        }
+    }
+    if args.json {
+        outln!("{}", serde_json::to_string(&array)?)?;
+    }
+    if answered == 0 {
+        anyhow::bail!("no service answered");
+    }
+    Ok(())
+}
+
+/// A report as JSON: the protocol's `StatusReport` with the endpoint asked
+/// and the lanes as one structured object.
+fn json_of(
+    s: &lanes_adaptor::wire::StatusReport,
+    endpoint: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let mut v = serde_json::to_value(s)?;
+    if let Some(o) = v.as_object_mut() {
+        o.insert("endpoint".into(), endpoint.into());
+        // The lanes as one structured object, not the rendered text.
+        let lanes = o
+            .remove("lanes_json")
+            .and_then(|j| j.as_str().and_then(|t| serde_json::from_str(t).ok()))
+            .unwrap_or(serde_json::Value::Null);
+        o.insert("lanes".into(), lanes);
+        // Each objective's attainment as a fraction, beside its counts.
+        if let Some(sessions) = o.get_mut("sessions").and_then(|v| v.as_array_mut()) {
+            for (x, v) in s.sessions.iter().zip(sessions) {
+                if let (Some(a), Some(slo)) =
+                    (&x.slo, v.get_mut("slo").and_then(|o| o.as_object_mut()))
+                {
+                    slo.insert("attainment".into(), a.attainment().into());
+                }
+            }
+        }
+    }
+    Ok(v)
 }
 
 /// One report. `queue (ms)` and `run (ms)` are the session's mean Run
@@ -69,36 +179,20 @@ fn slo_cell(a: &lanes_adaptor::wire::SloAttainment) -> String {
     format!("{}ms: {}/{} {pct}, p99 {p99}", a.slo_ms, a.within, a.runs)
 }
 
-fn report(client: &mut Client, args: &Args) -> anyhow::Result<()> {
+fn report(client: &mut Client, endpoint: &str, args: &Args) -> anyhow::Result<()> {
     let s = client.status()?;
     if args.json {
-        let mut v = serde_json::to_value(&s)?;
-        if let Some(o) = v.as_object_mut() {
-            o.insert("endpoint".into(), args.endpoint.clone().into());
-            // The lanes as one structured object, not the rendered text.
-            let lanes = o
-                .remove("lanes_json")
-                .and_then(|j| j.as_str().and_then(|t| serde_json::from_str(t).ok()))
-                .unwrap_or(serde_json::Value::Null);
-            o.insert("lanes".into(), lanes);
-            // Each objective's attainment as a fraction, beside its counts.
-            if let Some(sessions) = o.get_mut("sessions").and_then(|v| v.as_array_mut()) {
-                for (x, v) in s.sessions.iter().zip(sessions) {
-                    if let (Some(a), Some(slo)) =
-                        (&x.slo, v.get_mut("slo").and_then(|o| o.as_object_mut()))
-                    {
-                        slo.insert("attainment".into(), a.attainment().into());
-                    }
-                }
-            }
-        }
-        outln!("{}", serde_json::to_string(&v)?)?;
+        outln!("{}", serde_json::to_string(&json_of(&s, endpoint)?)?)?;
         return Ok(());
     }
+    print_report(&s, endpoint)
+}
+
+fn print_report(s: &lanes_adaptor::wire::StatusReport, endpoint: &str) -> anyhow::Result<()> {
     outln!(
         "{} on {} · device {} · policy {} · memory {} · {} workers · up {:.1}s · {} request(s) waiting for a worker",
         s.server,
-        args.endpoint,
+        endpoint,
         s.device,
         s.policy,
         s.memory_bytes.map_or_else(|| "unset".to_string(), format_size),

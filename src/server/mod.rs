@@ -53,24 +53,103 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// Resolves `--device` to the device name the service reports: `cuda (…)`
-/// when iterations run on the GPU, `cpu` otherwise (see [`backend_of`]).
+/// `lanes serve --device`: `auto`, `cpu`, `cuda` (the first GPU) or
+/// `cuda:N` (GPU N by ordinal, as `nvidia-smi` numbers them under the
+/// default `CUDA_DEVICE_ORDER`). One service serves one GPU; every GPU of
+/// a host is one service each (`lanes host`, docs/multi-gpu.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceArg {
+    pub choice: DeviceChoice,
+    /// The GPU's ordinal, for `cuda:N`.
+    pub ordinal: Option<usize>,
+}
+
+impl From<DeviceChoice> for DeviceArg {
+    fn from(choice: DeviceChoice) -> Self {
+        DeviceArg {
+            choice,
+            ordinal: None,
+        }
+    }
+}
+
+/// A `--device` that is none of `auto`, `cpu`, `cuda`, `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown device {0:?}: give auto, cpu, cuda (the first GPU) or cuda:N (GPU N, from 0)")]
+pub struct UnknownDevice(pub String);
+
+impl std::str::FromStr for DeviceArg {
+    type Err = UnknownDevice;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let choice = match s {
+            "auto" => DeviceChoice::Auto,
+            "cpu" => DeviceChoice::Cpu,
+            "cuda" => DeviceChoice::Cuda,
+            _ => {
+                let ordinal = s
+                    .strip_prefix("cuda:")
+                    .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .ok_or_else(|| UnknownDevice(s.to_string()))?;
+                return Ok(DeviceArg {
+                    choice: DeviceChoice::Cuda,
+                    ordinal: Some(ordinal),
+                });
+            }
+        };
+        Ok(choice.into())
+    }
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.choice, self.ordinal) {
+            (DeviceChoice::Auto, _) => f.write_str("auto"),
+            (DeviceChoice::Cpu, _) => f.write_str("cpu"),
+            (DeviceChoice::Cuda, None) => f.write_str("cuda"),
+            (DeviceChoice::Cuda, Some(n)) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Resolves `--device` to the device name the service reports: `cuda:N
+/// (…)` when iterations run on GPU N, `cpu` otherwise (see [`backend_of`]).
 pub fn resolve_device(choice: DeviceChoice) -> Result<String, ServerError> {
-    match choice {
+    resolve_device_arg(choice.into())
+}
+
+/// [`resolve_device`] for a `--device` that may name a GPU by ordinal:
+/// GPU N is chosen for the process before anything opens the GPU, and an
+/// ordinal the host does not have is an error (`no GPU 3: this host has
+/// 2`).
+pub fn resolve_device_arg(arg: DeviceArg) -> Result<String, ServerError> {
+    let gpu = || -> Result<String, crate::exec::ExecError> {
+        if let Some(n) = arg.ordinal {
+            crate::exec::cuda::select_device(n)?;
+        }
+        let info = crate::exec::cuda::probe()?;
+        Ok(format!(
+            "cuda:{} ({})",
+            crate::exec::cuda::selected_device(),
+            info.name
+        ))
+    };
+    match arg.choice {
         DeviceChoice::Cpu => Ok("cpu".into()),
-        DeviceChoice::Auto => match crate::exec::cuda::probe() {
-            Ok(info) => Ok(format!("cuda ({})", info.name)),
+        DeviceChoice::Auto => match gpu() {
+            Ok(name) => Ok(name),
             Err(e) => {
                 tracing::info!(reason = %e, "no usable GPU; running on the CPU");
                 Ok("cpu".into())
             }
         },
-        DeviceChoice::Cuda => match crate::exec::cuda::probe() {
-            Ok(info) => Ok(format!("cuda ({})", info.name)),
-            Err(e) => Err(ServerError::NoDevice {
-                reason: e.to_string(),
-            }),
-        },
+        DeviceChoice::Cuda => gpu().map_err(|e| ServerError::NoDevice {
+            reason: match e {
+                crate::exec::ExecError::NoDevice { reason } => reason,
+                other => other.to_string(),
+            },
+        }),
     }
 }
 
@@ -440,6 +519,38 @@ mod tests {
                 assert!(matches!(e, ServerError::NoDevice { .. }));
                 assert_eq!(auto, "cpu");
             }
+        }
+    }
+
+    #[test]
+    fn device_flag_takes_an_ordinal() {
+        let a: DeviceArg = "cuda:1".parse().unwrap();
+        assert_eq!(a.choice, DeviceChoice::Cuda);
+        assert_eq!(a.ordinal, Some(1));
+        assert_eq!(a.to_string(), "cuda:1");
+        assert_eq!("cuda".parse::<DeviceArg>().unwrap().ordinal, None);
+        assert_eq!(
+            "cpu".parse::<DeviceArg>().unwrap().choice,
+            DeviceChoice::Cpu
+        );
+        for bad in ["cuda:", "cuda:x", "cuda:-1", "gpu", "cuda:1 "] {
+            assert!(bad.parse::<DeviceArg>().is_err(), "{bad}");
+        }
+    }
+
+    /// An ordinal past the host's GPUs is an error naming the count (or,
+    /// without a GPU, the reason there is none), never a panic.
+    #[test]
+    fn an_ordinal_the_host_lacks_is_refused() {
+        let arg: DeviceArg = "cuda:4096".parse().unwrap();
+        match resolve_device_arg(arg) {
+            Err(ServerError::NoDevice { reason }) => {
+                assert!(!reason.is_empty());
+                if crate::exec::cuda::device_count().is_ok() {
+                    assert!(reason.starts_with("no GPU 4096: this host has"), "{reason}");
+                }
+            }
+            other => panic!("{other:?}"),
         }
     }
 }

@@ -12,7 +12,7 @@ pub fn serve_device() -> &'static str {
 }
 
 /// The first line a `lanes serve` child prints on its (piped) stdout:
-/// `lanes serving on ENDPOINT (policy …)[, metrics at http://ADDR/metrics]`
+/// `lanes serving on ENDPOINT (device …, policy …)[, metrics at http://ADDR/metrics]`
 /// once it listens, anything else when it did not start.
 pub fn serving_line(child: &mut Child) -> String {
     let mut line = String::new();

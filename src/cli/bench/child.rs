@@ -74,18 +74,35 @@ impl Service {
             Some(e) => e.clone(),
             None => free_endpoint()?,
         };
-        let service = Self::start_on(o, &endpoint, since)?;
+        let service = Self::start_on(o, &endpoint, device_arg(o.device), since)?;
         Ok((service, endpoint))
     }
 
-    fn start_on(o: &ServeOpts, endpoint: &str, since: Instant) -> anyhow::Result<Service> {
+    /// [`Service::start`] on a free loopback port with `--device device`
+    /// (`cuda:1`) instead of `o.device`.
+    pub fn start_with_device(
+        o: &ServeOpts,
+        device: &str,
+        since: Instant,
+    ) -> anyhow::Result<(Service, String)> {
+        let endpoint = free_endpoint()?;
+        let service = Self::start_on(o, &endpoint, device, since)?;
+        Ok((service, endpoint))
+    }
+
+    fn start_on(
+        o: &ServeOpts,
+        endpoint: &str,
+        device: &str,
+        since: Instant,
+    ) -> anyhow::Result<Service> {
         let exe = std::env::current_exe().context("locating the lanes binary")?;
         let mut cmd = Command::new(exe);
         cmd.arg("serve")
             .arg("--endpoint")
             .arg(endpoint)
             .arg("--device")
-            .arg(device_arg(o.device))
+            .arg(device)
             .arg("--policy")
             .arg(o.policy.name())
             .arg("--max-nodes")
@@ -100,8 +117,7 @@ impl Service {
         }
         progress(
             &format!(
-                "starting lanes serve on {endpoint} (--device {} --policy {} {})",
-                device_arg(o.device),
+                "starting lanes serve on {endpoint} (--device {device} --policy {} {})",
                 o.policy.name(),
                 o.args.join(" ")
             ),

@@ -1,9 +1,12 @@
-//! The process-wide GPU: one CUDA context on device 0 and the NVRTC-compiled
+//! The process-wide GPU: one CUDA context on one device (0 unless
+//! [`select_device`] chose another before first use) and the NVRTC-compiled
 //! kernels, compiled once per process and cached. Programs create their own
-//! stream, cuBLAS and cuDNN handles on top of it.
+//! stream, cuBLAS and cuDNN handles on top of it. A process serves one GPU:
+//! several GPUs are several processes (docs/multi-gpu.md).
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -226,10 +229,53 @@ fn arch_for(cc: (i32, i32)) -> Option<&'static str> {
     })
 }
 
+/// The ordinal [`open`] uses (`--device cuda:N`).
+static ORDINAL: AtomicUsize = AtomicUsize::new(0);
+/// Set once the GPU has been opened: the ordinal can no longer change.
+static OPENED: AtomicBool = AtomicBool::new(false);
+
+/// How many CUDA devices this host has (`cuDeviceGetCount`), without
+/// creating a context on any of them; an error when the driver or the CUDA
+/// libraries are missing.
+pub fn device_count() -> Result<usize, ExecError> {
+    libraries_present()?;
+    let n = contain("CUDA initialisation", CudaContext::device_count)?
+        .map_err(|e| no_device(format!("counting CUDA devices: {e:?}")))?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// Chooses the GPU this process opens: device `ordinal`, checked against
+/// the host's count (`no GPU 3: this host has 2`). Must come before the
+/// first use of the GPU (probe, memory info, a program); choosing again
+/// after that is an error unless it is the same device.
+pub fn select_device(ordinal: usize) -> Result<(), ExecError> {
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(no_device(format!(
+            "no GPU {ordinal}: this host has {count}"
+        )));
+    }
+    if OPENED.load(Ordering::SeqCst) && ORDINAL.load(Ordering::SeqCst) != ordinal {
+        return Err(no_device(format!(
+            "GPU {} is already open in this process; it cannot serve GPU {ordinal} too",
+            ORDINAL.load(Ordering::SeqCst)
+        )));
+    }
+    ORDINAL.store(ordinal, Ordering::SeqCst);
+    Ok(())
+}
+
+/// The ordinal of the GPU this process uses (or will open).
+pub fn selected_device() -> usize {
+    ORDINAL.load(Ordering::SeqCst)
+}
+
 fn open() -> Result<Arc<Gpu>, ExecError> {
     libraries_present()?;
-    let ctx = contain("CUDA initialisation", || CudaContext::new(0))?
-        .map_err(|e| no_device(format!("no CUDA device 0: {e:?}")))?;
+    OPENED.store(true, Ordering::SeqCst);
+    let ordinal = ORDINAL.load(Ordering::SeqCst);
+    let ctx = contain("CUDA initialisation", || CudaContext::new(ordinal))?
+        .map_err(|e| no_device(format!("no CUDA device {ordinal}: {e:?}")))?;
     // Programs address tensors by raw pointers into their own arena and run on
     // one stream each, so cudarc's per-slice event tracking is not needed.
     // SAFETY: no slice of this context exists yet, and every program

@@ -62,6 +62,7 @@ pub fn memory_info() -> Result<(u64, u64), ExecError> {
     Ok((free as u64, total as u64))
 }
 
+pub use device::{device_count, select_device, selected_device};
 pub use vm::{lane_block_bytes, DeviceReservation, RESERVE_CHUNK};
 
 #[cfg(test)]

@@ -48,6 +48,11 @@ struct InfoLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabels {
+    device: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CodeLabels {
     code: String,
 }
@@ -121,6 +126,7 @@ pub struct Metrics {
     returns: Counter,
     sessions_open: Gauge,
     session_info: Family<InfoLabels, Gauge>,
+    device_info: Family<DeviceLabels, Gauge>,
     queued: Gauge,
     lane_capacity: Family<LaneLabels, Gauge>,
     lane_used: Family<LaneLabels, Gauge>,
@@ -176,6 +182,7 @@ impl Metrics {
             returns: Counter::default(),
             sessions_open: Gauge::default(),
             session_info: Family::default(),
+            device_info: Family::default(),
             queued: Gauge::default(),
             lane_capacity: Family::default(),
             lane_used: Family::default(),
@@ -230,6 +237,11 @@ impl Metrics {
             m.returns.clone(),
         );
         registry.register("sessions_open", "Open sessions", m.sessions_open.clone());
+        registry.register(
+            "device_info",
+            "1, with the device this service serves (one service per GPU: cuda:N (NAME), or cpu)",
+            m.device_info.clone(),
+        );
         registry.register(
             "session_info",
             "1 per open session, with its job name and kind",
@@ -407,6 +419,11 @@ impl Metrics {
 
     /// The socket thread's view: open sessions, queue, lanes, evictions.
     pub fn publish(&self, report: &StatusReport, lanes: Option<&LanesSnapshot>) {
+        self.device_info
+            .get_or_create(&DeviceLabels {
+                device: report.device.clone(),
+            })
+            .set(1);
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let answered = std::mem::take(
             &mut *self
@@ -578,6 +595,10 @@ mod tests {
         m.publish(&report, None);
         let text = m.encode().unwrap();
         assert!(!text.contains("session=\"7\""), "{text}");
+        assert!(
+            text.contains("lanes_device_info{device=\"cpu\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("lanes_sessions_open 0"), "{text}");
         report.queued = 3;
         m.publish(&report, None);
