@@ -165,6 +165,15 @@ pub struct Args {
     #[arg(long, default_value_t = 300, value_name = "US",
           value_parser = clap::value_parser!(u64).range(10..=100_000))]
     pub gate_segment_us: u64,
+    /// Once inference Runs have kept the gate closed this long without a
+    /// break, training segments go through anyway at `--gate-min-share`
+    /// of the time (training slowed, never starved), in milliseconds.
+    #[arg(long, default_value_t = 50.0, value_name = "MS", value_parser = parse_gate_ms)]
+    pub gate_starve_ms: f64,
+    /// The share of the time training keeps while the gate stays closed
+    /// past `--gate-starve-ms` (0: none; training may starve).
+    #[arg(long, default_value_t = 0.1, value_name = "SHARE", value_parser = parse_share)]
+    pub gate_min_share: f64,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
     /// 127.0.0.1:9400): request latency and queueing per session,
     /// iterations, errors by code, lanes, reservation, evictions,
@@ -357,6 +366,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             mode: args.gate_mode,
             release: Duration::from_micros(args.gate_release_us),
             segment: Duration::from_micros(args.gate_segment_us),
+            starve_after: Duration::from_secs_f64(args.gate_starve_ms / 1e3),
+            min_share: args.gate_min_share,
         }),
         auth_key,
         metrics: args
@@ -449,4 +460,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     handle.wait()?;
     drop(oip);
     Ok(())
+}
+
+/// `--gate-starve-ms`: finite, in [0, 60000].
+fn parse_gate_ms(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if v.is_finite() && (0.0..=60_000.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{s}: must be between 0 and 60000 milliseconds"))
+    }
+}
+
+/// `--gate-min-share`: a fraction in [0, 1].
+fn parse_share(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{s}: must be between 0 and 1"))
+    }
 }

@@ -48,6 +48,15 @@ pub struct GateConfig {
     pub release: Duration,
     /// The GPU time a yielding program's segment aims at.
     pub segment: Duration,
+    /// Once the gate has stayed closed this long without a break (urgent
+    /// work back to back), yielding work is let through anyway, one
+    /// segment at a time, for [`min_share`](Self::min_share) of the time:
+    /// training is slowed, never starved.
+    pub starve_after: Duration,
+    /// The share of the device's time yielding work keeps while the gate
+    /// stays closed past `starve_after` (one segment every `segment /
+    /// min_share`).
+    pub min_share: f64,
 }
 
 impl Default for GateConfig {
@@ -56,7 +65,18 @@ impl Default for GateConfig {
             mode: GateMode::Hold,
             release: Duration::from_micros(100),
             segment: Duration::from_micros(300),
+            starve_after: Duration::from_millis(50),
+            min_share: 0.1,
         }
+    }
+}
+
+impl GateConfig {
+    /// The least time between two segments let through a gate closed past
+    /// `starve_after` (none with `min_share` 0).
+    fn forced_every(&self) -> Option<Duration> {
+        (self.min_share > 0.0 && self.min_share.is_finite())
+            .then(|| self.segment.div_f64(self.min_share.min(1.0)))
     }
 }
 
@@ -70,6 +90,11 @@ struct State {
     in_flight: usize,
     /// Segments launched so far.
     launches: u64,
+    /// Since when a yielding program has found the gate closed without a
+    /// break (`None` while it is open).
+    closed_since: Option<Instant>,
+    /// When a segment was last let through a gate closed too long.
+    forced_at: Option<Instant>,
 }
 
 /// What the gate has seen (for `/metrics` and the GPU tests).
@@ -82,6 +107,8 @@ pub struct GateStats {
     /// Launches refused because the gate was closed (each refusal is one
     /// poll of a waiting program, so this counts polls, not segments).
     pub refusals: u64,
+    /// Segments let through a gate closed past `starve_after`.
+    pub forced: u64,
     /// Segments launched while an urgent Run was inside (trickle mode).
     pub launched_beside_urgent: u64,
     /// The most yielding segments in flight when an urgent Run entered.
@@ -100,6 +127,7 @@ pub struct Gate {
     refusals: AtomicU64,
     urgent_runs: AtomicU64,
     beside: AtomicU64,
+    forced: AtomicU64,
     max_in_flight: AtomicU64,
     waited_ns: AtomicU64,
 }
@@ -113,11 +141,14 @@ impl Gate {
                 left_at: None,
                 in_flight: 0,
                 launches: 0,
+                closed_since: None,
+                forced_at: None,
             }),
             armed: AtomicUsize::new(0),
             refusals: AtomicU64::new(0),
             urgent_runs: AtomicU64::new(0),
             beside: AtomicU64::new(0),
+            forced: AtomicU64::new(0),
             max_in_flight: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
         })
@@ -176,9 +207,24 @@ impl Gate {
     pub fn try_launch_at(&self, now: Instant) -> bool {
         let mut s = self.state();
         let ok = if open(&s, self.config.release, now) {
+            s.closed_since = None;
+            true
+        } else if self.config.mode == GateMode::Trickle && s.in_flight == 0 {
             true
         } else {
-            self.config.mode == GateMode::Trickle && s.in_flight == 0
+            let since = *s.closed_since.get_or_insert(now);
+            let starved = now.saturating_duration_since(since) >= self.config.starve_after;
+            let due = match (self.config.forced_every(), s.forced_at) {
+                (None, _) => false,
+                (Some(_), None) => true,
+                (Some(every), Some(t)) => now.saturating_duration_since(t) >= every,
+            };
+            let force = starved && due && s.in_flight == 0;
+            if force {
+                s.forced_at = Some(now);
+                self.forced.fetch_add(1, Ordering::Relaxed);
+            }
+            force
         };
         if ok {
             if s.active > 0 {
@@ -229,6 +275,7 @@ impl Gate {
             urgent_runs: self.urgent_runs.load(Ordering::Relaxed),
             launches,
             refusals: self.refusals.load(Ordering::Relaxed),
+            forced: self.forced.load(Ordering::Relaxed),
             launched_beside_urgent: self.beside.load(Ordering::Relaxed),
             max_in_flight_at_entry: self.max_in_flight.load(Ordering::Relaxed),
             waited_ns: self.waited_ns.load(Ordering::Relaxed),
@@ -302,9 +349,37 @@ mod tests {
     fn gate(mode: GateMode) -> Arc<Gate> {
         Gate::new(GateConfig {
             mode,
-            release: Duration::from_micros(100),
-            segment: Duration::from_micros(300),
+            ..GateConfig::default()
         })
+    }
+
+    #[test]
+    fn a_gate_closed_too_long_lets_yielding_work_through_at_its_share() {
+        let g = gate(GateMode::Hold);
+        let _inside = g.enter();
+        let t0 = Instant::now();
+        assert!(!g.try_launch_at(t0), "closed");
+        // Still within starve_after (50 ms): refused.
+        assert!(!g.try_launch_at(t0 + Duration::from_millis(49)));
+        // Past it: one segment...
+        let t1 = t0 + Duration::from_millis(50);
+        assert!(g.try_launch_at(t1));
+        // ...not a second while it is in flight, nor before 300 µs / 0.1.
+        assert!(!g.try_launch_at(t1 + Duration::from_millis(1)));
+        g.finished();
+        assert!(!g.try_launch_at(t1 + Duration::from_micros(2_999)));
+        assert!(g.try_launch_at(t1 + Duration::from_millis(3)));
+        g.finished();
+        let s = g.stats();
+        assert_eq!((s.forced, s.launched_beside_urgent), (2, 2));
+        // With no share, never.
+        let none = Gate::new(GateConfig {
+            min_share: 0.0,
+            ..GateConfig::default()
+        });
+        let _inside = none.enter();
+        assert!(!none.try_launch_at(t0));
+        assert!(!none.try_launch_at(t0 + Duration::from_secs(10)));
     }
 
     #[test]

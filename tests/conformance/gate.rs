@@ -14,6 +14,7 @@ fn gate(segment_us: u64) -> Arc<Gate> {
         mode: GateMode::Hold,
         release: Duration::from_micros(100),
         segment: Duration::from_micros(segment_us),
+        ..GateConfig::default()
     })
 }
 
