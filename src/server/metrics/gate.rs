@@ -15,6 +15,7 @@ pub(super) struct GateMetrics {
     urgent_runs: Counter,
     launches: Counter,
     beside: Counter,
+    forced: Counter,
     waited: Counter<f64, AtomicU64>,
     max_in_flight: Gauge,
     /// The gate watched, and its counters as last published.
@@ -37,6 +38,11 @@ impl GateMetrics {
             "gate_segments_beside_urgent",
             "Yielding segments launched while an urgent Run ran (--gate-mode trickle)",
             self.beside.clone(),
+        );
+        registry.register(
+            "gate_forced",
+            "Yielding segments let through a gate kept closed past --gate-starve-ms",
+            self.forced.clone(),
         );
         registry.register(
             "gate_wait_seconds",
@@ -72,6 +78,7 @@ impl GateMetrics {
             now.launched_beside_urgent
                 .saturating_sub(last.launched_beside_urgent),
         );
+        self.forced.inc_by(now.forced.saturating_sub(last.forced));
         self.waited
             .inc_by(now.waited_ns.saturating_sub(last.waited_ns) as f64 / 1e9);
         self.max_in_flight
