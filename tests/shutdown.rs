@@ -13,8 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::{
-    Client, ClientError, ClientOptions, ErrorCode, Graph, GraphBuilder, SessionSpec, Tensor,
-    TensorType, VarValues,
+    Client, ClientError, ClientOptions, ErrorCode, Graph, SessionSpec, Tensor, VarValues,
 };
 use util::serve::Serve;
 use util::values;
@@ -24,19 +23,7 @@ const N: usize = 1024;
 /// `y = relu(x @ w)` chained 24 times on 1024 × 1024: a Run that takes a
 /// while on the CPU (about a second).
 fn heavy() -> (Graph, VarValues) {
-    let mut g = GraphBuilder::new();
-    let x = g.placeholder("x", TensorType::f32([N, N]));
-    let w = g.variable(
-        "w",
-        Tensor::from_f32([N, N], values(2, N * N).iter().map(|v| v / 16.0).collect()).unwrap(),
-    );
-    let mut h = x;
-    for _ in 0..24 {
-        let m = g.matmul(h, w);
-        h = g.relu(m);
-    }
-    g.set_name(h, "y");
-    g.finish().unwrap()
+    util::heavy_of(N)
 }
 
 fn x() -> Tensor {

@@ -274,15 +274,19 @@ pub fn x_for(seed: u64) -> Tensor {
     Tensor::from_f32([BATCH, IN], values(seed, BATCH * IN)).unwrap()
 }
 
-/// `y = relu(x @ w)` chained `depth` times on 512 × 512: a Run that takes a
+/// `y = relu(x @ w)` chained 24 times on 512 × 512: a Run that takes a
 /// while on the CPU.
 pub fn heavy() -> (Graph, VarValues) {
-    const N: usize = 512;
+    heavy_of(512)
+}
+
+/// `y = relu(x @ w)` chained 24 times on `n` × `n`.
+pub fn heavy_of(n: usize) -> (Graph, VarValues) {
     let mut g = GraphBuilder::new();
-    let x = g.placeholder("x", TensorType::f32([N, N]));
+    let x = g.placeholder("x", TensorType::f32([n, n]));
     let w = g.variable(
         "w",
-        Tensor::from_f32([N, N], values(2, N * N).iter().map(|v| v / 16.0).collect()).unwrap(),
+        Tensor::from_f32([n, n], values(2, n * n).iter().map(|v| v / 16.0).collect()).unwrap(),
     );
     let mut h = x;
     for _ in 0..24 {

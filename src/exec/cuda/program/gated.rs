@@ -153,25 +153,4 @@ impl CudaProgram {
             (_, Err(e)) => Err(dev_err("end capture", e)),
         }
     }
-
-    /// Launches every node in order with a timing event between launches;
-    /// returns each position's GPU time (seconds). Waits for the stream.
-    fn launch_timed(&self) -> Result<Vec<f64>, ExecError> {
-        let n = self.graph.order().len();
-        let mut marks = Vec::with_capacity(n + 1);
-        self.launch_nodes_with(&mut |_| {
-            marks.push(self.event(&self.stream, true)?);
-            Ok(())
-        })?;
-        marks.push(self.event(&self.stream, true)?);
-        self.sync()?;
-        marks
-            .windows(2)
-            .map(|w| {
-                w[0].elapsed_ms(&w[1])
-                    .map(|ms| f64::from(ms) / 1e3)
-                    .map_err(|e| dev_err("event", e))
-            })
-            .collect()
-    }
 }

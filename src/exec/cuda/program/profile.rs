@@ -28,30 +28,20 @@ impl CudaProgram {
         for (o, t) in feed_list {
             self.upload(o, t)?;
         }
-        let order = self.graph.order().to_vec();
-        let mut marks = Vec::with_capacity(order.len() + 1);
-        marks.push(self.event(&self.stream, true)?);
-        for &id in &order {
-            self.step(id)?;
-            marks.push(self.event(&self.stream, true)?);
-        }
-        self.sync()?;
+        let times = self.launch_timed()?;
         if self.res.updates {
             self.res.dirty = true;
         }
         let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
-        for (k, id) in order.iter().enumerate() {
+        for (id, secs) in self.graph.order().iter().zip(times) {
             // Nodes inside a fused chain launch nothing; the chain's kernel
             // counts under its own name (at its last node).
             let Some(name) = self.step_name(*id) else {
                 continue;
             };
-            let ms = marks[k]
-                .elapsed_ms(&marks[k + 1])
-                .map_err(|e| dev_err("event", e))?;
             let e = by_op.entry(name).or_default();
             e.0 += 1;
-            e.1 += f64::from(ms);
+            e.1 += secs * 1e3;
         }
         let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
         out.sort_by(|a, b| b.2.total_cmp(&a.2));
@@ -91,5 +81,26 @@ impl CudaProgram {
         self.res.profile = Some(profile);
         self.res.plans.invalidate();
         Ok(())
+    }
+
+    /// Launches every node in order with a timing event between launches;
+    /// returns each position's GPU time (seconds). Waits for the stream.
+    pub(super) fn launch_timed(&self) -> Result<Vec<f64>, ExecError> {
+        let n = self.graph.order().len();
+        let mut marks = Vec::with_capacity(n + 1);
+        self.launch_nodes_with(&mut |_| {
+            marks.push(self.event(&self.stream, true)?);
+            Ok(())
+        })?;
+        marks.push(self.event(&self.stream, true)?);
+        self.sync()?;
+        marks
+            .windows(2)
+            .map(|w| {
+                w[0].elapsed_ms(&w[1])
+                    .map(|ms| f64::from(ms) / 1e3)
+                    .map_err(|e| dev_err("event", e))
+            })
+            .collect()
     }
 }
