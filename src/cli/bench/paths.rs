@@ -315,21 +315,35 @@ pub fn executor(
     progress(&format!("executor: median {:.3} ms", stats.median), since);
     if let (true, Program::Cuda(p)) = (t.op_profile, &mut prog) {
         let prof = p.profile_ops(feeds, &fetch)?;
-        let total: f64 = prof.iter().map(|x| x.2).sum();
+        let total: f64 = prof.by_op.iter().map(|x| x.2).sum();
         progress(
             &format!("executor: op profile, {total:.3} ms of GPU time op by op"),
             since,
         );
-        for (op, n, ms) in prof.iter().take(15) {
+        for (op, n, ms) in prof.by_op.iter().take(15) {
             eprintln!(
                 "  {op:<32} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
                 100.0 * ms / total
             );
         }
+        eprintln!("  by signature (op, attributes, input shapes):");
+        for (sig, n, ms) in prof.by_signature.iter().take(40) {
+            eprintln!("  {ms:>9.3} ms {n:>4}x  {sig}");
+        }
         let rows: Vec<Value> = prof
+            .by_op
             .iter()
             .map(|(op, n, ms)| json!({"op": op, "nodes": n, "ms": ms}))
             .collect();
+        m.insert(
+            "op_signatures".into(),
+            Value::Array(
+                prof.by_signature
+                    .iter()
+                    .map(|(s, n, ms)| json!({"signature": s, "nodes": n, "ms": ms}))
+                    .collect(),
+            ),
+        );
         m.insert("op_profile".into(), Value::Array(rows));
     }
     drop(pins);

@@ -6,15 +6,23 @@ use std::collections::BTreeMap;
 use super::{dev_err, CudaEvent, CudaProgram, Profile, Strategy};
 use crate::exec::{ExecError, HostFeed};
 
+/// [`CudaProgram::profile_ops`]'s answer.
+#[derive(Debug, Clone)]
+pub struct OpProfile {
+    pub by_op: Vec<(String, usize, f64)>,
+    pub by_signature: Vec<(String, usize, f64)>,
+}
+
 impl CudaProgram {
     /// Runs one iteration op by op with a timing event after every node and
-    /// returns the GPU time per op kind as (op, nodes, milliseconds), the
+    /// returns the GPU time per op kind and per signature (the op with its
+    /// attributes and input shapes) as (name, nodes, milliseconds), the
     /// largest first. A real iteration: in-place updates happen.
     pub fn profile_ops<F: HostFeed>(
         &mut self,
         feeds: &BTreeMap<String, F>,
         fetches: &[String],
-    ) -> Result<Vec<(&'static str, usize, f64)>, ExecError> {
+    ) -> Result<OpProfile, ExecError> {
         if !self.res.resident {
             self.run_switching(feeds, fetches, Strategy::Pipelined)?;
         }
@@ -33,6 +41,8 @@ impl CudaProgram {
             self.res.dirty = true;
         }
         let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
+        let mut by_sig: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+        let g = self.graph.graph();
         for (id, secs) in self.graph.order().iter().zip(times) {
             // Nodes inside a fused chain launch nothing; the chain's kernel
             // counts under its own name (at its last node).
@@ -42,10 +52,32 @@ impl CudaProgram {
             let e = by_op.entry(name).or_default();
             e.0 += 1;
             e.1 += secs * 1e3;
+            let node = &g.nodes[id.index()];
+            let shapes: Vec<String> = node
+                .inputs
+                .iter()
+                .map(|o| format!("{:?}", self.slot(*o).ty.shape.dims()))
+                .collect();
+            let e = by_sig
+                .entry(format!("{name} {:?} <- {}", node.op, shapes.join(" ")))
+                .or_default();
+            e.0 += 1;
+            e.1 += secs * 1e3;
         }
-        let mut out: Vec<_> = by_op.into_iter().map(|(op, (n, ms))| (op, n, ms)).collect();
-        out.sort_by(|a, b| b.2.total_cmp(&a.2));
-        Ok(out)
+        let sorted = |m: Vec<(String, usize, f64)>| {
+            let mut m = m;
+            m.sort_by(|a, b| b.2.total_cmp(&a.2));
+            m
+        };
+        Ok(OpProfile {
+            by_op: sorted(
+                by_op
+                    .into_iter()
+                    .map(|(op, (n, ms))| (op.to_string(), n, ms))
+                    .collect(),
+            ),
+            by_signature: sorted(by_sig.into_iter().map(|(k, (n, ms))| (k, n, ms)).collect()),
+        })
     }
 
     /// Launches op by op with a timing event at each unit boundary and keeps
