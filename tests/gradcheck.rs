@@ -206,6 +206,18 @@ fn shape_ops() {
     let s = g.slice(c, 1, 1, 5);
     check("reshape/transpose/concat/slice", g, s);
 
+    // q, k, v from one tensor (slices that tile it: their gradients join
+    // as one concat), each used non-linearly.
+    let mut g = GraphBuilder::new();
+    let x = var(&mut g, "x", r.tensor(&[3, 6]));
+    let v = g.slice(x, 1, 4, 6);
+    let q = g.slice(x, 1, 0, 2);
+    let k = g.slice(x, 1, 2, 4);
+    let qk = g.mul(q, k);
+    let t = g.tanh(v);
+    let s = g.mul(qk, t);
+    check("slices tiling their input", g, s);
+
     let mut g = GraphBuilder::new();
     let x = var(&mut g, "x", r.tensor(&[3, 1]));
     let b = g.broadcast_to(x, &[2, 3, 4]);

@@ -193,9 +193,9 @@ pub fn gradients(
     }
 
     g.push_scope("grad");
-    let mut grads: HashMap<Outlet, Outlet> = HashMap::new();
+    let mut grads = Grads::default();
     let seed = g.constant(Tensor::full(loss_ty.shape.clone(), 1.0));
-    grads.insert(loss, seed);
+    grads.add(loss, Part::Dense(seed));
     let result = (|| {
         for &id in order.iter().rev() {
             if !depends[id.index()] {
@@ -203,7 +203,7 @@ pub fn gradients(
             }
             let node = g.graph_nodes()[id.index()].clone();
             let dys: Vec<Option<Outlet>> = (0..node.outputs.len() as u32)
-                .map(|s| grads.get(&Outlet::new(id, s)).copied())
+                .map(|s| grads.total(g, Outlet::new(id, s)))
                 .collect();
             if dys.iter().all(Option::is_none) || node.inputs.is_empty() {
                 continue;
@@ -223,15 +223,28 @@ pub fn gradients(
             if !want.iter().any(|&w| w) {
                 continue;
             }
+            // A slice's gradient waits until its input's is summed: slices
+            // that tile the input join as one Concat instead of each
+            // padding with zeros (`SliceGrad`) and being added.
+            if let (Op::Slice { axis, start, .. }, Some(Some(dy)), Some(true)) =
+                (&node.op, dys.first(), want.first())
+            {
+                let input_dim = g.dims(node.inputs[0]).get(*axis).copied().unwrap_or(0);
+                grads.add(
+                    node.inputs[0],
+                    Part::Slice {
+                        dy: *dy,
+                        axis: *axis,
+                        start: *start,
+                        input_dim,
+                    },
+                );
+                continue;
+            }
             let input_grads = backward(g, id, &node, &dys, &want)?;
             for (k, dx) in input_grads.into_iter().enumerate() {
                 if let (Some(dx), true) = (dx, want[k]) {
-                    let inp = node.inputs[k];
-                    let acc = match grads.get(&inp) {
-                        Some(&prev) => g.add(prev, dx),
-                        None => dx,
-                    };
-                    grads.insert(inp, acc);
+                    grads.add(node.inputs[k], Part::Dense(dx));
                 }
             }
             if let Some(e) = g.error() {
@@ -240,9 +253,107 @@ pub fn gradients(
         }
         Ok(())
     })();
+    let out = wrt.iter().map(|w| grads.total(g, *w)).collect();
     g.pop_scope();
     result?;
-    Ok(wrt.iter().map(|w| grads.get(w).copied()).collect())
+    if let Some(e) = g.error() {
+        return Err(AutodiffError::Graph(e.clone()));
+    }
+    Ok(out)
+}
+
+/// One contribution to an outlet's gradient.
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    Dense(Outlet),
+    /// The gradient `dy` of `x[start..start + len]` along `axis` (x's
+    /// length there `input_dim`), not yet padded to x's shape.
+    Slice {
+        dy: Outlet,
+        axis: usize,
+        start: usize,
+        input_dim: usize,
+    },
+}
+
+/// The contributions to each outlet's gradient, in the order they came,
+/// summed when the outlet's gradient is first asked for.
+#[derive(Default)]
+struct Grads {
+    parts: HashMap<Outlet, Vec<Part>>,
+}
+
+impl Grads {
+    fn add(&mut self, o: Outlet, p: Part) {
+        self.parts.entry(o).or_default().push(p);
+    }
+
+    /// `o`'s gradient: slices that tile `o` along one axis concatenated,
+    /// otherwise each part (a slice padded by `SliceGrad`) summed in
+    /// arrival order. Kept as the one part from then on.
+    fn total(&mut self, g: &mut GraphBuilder, o: Outlet) -> Option<Outlet> {
+        let parts = self.parts.get(&o)?.clone();
+        let sum = match tiles(g, &parts) {
+            Some((_, dys)) if dys.len() == 1 => dys[0],
+            Some((axis, dys)) => g.concat(&dys, axis),
+            None => {
+                let mut acc: Option<Outlet> = None;
+                for p in parts {
+                    let dx = match p {
+                        Part::Dense(dx) => dx,
+                        Part::Slice {
+                            dy,
+                            axis,
+                            start,
+                            input_dim,
+                        } => g.op1(
+                            Op::SliceGrad {
+                                axis,
+                                start,
+                                input_dim,
+                            },
+                            &[dy],
+                        ),
+                    };
+                    acc = Some(match acc {
+                        Some(prev) => g.add(prev, dx),
+                        None => dx,
+                    });
+                }
+                acc?
+            }
+        };
+        self.parts.insert(o, vec![Part::Dense(sum)]);
+        Some(sum)
+    }
+}
+
+/// When every part is a slice along one axis and together they cover the
+/// input exactly once: that axis and the slices' gradients in order.
+fn tiles(g: &GraphBuilder, parts: &[Part]) -> Option<(usize, Vec<Outlet>)> {
+    let mut slices = Vec::with_capacity(parts.len());
+    for p in parts {
+        match *p {
+            Part::Slice {
+                dy,
+                axis,
+                start,
+                input_dim,
+            } => slices.push((axis, start, input_dim, dy)),
+            Part::Dense(_) => return None,
+        }
+    }
+    let &(axis, _, input_dim, _) = slices.first()?;
+    slices.sort_by_key(|s| s.1);
+    let mut next = 0;
+    for &(a, start, dim, dy) in &slices {
+        let len = g.dims(dy).get(axis).copied()?;
+        if a != axis || dim != input_dim || start != next {
+            return None;
+        }
+        next = start + len;
+    }
+    (next == input_dim).then(|| (axis, slices.iter().map(|s| s.3).collect()))
 }
 
 /// Sums `dy` down to `shape` where the forward op broadcast its input.
@@ -631,6 +742,54 @@ mod tests {
         let gr = gradients(&mut g, l, &[w]).unwrap()[0].unwrap();
         let node = &g.graph_nodes()[gr.node.index()];
         assert_eq!(node.op, Op::Add);
+    }
+
+    #[test]
+    fn slices_that_tile_their_input_get_one_concat() {
+        // q, k, v = w[0:2], w[2:4], w[4:6] (any order): one Concat, no
+        // SliceGrad, no Add.
+        let mut g = GraphBuilder::new();
+        let w = g.variable("w", Tensor::full([6, 3], 1.0));
+        let k = g.slice(w, 0, 2, 4);
+        let q = g.slice(w, 0, 0, 2);
+        let v = g.slice(w, 0, 4, 6);
+        let qk = g.mul(q, k);
+        let s = g.add(qk, v);
+        let l = g.sum(s, &[0, 1], false);
+        let gr = gradients(&mut g, l, &[w]).unwrap()[0].unwrap();
+        let node = &g.graph_nodes()[gr.node.index()];
+        assert_eq!(node.op, Op::Concat { axis: 0 });
+        assert_eq!(g.dims(gr), vec![6, 3]);
+        assert!(!g
+            .graph_nodes()
+            .iter()
+            .any(|n| matches!(n.op, Op::SliceGrad { .. })));
+        // Slices that leave a gap, or overlap, are padded and summed.
+        for ranges in [[(0, 2), (4, 6)], [(0, 4), (2, 6)]] {
+            let mut g = GraphBuilder::new();
+            let w = g.variable("w", Tensor::full([6, 3], 1.0));
+            let a = g.slice(w, 0, ranges[0].0, ranges[0].1);
+            let b = g.slice(w, 0, ranges[1].0, ranges[1].1);
+            let la = g.sum(a, &[0, 1], false);
+            let lb = g.sum(b, &[0, 1], false);
+            let l = g.add(la, lb);
+            let gr = gradients(&mut g, l, &[w]).unwrap()[0].unwrap();
+            assert_eq!(g.graph_nodes()[gr.node.index()].op, Op::Add);
+            let pads = g
+                .graph_nodes()
+                .iter()
+                .filter(|n| matches!(n.op, Op::SliceGrad { .. }))
+                .count();
+            assert_eq!(pads, 2, "{ranges:?}");
+        }
+        // A slice beside a dense use of the same tensor: summed.
+        let mut g = GraphBuilder::new();
+        let w = g.variable("w", Tensor::full([4], 1.0));
+        let a = g.slice(w, 0, 0, 4);
+        let b = g.mul(a, w);
+        let l = g.sum(b, &[0], false);
+        let gr = gradients(&mut g, l, &[w]).unwrap()[0].unwrap();
+        assert_eq!(g.graph_nodes()[gr.node.index()].op, Op::Add);
     }
 
     #[test]

@@ -440,8 +440,14 @@ fn elementwise_cases() -> Vec<HalfCase> {
         ));
         cases.push(op_case(
             &format!("{name} bcast"),
-            op,
+            op.clone(),
             vec![r(&[3, 1, 7], -1.0, 1.0), r(&[5, 1], 0.5, 2.0)],
+            Check::Ulps(1),
+        ));
+        cases.push(op_case(
+            &format!("{name} bcast rows"),
+            op,
+            vec![r(&[3, 1, 40], -1.0, 1.0), r(&[5, 1], 0.5, 2.0)],
             Check::Ulps(1),
         ));
     }

@@ -312,6 +312,13 @@ fn elementwise_and_shape_ops() {
         binary("add scalar", Op::Add, &[3, 4], &[]),
         binary("add bias row", Op::Add, &[4, 5, 6], &[6]),
         binary("mul bias 1xN", Op::Mul, &[4, 5, 6], &[1, 5, 6]),
+        // Rows of 32 or more: `binary_rows` (the causal-mask add, a
+        // per-channel scale, a scalar on either side, both broadcast).
+        binary("add mask rows", Op::Add, &[2, 3, 8, 40], &[2, 1, 8, 40]),
+        binary("mul channel rows", Op::Mul, &[2, 3, 5, 8], &[2, 3, 1, 1]),
+        binary("sub scalar rows", Op::Sub, &[4, 50], &[1]),
+        binary("div scalar first rows", Op::Div, &[1], &[4, 50]),
+        binary("add both bcast rows", Op::Add, &[3, 1, 40], &[1, 5, 40]),
     ];
     let x = || rnd(&mut StdRng::seed_from_u64(4), &[3, 5, 4, 2], -3.0, 3.0);
     for axis in [1, 3] {
@@ -421,6 +428,15 @@ fn elementwise_and_shape_ops() {
         Op::SumTo { shape: vec![100] },
         vec![rnd(&mut rng, &[16, 129, 100], -1.0, 1.0)],
         ACCUM,
+    ));
+    cases.push(single(
+        "reduce_max columns",
+        Op::ReduceMax {
+            axes: vec![0],
+            keep_dims: false,
+        },
+        vec![rnd(&mut rng, &[3, 45], -1.0, 1.0)],
+        FP32,
     ));
     cases.push(single(
         "reduce_mean columns",
@@ -1268,6 +1284,25 @@ fn backward_ops() {
         ],
         ACCUM,
     ));
+    // Many rows: blocks of 8 warps stride over 2,800 rows (more than 256
+    // blocks' worth) and sum dgamma/dbeta in shared memory; and rows too
+    // wide for it (2·6,200 floats > 48 KiB).
+    for (name, dims) in [
+        ("layer_norm_grad many rows", [40usize, 70, 24]),
+        ("layer_norm_grad wide rows", [1, 3, 6200]),
+    ] {
+        let d = dims[2];
+        cases.push(single(
+            name,
+            Op::LayerNormGrad { eps: 1e-5 },
+            vec![
+                rnd(&mut rng, &dims, -2.0, 2.0),
+                rnd(&mut rng, &[d], 0.5, 1.5),
+                rnd(&mut rng, &dims, -1.0, 1.0),
+            ],
+            ACCUM,
+        ));
+    }
     cases.push(single(
         "embedding_grad",
         Op::EmbeddingGrad { num_embeddings: 11 },

@@ -134,6 +134,37 @@ __device__ void binary_bcast_t(T* out, const T* a, const T* b, int n, int op, St
     }
 FOR_FLOATS(BINARY_BCAST)
 
+// out is [rows, inner] row-major. Row r's start in a and b comes from
+// decomposing r over the outer axes s.dims (strides s.sa, s.sb), once per
+// row; along the row a and b step by ia and ib (1, or 0 for an operand
+// broadcast along it). blockIdx.y walks the rows, x the row's elements:
+// no division per element, loads coalesced.
+template <typename T>
+__device__ void binary_rows_t(T* out, const T* a, const T* b, int rows, int inner, int ia, int ib, int op,
+                              Strided s) {
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        int rem = r, oa = 0, ob = 0;
+        for (int d = s.rank - 1; d >= 0; --d) {
+            int k = rem % s.dims[d];
+            rem /= s.dims[d];
+            oa += k * s.sa[d];
+            ob += k * s.sb[d];
+        }
+        const T* ar = a + oa;
+        const T* br = b + ob;
+        T* o = out + (long long)r * inner;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inner; j += blockDim.x * gridDim.x) {
+            store(o + j, binary_f(op, load(ar + j * ia), load(br + j * ib)));
+        }
+    }
+}
+#define BINARY_ROWS(T, S) \
+    extern "C" __global__ void binary_rows##S(T* out, const T* a, const T* b, int rows, int inner, int ia, int ib, \
+                                              int op, Strided s) { \
+        binary_rows_t<T>(out, a, b, rows, inner, ia, ib, op, s); \
+    }
+FOR_FLOATS(BINARY_ROWS)
+
 // Iterates over the index space s.dims: out[ob + idx.sa] = in[ib + idx.sb].
 template <typename T>
 __device__ void strided_copy_impl(T* out, const T* in, int n, Strided s, int ob, int ib) {

@@ -96,29 +96,35 @@ FOR_FLOATS(REDUCE_WARP)
 
 // Over the leading axes of a row-major [n_red, n_out] tensor: out[c] combines
 // in[r * n_out + c] over r (a bias gradient: dy [rows, features] summed to
-// [features]). A block takes 32 neighbouring columns, read coalesced, with
-// blockDim.y (at most 32) rows in flight for each; the 32 partial results of a column are combined
-// in shared memory in a fixed order (deterministic, no atomics).
+// [features]). A block takes 8 neighbouring columns: each warp reads 4 rows
+// of them at a time (four full 32-byte sectors for f32), blockDim.y warps
+// stride over the rows, so a 2,304-feature gradient keeps 288 blocks busy
+// rather than 72. The 128 partial results of a column are combined in
+// shared memory in a fixed order (deterministic, no atomics).
 template <typename T>
 __device__ void reduce_cols_t(T* out, const T* in, int n_out, int n_red, int op, float scale) {
     __shared__ float part[32][33];
-    int c = blockIdx.x * 32 + threadIdx.x;
+    int col = threadIdx.x & 7, sub = threadIdx.x >> 3;
+    int c = blockIdx.x * 8 + col;
     float acc = op ? NEG_INF : 0.0f;
     if (c < n_out) {
         const T* p = in + c;
+        int step = blockDim.y * 4;
         #pragma unroll 4
-        for (int r = threadIdx.y; r < n_red; r += blockDim.y) {
+        for (int r = threadIdx.y * 4 + sub; r < n_red; r += step) {
             float v = load(p + (long long)r * n_out);
             acc = op ? fmaxf(acc, v) : acc + v;
         }
     }
     part[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.y == 0 && c < n_out) {
-        float s = part[0][threadIdx.x];
-        for (int k = 1; k < blockDim.y; k++) {
-            float v = part[k][threadIdx.x];
-            s = op ? fmaxf(s, v) : s + v;
+    if (threadIdx.y == 0 && threadIdx.x < 8 && c < n_out) {
+        float s = part[0][col];
+        for (int k = 0; k < blockDim.y; k++) {
+            for (int q = (k == 0 ? 1 : 0); q < 4; q++) {
+                float v = part[k][q * 8 + col];
+                s = op ? fmaxf(s, v) : s + v;
+            }
         }
         store(out + c, op ? s : s * scale);
     }
@@ -226,14 +232,10 @@ extern "C" __global__ void layernorm(float* y, const float* x, const float* g, c
     for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * inv * g[j] + bt[j];
 }
 
-// dx per row; dgamma and dbeta (zeroed first) accumulate with atomics.
-extern "C" __global__ void layernorm_grad(float* dx, float* dg, float* db, const float* x, const float* g,
-                                          const float* dy, int rows, int D, float eps) {
-    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (q >= rows) return;
-    const float* xr = x + (long long)q * D;
-    const float* dyr = dy + (long long)q * D;
+// One row's layer-norm gradient by one warp: dx, and dgamma/dbeta terms
+// added into pg/pb (stride 1).
+__device__ __forceinline__ void layernorm_grad_row(float* dx, float* pg, float* pb, const float* xr, const float* g,
+                                                   const float* dyr, int D, float eps, int lane) {
     float s = 0.0f;
     for (int j = lane; j < D; j += 32) s += xr[j];
     float mean = warp_sum(s) / D;
@@ -246,15 +248,47 @@ extern "C" __global__ void layernorm_grad(float* dx, float* dg, float* db, const
         float gd = dyr[j] * g[j];
         s1 += gd;
         s2 += gd * xh;
-        atomicAdd(&dg[j], dyr[j] * xh);
-        atomicAdd(&db[j], dyr[j]);
+        atomicAdd(&pg[j], dyr[j] * xh);
+        atomicAdd(&pb[j], dyr[j]);
     }
     s1 = warp_sum(s1) / D;
     s2 = warp_sum(s2) / D;
     for (int j = lane; j < D; j += 32) {
         float xh = (xr[j] - mean) * inv;
-        dx[(long long)q * D + j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
+        dx[j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
     }
+}
+
+// dx per row, one warp per row (the block's warps stride over the rows);
+// dgamma and dbeta (zeroed first) are summed per block in shared memory
+// (2·D floats of dynamic shared memory), then added once per block: the
+// rows' atomics contend only within a block.
+extern "C" __global__ void layernorm_grad(float* dx, float* dg, float* db, const float* x, const float* g,
+                                          const float* dy, int rows, int D, float eps) {
+    extern __shared__ float acc[];
+    for (int j = threadIdx.x; j < 2 * D; j += blockDim.x) acc[j] = 0.0f;
+    __syncthreads();
+    int lane = threadIdx.x & 31;
+    int per_block = blockDim.x >> 5;
+    for (int q = blockIdx.x * per_block + (threadIdx.x >> 5); q < rows; q += gridDim.x * per_block) {
+        long long o = (long long)q * D;
+        layernorm_grad_row(dx + o, acc, acc + D, x + o, g, dy + o, D, eps, lane);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        atomicAdd(&dg[j], acc[j]);
+        atomicAdd(&db[j], acc[D + j]);
+    }
+}
+
+// layernorm_grad for rows too long for shared memory: each row's dgamma
+// and dbeta terms go straight to global memory.
+extern "C" __global__ void layernorm_grad_wide(float* dx, float* dg, float* db, const float* x, const float* g,
+                                               const float* dy, int rows, int D, float eps) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (q >= rows) return;
+    long long o = (long long)q * D;
+    layernorm_grad_row(dx + o, dg, db, x + o, g, dy + o, D, eps, threadIdx.x & 31);
 }
 
 // Per-row loss lse(x) - x[label] (NaN for a label out of range), one warp per

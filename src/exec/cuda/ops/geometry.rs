@@ -86,6 +86,43 @@ pub(super) fn bcast_strides(src: &[usize], out: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// The index space `dims` read through strides `sa` and `sb`, with axes of
+/// size 1 dropped and neighbours merged where both operands step through
+/// them as through one axis (`s[k] == s[k + 1] * dims[k + 1]`, broadcast
+/// axes included: 0 == 0 · d). The same elements in the same order, at the
+/// smallest rank: [8, 12, 512, 512] + [8, 1, 512, 512] becomes
+/// [8, 12, 262144] with b's strides [262144, 0, 1]. Never empty (a scalar
+/// space is `[1]`).
+pub(super) fn collapse(
+    dims: &[usize],
+    sa: &[usize],
+    sb: &[usize],
+) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
+    let (mut d, mut a, mut b): (Vec<usize>, Vec<usize>, Vec<usize>) = (vec![], vec![], vec![]);
+    for k in 0..dims.len() {
+        if dims[k] == 1 {
+            continue;
+        }
+        if let (Some(&ld), Some(la), Some(lb)) = (d.last(), a.last_mut(), b.last_mut()) {
+            if *la == sa[k] * dims[k] && *lb == sb[k] * dims[k] {
+                *la = sa[k];
+                *lb = sb[k];
+                if let Some(x) = d.last_mut() {
+                    *x = ld * dims[k];
+                }
+                continue;
+            }
+        }
+        d.push(dims[k]);
+        a.push(sa[k]);
+        b.push(sb[k]);
+    }
+    if d.is_empty() {
+        return (vec![1], vec![0], vec![0]);
+    }
+    (d, a, b)
+}
+
 pub(super) fn strided(dims: &[usize], sa: &[usize], sb: &[usize]) -> Option<Strided> {
     if dims.len() > MAXR {
         return None;
@@ -223,6 +260,75 @@ pub(super) fn plane_cols(dims: &[usize], vec4: bool) -> Option<cudarc::driver::L
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn collapse_merges_what_both_operands_step_through_alike() {
+        // The causal-mask add: [8, 12, 512, 512] + [8, 1, 512, 512].
+        let o = [8, 12, 512, 512];
+        let (d, a, b) = collapse(
+            &o,
+            &bcast_strides(&o, &o),
+            &bcast_strides(&[8, 1, 512, 512], &o),
+        );
+        assert_eq!(d, vec![8, 12, 262144]);
+        assert_eq!(a, vec![12 * 262144, 262144, 1]);
+        assert_eq!(b, vec![262144, 0, 1]);
+        // A scalar against a tensor: one axis, b broadcast along it.
+        let o = [8, 512, 3072];
+        let (d, a, b) = collapse(&o, &bcast_strides(&o, &o), &bcast_strides(&[1], &o));
+        assert_eq!((d, a, b), (vec![8 * 512 * 3072], vec![1], vec![0]));
+        // Per-channel scale [N, C, 1, 1] of [N, C, H, W]: b steps per row.
+        let o = [2, 3, 4, 5];
+        let (d, a, b) = collapse(
+            &o,
+            &bcast_strides(&o, &o),
+            &bcast_strides(&[2, 3, 1, 1], &o),
+        );
+        assert_eq!((d, a, b), (vec![6, 20], vec![20, 1], vec![1, 0]));
+        // A row vector over a column vector keeps both axes.
+        let o = [4, 5];
+        let (d, a, b) = collapse(&o, &bcast_strides(&[4, 1], &o), &bcast_strides(&[5], &o));
+        assert_eq!((d, a, b), (vec![4, 5], vec![1, 0], vec![0, 1]));
+        // All ones: a scalar space.
+        let (d, _, _) = collapse(&[1, 1], &[0, 0], &[0, 0]);
+        assert_eq!(d, vec![1]);
+    }
+
+    #[test]
+    fn collapse_visits_the_same_offsets_in_the_same_order() {
+        // Enumerate both index spaces and compare the (a, b) offset pairs.
+        fn offsets(d: &[usize], a: &[usize], b: &[usize]) -> Vec<(usize, usize)> {
+            let n: usize = d.iter().product();
+            (0..n)
+                .map(|mut r| {
+                    let (mut oa, mut ob) = (0, 0);
+                    for k in (0..d.len()).rev() {
+                        let x = r % d[k];
+                        r /= d[k];
+                        oa += x * a[k];
+                        ob += x * b[k];
+                    }
+                    (oa, ob)
+                })
+                .collect()
+        }
+        let cases: [(&[usize], &[usize], &[usize]); 5] = [
+            (&[2, 3, 4, 5], &[2, 3, 4, 5], &[3, 1, 5]),
+            (&[2, 1, 4, 5], &[2, 1, 4, 5], &[2, 1, 1, 5]),
+            (&[3, 4], &[3, 1], &[1, 4]),
+            (&[6, 1, 7], &[1], &[6, 1, 7]),
+            (&[2, 3, 4], &[2, 3, 4], &[2, 3, 4]),
+        ];
+        for (o, x, y) in cases {
+            let (sa, sb) = (bcast_strides(x, o), bcast_strides(y, o));
+            let (d, a, b) = collapse(o, &sa, &sb);
+            assert_eq!(
+                offsets(o, &sa, &sb),
+                offsets(&d, &a, &b),
+                "{o:?} {x:?} {y:?}"
+            );
+        }
+    }
 
     #[test]
     fn repeating_operand_detection() {
