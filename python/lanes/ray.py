@@ -157,21 +157,26 @@ def resources(mem_mib: float) -> Dict[str, float]:
 
 
 def _ray_node_id() -> Optional[str]:
+    """The Ray node this process works on, when it is a Ray worker (a task,
+    an actor, a Tune trial); None in a driver or outside Ray."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
     try:
+        worker = ray._private.worker
+        if worker.global_worker.mode != worker.WORKER_MODE:
+            return None
         return str(ray.get_runtime_context().get_node_id())
-    except Exception:  # noqa: BLE001 - outside a worker: no node
+    except Exception:  # noqa: BLE001 - Ray's internals moved: no node known
         return None
 
 
 def drain_node(node_id: Optional[str] = None, reason: str = "its Lanes service is gone") -> bool:
-    """Asks Ray to place no more work on a node (this worker's by default),
-    through the drain request of Ray's autoscaler (`ray drain-node`, a
-    developer API). Work already running there keeps running. Returns
-    whether Ray accepted; False, with a warning, outside Ray or if it
-    refused."""
+    """Asks Ray to place no more work on a node (by default this Ray
+    worker's; none in a driver), through the drain request of Ray's
+    autoscaler (`ray drain-node`, a developer API). Work already running
+    there keeps running. Returns whether Ray accepted: False outside Ray,
+    and, with a warning, if Ray refused or the request failed."""
     ray = sys.modules.get("ray")
     node_id = node_id or _ray_node_id()
     if ray is None or node_id is None:

@@ -241,7 +241,10 @@ def test_a_lost_service_fails_its_trials_and_ray_retries_them(cluster):
     assert kind == "ServiceLostError" and endpoint == dead_ep and node == dead_node
     assert f"the Lanes service of Ray node {dead_node} ({dead_ep}) is gone" in message
     assert "the node is drained" in message
-    # Outside Ray's workers (here, without draining): the same error.
-    with pytest.raises(lanes.ray.ServiceLostError, match="none answered|is gone"):
-        with lanes.ray.client([dead_ep], connect_timeout=0.5, drain=False):
+    # In the driver: the same error, and no node drained (the driver's is
+    # no trial's node).
+    with pytest.raises(lanes.ray.ServiceLostError, match="the Lanes service of this node .* is gone") as e:
+        with lanes.ray.client([dead_ep], connect_timeout=0.5):
             pass
+    assert e.value.node_id is None and "drained" not in str(e.value)
+    assert lanes.ray.drain_node() is False
