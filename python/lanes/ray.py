@@ -21,7 +21,8 @@ Trial side, in a Ray task or a Ray Tune trainable that asked for
         ...
 
 A node whose service is gone fails the trial with `ServiceLostError`, after
-draining the Ray node so that Ray places nothing more there; Ray retries
+draining the Ray node (when none of its services answers) so that Ray places
+nothing more there; Ray retries
 the trial elsewhere when told to (``retry_exceptions=[ServiceLostError]`` and
 ``max_retries`` for tasks, ``FailureConfig(max_failures=...)`` for Tune).
 
@@ -196,13 +197,31 @@ def drain_node(node_id: Optional[str] = None, reason: str = "its Lanes service i
     return bool(accepted)
 
 
-def _lost(endpoint: Optional[str], cause: BaseException, drain: bool) -> ServiceLostError:
+def _answering(endpoints: Sequence[str], connect_timeout: float) -> List[str]:
+    """Those of `endpoints` whose service answers a handshake."""
+    alive = []
+    for endpoint in endpoints:
+        try:
+            Client(endpoint, connect_timeout=connect_timeout).close()
+            alive.append(endpoint)
+        except LanesError:
+            pass
+    return alive
+
+
+def _lost(endpoint: str, others: Sequence[str], cause: BaseException, drain: bool,
+          connect_timeout: float) -> ServiceLostError:
+    """The error for a lost service; the Ray node drained first when `drain`
+    and none of the node's `others` services answers either."""
     node_id = _ray_node_id()
-    drained = drain and drain_node(node_id, f"its Lanes service {endpoint or ''} is gone: {cause}")
     where = f"Ray node {node_id}" if node_id else "this node"
-    message = f"the Lanes service of {where} ({endpoint or 'none answered'}) is gone: {cause}"
-    if drained:
-        message += "; the node is drained, a retry runs elsewhere"
+    message = f"the Lanes service of {where} ({endpoint}) is gone: {cause}"
+    if drain and node_id is not None:
+        alive = _answering([e for e in others if e != endpoint], connect_timeout)
+        if alive:
+            message += f"; the node's other service(s) {', '.join(alive)} still answer: not drained"
+        elif drain_node(node_id, f"its Lanes service {endpoint} is gone: {cause}"):
+            message += "; the node is drained, a retry runs elsewhere"
     return ServiceLostError(message, endpoint, node_id)
 
 
@@ -222,9 +241,12 @@ def client(
     among the node's services (found as by `node_endpoints`), the one where a
     job of `persistent` + `ephemeral` bytes is admitted soonest
     (`Client.connect_best`). When no service answers, or one is lost while
-    the block runs (`ServiceGoneError`, `NoServiceError`), the Ray node is
-    drained (unless `drain=False`) and `ServiceLostError` is raised from the
-    original, for Ray to retry. The client is closed on leaving the block."""
+    the block runs (`ServiceGoneError`, `NoServiceError`),
+    `ServiceLostError` is raised from the original, for Ray to retry; first,
+    in a Ray worker and unless `drain=False`, the Ray node is drained if
+    none of its services answers any more (a node whose other GPUs' services
+    answer keeps taking trials: `connect_best` skips the lost one). The
+    client is closed on leaving the block."""
     found = node_endpoints(endpoints, directory)
     try:
         c = Client.connect_best(
@@ -236,14 +258,15 @@ def client(
             name=name,
         )
     except NoServiceError as e:
-        raise _lost(",".join(found), e, drain) from e
+        # connect_best asked every service: none answered.
+        raise _lost(",".join(found), [], e, drain, connect_timeout) from e
     try:
         with c:
             yield c
     except ServiceLostError:
         raise
     except (ServiceGoneError, NoServiceError) as e:
-        raise _lost(c.endpoint, e, drain) from e
+        raise _lost(c.endpoint, found, e, drain, connect_timeout) from e
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:

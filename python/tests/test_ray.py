@@ -74,28 +74,35 @@ def cluster(tmp_path_factory):
         head_node_args={"num_cpus": 0, "object_store_memory": 100 << 20, "include_dashboard": False},
     )
     nodes = {}
-    saved = os.environ.get(lanes.ray.ENDPOINT_ENV)
+    for ep in endpoints:
+        nodes[add_node(c, ep)] = ep
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    state = {"nodes": nodes, "services": [p for p, _ in services], "endpoints": endpoints, "cluster": c,
+             "tmp": tmp}
     try:
-        for k, ep in enumerate(endpoints):
-            res = lanes.ray.node_resources([ep])
-            assert res == {"lanes_gpu": 1.0, "lanes_mem_mib": 256.0}
-            os.environ[lanes.ray.ENDPOINT_ENV] = ep
-            node = c.add_node(num_cpus=1, object_store_memory=100 << 20, resources=res)
-            nodes[node.node_id] = ep
+        yield state
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        for proc in state["services"]:
+            stop(proc)
+
+
+def add_node(c, ep):
+    """A Ray node of one CPU whose resources are service `ep`'s, with
+    LANES_ENDPOINT naming it; its id."""
+    res = lanes.ray.node_resources([ep])
+    assert res == {"lanes_gpu": 1.0, "lanes_mem_mib": 256.0}
+    saved = os.environ.get(lanes.ray.ENDPOINT_ENV)
+    os.environ[lanes.ray.ENDPOINT_ENV] = ep
+    try:
+        return c.add_node(num_cpus=1, object_store_memory=100 << 20, resources=res).node_id
     finally:
         if saved is None:
             os.environ.pop(lanes.ray.ENDPOINT_ENV, None)
         else:
             os.environ[lanes.ray.ENDPOINT_ENV] = saved
-    c.wait_for_nodes()
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    try:
-        yield {"nodes": nodes, "services": [p for p, _ in services], "endpoints": endpoints}
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        for proc, _ in services:
-            stop(proc)
 
 
 def train(client, name, lr, steps=STEPS, before_step=None):
@@ -114,7 +121,9 @@ def train(client, name, lr, steps=STEPS, before_step=None):
         return losses
 
 
-@ray.remote(resources=lanes.ray.resources(32), max_retries=0)
+# Retried only on system failures (a worker that could not start): an
+# application error such as ServiceLostError is not retried here.
+@ray.remote(resources=lanes.ray.resources(32), max_retries=2)
 def trial(lr):
     with lanes.ray.client(connect_timeout=2.0) as c:
         losses = train(c, f"trial-{lr}", lr)
@@ -248,3 +257,61 @@ def test_a_lost_service_fails_its_trials_and_ray_retries_them(cluster):
             pass
     assert e.value.node_id is None and "drained" not in str(e.value)
     assert lanes.ray.drain_node() is False
+
+
+def test_tune_restarts_a_trial_whose_service_is_lost(cluster):
+    """After the test above: node 0 is drained, node 1 serves; a third node
+    joins, its service is killed under a Tune trial, and Tune's
+    FailureConfig runs the trial again on node 1."""
+    tune = pytest.importorskip("ray.tune", reason="ray[tune] is not installed")
+    proc, ep = start_service(cluster["tmp"] / "node2.sock")
+    cluster["services"].append(proc)
+    node2 = add_node(cluster["cluster"], ep)
+    # (Cluster.wait_for_nodes counts node 0, drained, as not joined.)
+    deadline = time.monotonic() + 60
+    while not any(n["NodeID"] == node2 and n["Alive"] for n in ray.nodes()):
+        assert time.monotonic() < deadline, "the third node did not join"
+        time.sleep(0.1)
+    live = next(n for n, e in cluster["nodes"].items() if e == cluster["endpoints"][1])
+    gate = Gate.remote()
+
+    def trainable(config):
+        node = ray.get_runtime_context().get_node_id()
+        ray.get(gate.check_in.remote(config["lr"], node))
+
+        def wait_for_gate(i):
+            while i == 2 and not ray.get(gate.is_open.remote()):
+                time.sleep(0.05)
+
+        with lanes.ray.client(connect_timeout=2.0, timeout=60.0) as c:
+            losses = train(c, f"tune-lost-{config['lr']}", config["lr"], before_step=wait_for_gate)
+        tune.report({"first": losses[0], "loss": losses[-1], "endpoint": c.endpoint, "node": node})
+
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, {"cpu": 1, **lanes.ray.resources(32)}),
+        param_space={"lr": tune.grid_search([0.1, 0.2])},
+        run_config=tune.RunConfig(storage_path=str(cluster["tmp"] / "tune-lost"), verbose=0,
+                                  failure_config=tune.FailureConfig(max_failures=2)),
+    )
+    import threading
+
+    out = {}
+    fit = threading.Thread(target=lambda: out.setdefault("grid", tuner.fit()))
+    fit.start()
+    deadline = time.monotonic() + 90
+    while {n for _, n in ray.get(gate.seen.remote())} != {live, node2}:
+        assert time.monotonic() < deadline, f"trials did not start on both nodes: {ray.get(gate.seen.remote())}"
+        time.sleep(0.05)
+    victim = next(lr for lr, n in ray.get(gate.seen.remote()) if n == node2)
+    proc.kill()
+    proc.wait(timeout=20)
+    ray.get(gate.release.remote())
+    fit.join(timeout=120)
+    assert not fit.is_alive(), "Tune did not finish"
+    grid = out["grid"]
+    assert len(grid) == 2 and not grid.errors
+    attempts = ray.get(gate.seen.remote())
+    assert [n for lr, n in attempts if lr == victim] == [node2, live]
+    for r in grid:
+        assert r.metrics["node"] == live and r.metrics["endpoint"] == cluster["endpoints"][1]
+        assert r.metrics["loss"] < r.metrics["first"]

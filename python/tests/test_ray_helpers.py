@@ -93,3 +93,10 @@ def test_a_lost_service_is_a_retryable_typed_error(endpoint):
     with pytest.raises(KeyError):
         with lanes.ray.client([endpoint]):
             raise KeyError("mine")
+
+
+def test_which_services_still_answer(endpoint):
+    # What decides whether a lost service's node is drained: its other
+    # services answering.
+    assert lanes.ray._answering([endpoint, "tcp://127.0.0.1:9"], 0.5) == [endpoint]
+    assert lanes.ray._answering(["tcp://127.0.0.1:9"], 0.5) == []
