@@ -8,43 +8,43 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(
-    _lanes,
+    lanes._lanes,
     LanesError,
     PyException,
     "A Lanes call failed; `code` and `code_name` name the service's error code (None when the client failed before the service answered)."
 );
 create_exception!(
-    _lanes,
+    lanes._lanes,
     NoServiceError,
     LanesError,
     "Nothing answered at the endpoint (no `lanes serve` there?)."
 );
 create_exception!(
-    _lanes,
+    lanes._lanes,
     LanesTimeoutError,
     LanesError,
     "The service did not answer within the client's timeout."
 );
 create_exception!(
-    _lanes,
+    lanes._lanes,
     ServiceGoneError,
     LanesError,
     "The service is stopping (`code_name` ShuttingDown) or the connection to it was lost; its sessions are gone."
 );
 create_exception!(
-    _lanes,
+    lanes._lanes,
     SessionClosedError,
     LanesError,
     "The session was closed."
 );
 create_exception!(
-    _lanes,
+    lanes._lanes,
     ModelError,
     LanesError,
     "A model could not be imported or built (ONNX import, model zoo), or the service refused its graph."
 );
 create_exception!(
-    _lanes,
+    lanes._lanes,
     FeedError,
     LanesError,
     "A feed or fetch did not fit the loaded graph (wrong name, shape or dtype)."

@@ -148,3 +148,17 @@ def test_a_stopped_service_raises_service_gone_at_once(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_errors_pickle_with_their_codes(client):
+    # Ray and multiprocessing send exceptions between processes by pickle.
+    import pickle
+
+    with client.session("pickled") as s:
+        s.load_zoo("mlp", batch=2)
+        with pytest.raises(lanes.FeedError) as e:
+            s.run({"input": np.zeros((3, 64), np.float32)})
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is lanes.FeedError
+    assert (back.code, back.code_name, str(back)) == (e.value.code, "BadFeed", str(e.value))
+    assert type(pickle.loads(pickle.dumps(lanes.ServiceGoneError("gone")))) is lanes.ServiceGoneError
