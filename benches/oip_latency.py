@@ -33,6 +33,7 @@ import argparse
 import http.client
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -120,7 +121,11 @@ def timed(fn, runs, warmup, pid=None):
 
 
 class Http:
-    """Binary infer requests over one keep-alive connection."""
+    """Binary infer requests over one keep-alive connection. The body is
+    sent as it is, after the header lines (TCP_NODELAY, so the two sends
+    do not wait on each other): `HTTPConnection.request` would first join
+    the body to the header lines, a copy of the whole body on the client
+    that is no part of what the front door costs."""
 
     def __init__(self, url, model, x):
         host, _, port = url.rpartition(":")
@@ -137,11 +142,20 @@ class Http:
         self.headers = {
             "Inference-Header-Content-Length": str(len(header)),
             "Content-Type": "application/octet-stream",
+            "Content-Length": str(len(self.body)),
         }
 
     def infer(self):
-        self.conn.request("POST", self.path, body=self.body, headers=self.headers)
-        r = self.conn.getresponse()
+        c = self.conn
+        if c.sock is None:
+            c.connect()
+            c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.putrequest("POST", self.path, skip_accept_encoding=True)
+        for k, v in self.headers.items():
+            c.putheader(k, v)
+        c.endheaders()
+        c.send(self.body)
+        r = c.getresponse()
         data = r.read()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
