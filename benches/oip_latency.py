@@ -13,18 +13,27 @@ Two steps, since the service reads its repository at start:
     lanes serve --device cuda --endpoint tcp://127.0.0.1:5555 \\
         --http 127.0.0.1:8000 --model-repository REPO &
     python3 benches/oip_latency.py bench --url 127.0.0.1:8000 \\
-        --endpoint tcp://127.0.0.1:5555 REPO [--runs 200]
+        --endpoint tcp://127.0.0.1:5555 REPO [--runs 200] [--service-pid PID]
 
 `export` needs torch and torchvision (random weights; the model is the
 same for both paths, so its values do not matter for timing); it writes
 REPO/NAME/1/model.onnx, a config.pbtxt with max_batch_size BATCH and no
 dynamic batching (each request is one Run), and the batch's input as
-REPO/NAME.input.npy.
+REPO/NAME.input.npy. NAME is the model's unless --name gives one.
+
+`--model probe` is a model that computes almost nothing (each channel's
+mean, then a linear layer to 1000 outputs, ResNet's): what the front door
+adds to a request of a given size shows on it even on a CPU service. Its
+input is [BATCH, 3, SIZE, SIZE] (--size, default 224): 384 bytes at batch
+8 and size 2, 602,112 (600 KB) at batch 1 and 224, 4.8 MB at batch 8 and
+224, ResNet-50 b8's input. Several sizes go in one repository under
+different --name, and `bench --model NAME` picks one.
 """
 import argparse
 import http.client
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -41,45 +50,82 @@ def export(a):
 
     from onnx_fixtures import export_with_references
 
+    class Probe(torch.nn.Module):
+        """Almost no computation: each channel's mean, then 3 -> 1000."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 1000)
+
+        def forward(self, x):
+            return self.fc(x.mean(dim=(2, 3)))
+
     torch.manual_seed(0)
     builders = {
         "resnet50": lambda: torchvision.models.resnet50(weights=None),
         "resnet18": lambda: torchvision.models.resnet18(weights=None),
+        "probe": Probe,
     }
     if a.model not in builders:
         sys.exit(f"unknown model {a.model!r} (one of {', '.join(builders)})")
+    name = a.name or a.model
     model = builders[a.model]().eval()
-    x = torch.randn(a.batch, 3, 224, 224)
+    x = torch.randn(a.batch, 3, a.size, a.size)
     with tempfile.TemporaryDirectory() as tmp:
-        path = export_with_references(model, {"input": x}, ["output"], tmp, a.model)
-        version = os.path.join(a.repo, a.model, "1")
+        path = export_with_references(model, {"input": x}, ["output"], tmp, name)
+        version = os.path.join(a.repo, name, "1")
         os.makedirs(version, exist_ok=True)
         os.replace(path, os.path.join(version, "model.onnx"))
-    with open(os.path.join(a.repo, a.model, "config.pbtxt"), "w") as f:
+    with open(os.path.join(a.repo, name, "config.pbtxt"), "w") as f:
         f.write(f"max_batch_size: {a.batch}\n")
-    np.save(os.path.join(a.repo, f"{a.model}.input.npy"), x.numpy())
-    print(json.dumps({"exported": a.model, "repo": a.repo, "batch": a.batch}))
+    np.save(os.path.join(a.repo, f"{name}.input.npy"), x.numpy())
+    print(json.dumps({"exported": name, "model": a.model, "repo": a.repo, "batch": a.batch,
+                      "input_bytes": int(x.numel()) * 4}))
 
 
-def timed(fn, runs, warmup):
+def process_cost(pid):
+    """CPU seconds (user and system) and minor page faults of process PID so
+    far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # After the command's name: state, ppid, ..., minflt is the 10th field
+    # of stat(5), utime the 14th, stime the 15th.
+    minflt, utime, stime = int(fields[7]), int(fields[11]), int(fields[12])
+    return (utime + stime) / os.sysconf("SC_CLK_TCK"), minflt
+
+
+def timed(fn, runs, warmup, pid=None):
     for _ in range(warmup):
         fn()
     times = []
+    before = process_cost(pid) if pid else None
     for _ in range(runs):
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
     times.sort()
-    return {
+    row = {
         "median_ms": statistics.median(times),
         "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))],
         "min_ms": times[0],
         "runs": runs,
     }
+    if before:
+        cpu, faults = (b - a for a, b in zip(before, process_cost(pid)))
+        # What the service process spent per request, on every thread
+        # (front door, socket thread, executor): not disturbed by other
+        # load on the host as the wall times are.
+        row["service_cpu_ms"] = cpu * 1e3 / runs
+        row["service_page_faults"] = faults / runs
+    return row
 
 
 class Http:
-    """Binary infer requests over one keep-alive connection."""
+    """Binary infer requests over one keep-alive connection. The body is
+    sent as it is, after the header lines (TCP_NODELAY, so the two sends
+    do not wait on each other): `HTTPConnection.request` would first join
+    the body to the header lines, a copy of the whole body on the client
+    that is no part of what the front door costs."""
 
     def __init__(self, url, model, x):
         host, _, port = url.rpartition(":")
@@ -96,11 +142,20 @@ class Http:
         self.headers = {
             "Inference-Header-Content-Length": str(len(header)),
             "Content-Type": "application/octet-stream",
+            "Content-Length": str(len(self.body)),
         }
 
     def infer(self):
-        self.conn.request("POST", self.path, body=self.body, headers=self.headers)
-        r = self.conn.getresponse()
+        c = self.conn
+        if c.sock is None:
+            c.connect()
+            c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.putrequest("POST", self.path, skip_accept_encoding=True)
+        for k, v in self.headers.items():
+            c.putheader(k, v)
+        c.endheaders()
+        c.send(self.body)
+        r = c.getresponse()
         data = r.read()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
@@ -117,16 +172,21 @@ def bench(a):
     path = os.path.join(a.repo, a.model, "1", "model.onnx")
     h = Http(a.url, a.model, x)
     via_http = h.infer()
-    row = {"model": a.model, "batch": int(x.shape[0]), "runs": a.runs}
-    row["http_binary"] = timed(h.infer, a.runs, a.warmup)
+    row = {"model": a.model, "batch": int(x.shape[0]), "input_bytes": int(x.nbytes),
+           "runs": a.runs}
+    row["http_binary"] = timed(h.infer, a.runs, a.warmup, a.service_pid)
     with lanes.Client(a.endpoint) as client:
         with client.session(f"oip-ref-{a.model}", kind="inference", priority=1) as s:
             s.load_onnx(path, batch=int(x.shape[0]))
             via_client = s.run({"input": x}, fetch=["output"])[0]
-            row["lanes_client"] = timed(lambda: s.run({"input": x}, fetch=["output"]), a.runs, a.warmup)
+            row["lanes_client"] = timed(lambda: s.run({"input": x}, fetch=["output"]), a.runs,
+                                        a.warmup, a.service_pid)
     diff = np.abs(via_http.astype(np.float64) - via_client.astype(np.float64))
     row["outputs_max_abs_diff"] = float(diff.max())
     row["http_adds_ms"] = row["http_binary"]["median_ms"] - row["lanes_client"]["median_ms"]
+    if a.service_pid:
+        row["http_adds_service_cpu_ms"] = (row["http_binary"]["service_cpu_ms"]
+                                           - row["lanes_client"]["service_cpu_ms"])
     print(json.dumps(row))
 
 
@@ -137,6 +197,8 @@ def main():
     e.add_argument("repo")
     e.add_argument("--model", default="resnet50")
     e.add_argument("--batch", type=int, default=8)
+    e.add_argument("--size", type=int, default=224, help="the input's height and width")
+    e.add_argument("--name", help="the model's name in the repository (default: --model)")
     b = sub.add_parser("bench", help="time both paths against a running lanes serve --http")
     b.add_argument("repo")
     b.add_argument("--model", default="resnet50")
@@ -144,10 +206,13 @@ def main():
     b.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the service's endpoint")
     b.add_argument("--runs", type=int, default=200)
     b.add_argument("--warmup", type=int, default=10)
+    b.add_argument("--service-pid", type=int,
+                   help="the lanes serve process: also report its CPU time and minor page "
+                        "faults per request (Linux), for each path")
     a = ap.parse_args()
     if a.cmd == "export":
-        if a.batch < 1:
-            ap.error("--batch must be positive")
+        if a.batch < 1 or a.size < 1:
+            ap.error("--batch and --size must be positive")
         export(a)
     else:
         if a.runs < 1 or a.warmup < 0:

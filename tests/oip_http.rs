@@ -337,6 +337,57 @@ fn flags_are_checked_at_start() {
     assert!(err.contains("--allow-unauthenticated-remote"), "{err}");
 }
 
+/// A binary request's body for `input` of shape `dims`, binary outputs.
+fn binary_request(dims: &[usize], x: &[f32]) -> (Vec<u8>, usize) {
+    let raw: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let head = json!({
+        "inputs": [{ "name": "input", "shape": dims, "datatype": "FP32",
+                     "parameters": { "binary_data_size": raw.len() } }],
+        "parameters": { "binary_data_output": true },
+    })
+    .to_string()
+    .into_bytes();
+    let n = head.len();
+    ([head, raw].concat(), n)
+}
+
+fn binary_floats(g: &Got) -> Vec<f32> {
+    let hl = g.header_len.expect("a binary response");
+    g.body[hl..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Binary data goes through the models' feed buffers (shared memory)
+/// where the service takes them, and in the Runs themselves where it
+/// does not: the same outputs either way, at each batch size, and again
+/// from buffers written before (the second request).
+#[test]
+fn binary_inputs_with_and_without_shared_memory_give_the_same_outputs() {
+    let (xd, x) = npy("resnet18.input.npy");
+    let (_, y) = npy("resnet18.output.npy");
+    let row = x.len() / xd[0];
+    let mut outs = Vec::new();
+    for (tag, extra) in [("feedbuf", &[][..]), ("noshm", &["--no-shared-memory"][..])] {
+        let r = repo(tag);
+        let h = start(&r, extra);
+        for rows in [xd[0], 1, xd[0]] {
+            let mut dims = xd.clone();
+            dims[0] = rows;
+            let (body, n) = binary_request(&dims, &x[..rows * row]);
+            let g = h.post("/v2/models/resnet18/infer", body, Some(n));
+            assert_eq!(g.status, 200, "{}", String::from_utf8_lossy(&g.body));
+            let got = binary_floats(&g);
+            close(&got, &y[..got.len()]);
+            outs.push(got);
+        }
+    }
+    assert_eq!(outs[0], outs[2]);
+    assert_eq!(outs[0], outs[3]);
+    assert_eq!(outs[1], outs[4]);
+}
+
 /// A repository with `waits`: a model that waits up to 20 s for a batch
 /// of `rows` rows to fill.
 fn waiting_repo(tag: &str, rows: usize) -> Repo {
@@ -348,17 +399,41 @@ fn waiting_repo(tag: &str, rows: usize) -> Repo {
     r
 }
 
-/// Sends a one-row request to `waits` from a thread of its own.
-fn send_waiting(h: &Http) -> std::thread::JoinHandle<i32> {
+/// Sends a one-row request to `waits` from a thread of its own, its
+/// input as binary data or JSON; the status and the output's values.
+fn send_waiting(h: &Http, binary: bool) -> std::thread::JoinHandle<(i32, Vec<f32>)> {
     let url = format!("{}/v2/models/waits/infer", h.base);
-    let body = json_request("x", &[1, 4, 9, 9], &[0.5; 4 * 9 * 9]).to_string();
+    let x = [0.5f32; 4 * 9 * 9];
+    let (body, header_len) = if binary {
+        let raw: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let head = json!({
+            "inputs": [{ "name": "x", "shape": [1, 4, 9, 9], "datatype": "FP32",
+                         "parameters": { "binary_data_size": raw.len() } }],
+        })
+        .to_string()
+        .into_bytes();
+        let n = head.len();
+        ([head, raw].concat(), Some(n))
+    } else {
+        (
+            json_request("x", &[1, 4, 9, 9], &x)
+                .to_string()
+                .into_bytes(),
+            None,
+        )
+    };
     std::thread::spawn(move || {
-        minreq::post(url)
-            .with_timeout(60)
-            .with_body(body)
-            .send()
-            .unwrap()
-            .status_code
+        let mut req = minreq::post(url).with_timeout(60).with_body(body);
+        if let Some(n) = header_len {
+            req = req.with_header("Inference-Header-Content-Length", n.to_string());
+        }
+        let g = got(req.send().unwrap());
+        let out = if g.status == 200 {
+            floats(&g.json()["outputs"][0]["data"])
+        } else {
+            Vec::new()
+        };
+        (g.status, out)
     })
 }
 
@@ -366,10 +441,17 @@ fn send_waiting(h: &Http) -> std::thread::JoinHandle<i32> {
 fn concurrent_requests_are_gathered_into_one_run() {
     let r = waiting_repo("batching", 4);
     let h = start(&r, &[]);
-    let threads: Vec<_> = (0..4).map(|_| send_waiting(&h)).collect();
+    // Binary and JSON inputs in one batch.
+    let threads: Vec<_> = (0..4).map(|i| send_waiting(&h, i % 2 == 1)).collect();
+    let mut outs = Vec::new();
     for t in threads {
-        assert_eq!(t.join().unwrap(), 200);
+        let (status, out) = t.join().unwrap();
+        assert_eq!(status, 200);
+        assert!(!out.is_empty());
+        outs.push(out);
     }
+    // The same input, row by row: the same outputs.
+    assert!(outs.iter().all(|o| *o == outs[0]));
     let s = h.get("/v2/models/waits/stats").json();
     let s = &s["model_stats"][0];
     assert_eq!(s["inference_count"], 4);
@@ -381,7 +463,7 @@ fn concurrent_requests_are_gathered_into_one_run() {
 fn requests_over_the_in_flight_limit_are_refused() {
     let r = waiting_repo("inflight", 8);
     let h = start(&r, &["--http-max-in-flight", "3"]);
-    let waiting: Vec<_> = (0..3).map(|_| send_waiting(&h)).collect();
+    let waiting: Vec<_> = (0..3).map(|_| send_waiting(&h, false)).collect();
     // The limit is taken before the model is looked up: while fewer than
     // three wait, this is answered 404 at once, then 503.
     let x = [0.0f32];
@@ -403,7 +485,7 @@ fn requests_over_the_in_flight_limit_are_refused() {
         200
     );
     for t in waiting {
-        assert_eq!(t.join().unwrap(), 200);
+        assert_eq!(t.join().unwrap().0, 200);
     }
 }
 

@@ -1500,6 +1500,12 @@ impl FeedBuffers {
         Ok((bytes, ty))
     }
 
+    /// Feed `name`'s bytes (native-endian values, row-major) and its
+    /// type, to write in place whatever its element type.
+    pub fn ne_bytes_mut(&mut self, name: &str) -> Result<(&mut [u8], &TensorType), ClientError> {
+        self.bytes_mut(name)
+    }
+
     /// Feed `name`'s values, to write in place (an f32 feed).
     pub fn f32s_mut(&mut self, name: &str) -> Result<&mut [f32], ClientError> {
         let (bytes, ty) = self.bytes_mut(name)?;

@@ -10,11 +10,12 @@
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
-use lanes_adaptor::{Tensor, TensorData};
+use lanes_adaptor::{DType, FeedBuffers, Tensor, TensorData, TensorType};
 
 use super::error::ApiError;
-use super::model::Job;
+use super::model::{Job, ModelInfo};
 use super::repository::DynamicBatching;
+use super::tensors::Feed;
 
 /// Gathers a batch starting with `first`; the request that did not fit,
 /// if one was taken.
@@ -60,17 +61,11 @@ pub struct Part {
     pub reply: tokio::sync::oneshot::Sender<Result<Vec<Tensor>, ApiError>>,
 }
 
-type Replies = Vec<(
-    Instant,
-    tokio::sync::oneshot::Sender<Result<Vec<Tensor>, ApiError>>,
-)>;
+/// Each request's feeds (one per model input, in the model's order).
+pub type FeedsOf = Vec<Vec<(String, Feed)>>;
 
-/// A batch's feeds and its requests.
-pub type Joined = (Vec<(String, Tensor)>, Vec<Part>);
-
-/// The batch's feeds (each input's rows of every request, in order); on
-/// failure, the error and where each request's answer goes.
-pub fn join(group: Vec<Job>) -> Result<Joined, (ApiError, Replies)> {
+/// A batch's requests: their feeds, and where each answer goes.
+pub fn parts_of(group: Vec<Job>) -> (FeedsOf, Vec<Part>) {
     let mut parts = Vec::with_capacity(group.len());
     let mut feeds_of = Vec::with_capacity(group.len());
     for j in group {
@@ -81,74 +76,132 @@ pub fn join(group: Vec<Job>) -> Result<Joined, (ApiError, Replies)> {
         });
         feeds_of.push(j.feeds);
     }
-    if feeds_of.len() == 1 {
-        if let Some(f) = feeds_of.pop() {
-            return Ok((f, parts));
-        }
+    (feeds_of, parts)
+}
+
+/// The batch's feed types: each input's of `rows` rows (a model that
+/// batches), or as the model gives it.
+pub fn feed_types(model: &ModelInfo, rows: usize) -> Vec<(String, TensorType)> {
+    model
+        .inputs
+        .iter()
+        .map(|s| {
+            let dims = if model.max_batch_size > 0 {
+                std::iter::once(rows)
+                    .chain(s.dims.iter().copied())
+                    .collect()
+            } else {
+                s.dims.clone()
+            };
+            (s.name.clone(), TensorType::new(s.dtype, dims))
+        })
+        .collect()
+}
+
+/// Writes each input's rows of every request, in order, into `buffers`
+/// (made for [`feed_types`] of the batch's rows): the one copy of the
+/// requests' values on their way to the service.
+pub fn fill(buffers: &mut FeedBuffers, feeds_of: &FeedsOf) -> Result<(), String> {
+    let inputs = feeds_of.first().map_or(0, Vec::len);
+    for k in 0..inputs {
+        let name = feeds_of[0][k].0.as_str();
+        let (dst, ty) = buffers.ne_bytes_mut(name).map_err(|e| e.to_string())?;
+        fill_input(dst, ty.dtype, k, feeds_of)?;
     }
-    let fail = |e: String, parts: Vec<Part>| {
-        (
-            ApiError::Internal(e),
-            parts.into_iter().map(|p| (p.arrived, p.reply)).collect(),
-        )
-    };
+    Ok(())
+}
+
+/// Writes input `k`'s rows of every request, in order, into `dst`, the
+/// batch's buffer for it (of element type `dtype`), which they must fill.
+fn fill_input(dst: &mut [u8], dtype: DType, k: usize, feeds_of: &FeedsOf) -> Result<(), String> {
+    let mut at = 0usize;
+    let mut name = "";
+    for feeds in feeds_of {
+        let Some((n, feed)) = feeds.get(k) else {
+            return Err("requests of one batch differ in inputs".into());
+        };
+        name = n;
+        let t = feed.ty();
+        if t.dtype != dtype {
+            return Err(format!("input `{n}`: types of one batch differ"));
+        }
+        let end = at
+            .checked_add(t.bytes())
+            .filter(|&e| e <= dst.len())
+            .ok_or_else(|| format!("input `{n}`: the batch's rows overflow its buffer"))?;
+        if !feed.write_to(&mut dst[at..end]) {
+            return Err(format!("input `{n}`: its bytes do not match its shape"));
+        }
+        at = end;
+    }
+    if at != dst.len() {
+        return Err(format!("input `{name}`: the batch's rows do not fill it"));
+    }
+    Ok(())
+}
+
+/// The batch's feeds as tensors of their own (each input's rows of every
+/// request, in order): where the feeds cannot go through feed buffers.
+pub fn join(feeds_of: &FeedsOf) -> Result<Vec<(String, Tensor)>, String> {
+    if let [one] = feeds_of.as_slice() {
+        return one
+            .iter()
+            .map(|(n, f)| {
+                let t = f
+                    .clone()
+                    .into_tensor()
+                    .map_err(|e| format!("input `{n}`: {e}"))?;
+                Ok((n.clone(), t))
+            })
+            .collect();
+    }
     let inputs = feeds_of.first().map_or(0, Vec::len);
     let mut joined = Vec::with_capacity(inputs);
     for k in 0..inputs {
         let mut name = String::new();
         let mut dims: Vec<usize> = Vec::new();
         let mut data: Option<TensorData> = None;
-        for feeds in &feeds_of {
-            let Some((n, t)) = feeds.get(k) else {
-                return Err(fail("requests of one batch differ in inputs".into(), parts));
+        for feeds in feeds_of {
+            let Some((n, f)) = feeds.get(k) else {
+                return Err("requests of one batch differ in inputs".into());
             };
+            let t = f
+                .clone()
+                .into_tensor()
+                .map_err(|e| format!("input `{n}`: {e}"))?;
             name.clone_from(n);
             let d = t.shape().dims();
             let same = d.get(1..) == dims.get(1..);
             match dims.first_mut() {
                 None => dims = d.to_vec(),
                 Some(rows) if same => *rows += d.first().copied().unwrap_or(0),
-                Some(_) => {
-                    return Err(fail(
-                        format!("input `{n}`: shapes of one batch differ"),
-                        parts,
-                    ))
-                }
+                Some(_) => return Err(format!("input `{n}`: shapes of one batch differ")),
             }
-            match (&mut data, t.data()) {
-                (None, x) => data = Some(x.clone()),
-                (Some(TensorData::F32(a)), TensorData::F32(b)) => a.extend_from_slice(b),
-                (Some(TensorData::I64(a)), TensorData::I64(b)) => a.extend_from_slice(b),
-                _ => {
-                    return Err(fail(
-                        format!("input `{n}`: types of one batch differ"),
-                        parts,
-                    ))
-                }
+            match (&mut data, t.into_data()) {
+                (None, x) => data = Some(x),
+                (Some(TensorData::F32(a)), TensorData::F32(b)) => a.extend_from_slice(&b),
+                (Some(TensorData::I64(a)), TensorData::I64(b)) => a.extend_from_slice(&b),
+                _ => return Err(format!("input `{n}`: types of one batch differ")),
             }
         }
-        let Some(data) = data else {
-            return Err(fail("an empty batch".into(), parts));
-        };
-        match Tensor::new(dims, data) {
-            Ok(t) => joined.push((name, t)),
-            Err(e) => return Err(fail(e.to_string(), parts)),
-        }
+        let data = data.ok_or("an empty batch")?;
+        let t = Tensor::new(dims, data).map_err(|e| e.to_string())?;
+        joined.push((name, t));
     }
-    Ok((joined, parts))
+    Ok(joined)
 }
 
 /// Each request's rows of every output.
-pub fn split(out: &[Tensor], parts: &[Part], model: &str) -> Result<Vec<Vec<Tensor>>, ApiError> {
+pub fn split(out: Vec<Tensor>, parts: &[Part], model: &str) -> Result<Vec<Vec<Tensor>>, ApiError> {
     if parts.len() == 1 {
-        return Ok(vec![out.to_vec()]);
+        return Ok(vec![out]);
     }
     let total: usize = parts.iter().map(|p| p.rows).sum();
     let mut per: Vec<Vec<Tensor>> = parts
         .iter()
         .map(|_| Vec::with_capacity(out.len()))
         .collect();
-    for t in out {
+    for t in &out {
         let dims = t.shape().dims();
         if dims.first() != Some(&total) {
             return Err(ApiError::Internal(format!(
@@ -183,7 +236,10 @@ pub fn split(out: &[Tensor], parts: &[Part], model: &str) -> Result<Vec<Vec<Tens
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::oip::body::Chunks;
 
+    /// A request of `rows` rows of two `v`s: binary data for odd rows,
+    /// JSON values for even ones.
     fn job(
         rows: usize,
         v: f32,
@@ -193,15 +249,39 @@ mod tests {
     ) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let t = Tensor::from_f32(vec![rows, 2], vec![v; rows * 2]).unwrap();
+        let feed = if rows % 2 == 1 {
+            let bytes = axum::body::Bytes::from(t.to_le_bytes());
+            Feed::Raw {
+                ty: t.ty(),
+                bytes: Chunks::one(bytes),
+            }
+        } else {
+            Feed::Tensor(t)
+        };
         (
             Job {
                 rows,
-                feeds: vec![("x".into(), t)],
+                feeds: vec![("x".into(), feed)],
                 arrived: Instant::now(),
                 reply: tx,
             },
             rx,
         )
+    }
+
+    fn model() -> ModelInfo {
+        ModelInfo {
+            name: "m".into(),
+            version: "1".into(),
+            max_batch_size: 4,
+            inputs: vec![crate::oip::model::TensorSpec {
+                name: "x".into(),
+                dtype: DType::F32,
+                dims: vec![2],
+            }],
+            outputs: Vec::new(),
+            batching: None,
+        }
     }
 
     #[test]
@@ -219,13 +299,27 @@ mod tests {
         );
         assert_eq!(held.map(|j| j.rows), None);
         assert_eq!(rx.len(), 1);
-        let (feeds, parts) = join(group).unwrap();
+        let (feeds_of, parts) = parts_of(group);
+        let feeds = join(&feeds_of).unwrap();
         assert_eq!(feeds[0].1.shape().dims(), &[4, 2]);
-        assert_eq!(
-            feeds[0].1.f32s().unwrap(),
-            &[1., 1., 2., 2., 2., 2., 3., 3.]
-        );
-        let per = split(&[feeds[0].1.clone()], &parts, "m").unwrap();
+        let want = [1., 1., 2., 2., 2., 2., 3., 3.];
+        assert_eq!(feeds[0].1.f32s().unwrap(), &want);
+        // Into a batch's buffer, the same bytes.
+        let mut buf = vec![0u8; 32];
+        fill_input(&mut buf, DType::F32, 0, &feeds_of).unwrap();
+        assert_eq!(buf, feeds[0].1.to_le_bytes());
+        assert!(fill_input(&mut [0u8; 28], DType::F32, 0, &feeds_of)
+            .unwrap_err()
+            .contains("overflow"));
+        assert!(fill_input(&mut [0u8; 36], DType::F32, 0, &feeds_of)
+            .unwrap_err()
+            .contains("do not fill"));
+        assert!(fill_input(&mut buf, DType::I64, 0, &feeds_of)
+            .unwrap_err()
+            .contains("types"));
+        let types = feed_types(&model(), 4);
+        assert_eq!(types[0].1, TensorType::new(DType::F32, vec![4, 2]));
+        let per = split(vec![feeds[0].1.clone()], &parts, "m").unwrap();
         assert_eq!(per[1][0].shape().dims(), &[2, 2]);
         assert_eq!(per[2][0].f32s().unwrap(), &[3., 3.]);
     }
@@ -251,8 +345,8 @@ mod tests {
     fn outputs_without_the_batch_are_an_error() {
         let (a, _ra) = job(1, 1.0);
         let (b, _rb) = job(1, 1.0);
-        let (_, parts) = join(vec![a, b]).unwrap();
+        let (_, parts) = parts_of(vec![a, b]);
         let t = Tensor::from_f32(vec![3], vec![0.0; 3]).unwrap();
-        assert!(split(&[t], &parts, "m").is_err());
+        assert!(split(vec![t], &parts, "m").is_err());
     }
 }

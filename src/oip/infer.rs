@@ -11,6 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::ApiError;
 use super::model::{Job, Model, Models};
+use super::tensors::Feed;
 use super::OipConfig;
 
 /// What the front doors share.
@@ -66,7 +67,7 @@ pub async fn run<'a>(
     name: &str,
     version: Option<&str>,
     rows: usize,
-    feeds: Vec<(String, Tensor)>,
+    feeds: Vec<(String, Feed)>,
     wanted: impl Iterator<Item = &'a str>,
 ) -> Result<(Arc<Model>, Vec<Tensor>), ApiError> {
     let (tx, rx) = tokio::sync::oneshot::channel();

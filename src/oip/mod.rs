@@ -26,12 +26,29 @@
 //! flight and the batching (`infer.rs`); they differ only in how a request
 //! is read and an answer written.
 //!
+//! # What is copied
+//!
+//! A binary input is copied once on its way from the socket to the
+//! service, as a `lanes` Python client's NumPy array is: the body is kept
+//! in the pieces hyper read it into (`body.rs`, never gathered into one
+//! buffer), an input is a range of them (`tensors::Feed::Raw`), and the
+//! model's thread writes each request's rows of it straight into the
+//! session's *feed buffers* (a shared segment made once per batch size and
+//! written by every Run, so no request's bytes land in freshly mapped
+//! memory), whose Run carries only a header; the outputs come back through
+//! the buffers' reply slot. A gRPC input's `raw_input_contents` is moved,
+//! not copied, until then. Where the service refuses the segment
+//! (`--no-shared-memory`, its limits), the feeds are made tensors (one
+//! copy) and travel in the Run. A binary output is copied once, behind
+//! the JSON header in the response body.
+//!
 //! - `routes.rs`: the REST routes;
 //! - `grpc/`: the gRPC service (`inference.proto`, its generated code
 //!   checked in as `inference.rs`);
 //! - `infer.rs`: what the two share, and running a checked request;
 //! - `repository.rs`: the model repository (Triton's layout) and the
 //!   little of `config.pbtxt` that is read;
+//! - `body.rs`: a request body in the pieces it arrived in;
 //! - `tensors.rs`: request and response bodies, JSON tensors and the
 //!   binary tensor data extension;
 //! - `batch.rs`: dynamic batching (requests gathered into one Run);
@@ -39,6 +56,7 @@
 //! - `error.rs`: the protocol's error responses.
 
 mod batch;
+mod body;
 mod error;
 pub mod grpc;
 mod infer;

@@ -11,13 +11,15 @@ use crossbeam_channel::{Receiver, Sender};
 use lanes_adaptor::onnx::{import, ImportOptions, OnnxModel};
 use lanes_adaptor::wire::{Reply, Request};
 use lanes_adaptor::{
-    AuthKey, Client, ClientOptions, DType, ErrorCode, SessionId, SessionSpec, Tensor,
+    AuthKey, Client, ClientError, ClientOptions, DType, ErrorCode, FeedBuffers, SessionId,
+    SessionSpec, Tensor,
 };
 
-use super::batch;
+use super::batch::{self, FeedsOf};
 use super::error::ApiError;
 use super::repository::{DynamicBatching, ModelEntry, Repository, DEFAULT_MAX_BATCH};
 use super::stats::{RequestTimes, Stats};
+use super::tensors::Feed;
 
 /// One input or output as the protocol describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,8 +82,8 @@ pub struct Connect {
 #[derive(Debug)]
 pub struct Job {
     pub rows: usize,
-    /// One tensor per model input, in the model's order.
-    pub feeds: Vec<(String, Tensor)>,
+    /// One feed per model input, in the model's order.
+    pub feeds: Vec<(String, Feed)>,
     pub arrived: Instant,
     /// The model's outputs, in the model's order.
     pub reply: tokio::sync::oneshot::Sender<Result<Vec<Tensor>, ApiError>>,
@@ -402,6 +404,15 @@ struct Worker {
     bytes: Vec<u8>,
     /// Sessions by batch size (1 for a model that does not batch).
     sessions: BTreeMap<usize, SessionId>,
+    /// Each session's feed buffers, made on its first Run and written
+    /// by every later one (so the requests' values land in memory
+    /// mapped once).
+    buffers: BTreeMap<usize, FeedBuffers>,
+    /// Reply slots larger than the default that sessions' outputs wanted.
+    reply_bytes: BTreeMap<usize, usize>,
+    /// Batch sizes whose feeds cannot go through feed buffers (the
+    /// service refused the shared segment): their Runs carry the feeds.
+    unshared: std::collections::BTreeSet<usize>,
     fetch: Vec<String>,
 }
 
@@ -483,6 +494,9 @@ impl Worker {
             client,
             bytes,
             sessions: BTreeMap::new(),
+            buffers: BTreeMap::new(),
+            reply_bytes: BTreeMap::new(),
+            unshared: std::collections::BTreeSet::new(),
             fetch,
         };
         w.open(1, Some(one))?;
@@ -510,18 +524,17 @@ impl Worker {
         Ok(id)
     }
 
-    /// Runs `feeds` (of `batch` rows) once; a session the service has
-    /// reclaimed (idle past `--idle-timeout`) is opened again.
-    /// Also how long opening a session for `batch` took, if one was opened.
+    /// Runs the requests' feeds (`feeds_of`, of `batch` rows together)
+    /// once; a session the service has reclaimed (idle past
+    /// `--idle-timeout`) is opened again. Also how long opening a session
+    /// for `batch` took, if one was opened.
     fn run(
         &mut self,
         batch: usize,
-        mut feeds: Vec<(String, Tensor)>,
+        feeds_of: &FeedsOf,
     ) -> Result<(Vec<Tensor>, Duration), ApiError> {
         let mut opening = Duration::ZERO;
         let name = self.info.name.clone();
-        let fetch_names = self.fetch.clone();
-        let fetch: Vec<&str> = fetch_names.iter().map(String::as_str).collect();
         for attempt in 0..2 {
             let id = match self.sessions.get(&batch) {
                 Some(&id) => id,
@@ -534,13 +547,31 @@ impl Worker {
                     id
                 }
             };
-            // The feeds come back with the result, for the second try.
-            let (result, back) = self.client.run_in_keeping(id, feeds, &fetch);
-            feeds = back;
+            let shared = self.run_shared(batch, id, feeds_of);
+            let through_buffers = shared.is_some();
+            let result = match shared {
+                Some(r) => r,
+                None => {
+                    let feeds = batch::join(feeds_of)
+                        .map_err(|e| ApiError::Internal(format!("model `{name}`: {e}")))?;
+                    let fetch: Vec<&str> = self.fetch.iter().map(String::as_str).collect();
+                    self.client.run_in(id, feeds, &fetch)
+                }
+            };
             match result {
                 Ok(out) => return Ok((out, opening)),
-                Err(e) if attempt == 0 && e.code() == Some(ErrorCode::UnknownSession) => {
+                // A reclaimed session's segment is detached with it: a Run
+                // from its buffers is refused as SharedMemory, checked
+                // before the session is.
+                Err(e)
+                    if attempt == 0
+                        && (e.code() == Some(ErrorCode::UnknownSession)
+                            || (through_buffers && e.code() == Some(ErrorCode::SharedMemory))) =>
+                {
                     self.sessions.remove(&batch);
+                    self.buffers.remove(&batch);
+                    // Closed in case it was not reclaimed after all.
+                    let _ = self.client.close_in(id);
                 }
                 Err(e) => return Err(ApiError::from_client(&name, &e)),
             }
@@ -548,6 +579,58 @@ impl Worker {
         Err(ApiError::Internal(format!(
             "model `{name}`: the session was reclaimed twice"
         )))
+    }
+
+    /// Runs the feeds through session `id`'s feed buffers: each request's
+    /// values copied once, from the request body into the shared segment
+    /// the service reads; the outputs come back through its reply slot.
+    /// `None` where the batch size's feeds cannot go that way.
+    fn run_shared(
+        &mut self,
+        batch: usize,
+        id: SessionId,
+        feeds_of: &FeedsOf,
+    ) -> Option<Result<Vec<Tensor>, ClientError>> {
+        if self.unshared.contains(&batch) {
+            return None;
+        }
+        let buffers = match self.buffers.entry(batch) {
+            std::collections::btree_map::Entry::Occupied(b) => b.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                let types = batch::feed_types(&self.info, batch);
+                let list: Vec<(&str, lanes_adaptor::TensorType)> =
+                    types.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+                let reply = self
+                    .reply_bytes
+                    .get(&batch)
+                    .copied()
+                    .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
+                match self.client.feed_buffers_with_reply_in(id, &list, reply) {
+                    Ok(b) => v.insert(b),
+                    Err(ClientError::NoSharedMemory { reason }) => {
+                        tracing::warn!(
+                            model = %self.info.name, batch, %reason,
+                            "no feed buffers: this batch size's Runs carry their feeds"
+                        );
+                        self.unshared.insert(batch);
+                        return None;
+                    }
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+        };
+        if let Err(reason) = batch::fill(buffers, feeds_of) {
+            return Some(Err(ClientError::FeedBuffer { reason }));
+        }
+        let fetch: Vec<&str> = self.fetch.iter().map(String::as_str).collect();
+        let out = self.client.run_buffers_in(buffers, &fetch);
+        if let Some(wanted) = buffers.reply_wanted() {
+            // Outputs larger than the slot came through the socket: the
+            // next Run's buffers get a slot that holds them.
+            self.reply_bytes.insert(batch, wanted);
+            self.buffers.remove(&batch);
+        }
+        Some(out)
     }
 
     /// Serves requests until the channel closes.
@@ -576,20 +659,12 @@ impl Worker {
     fn serve_group(&mut self, group: Vec<Job>, stats: &Stats) {
         let start = Instant::now();
         let rows: usize = group.iter().map(|j| j.rows).sum();
-        let (feeds, parts) = match batch::join(group) {
-            Ok(x) => x,
-            Err((e, replies)) => {
-                for (arrived, reply) in replies {
-                    stats.record_failure(arrived.elapsed());
-                    let _ = reply.send(Err(e.clone()));
-                }
-                return;
-            }
-        };
-        let result = self.run(rows, feeds);
+        let (feeds_of, parts) = batch::parts_of(group);
+        let result = self.run(rows, &feeds_of);
+        drop(feeds_of);
         let took = start.elapsed();
         let result = result.and_then(|(out, opening)| {
-            batch::split(&out, &parts, &self.info.name).map(|p| (p, opening))
+            batch::split(out, &parts, &self.info.name).map(|p| (p, opening))
         });
         match result {
             Ok((per_request, opening)) => {
@@ -622,6 +697,7 @@ impl Worker {
     }
 
     fn close(mut self) {
+        self.buffers.clear();
         for (_, id) in std::mem::take(&mut self.sessions) {
             let _ = self.client.close_in(id);
         }

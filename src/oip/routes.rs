@@ -11,6 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
+use super::body::Chunks;
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::Model;
@@ -144,41 +145,67 @@ fn stats_of(models: &[Arc<Model>]) -> Json<Value> {
     Json(json!({ "model_stats": list }))
 }
 
-/// Reads a body of at most `limit` bytes.
-async fn body(req: Request, limit: usize) -> Result<(HeaderMap, axum::body::Bytes)> {
-    let (parts, body) = req.into_parts();
-    let too_large = || {
-        ApiError::TooLarge(format!(
-            "the request body exceeds {limit} bytes (--http-max-body)"
-        ))
-    };
-    if let Some(n) = parts
-        .headers
+fn too_large(limit: usize) -> ApiError {
+    ApiError::TooLarge(format!(
+        "the request body exceeds {limit} bytes (--http-max-body)"
+    ))
+}
+
+/// Refuses a body whose `Content-Length` is over `limit` before reading it.
+fn check_length(headers: &HeaderMap, limit: usize) -> Result<()> {
+    let n = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        if n > limit as u64 {
-            return Err(too_large());
-        }
+        .and_then(|v| v.parse::<u64>().ok());
+    match n {
+        Some(n) if n > limit as u64 => Err(too_large(limit)),
+        _ => Ok(()),
     }
+}
+
+/// A failure reading the body: over the limit (an error whose source is
+/// http-body-util's `LengthLimitError`, as a limit layer reports it) or
+/// a broken connection or framing.
+fn read_error(e: axum::Error, limit: usize) -> ApiError {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(x) = src {
+        if x.is::<http_body_util::LengthLimitError>() {
+            return too_large(limit);
+        }
+        src = x.source();
+    }
+    ApiError::BadRequest(format!("cannot read the request body: {e}"))
+}
+
+/// Reads a small body of at most `limit` bytes into one buffer.
+async fn body(req: Request, limit: usize) -> Result<(HeaderMap, axum::body::Bytes)> {
+    let (parts, body) = req.into_parts();
+    check_length(&parts.headers, limit)?;
     match axum::body::to_bytes(body, limit).await {
         Ok(b) => Ok((parts.headers, b)),
-        Err(e) => {
-            // `to_bytes` reports the limit as an error whose source is
-            // http-body-util's `LengthLimitError`.
-            let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-            while let Some(x) = src {
-                if x.is::<http_body_util::LengthLimitError>() {
-                    return Err(too_large());
-                }
-                src = x.source();
+        Err(e) => Err(read_error(e, limit)),
+    }
+}
+
+/// Reads a body of at most `limit` bytes as the pieces hyper hands over,
+/// without gathering them (an inference request's binary data is copied
+/// once, later, to where the service reads it).
+async fn body_chunks(req: Request, limit: usize) -> Result<(HeaderMap, Chunks)> {
+    use http_body_util::BodyExt;
+    let (parts, mut body) = req.into_parts();
+    check_length(&parts.headers, limit)?;
+    let mut chunks = Chunks::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| read_error(e, limit))?;
+        // Trailers are not data; a request has none that matter.
+        if let Ok(data) = frame.into_data() {
+            if chunks.len().saturating_add(data.len()) > limit {
+                return Err(too_large(limit));
             }
-            Err(ApiError::BadRequest(format!(
-                "cannot read the request body: {e}"
-            )))
+            chunks.push(data);
         }
     }
+    Ok((parts.headers, chunks))
 }
 
 async fn infer(St(s): St<S>, Path(p): Names, req: Request) -> Response {
@@ -197,7 +224,7 @@ async fn infer_inner(
 ) -> Result<Response> {
     let _permit = s.permit()?;
     let model = s.models.get(&name, version.as_deref())?;
-    let (headers, bytes) = body(req, s.max_body).await?;
+    let (headers, bytes) = body_chunks(req, s.max_body).await?;
     if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
         if enc.as_bytes() != b"identity" {
             return Err(ApiError::BadRequest(format!(
@@ -211,12 +238,16 @@ async fn infer_inner(
             ApiError::BadRequest("Inference-Header-Content-Length is not text".into())
         })?),
     };
-    let json_len = tensors::split_body(&bytes, header_len)?.0.len();
-    let header_len = header_len.map(str::to_owned);
+    let json_len = tensors::json_len(bytes.len(), header_len)?;
     let m = Arc::clone(&model);
     let decode = move || {
-        let (json_part, binary) = tensors::split_body(&bytes, header_len.as_deref())?;
-        tensors::decode(&m.info, json_part, binary)
+        let json_part = bytes
+            .prefix(json_len)
+            .ok_or_else(|| ApiError::Internal("the body is shorter than its header".into()))?;
+        let binary = bytes
+            .slice(json_len, bytes.len() - json_len)
+            .ok_or_else(|| ApiError::Internal("the body is shorter than its header".into()))?;
+        tensors::decode(&m.info, &json_part, binary)
     };
     // Parsing a large JSON body takes milliseconds: off the runtime's
     // threads, which serve every connection.

@@ -4,10 +4,11 @@
 //! little-endian row-major bytes, each tensor's length in its
 //! `parameters.binary_data_size`).
 
-use lanes_adaptor::{DType, Tensor, TensorData};
+use lanes_adaptor::{DType, Tensor, TensorData, TensorType};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::body::Chunks;
 use super::error::ApiError;
 use super::model::{ModelInfo, TensorSpec};
 
@@ -66,11 +67,64 @@ pub struct Decoded {
     pub id: Option<String>,
     /// Rows along the batch dimension (1 for a model that does not batch).
     pub rows: usize,
-    /// One tensor per model input, in the model's order.
-    pub feeds: Vec<(String, Tensor)>,
+    /// One feed per model input, in the model's order.
+    pub feeds: Vec<(String, Feed)>,
     /// The outputs asked for (all, in the model's order, when none named),
     /// and whether each is wanted as binary data.
     pub outputs: Vec<(String, bool)>,
+}
+
+/// An input's values as the request brought them.
+#[derive(Debug, Clone)]
+pub enum Feed {
+    /// Binary data: little-endian bytes of the request body, not copied
+    /// yet (written once where the service reads them, [`Feed::write_to`]).
+    Raw { ty: TensorType, bytes: Chunks },
+    /// Values read from JSON or from typed gRPC contents.
+    Tensor(Tensor),
+}
+
+impl Feed {
+    pub fn ty(&self) -> TensorType {
+        match self {
+            Feed::Raw { ty, .. } => ty.clone(),
+            Feed::Tensor(t) => t.ty(),
+        }
+    }
+
+    /// Writes the values, native-endian, into `dst`, which must be exactly
+    /// as long; false (nothing written) when it is not.
+    pub fn write_to(&self, dst: &mut [u8]) -> bool {
+        let from_tensor = |t: &Tensor, dst: &mut [u8]| {
+            let b = t.data().ne_bytes();
+            let fits = b.len() == dst.len();
+            if fits {
+                dst.copy_from_slice(b);
+            }
+            fits
+        };
+        match self {
+            Feed::Tensor(t) => from_tensor(t, dst),
+            #[cfg(target_endian = "little")]
+            Feed::Raw { bytes, .. } => bytes.copy_to(dst),
+            #[cfg(not(target_endian = "little"))]
+            Feed::Raw { .. } => self
+                .clone()
+                .into_tensor()
+                .is_ok_and(|t| from_tensor(&t, dst)),
+        }
+    }
+
+    /// The values as a tensor of their own (one copy of binary data).
+    pub fn into_tensor(self) -> Result<Tensor, lanes_adaptor::TensorError> {
+        match self {
+            Feed::Tensor(t) => Ok(t),
+            Feed::Raw { ty, bytes } => {
+                let parts: Vec<&[u8]> = bytes.parts().collect();
+                lanes_adaptor::wire::tensor_from_chunks(&ty, &parts)
+            }
+        }
+    }
 }
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -85,28 +139,34 @@ fn flag(params: &Option<Map<String, Value>>, key: &str) -> Result<Option<bool>, 
     }
 }
 
-/// Splits a body into its JSON header and its binary part.
-pub fn split_body<'a>(
-    body: &'a [u8],
-    header_len: Option<&str>,
-) -> Result<(&'a [u8], &'a [u8]), ApiError> {
+/// The JSON header's length in a body of `body_len` bytes: the whole
+/// body without `Inference-Header-Content-Length` (`header_len`).
+pub fn json_len(body_len: usize, header_len: Option<&str>) -> Result<usize, ApiError> {
     match header_len {
-        None => Ok((body, &[])),
+        None => Ok(body_len),
         Some(h) => {
             let n: usize = h.trim().parse().map_err(|_| {
                 bad(format!(
                     "Inference-Header-Content-Length `{h}` is not a byte count"
                 ))
             })?;
-            if n > body.len() {
+            if n > body_len {
                 return Err(bad(format!(
-                    "Inference-Header-Content-Length is {n} but the body has {} bytes",
-                    body.len()
+                    "Inference-Header-Content-Length is {n} but the body has {body_len} bytes"
                 )));
             }
-            Ok(body.split_at(n))
+            Ok(n)
         }
     }
+}
+
+/// Splits a body into its JSON header and its binary part.
+#[cfg(test)]
+fn split_body<'a>(
+    body: &'a [u8],
+    header_len: Option<&str>,
+) -> Result<(&'a [u8], &'a [u8]), ApiError> {
+    json_len(body.len(), header_len).map(|n| body.split_at(n))
 }
 
 /// The shape a request's input must have: `rows` then the model's dims
@@ -204,7 +264,7 @@ fn json_tensor(name: &str, dtype: DType, dims: &[usize], data: &Value) -> Result
 #[derive(Debug)]
 pub struct Feeds<'m> {
     model: &'m ModelInfo,
-    feeds: Vec<Option<Tensor>>,
+    feeds: Vec<Option<Feed>>,
     rows: Option<usize>,
 }
 
@@ -263,14 +323,14 @@ impl<'m> Feeds<'m> {
         })
     }
 
-    /// Keeps a checked input's tensor.
-    pub fn put(&mut self, slot: InputSlot, tensor: Tensor) {
-        self.feeds[slot.k] = Some(tensor);
+    /// Keeps a checked input's values.
+    pub fn put(&mut self, slot: InputSlot, feed: Feed) {
+        self.feeds[slot.k] = Some(feed);
     }
 
-    /// The rows and one tensor per model input, in the model's order;
+    /// The rows and one feed per model input, in the model's order;
     /// an input not given is an error.
-    pub fn finish(self) -> Result<(usize, Vec<(String, Tensor)>), ApiError> {
+    pub fn finish(self) -> Result<(usize, Vec<(String, Feed)>), ApiError> {
         let mut out = Vec::with_capacity(self.feeds.len());
         for (spec, t) in self.model.inputs.iter().zip(self.feeds) {
             let t = t.ok_or_else(|| bad(format!("input `{}` is missing", spec.name)))?;
@@ -280,9 +340,10 @@ impl<'m> Feeds<'m> {
     }
 }
 
-/// A checked input's tensor from its raw bytes (little-endian, row-major),
-/// which must be exactly as many as its shape and datatype take.
-pub fn raw_tensor(name: &str, slot: &InputSlot, bytes: &[u8]) -> Result<Tensor, ApiError> {
+/// A checked input's feed from its raw bytes (little-endian, row-major),
+/// which must be exactly as many as its shape and datatype take; they are
+/// not copied here.
+pub fn raw_feed(name: &str, slot: &InputSlot, bytes: Chunks) -> Result<Feed, ApiError> {
     let want = slot.dims.iter().product::<usize>() * slot.dtype.size();
     if bytes.len() != want {
         return Err(bad(format!(
@@ -292,10 +353,8 @@ pub fn raw_tensor(name: &str, slot: &InputSlot, bytes: &[u8]) -> Result<Tensor, 
             datatype(slot.dtype)
         )));
     }
-    let ty = lanes_adaptor::TensorType::new(slot.dtype, slot.dims.clone());
-    // One copy into aligned storage (the wire's own decode).
-    lanes_adaptor::wire::tensor_from_frame(&ty, bytes)
-        .map_err(|e| bad(format!("input `{name}`: {e}")))
+    let ty = TensorType::new(slot.dtype, slot.dims.clone());
+    Ok(Feed::Raw { ty, bytes })
 }
 
 /// A checked input's tensor from its elements.
@@ -331,10 +390,12 @@ pub fn check_output<'a>(
 }
 
 /// Decodes and checks a request's JSON header and binary part.
-pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decoded, ApiError> {
+pub fn decode(model: &ModelInfo, json: &[u8], binary: Chunks) -> Result<Decoded, ApiError> {
     let req: RequestBody = serde_json::from_slice(json)
         .map_err(|e| bad(format!("malformed inference request: {e}")))?;
     let mut feeds = Feeds::new(model);
+    // Where the next input's binary data starts.
+    let mut at = 0usize;
     for input in &req.inputs {
         let slot = feeds.check(&input.name, &input.datatype, &input.shape)?;
         let binary_size = match input
@@ -362,7 +423,9 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
                 )))
             }
             (None, None) => return Err(bad(format!("input `{}` has no data", input.name))),
-            (None, Some(data)) => json_tensor(&input.name, slot.dtype, &slot.dims, data)?,
+            (None, Some(data)) => {
+                Feed::Tensor(json_tensor(&input.name, slot.dtype, &slot.dims, data)?)
+            }
             (Some(size), None) => {
                 let want = slot.dims.iter().product::<usize>() * slot.dtype.size();
                 if size != want {
@@ -371,24 +434,23 @@ pub fn decode(model: &ModelInfo, json: &[u8], mut binary: &[u8]) -> Result<Decod
                         input.name, input.shape, input.datatype
                     )));
                 }
-                if binary.len() < size {
+                let Some(mine) = binary.slice(at, size) else {
                     return Err(bad(format!(
                         "input `{}`: binary_data_size {size} but only {} binary bytes are left in the body",
                         input.name,
-                        binary.len()
+                        binary.len() - at
                     )));
-                }
-                let (mine, rest) = binary.split_at(size);
-                binary = rest;
-                raw_tensor(&input.name, &slot, mine)?
+                };
+                at += size;
+                raw_feed(&input.name, &slot, mine)?
             }
         };
         feeds.put(slot, tensor);
     }
-    if !binary.is_empty() {
+    if binary.len() > at {
         return Err(bad(format!(
             "{} bytes of binary data follow the inputs' binary_data_size",
-            binary.len()
+            binary.len() - at
         )));
     }
     let (rows, out) = feeds.finish()?;
@@ -434,15 +496,29 @@ fn json_data(t: &Tensor) -> Value {
     }
 }
 
+/// A tensor's values as little-endian bytes: its own storage on a
+/// little-endian host (no copy).
+pub fn le_bytes(t: &Tensor) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        std::borrow::Cow::Borrowed(t.data().ne_bytes())
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        std::borrow::Cow::Owned(t.to_le_bytes())
+    }
+}
+
 /// The response to a request: `outputs` are the fetched tensors, in the
-/// order of `wanted`.
+/// order of `wanted`. Binary outputs are copied once, straight after the
+/// JSON header in the body.
 pub fn encode(
     model: &ModelInfo,
     id: Option<String>,
     wanted: &[(String, bool)],
     outputs: &[Tensor],
 ) -> Encoded {
-    let mut binary = Vec::new();
+    let mut binary = 0usize;
     let mut list = Vec::with_capacity(outputs.len());
     for ((name, as_binary), t) in wanted.iter().zip(outputs) {
         let shape: Vec<usize> = t.shape().dims().to_vec();
@@ -452,9 +528,9 @@ pub fn encode(
             "shape": shape,
         });
         if *as_binary {
-            let bytes = t.to_le_bytes();
-            o["parameters"] = serde_json::json!({ "binary_data_size": bytes.len() });
-            binary.extend_from_slice(&bytes);
+            let n = t.data().ne_bytes().len();
+            o["parameters"] = serde_json::json!({ "binary_data_size": n });
+            binary += n;
         } else {
             o["data"] = json_data(t);
         }
@@ -468,19 +544,23 @@ pub fn encode(
     if let Some(id) = id {
         head["id"] = Value::from(id);
     }
-    let mut body = head.to_string().into_bytes();
-    if wanted.iter().any(|(_, b)| *b) {
-        let n = body.len();
-        body.extend_from_slice(&binary);
-        Encoded {
-            body,
-            header_len: Some(n),
-        }
-    } else {
-        Encoded {
-            body,
+    let head = head.to_string();
+    if !wanted.iter().any(|(_, b)| *b) {
+        return Encoded {
+            body: head.into_bytes(),
             header_len: None,
+        };
+    }
+    let mut body = Vec::with_capacity(head.len() + binary);
+    body.extend_from_slice(head.as_bytes());
+    for ((_, as_binary), t) in wanted.iter().zip(outputs) {
+        if *as_binary {
+            body.extend_from_slice(&le_bytes(t));
         }
+    }
+    Encoded {
+        body,
+        header_len: Some(head.len()),
     }
 }
 
@@ -508,8 +588,12 @@ mod tests {
         }
     }
 
+    fn chunks(b: &[u8]) -> Chunks {
+        Chunks::one(axum::body::Bytes::copy_from_slice(b))
+    }
+
     fn err(m: &ModelInfo, json: &str, bin: &[u8]) -> String {
-        match decode(m, json.as_bytes(), bin) {
+        match decode(m, json.as_bytes(), chunks(bin)) {
             Err(ApiError::BadRequest(s)) => s,
             other => panic!("{json}: {other:?}"),
         }
@@ -521,7 +605,7 @@ mod tests {
         let a = decode(
             &m,
             br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2],[3,4]]}]}"#,
-            &[],
+            Chunks::default(),
         )
         .unwrap();
         let bytes: Vec<u8> = [1f32, 2., 3., 4.]
@@ -532,11 +616,21 @@ mod tests {
             &m,
             br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","parameters":{"binary_data_size":16}}],
                 "parameters":{"binary_data_output":true}}"#,
-            &bytes,
+            chunks(&bytes),
         )
         .unwrap();
         assert_eq!(a.rows, 2);
-        assert_eq!(a.feeds[0].1, b.feeds[0].1);
+        assert!(matches!(b.feeds[0].1, Feed::Raw { .. }));
+        assert_eq!(
+            a.feeds[0].1.clone().into_tensor().unwrap(),
+            b.feeds[0].1.clone().into_tensor().unwrap()
+        );
+        let mut written = [0u8; 16];
+        assert!(b.feeds[0].1.write_to(&mut written));
+        assert_eq!(&written[..], &bytes[..]);
+        assert!(a.feeds[0].1.write_to(&mut written));
+        assert_eq!(&written[..], &bytes[..]);
+        assert!(!b.feeds[0].1.write_to(&mut [0u8; 12]));
         assert_eq!(a.outputs, vec![("y".to_string(), false)]);
         assert_eq!(b.outputs, vec![("y".to_string(), true)]);
     }
@@ -616,7 +710,7 @@ mod tests {
         let d = decode(
             &m,
             br#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,2]}]}"#,
-            &[],
+            Chunks::default(),
         )
         .unwrap();
         assert_eq!(d.rows, 1);

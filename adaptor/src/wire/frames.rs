@@ -217,6 +217,12 @@ pub fn tensor_from_frame_in(
 }
 
 /// A tensor of type `ty` whose little-endian values are `chunks`, in
+/// order (a body received in pieces), copied once into its storage.
+pub fn tensor_from_chunks(ty: &TensorType, chunks: &[&[u8]]) -> Result<Tensor, TensorError> {
+    tensor_from_chunks_in(ty, chunks, None)
+}
+
+/// A tensor of type `ty` whose little-endian values are `chunks`, in
 /// order, copied once into its (pooled, where a buffer fits) storage.
 fn tensor_from_chunks_in(
     ty: &TensorType,

@@ -28,13 +28,23 @@ const GLIBC_MMAP_THRESHOLD_MAX: usize = 32 << 20;
 /// fresh `mmap` and unmaps them on free; each new block then costs a page
 /// fault per 4 KiB page. The threshold is dynamic (mallopt(3)): freeing an
 /// mmapped block of at most 32 MiB raises it to that block's size (and the
-/// heap trim threshold to twice that). Allocating and freeing one 32 MiB
-/// block does that once per process; the block is zeroed by `calloc`'s
-/// `mmap` and never touched, so it costs two system calls. Other allocators
-/// ignore it.
+/// heap trim threshold to twice that). Allocating and freeing one block
+/// just under 32 MiB does that once per process: the block's chunk
+/// (its size, a size word, rounded up to pages) must not pass 32 MiB, and
+/// a block of exactly 32 MiB does (glibc 2.36 then leaves the thresholds
+/// at 128 KiB: every large block mapped anew). 128 KiB less leaves room
+/// for the size word at any page size up to 64 KiB. The block is zeroed by
+/// `calloc`'s `mmap` and never touched, so it costs two system calls.
+/// Other allocators ignore it.
 pub fn keep_freed_blocks_mapped() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| drop(std::hint::black_box(vec![0u8; GLIBC_MMAP_THRESHOLD_MAX])));
+    ONCE.call_once(|| {
+        drop(std::hint::black_box(vec![
+            0u8;
+            GLIBC_MMAP_THRESHOLD_MAX
+                - (128 << 10)
+        ]))
+    });
 }
 
 /// Tensor storage given back after use, reused by the next decode of a

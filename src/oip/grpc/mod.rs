@@ -31,6 +31,7 @@ use lanes_adaptor::{DType, TensorData};
 use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 
+use super::body::Chunks;
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::ModelInfo;
@@ -99,7 +100,7 @@ fn bad(msg: impl Into<String>) -> ApiError {
 #[derive(Debug)]
 struct Decoded {
     rows: usize,
-    feeds: Vec<(String, lanes_adaptor::Tensor)>,
+    feeds: Vec<(String, tensors::Feed)>,
     /// The outputs asked for (all, in the model's order, when none named).
     outputs: Vec<String>,
 }
@@ -148,7 +149,7 @@ fn typed(
 
 /// Reads and checks an inference request's tensors.
 fn decode(model: &ModelInfo, req: ModelInferRequest) -> Result<Decoded, ApiError> {
-    let raw = req.raw_input_contents;
+    let mut raw = req.raw_input_contents;
     if !raw.is_empty() && raw.len() != req.inputs.len() {
         return Err(bad(format!(
             "{} raw_input_contents for {} inputs: give one per input, in the inputs' order",
@@ -160,18 +161,23 @@ fn decode(model: &ModelInfo, req: ModelInferRequest) -> Result<Decoded, ApiError
     for (i, mut input) in req.inputs.into_iter().enumerate() {
         let slot = feeds.check(&input.name, &input.datatype, &input.shape)?;
         let contents = input.contents.take();
-        let tensor = match (raw.get(i), contents) {
+        let feed = match (raw.get_mut(i), contents) {
             (Some(_), Some(_)) => {
                 return Err(bad(format!(
                 "input `{}` has contents, and the request raw_input_contents: use one or the other",
                 input.name
             )))
             }
-            (Some(bytes), None) => tensors::raw_tensor(&input.name, &slot, bytes)?,
-            (None, Some(c)) => typed(&input, &slot, c)?,
+            (Some(bytes), None) => {
+                // The message's own buffer, moved (no copy) until it is
+                // written where the service reads it.
+                let bytes = axum::body::Bytes::from(std::mem::take(bytes));
+                tensors::raw_feed(&input.name, &slot, Chunks::one(bytes))?
+            }
+            (None, Some(c)) => tensors::Feed::Tensor(typed(&input, &slot, c)?),
             (None, None) => return Err(bad(format!("input `{}` has no data", input.name))),
         };
-        feeds.put(slot, tensor);
+        feeds.put(slot, feed);
     }
     let (rows, feeds) = feeds.finish()?;
     let outputs = if req.outputs.is_empty() {
@@ -324,7 +330,7 @@ impl GrpcInferenceService for Service {
                 parameters: Default::default(),
                 contents: None,
             });
-            raw.push(t.to_le_bytes());
+            raw.push(tensors::le_bytes(&t).into_owned());
         }
         Ok(Response::new(ModelInferResponse {
             model_name: model.info.name.clone(),
