@@ -628,8 +628,10 @@ def _sdpa(t, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if enable_gqa:
         raise t.fail("grouped-query attention is not supported yet")
     e = q.shape[-1]
+    # (c·q)·kᵀ = c·(q·kᵀ): scaling q costs lk/e times less than scaling
+    # the scores (a [b, h, 512, 512] pass for GPT-2, forward and backward).
+    q = t.emit_scale(q, float(scale) if scale is not None else 1.0 / math.sqrt(e))
     s = t.emit("MatMul", [q, k], transpose_a=False, transpose_b=True)
-    s = t.emit_scale(s, float(scale) if scale is not None else 1.0 / math.sqrt(e))
     lq, lk = q.shape[-2], k.shape[-2]
     if is_causal:
         mask = torch.ones(lq, lk, dtype=torch.bool).tril()
