@@ -1,6 +1,8 @@
 //! Planner quality on model-sized graphs: planned T against the lower bound
 //! (largest total of tensors live at one step) and against no reuse.
-//! Goal: T <= 1.10 × lower bound. Every plan is also checked by `verify`.
+//! Goal: T <= 1.10 × lower bound. Every plan is also checked by `verify`,
+//! and planned again without views (`PlanOptions::views` off: every
+//! reshape a copy) to check that views never make T larger.
 //!
 //! The graphs come from `tests/memory/models.rs` (built with
 //! `GraphBuilder`): ResNet-50/152, Inception-v3 and BERT-base, inference
@@ -12,7 +14,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use lanes::compile::{self, MemoryPlan};
+use lanes::compile::{self, MemoryPlan, PlanOptions};
 use lanes_adaptor::ValidGraph;
 
 #[path = "memory/models.rs"]
@@ -23,14 +25,32 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1024.0 * 1024.0)
 }
 
+/// Plans `g` with views and without (every reshape a copy, as before
+/// views); prints the row and checks that views never make P or T larger.
 fn row(name: &str, g: &ValidGraph) -> MemoryPlan {
     let p = compile::plan(g).unwrap();
     compile::verify(&p).unwrap();
+    let apart = compile::plan_outlets(
+        g,
+        compile::sinks(g),
+        PlanOptions {
+            views: false,
+            ..PlanOptions::default()
+        },
+    )
+    .unwrap();
+    compile::verify(&apart).unwrap();
+    assert_eq!(apart.views(), 0);
+    assert_eq!(p.persistent, apart.persistent, "{name}: P changed");
+    assert!(p.ephemeral <= apart.ephemeral, "{name}: views grew T");
+    assert!(p.lower_bound <= apart.lower_bound, "{name}");
     println!(
-        "| {name} | {} | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {} |",
+        "| {name} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} | {:.1} | {} |",
         p.tensors.len(),
+        p.views(),
         mib(p.persistent),
         mib(p.ephemeral),
+        mib(apart.ephemeral),
         mib(p.lower_bound),
         p.ratio_to_lower_bound(),
         mib(p.no_reuse),
@@ -42,9 +62,9 @@ fn row(name: &str, g: &ValidGraph) -> MemoryPlan {
 #[test]
 fn zoo_plans_within_ten_percent_of_the_lower_bound() {
     println!(
-        "| model | tensors | P MiB | T MiB | lower bound MiB | T / bound | no reuse MiB | order |"
+        "| model | tensors | views | P MiB | T MiB | T without views MiB | lower bound MiB | T / bound | no reuse MiB | order |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let cases: Vec<(&str, ValidGraph)> = vec![
         ("ResNet-50 inference b8", resnet([3, 4, 6, 3], 8, false)),
         ("ResNet-50 training b8", resnet([3, 4, 6, 3], 8, true)),

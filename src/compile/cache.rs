@@ -69,6 +69,7 @@ enum Key {
         graph: Structure,
         fetched: Vec<Outlet>,
         alignment: u64,
+        views: bool,
     },
 }
 
@@ -332,6 +333,7 @@ pub fn plan_outlets(
         graph: structure,
         fetched: sorted,
         alignment: options.alignment,
+        views: options.views,
     };
     if let Some(Value::Plan(p)) = lookup(&key) {
         return Ok(MemoryPlan::clone(&p));
@@ -368,6 +370,7 @@ mod tests {
             graph: Structure([i; 32]),
             fetched: vec![],
             alignment: 256,
+            views: true,
         }
     }
 

@@ -8,12 +8,14 @@
 //!   intermediate results, gradients, fetched results. Each tensor lives
 //!   from its producer to its last consumer (see [`lifetime`] for the step
 //!   model); offsets come from a best-fit assignment ([`arena`]). T is the
-//!   arena's extent.
+//!   arena's extent. A reshape of an ephemeral tensor is a *view*: it
+//!   shares its input's bytes (one alias class, one block; see [`views`]),
+//!   so executors copy nothing for it.
 //!
 //! The plan also reports the two numbers T is judged against:
 //! `lower_bound` (the largest total of tensors live at one step; no arena
 //! can be smaller) and `no_reuse` (every ephemeral tensor in its own
-//! bytes). [`verify`] re-checks a plan independently of how it was made.
+//! bytes), both counting an alias class once. [`verify`] re-checks a plan independently of how it was made.
 //!
 //! Which results a Run will fetch is not known when a graph is loaded;
 //! [`plan`] assumes the graph's sinks (outputs nobody reads), and
@@ -24,6 +26,7 @@
 pub mod arena;
 pub mod cache;
 mod lifetime;
+mod views;
 
 pub use arena::{ArenaViolation, Block, Strategy};
 
@@ -40,12 +43,20 @@ pub const DEFAULT_ALIGNMENT: u64 = 256;
 pub struct PlanOptions {
     /// Every offset and size is a multiple of this (a power of two).
     pub alignment: u64,
+    /// A reshape of an ephemeral tensor shares its input's bytes (an alias
+    /// class, see [`views`]) unless that would make T larger. Off: every
+    /// reshape output has bytes of its own, as before views. Default: on,
+    /// unless the environment variable `LANES_NO_VIEWS` is `1` (an A/B
+    /// switch for measurements: the service's admission plan and both
+    /// executors' plans come from the default, so they agree).
+    pub views: bool,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
         PlanOptions {
             alignment: DEFAULT_ALIGNMENT,
+            views: std::env::var("LANES_NO_VIEWS").as_deref() != Ok("1"),
         }
     }
 }
@@ -99,6 +110,8 @@ pub enum VerifyError {
         bytes: u64,
         size: u64,
     },
+    #[error("{outlet:?} is recorded as a view of {root:?}, which is no root of the same offset and size")]
+    BadView { outlet: Outlet, root: Outlet },
     #[error("recorded {what} is {recorded}, the tensors give {actual}")]
     Summary {
         what: &'static str,
@@ -121,6 +134,12 @@ pub struct TensorSlot {
     pub last: usize,
     /// Offset from the start of the arena.
     pub offset: u64,
+    /// For a reshape sharing its input's bytes (see [`views`]): the root
+    /// of its alias class, whose offset, size and bytes it has. The class
+    /// occupies its bytes from its first member's `first` to its last
+    /// member's `last`.
+    #[serde(default)]
+    pub view_of: Option<Outlet>,
 }
 
 /// Where one persistent tensor (a variable or constant) lives in the
@@ -169,6 +188,16 @@ impl MemoryPlan {
     pub fn persistent_slot(&self, node: NodeId) -> Option<&PersistentSlot> {
         self.persistent_slots.iter().find(|s| s.node == node)
     }
+    /// Number of ephemeral tensors that share their bytes with another
+    /// (reshapes planned as views).
+    pub fn views(&self) -> usize {
+        self.tensors.iter().filter(|t| t.view_of.is_some()).count()
+    }
+    /// True when `outlet` is a view: its bytes are its class root's, and
+    /// the reshape that produced it copies nothing.
+    pub fn is_view(&self, outlet: Outlet) -> bool {
+        self.slot(outlet).is_some_and(|t| t.view_of.is_some())
+    }
     /// T over the lower bound (1.0 is optimal; 1.0 for an empty arena).
     pub fn ratio_to_lower_bound(&self) -> f64 {
         if self.lower_bound == 0 {
@@ -188,13 +217,14 @@ impl fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "P = {} B, T = {} B (lower bound {} B, x{:.3}; no reuse {} B; {} tensors, {})",
+            "P = {} B, T = {} B (lower bound {} B, x{:.3}; no reuse {} B; {} tensors, {} views, {})",
             self.persistent,
             self.ephemeral,
             self.lower_bound,
             self.ratio_to_lower_bound(),
             self.no_reuse,
             self.tensors.len(),
+            self.views(),
             self.strategy
         )
     }
@@ -265,32 +295,23 @@ pub fn plan_outlets(
             .ok_or(PlanError::TotalOverflow)?;
     }
 
-    let mut blocks = Vec::with_capacity(tensors.ephemeral.len());
-    let mut no_reuse = 0u64;
+    let mut sizes = Vec::with_capacity(tensors.ephemeral.len());
     for e in &tensors.ephemeral {
-        let size = align_up(e.bytes, alignment).ok_or(PlanError::TotalOverflow)?;
-        no_reuse = no_reuse.checked_add(size).ok_or(PlanError::TotalOverflow)?;
-        blocks.push(Block {
-            size,
-            first: e.first,
-            last: e.last,
-        });
+        sizes.push(align_up(e.bytes, alignment).ok_or(PlanError::TotalOverflow)?);
     }
-    let same = same_offset_pairs(g, &tensors.ephemeral);
-    let assignment = arena::assign_preferring(&blocks, &same);
-    let lower_bound = arena::lower_bound(&blocks);
+    let placed = views::place_best(g, &tensors.ephemeral, &sizes, options.views)?;
     let slots: Vec<TensorSlot> = tensors
         .ephemeral
         .iter()
-        .zip(&blocks)
-        .zip(&assignment.offsets)
-        .map(|((e, b), &offset)| TensorSlot {
+        .enumerate()
+        .map(|(i, e)| TensorSlot {
             outlet: e.outlet,
             bytes: e.bytes,
-            size: b.size,
+            size: sizes[i],
             first: e.first,
             last: e.last,
-            offset,
+            offset: placed.offsets[i],
+            view_of: (placed.roots[i] != i).then(|| tensors.ephemeral[placed.roots[i]].outlet),
         })
         .collect();
     let index = slots
@@ -307,11 +328,11 @@ pub fn plan_outlets(
     Ok(MemoryPlan {
         alignment,
         persistent,
-        ephemeral: assignment.size,
-        lower_bound,
-        no_reuse,
+        ephemeral: placed.size,
+        lower_bound: placed.lower_bound,
+        no_reuse: placed.no_reuse,
         steps: tensors.steps,
-        strategy: assignment.strategy,
+        strategy: placed.strategy,
         fetched,
         tensors: slots,
         persistent_slots,
@@ -333,7 +354,10 @@ const CHAIN_DEPTH: usize = 3;
 /// which is the layout under which the CUDA backend may fuse the chain
 /// into one kernel (`exec::cuda::fuse`). The pairs are only a preference:
 /// lifetimes, and so every guarantee of the plan, stay as they are.
-fn same_offset_pairs(g: &ValidGraph, ephemeral: &[lifetime::Ephemeral]) -> Vec<(usize, usize)> {
+pub(crate) fn same_offset_pairs(
+    g: &ValidGraph,
+    ephemeral: &[lifetime::Ephemeral],
+) -> Vec<(usize, usize)> {
     use lanes_adaptor::Op;
     let graph = g.graph();
     let index: HashMap<Outlet, usize> = ephemeral
@@ -414,8 +438,12 @@ fn same_offset_pairs(g: &ValidGraph, ephemeral: &[lifetime::Ephemeral]) -> Vec<(
 
 /// Checks a plan independently of how it was made: every ephemeral slot is
 /// aligned, large enough, inside T, and shares no byte with another slot
-/// live at the same step; persistent slots are disjoint and inside P; and
-/// the recorded lower bound and no-reuse totals match the slots.
+/// live at the same step, except the members of one alias class (a view
+/// has its root's offset, size and bytes; the class is live from its
+/// first member's first step to its last member's last, and shares no
+/// byte with any other tensor then); persistent slots are disjoint and
+/// inside P; and the recorded lower bound and no-reuse totals match the
+/// slots, each class counted once.
 pub fn verify(plan: &MemoryPlan) -> Result<(), VerifyError> {
     let a = plan.alignment.max(1);
     for t in &plan.tensors {
@@ -427,20 +455,50 @@ pub fn verify(plan: &MemoryPlan) -> Result<(), VerifyError> {
             });
         }
     }
-    let blocks: Vec<Block> = plan
+    // One block per alias class (a tensor alone is a class of one): its
+    // root's offset and size, live over its members' lifetimes.
+    let mut class = vec![usize::MAX; plan.tensors.len()];
+    let mut blocks: Vec<Block> = Vec::new();
+    let mut offsets: Vec<u64> = Vec::new();
+    let mut root_of: Vec<usize> = Vec::new();
+    for (i, t) in plan.tensors.iter().enumerate() {
+        if t.view_of.is_none() {
+            class[i] = blocks.len();
+            blocks.push(Block {
+                size: t.size,
+                first: t.first,
+                last: t.last,
+            });
+            offsets.push(t.offset);
+            root_of.push(i);
+        }
+    }
+    let position: HashMap<Outlet, usize> = plan
         .tensors
         .iter()
-        .map(|t| Block {
-            size: t.size,
-            first: t.first,
-            last: t.last,
-        })
+        .enumerate()
+        .map(|(i, t)| (t.outlet, i))
         .collect();
-    let offsets: Vec<u64> = plan.tensors.iter().map(|t| t.offset).collect();
+    for t in &plan.tensors {
+        let Some(root) = t.view_of else { continue };
+        let bad = || VerifyError::BadView {
+            outlet: t.outlet,
+            root,
+        };
+        let k = *position.get(&root).ok_or_else(bad)?;
+        let r = &plan.tensors[k];
+        if r.view_of.is_some() || (r.offset, r.size, r.bytes) != (t.offset, t.size, t.bytes) {
+            return Err(bad());
+        }
+        let b = &mut blocks[class[k]];
+        b.first = b.first.min(t.first);
+        b.last = b.last.max(t.last);
+    }
+    let outlet = |block: usize| plan.tensors[root_of[block]].outlet;
     arena::check(&blocks, &offsets, plan.ephemeral, a).map_err(|v| match v {
         ArenaViolation::Overlap { a, b, step } => VerifyError::Overlap {
-            a: plan.tensors[a].outlet,
-            b: plan.tensors[b].outlet,
+            a: outlet(a),
+            b: outlet(b),
             step,
         },
         ArenaViolation::OutOfArena {
@@ -449,7 +507,7 @@ pub fn verify(plan: &MemoryPlan) -> Result<(), VerifyError> {
             size,
             arena,
         } => VerifyError::OutOfArena {
-            outlet: plan.tensors[block].outlet,
+            outlet: outlet(block),
             offset,
             size,
             arena,

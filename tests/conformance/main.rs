@@ -41,6 +41,9 @@ mod gate;
 /// Loss scaling's ops and fp16-mixed training steps (`amp.rs`).
 mod amp;
 
+/// Reshapes planned as views: no copy, no launch (`views.rs`).
+mod views;
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,

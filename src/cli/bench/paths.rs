@@ -281,6 +281,13 @@ pub fn executor(
                 &format!("executor: {chains} fused chains ({skipped} nodes launch nothing)"),
                 since,
             );
+            // Reshapes planned as views of their inputs: no copy, no launch.
+            let views = p.views();
+            m.insert("reshape_views".into(), json!(views));
+            progress(
+                &format!("executor: {views} reshapes are views (launch nothing)"),
+                since,
+            );
             // Batch norms with batch statistics that run through cuDNN
             // (LANES_NO_CUDNN_BN=1 keeps them on Lanes' own kernels).
             m.insert("cudnn_batch_norms".into(), json!(p.cudnn_batch_norms()));

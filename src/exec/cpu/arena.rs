@@ -21,7 +21,9 @@
 //! - **Views.** An op's inputs and outputs are live at the same step, so the
 //!   plan gives them disjoint ranges (checked again here: overlapping ranges
 //!   are an error, not a panic); [`carve`] splits the buffer into them with
-//!   `split_at_mut`, the outputs writable and the inputs shared.
+//!   `split_at_mut`, the outputs writable and the inputs shared. The one
+//!   exception, a reshape planned as a view of its input (one range for
+//!   both, `compile::views`), is never carved: the program skips it.
 //! - **Fetches.** The plan keeps the graph's sinks to the end of an
 //!   iteration; an output the plan lets die early is copied out right
 //!   after its op ran (`program::run_iteration`), so fetching never grows

@@ -338,3 +338,85 @@ fn programs_in_memory_handed_in_match_programs_alone() {
     assert!(given.0.run(&feeds(&inputs, 1), fetch_a).is_err());
     assert!(given.0.read_variables(&[]).is_err());
 }
+
+/// Reshapes of ephemeral tensors are views (`compile::views`): the program
+/// copies nothing for them, and every member of a class, fetched, reads
+/// the right values; a reshape of a variable stays a copy.
+#[test]
+fn reshape_views_read_their_inputs_bytes() {
+    use lanes_adaptor::GraphBuilder;
+    let mut b = GraphBuilder::new();
+    let x = b.placeholder("x", TensorType::f32([2, 3, 4]));
+    let r0 = b.reshape(x, &[6, 4]);
+    let a = b.relu(r0);
+    let flat = b.reshape(a, &[24]);
+    let c = b.reshape(flat, &[4, 6]);
+    let d = b.scale(c, 2.0);
+    // a is read again after its reshapes.
+    let e = b.relu(a);
+    let d6 = b.reshape(d, &[6, 4]);
+    let y = b.add(d6, e);
+    let w = b.variable(
+        "w",
+        Tensor::from_f32(vec![4, 6], (0..24).map(|k| k as f32).collect()).unwrap(),
+    );
+    let rw = b.reshape(w, &[24]);
+    let z = b.add(flat, rw);
+    for (o, n) in [
+        (r0, "r0"),
+        (a, "a"),
+        (flat, "flat"),
+        (c, "c"),
+        (d, "d"),
+        (y, "y"),
+        (z, "z"),
+    ] {
+        b.set_name(o, n);
+    }
+    let (g, vars) = b.finish().unwrap();
+    let v = validate(g, &GraphLimits::default()).unwrap();
+    let plan = compile::plan(&v).unwrap();
+    compile::verify(&plan).unwrap();
+    for o in [r0, flat, c, d6] {
+        assert!(plan.is_view(o), "{o:?}");
+    }
+    assert!(!plan.is_view(rw));
+    let at = |o: Outlet| plan.slot(o).unwrap().offset;
+    assert_eq!(at(r0), at(x));
+    assert_eq!((at(flat), at(c)), (at(a), at(a)));
+
+    let xs: Vec<f32> = (0..24).map(|k| (k as f32 - 11.5) * 0.25).collect();
+    let feeds = BTreeMap::from([(
+        "x".to_string(),
+        Tensor::from_f32(vec![2, 3, 4], xs.clone()).unwrap(),
+    )]);
+    let keys: Vec<String> = ["r0", "a", "flat", "c", "d", "y", "z"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut p = CpuProgram::new(v, vars).unwrap();
+    for _ in 0..2 {
+        let out = p.run(&feeds, &keys).unwrap();
+        let relu: Vec<f32> = xs.iter().map(|&v| v.max(0.0)).collect();
+        let twice: Vec<f32> = relu.iter().map(|&v| 2.0 * v).collect();
+        let expect: [(Vec<usize>, Vec<f32>); 7] = [
+            (vec![6, 4], xs.clone()),
+            (vec![6, 4], relu.clone()),
+            (vec![24], relu.clone()),
+            (vec![4, 6], relu.clone()),
+            (vec![4, 6], twice.clone()),
+            (
+                vec![6, 4],
+                twice.iter().zip(&relu).map(|(t, r)| t + r).collect(),
+            ),
+            (
+                vec![24],
+                relu.iter().enumerate().map(|(k, r)| r + k as f32).collect(),
+            ),
+        ];
+        for ((t, (dims, vals)), key) in out.iter().zip(expect).zip(&keys) {
+            assert_eq!(t.shape().dims(), &dims[..], "{key}");
+            assert_eq!(t.f32s().unwrap(), &vals[..], "{key}");
+        }
+    }
+}

@@ -33,14 +33,27 @@ impl CudaProgram {
     }
 
     /// The profile name of node `id`'s launches: `None` when it launches
-    /// nothing of its own.
+    /// nothing of its own (inside a fused chain, or a reshape that is a
+    /// view).
     pub(super) fn step_name(&self, id: NodeId) -> Option<&'static str> {
         let g = self.graph.graph();
         match self.fusion.role(id) {
+            Role::Plain | Role::ConvWithoutBias if self.is_view(id) => None,
             Role::Plain | Role::ConvWithoutBias => Some(g.nodes[id.index()].op.name()),
             Role::Skip => None,
             Role::Last(k) => self.fusion.chains.get(k).map(Chain::name),
         }
+    }
+
+    /// True when node `id` is a reshape whose output is its input's bytes
+    /// (a view, `compile::views`): it launches nothing.
+    pub(super) fn is_view(&self, id: NodeId) -> bool {
+        let node = &self.graph.graph().nodes[id.index()];
+        matches!(node.op, lanes_adaptor::Op::Reshape { .. })
+            && node
+                .inputs
+                .first()
+                .is_some_and(|&i| self.addr(i) == self.addr(Outlet::new(id, 0)))
     }
 
     /// y = relu?(bn?(x + bias?) + residual?), or act(x + row bias), into

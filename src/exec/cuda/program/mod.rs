@@ -719,6 +719,16 @@ impl CudaProgram {
         (self.fusion.chains.len(), self.fusion.skipped())
     }
 
+    /// How many reshapes are views of their inputs under the current
+    /// layout (`compile::views`): they copy nothing and launch nothing.
+    pub fn views(&self) -> usize {
+        self.graph
+            .order()
+            .iter()
+            .filter(|&&id| self.is_view(id))
+            .count()
+    }
+
     /// How many batch-norm forwards with batch statistics run through
     /// cuDNN's kernels rather than ours.
     pub fn cudnn_batch_norms(&self) -> usize {
