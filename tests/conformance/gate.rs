@@ -95,9 +95,15 @@ fn gated_training_matches_the_whole_iteration() {
     let (lb, _, _) = train(&t, &feeds, None, 4);
     println!("resnet gated: {segments} segments");
     assert!(segments > 4, "cut into {segments} segments");
+    // The first loss comes from the same weights: within ACCUM. Later ones
+    // follow updates whose gradients differ run to run on the GPU alone
+    // (atomics, cuDNN's algorithms; ReLU kinks amplify it): on an H200
+    // the fourth loss of the gated run was 0.07509 in one process and
+    // 0.07479 in another, so they are held to TRAIN_VARS.
     let mut worst = 0.0f32;
     for (k, (a, b)) in la.iter().zip(&lb).enumerate() {
-        worst = worst.max(compare(&format!("loss {k}"), a, b, ACCUM).unwrap());
+        let tol = if k == 0 { ACCUM } else { TRAIN_VARS };
+        worst = worst.max(compare(&format!("loss {k}"), a, b, tol).unwrap());
     }
     println!("resnet gated vs whole iteration, four losses: worst {worst:.3} of tolerance");
     assert!(g.stats().launches > 0, "{:?}", g.stats());

@@ -15,7 +15,20 @@ struct Strided {
     int dims[MAXR];
     int sa[MAXR];
     int sb[MAXR];
+    // Division by dims[d] as a multiply and shift (the host's `Strided`
+    // computes them): n / dims[d] == (umulhi(n, mul[d]) + n) >> shr[d] for
+    // 0 <= n < 2^31. An integer division per axis per element bounded the
+    // strided kernels, not memory.
+    unsigned mul[MAXR];
+    int shr[MAXR];
 };
+
+// n / s.dims[d], and n % s.dims[d] into *k.
+__device__ __forceinline__ int div_axis(const Strided& s, int d, int n, int* k) {
+    int q = (int)((__umulhi((unsigned)n, s.mul[d]) + (unsigned)n) >> s.shr[d]);
+    *k = n - q * s.dims[d];
+    return q;
+}
 
 #define GRID_LOOP(i, n) \
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
@@ -120,8 +133,8 @@ __device__ void binary_bcast_t(T* out, const T* a, const T* b, int n, int op, St
     GRID_LOOP(i, n) {
         int rem = i, oa = 0, ob = 0;
         for (int d = s.rank - 1; d >= 0; --d) {
-            int k = rem % s.dims[d];
-            rem /= s.dims[d];
+            int k;
+            rem = div_axis(s, d, rem, &k);
             oa += k * s.sa[d];
             ob += k * s.sb[d];
         }
@@ -145,8 +158,8 @@ __device__ void binary_rows_t(T* out, const T* a, const T* b, int rows, int inne
     for (int r = blockIdx.y; r < rows; r += gridDim.y) {
         int rem = r, oa = 0, ob = 0;
         for (int d = s.rank - 1; d >= 0; --d) {
-            int k = rem % s.dims[d];
-            rem /= s.dims[d];
+            int k;
+            rem = div_axis(s, d, rem, &k);
             oa += k * s.sa[d];
             ob += k * s.sb[d];
         }
@@ -171,8 +184,8 @@ __device__ void strided_copy_impl(T* out, const T* in, int n, Strided s, int ob,
     GRID_LOOP(i, n) {
         int rem = i, oo = ob, oi = ib;
         for (int d = s.rank - 1; d >= 0; --d) {
-            int k = rem % s.dims[d];
-            rem /= s.dims[d];
+            int k;
+            rem = div_axis(s, d, rem, &k);
             oo += k * s.sa[d];
             oi += k * s.sb[d];
         }
@@ -218,8 +231,8 @@ extern "C" __global__ void where_bcast(float* out, const float* c, const float* 
     GRID_LOOP(i, n) {
         int rem = i, oc = 0, oa = 0, ob = 0;
         for (int d = s.rank - 1; d >= 0; --d) {
-            int k = rem % s.dims[d];
-            rem /= s.dims[d];
+            int k;
+            rem = div_axis(s, d, rem, &k);
             oc += k * s.sa[d];
             oa += k * s.sb[d];
             ob += k * t.sb[d];

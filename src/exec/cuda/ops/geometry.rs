@@ -15,6 +15,22 @@ pub(super) struct Strided {
     pub(super) dims: [i32; MAXR],
     pub(super) sa: [i32; MAXR],
     pub(super) sb: [i32; MAXR],
+    /// Division by `dims[k]` as multiply and shift ([`divider`]).
+    pub(super) mul: [u32; MAXR],
+    pub(super) shr: [i32; MAXR],
+}
+
+/// (multiplier, shift) with n / d == (umulhi(n, m) + n) >> s for every
+/// 0 <= n < 2³¹ (the kernels' `div_axis`): s = ⌈log₂ d⌉ and
+/// m = ⌊2³² (2ˢ − d) / d⌋ + 1, which is below 2³² because 2ˢ⁻¹ < d ≤ 2ˢ.
+/// `None` for d = 0.
+pub(super) fn divider(d: u32) -> Option<(u32, i32)> {
+    if d == 0 {
+        return None;
+    }
+    let s = 32 - (d - 1).leading_zeros();
+    let m = ((1u64 << 32) * ((1u64 << s) - d as u64)) / d as u64 + 1;
+    Some((u32::try_from(m).ok()?, s as i32))
 }
 // SAFETY: plain `#[repr(C)]` integers, laid out as the CUDA struct `Strided`.
 unsafe impl DeviceRepr for Strided {}
@@ -135,6 +151,10 @@ pub(super) fn strided(dims: &[usize], sa: &[usize], sb: &[usize]) -> Option<Stri
         s.dims[k] = i(dims[k]);
         s.sa[k] = i(sa[k]);
         s.sb[k] = i(sb[k]);
+        // A zero-length axis has no index to divide (n = 0 elements).
+        let (m, sh) = divider(dims[k].max(1) as u32)?;
+        s.mul[k] = m;
+        s.shr[k] = sh;
     }
     Some(s)
 }
@@ -260,6 +280,53 @@ pub(super) fn plane_cols(dims: &[usize], vec4: bool) -> Option<cudarc::driver::L
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernels' division, in Rust.
+    fn div(n: u32, (m, s): (u32, i32)) -> u32 {
+        let t = ((n as u64 * m as u64) >> 32) as u32;
+        (t + n) >> s
+    }
+
+    #[test]
+    fn divider_divides_every_index_exactly() {
+        let mut ds: Vec<u32> = (1..=1100).collect();
+        ds.extend([
+            3072,
+            262144,
+            50257,
+            6304,
+            65535,
+            65536,
+            65537,
+            (1 << 30) + 1,
+            i32::MAX as u32,
+        ]);
+        for d in ds {
+            let dv = divider(d).unwrap();
+            let mut ns: Vec<u32> = (0..2000).collect();
+            ns.extend([
+                d - 1,
+                d,
+                d + 1,
+                2 * d - 1,
+                2 * d,
+                (1 << 31) - 1,
+                (1 << 31) - 2,
+                1 << 30,
+            ]);
+            let mut x: u64 = d as u64 * 2654435761;
+            for _ in 0..2000 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ns.push(((x >> 33) as u32) & 0x7fff_ffff);
+            }
+            for n in ns.into_iter().filter(|&n| n < 1 << 31) {
+                assert_eq!(div(n, dv), n / d, "{n} / {d}");
+            }
+        }
+        assert_eq!(divider(0), None);
+    }
 
     #[test]
     fn collapse_merges_what_both_operands_step_through_alike() {
