@@ -278,6 +278,7 @@ pub(super) fn plane_cols(dims: &[usize], vec4: bool) -> Option<cudarc::driver::L
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
