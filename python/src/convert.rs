@@ -226,7 +226,14 @@ mod tests {
 
     #[test]
     fn parallel_copy_copies_every_element() {
-        for n in [0usize, 1, 1000, (4 << 20) / 4 - 1, (4 << 20) / 4, (9 << 20) / 4 + 3] {
+        for n in [
+            0usize,
+            1,
+            1000,
+            (4 << 20) / 4 - 1,
+            (4 << 20) / 4,
+            (9 << 20) / 4 + 3,
+        ] {
             let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
             let mut dst = vec![-1.0f32; n];
             parallel_copy(&mut dst, &src);
