@@ -679,7 +679,6 @@ impl Session {
             max_grad_norm,
             precision,
             loss_scale,
-            ..TrainOptions::default()
         };
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))
