@@ -109,6 +109,7 @@ class Session:
         save_to: Optional[Union[str, "PathLike[str]"]] = None,
         example: Optional[Feeds] = None,
         precision: Optional[str] = None,
+        loss_scale: Optional[Dict[str, float]] = None,
     ) -> Tuple[List[str], List[str]]: ...
     @overload
     def run(self, feeds: Feeds, fetch: None = None) -> Dict[str, Array]: ...

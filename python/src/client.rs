@@ -11,9 +11,10 @@ use crate::convert::{
 use crate::errors::{
     client_error, local, onnx_error, zoo_error, FeedError, ModelError, SessionClosedError,
 };
+use crate::precision::{parse_loss_scale, parse_precision};
 use crate::{graph, optim, zoo};
 use lanes_adaptor::onnx::{import_file, ImportOptions};
-use lanes_adaptor::{training_graph_grouped, ParamGroup, TrainOptions};
+use lanes_adaptor::{training_graph_grouped, ParamGroup, TrainError, TrainOptions};
 use lanes_adaptor::{
     Client as Conn, ClientError, ClientOptions, FeedBuffers, Graph, JobKind, PendingRun, SessionId,
     SessionSpec, Tensor, TensorType, VarValues,
@@ -635,9 +636,13 @@ impl Session {
     /// "bf16-mixed" (products and convolutions in bf16, f32 weights,
     /// gradients and optimizer state) or "fp16-mixed" (the same in fp16,
     /// the loss scaled as by a `GradScaler`: variables `amp/scale` and
-    /// `amp/growth_tracker`, docs/precision.md).
+    /// `amp/growth_tracker`, docs/precision.md). `loss_scale`: fp16-mixed's
+    /// `GradScaler` settings, a dict of any of `init_scale`,
+    /// `growth_factor`, `backoff_factor` and `growth_interval` (the rest:
+    /// PyTorch's defaults; a ValueError with another precision), or
+    /// `enabled: False` (fp32 and bf16-mixed only: no scaling).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None))]
+    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None, loss_scale=None))]
     fn load_training(
         &self,
         py: Python<'_>,
@@ -649,8 +654,10 @@ impl Session {
         save_to: Option<std::path::PathBuf>,
         example: Option<&Bound<'_, PyDict>>,
         precision: Option<&str>,
+        loss_scale: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
         let precision = parse_precision(py, precision)?;
+        let loss_scale = parse_loss_scale(py, loss_scale, precision)?;
         let b = builder.get().take()?;
         let out = graph::GraphBuilder::resolve(&b, loss).ok_or_else(|| {
             local(
@@ -671,11 +678,14 @@ impl Session {
             groups,
             max_grad_norm,
             precision,
-            ..TrainOptions::default()
+            loss_scale,
         };
         let t = py
             .detach(|| training_graph_grouped(b, out, &opts))
-            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+            .map_err(|e| match e {
+                TrainError::BadLossScale(_) => local(py, PyValueError::new_err(e.to_string())),
+                e => local(py, ModelError::new_err(e.to_string())),
+            })?;
         if let Some(dir) = save_to {
             save_job(py, &dir, &t.graph, &t.vars, t.loss.clone(), true, example)?;
         }
@@ -902,15 +912,5 @@ fn dtype_name(t: &TensorType) -> String {
         lanes_adaptor::DType::I64 => "int64".into(),
         lanes_adaptor::DType::F16 => "float16".into(),
         lanes_adaptor::DType::BF16 => "bfloat16".into(),
-    }
-}
-
-/// A `precision=` argument: None is fp32; an unknown name is a ValueError.
-fn parse_precision(py: Python<'_>, p: Option<&str>) -> PyResult<lanes_adaptor::Precision> {
-    match p {
-        None => Ok(lanes_adaptor::Precision::F32),
-        Some(s) => s
-            .parse()
-            .map_err(|e: lanes_adaptor::AmpError| local(py, PyValueError::new_err(e.to_string()))),
     }
 }

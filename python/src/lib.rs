@@ -7,6 +7,7 @@ mod convert;
 mod errors;
 mod graph;
 mod optim;
+mod precision;
 mod zoo;
 
 use pyo3::prelude::*;

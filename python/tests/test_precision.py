@@ -1,7 +1,8 @@
 """Mixed and half precision from PyTorch (docs/precision.md): a model
 trained with `precision="bf16-mixed"` follows PyTorch's bf16 autocast, one
 trained with `precision="fp16-mixed"` follows PyTorch's fp32 training and
-skips an overflowing step (loss scaling), one served with
+skips an overflowing step (loss scaling, with a `GradScaler`'s settings:
+its scale steps as PyTorch's), one served with
 `precision="fp16"`/`"bf16"` answers like `model.half()`, and what cannot
 work is refused before anything is sent.
 
@@ -145,3 +146,131 @@ def test_precisions_that_cannot_work_are_refused(client):
         lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, precision="bf16")
     with pytest.raises(ValueError, match="unknown precision"):
         lt.inference_job(client, m.eval(), example=x, precision="int8")
+
+
+def _mlp_job(client, scaler, seed=0, lr=0.1):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    job = lt.training_job(client, m, example=(x, y), loss=torch.nn.CrossEntropyLoss(), optimizer=opt,
+                          precision="fp16-mixed", scaler=scaler)
+    return job, ref, x, y
+
+
+def test_a_gradscaler_sets_the_loss_scaling(client):
+    """A GradScaler(init_scale=2^40) makes the first step overflow: skipped
+    (weights unchanged) and the scale halved, as `scaler_state()` reads."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=2)
+    job, _, x, y = _mlp_job(client, scaler)
+    try:
+        assert job.scaler_state() == {"scale": 2.0**40, "growth_tracker": 0}
+        before = job.state_dict()
+        job.step(x, y)
+        after = job.state_dict()
+        state = job.scaler_state()
+    finally:
+        job.close()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), f"{k} changed in a skipped step"
+    assert state == {"scale": 2.0**39, "growth_tracker": 0}
+
+
+def test_growth_interval_doubles_the_scale_after_clean_steps(client):
+    """GradScaler's documented rule: each clean step counts; after
+    `growth_interval` of them the scale is multiplied by `growth_factor`
+    and the count restarts."""
+    job, _, x, y = _mlp_job(client, {"init_scale": 16.0, "growth_interval": 2, "growth_factor": 4.0})
+    states = []
+    try:
+        for _ in range(4):
+            job.step(x, y)
+            states.append(job.scaler_state())
+        # Restoring (a checkpoint): the scale and the count come back.
+        job.load_scaler_state({"scale": 8.0, "growth_tracker": 1})
+        job.step(x, y)
+        states.append(job.scaler_state())
+    finally:
+        job.close()
+    assert states == [
+        {"scale": 16.0, "growth_tracker": 1},
+        {"scale": 64.0, "growth_tracker": 0},
+        {"scale": 64.0, "growth_tracker": 1},
+        {"scale": 256.0, "growth_tracker": 0},
+        {"scale": 32.0, "growth_tracker": 0},
+    ]
+
+
+def test_the_scale_follows_torch_gradscaler_in_eager(client):
+    """From 2^40 the scale backs off through skipped steps to one whose fp16
+    gradients fit, then grows every 2 clean steps until it overflows again:
+    step by step the same scales as `torch.amp.GradScaler` on the same model
+    under CPU fp16 autocast (both overflow where a gradient times the scale
+    passes fp16's 65504, a threshold that powers of two cross far apart),
+    and losses within 1e-2."""
+    kw = dict(init_scale=2.0**40, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    job, ref, x, y = _mlp_job(client, torch.amp.GradScaler("cpu", **kw))
+    ref_scaler = torch.amp.GradScaler("cpu", **kw)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ce = torch.nn.CrossEntropyLoss()
+    ours, theirs, our_loss, their_loss = [], [], [], []
+    try:
+        for _ in range(40):
+            our_loss.append(job.step(x, y))
+            ours.append(job.scaler_state()["scale"])
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                rl = ce(ref(x), y)
+            ref_scaler.scale(rl).backward()
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
+            theirs.append(ref_scaler.get_scale())
+            their_loss.append(rl.item())
+    finally:
+        job.close()
+    print("scales, lanes:", [int(np.log2(s)) for s in ours], "pytorch:", [int(np.log2(s)) for s in theirs])
+    assert ours == theirs
+    assert min(ours) < 2.0**30, "it must back off"
+    assert any(b > a for a, b in zip(ours, ours[1:])), "and grow again"
+    for i, (a, b) in enumerate(zip(our_loss, their_loss)):
+        assert abs(a - b) <= 1e-2 * max(1.0, abs(b)), (i, our_loss, their_loss)
+
+
+def test_scaler_settings_that_cannot_work_are_refused(client):
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    x, y = torch.randn(2, 8), torch.randint(0, 4, (2,))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ce = torch.nn.CrossEntropyLoss()
+
+    def job(**kw):
+        return lt.training_job(client, m, example=(x, y), loss=ce, optimizer=opt, **kw)
+
+    with pytest.raises(ValueError, match="fp16-mixed"):
+        job(precision="bf16-mixed", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="fp16-mixed"):
+        job(scaler={"init_scale": 8.0})
+    with pytest.raises(ValueError, match="disabled GradScaler"):
+        job(precision="fp16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(ValueError, match="no setting"):
+        job(precision="fp16-mixed", scaler={"init_scale": 8.0, "growth": 2.0})
+    with pytest.raises(ValueError, match="backoff_factor"):
+        job(precision="fp16-mixed", scaler={"backoff_factor": 1.5})
+    with pytest.raises(ValueError, match="growth_interval"):
+        job(precision="fp16-mixed", scaler={"growth_interval": 0})
+    with pytest.raises(TypeError, match="GradScaler"):
+        job(precision="fp16-mixed", scaler=2.0**16)
+    # A disabled scaler with an unscaled precision changes nothing, as in PyTorch.
+    with job(precision="bf16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False)) as j:
+        assert j.scaler_state() is None
+        with pytest.raises(ValueError, match="does not scale"):
+            j.load_scaler_state({"scale": 2.0})
+    # The loader below refuses the same before it reads the graph.
+    with client.session("ls-refusal", kind="training") as s:
+        with pytest.raises(ValueError, match="fp16-mixed"):
+            s.load_training(lanes.GraphBuilder(), "loss", [], precision="bf16-mixed",
+                            loss_scale={"init_scale": 8.0})
+        with pytest.raises(ValueError, match="no setting `scale`"):
+            s.load_training(lanes.GraphBuilder(), "loss", [], precision="fp16-mixed",
+                            loss_scale={"scale": 8.0})

@@ -42,6 +42,9 @@ __all__ = [
 #: Oldest torch release this module is tested with (its training IR).
 MIN_TORCH = (2, 9)
 
+#: The loss-scaling variables of an fp16-mixed training job (docs/precision.md).
+_SCALE, _TRACKER = "amp/scale", "amp/growth_tracker"
+
 
 def _torch_version() -> Tuple[int, int]:
     parts = torch.__version__.split("+")[0].split(".")
@@ -183,8 +186,10 @@ class TrainingJob:
     BatchNorm statistics live there; `step` is one Run."""
 
     def __init__(self, session: Any, t: _Translator, model: torch.nn.Module,
-                 optimizer: "torch.optim.Optimizer", groups: List[List[str]], accumulate: int = 1):
+                 optimizer: "torch.optim.Optimizer", groups: List[List[str]], accumulate: int = 1,
+                 scaled: bool = False):
         self.session = session
+        self._scaled = scaled
         self.accumulate = accumulate
         #: One micro-batch's feeds (the first walk's names).
         self.inputs = t.inputs[: len(t.inputs) // accumulate]
@@ -286,6 +291,40 @@ class TrainingJob:
             if key in state:
                 self._counter_start[key] = state[key].detach().clone() - self._counters[key] * self._steps
 
+    def scaler_state(self) -> Optional[Dict[str, Any]]:
+        """fp16-mixed's loss scaling, read from the service:
+        ``{"scale": float, "growth_tracker": int}`` (the clean steps since
+        the scale last changed; a scale that halved, or a tracker back at 0,
+        shows skipped steps). None for a job that does not scale its loss."""
+        if not self._scaled:
+            return None
+        v = self.session.read_variables([_SCALE, _TRACKER])
+        return {
+            "scale": float(np.asarray(v[_SCALE]).reshape(-1)[0]),
+            "growth_tracker": int(np.asarray(v[_TRACKER]).reshape(-1)[0]),
+        }
+
+    def load_scaler_state(self, state: Dict[str, Any]) -> None:
+        """Restores the loss scaling from `scaler_state()`'s dict (or a
+        `GradScaler.state_dict()`: its ``scale`` and ``_growth_tracker``);
+        a key that is absent keeps the service's value."""
+        if not self._scaled:
+            raise ValueError("this job does not scale its loss (only precision=\"fp16-mixed\" does)")
+        current = self.session.read_variables([_SCALE, _TRACKER])
+        values = {}
+        if "scale" in state:
+            scale = float(state["scale"])
+            if not (np.isfinite(scale) and scale > 0):
+                raise ValueError(f"scale {scale} must be positive and finite")
+            values[_SCALE] = np.full(np.shape(current[_SCALE]), scale, dtype=np.float32)
+        tracker = state.get("growth_tracker", state.get("_growth_tracker"))
+        if tracker is not None:
+            if int(tracker) < 0:
+                raise ValueError(f"growth_tracker {tracker} must not be negative")
+            values[_TRACKER] = np.full(np.shape(current[_TRACKER]), int(tracker), dtype=np.float32)
+        if values:
+            self.session.write_variables(values)
+
     def close(self) -> None:
         self.session.close()
 
@@ -369,6 +408,25 @@ class InferenceJob:
         return False
 
 
+def _loss_scale(scaler: Any) -> Tuple[Optional[Dict[str, Any]], int]:
+    """`training_job`'s `scaler=` as `load_training`'s `loss_scale=` (which
+    checks it against the precision) and the growth tracker to start from
+    (a GradScaler that has stepped)."""
+    if scaler is None or isinstance(scaler, dict):
+        return scaler, 0
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler or a dict, not {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return {"enabled": False}, 0
+    settings = {
+        "init_scale": float(scaler.get_scale()),
+        "growth_factor": float(scaler.get_growth_factor()),
+        "backoff_factor": float(scaler.get_backoff_factor()),
+        "growth_interval": int(scaler.get_growth_interval()),
+    }
+    return settings, int(scaler.state_dict().get("_growth_tracker", 0))
+
+
 def training_job(
     client: Any,
     model: torch.nn.Module,
@@ -384,6 +442,7 @@ def training_job(
     save_to: Optional[str] = None,
     accumulate: int = 1,
     precision: Optional[str] = None,
+    scaler: Any = None,
 ) -> TrainingJob:
     """Captures `loss(model(*inputs), *targets)` at the example's shapes and
     loads it as a training session: the example is the model's inputs
@@ -404,7 +463,14 @@ def training_job(
     in fp16 with a `torch.amp.GradScaler`'s loss scaling (initial scale
     2^16, halved on an overflow, whose step is skipped; doubled after 2000
     clean steps): the scale and the clean-step count are the session's
-    variables `amp/scale` and `amp/growth_tracker`."""
+    variables `amp/scale` and `amp/growth_tracker`, read with
+    `job.scaler_state()`. `scaler` sets that scaling: a
+    `torch.amp.GradScaler` (its current scale, growth and backoff factors,
+    growth interval and growth tracker) or a dict of any of `init_scale`,
+    `growth_factor`, `backoff_factor` and `growth_interval`; a ValueError
+    with another precision. A disabled GradScaler (`enabled=False`) trains
+    unscaled with fp32 or bf16-mixed, and is refused with fp16-mixed."""
+    loss_scale, tracker = _loss_scale(scaler)
     example = tuple(example)
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
@@ -449,13 +515,17 @@ def training_job(
         expected_iterations=expected_iterations,
     )
     try:
-        session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm,
-                              save_to=save_to, example=_example_feeds(t, example) if save_to else None,
-                              precision=precision)
+        _, state = session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm,
+                                         save_to=save_to,
+                                         example=_example_feeds(t, example) if save_to else None,
+                                         precision=precision, loss_scale=loss_scale)
+        if tracker:
+            session.write_variables({_TRACKER: np.array([tracker], dtype=np.float32)})
     except BaseException:
         session.close()
         raise
-    return TrainingJob(session, t, model, optimizer, group_names, accumulate)
+    return TrainingJob(session, t, model, optimizer, group_names, accumulate,
+                       scaled=_SCALE in state)
 
 
 def inference_job(
