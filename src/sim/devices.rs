@@ -33,6 +33,7 @@ use lanes_policies::{JobId, Policy, PolicyError};
 
 use super::engine::{simulate_with, JobOutcome, SimConfig, SimError, SimOptions, SimRun};
 use super::placement::LanePlacement;
+use super::report::Summary;
 use super::trace::TraceJob;
 
 /// The result of simulating a trace on several devices.
@@ -243,12 +244,86 @@ fn combine(
     }
 }
 
+/// One device's share of a [`DevicesRun`] (seconds).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DeviceSummary {
+    /// The device's index.
+    pub device: usize,
+    /// Jobs placed on it.
+    pub jobs: usize,
+    /// Its first submission to its last completion.
+    pub makespan_s: f64,
+    /// Its busy lane-time / (its lanes × its makespan).
+    pub utilisation: f64,
+}
+
+/// What `lanes simulate --gpus N` reports for one policy: the combined
+/// numbers (JCT over every job, makespan from the first submission to the
+/// last completion on any device, utilisation over all lanes) and each
+/// device's.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DevicesSummary {
+    /// Over all devices.
+    #[serde(flatten)]
+    pub combined: Summary,
+    /// Number of devices.
+    pub gpus: usize,
+    /// Per device.
+    pub devices: Vec<DeviceSummary>,
+}
+
+impl DevicesSummary {
+    /// Summarise one run.
+    pub fn of(run: &DevicesRun) -> DevicesSummary {
+        DevicesSummary {
+            combined: Summary::of(&run.combined),
+            gpus: run.devices.len(),
+            devices: run
+                .devices
+                .iter()
+                .enumerate()
+                .map(|(device, r)| {
+                    let s = Summary::of(r);
+                    DeviceSummary {
+                        device,
+                        jobs: s.jobs,
+                        makespan_s: s.makespan_s,
+                        utilisation: s.utilisation,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A plain-text table of each policy's devices.
+pub fn devices_table(rows: &[DevicesSummary]) -> String {
+    let w = rows
+        .iter()
+        .map(|r| r.combined.policy.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(14);
+    let mut s = format!(
+        "{:<w$} {:>6} {:>5} {:>12} {:>7}\n",
+        "policy", "gpu", "jobs", "makespan s", "util"
+    );
+    for r in rows {
+        for d in &r.devices {
+            s.push_str(&format!(
+                "{:<w$} {:>6} {:>5} {:>12.1} {:>7.3}\n",
+                r.combined.policy, d.device, d.jobs, d.makespan_s, d.utilisation
+            ));
+        }
+    }
+    s
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::sim::gen::{generate, GenConfig};
-    use crate::sim::report::Summary;
     use lanes_policies::{by_name, JobKind, POLICY_NAMES};
     use proptest::prelude::*;
 

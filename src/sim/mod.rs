@@ -25,7 +25,7 @@ pub mod trace;
 mod waiting;
 
 pub use contention::{CoRun, Contention, ContentionError, FitError};
-pub use devices::{simulate_devices, DevicesRun};
+pub use devices::{devices_table, simulate_devices, DeviceSummary, DevicesRun, DevicesSummary};
 pub use engine::{
     simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun, Startup,
 };
