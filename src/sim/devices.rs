@@ -407,11 +407,10 @@ mod tests {
 
     #[test]
     fn placement_prefers_room_then_load_then_the_shorter_queue() {
-        // Job 0 (12 GiB) takes GPU 0; job 1 (12 GiB) does not fit beside
-        // it and goes to GPU 1; job 2 (1 GiB) fits both and goes to the
-        // less loaded... both hold 12 GiB: the lower index, GPU 0, where
-        // it fits beside job 0. Job 3 (12 GiB) fits nowhere: both queues
-        // are empty, GPU 1 has less memory in use.
+        // Job 0 (12 GiB) takes GPU 0 (both empty: the lower index); job 1
+        // (12 GiB) does not fit beside it: GPU 1. Job 2 (1 GiB) fits both,
+        // equally loaded with one job each: the lower index, GPU 0. Job 3
+        // (12 GiB) fits nowhere, no queue anywhere: GPU 1, less loaded.
         let trace = vec![
             job(0, 0, 1000, 12 * GIB, 0),
             job(1, 1, 1000, 12 * GIB, 0),
