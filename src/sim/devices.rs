@@ -218,7 +218,7 @@ fn combine(
         // A device's run lists its jobs in its trace's order: `ids` sorted.
         for (&i, o) in ids.iter().zip(&run.outcomes) {
             let mut o = o.clone();
-            o.lane = d * lanes + o.lane;
+            o.lane += d * lanes;
             outcomes.push((i, o));
         }
     }
@@ -229,7 +229,7 @@ fn combine(
         .flat_map(|(d, r)| {
             r.schedule.iter().map(move |s| {
                 let mut s = *s;
-                s.lane = d * lanes + s.lane;
+                s.lane += d * lanes;
                 s
             })
         })
