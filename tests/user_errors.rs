@@ -371,3 +371,29 @@ fn replay_against_its_own_service_reports_the_loads() {
             > 0.0
     );
 }
+
+/// `lanes simulate --gpus 0` is refused by the flag's range; `--gpus 2
+/// --json` reports the combined numbers and each GPU's, every job once.
+#[test]
+fn gpus_zero_is_refused_and_two_are_reported_each() {
+    let trace = trace_file("gpus");
+    let t = trace.to_str().unwrap();
+    let err = failed(&lanes(&["simulate", "--trace", t, "--gpus", "0"]), 4);
+    assert!(err.contains("--gpus"), "{err}");
+    let out = lanes(&[
+        "simulate", "--trace", t, "--policy", "fifo", "--gpus", "2", "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = &v[0];
+    assert_eq!(row["jobs"], 20);
+    assert_eq!(row["gpus"], 2);
+    let devices = row["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    let placed: u64 = devices.iter().map(|d| d["jobs"].as_u64().unwrap()).sum();
+    assert_eq!(placed, 20);
+}

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use lanes::sim::{
-    load_trace, plot_jct_cdf, simulate_with, table, Contention, LanePlacement, SimConfig,
-    SimOptions, Startup, Summary,
+    devices_table, load_trace, plot_jct_cdf, simulate_devices, simulate_with, table, Contention,
+    DevicesSummary, LanePlacement, SimConfig, SimOptions, Startup, Summary,
 };
 use lanes::size::ByteSize;
 use lanes_policies::{by_name, POLICY_NAMES};
@@ -19,13 +19,19 @@ pub struct Args {
     /// fifo, srtf, fair, pack, priority, or all (side by side).
     #[arg(long, default_value = "all")]
     pub policy: String,
-    /// Device memory shared by the lanes: a size such as 16GiB (= 16G;
-    /// a bare K/M/G/T is binary) or 16GB (powers of 1000).
+    /// Device memory shared by the lanes (per GPU): a size such as 16GiB
+    /// (= 16G; a bare K/M/G/T is binary) or 16GB (powers of 1000).
     #[arg(long, default_value = "16GiB")]
     pub memory: ByteSize,
-    /// Number of equal lanes the memory is split into.
+    /// Number of equal lanes the memory is split into (per GPU).
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
+    /// Number of GPUs, each with `--memory`, `--lanes` and its own policy
+    /// instance; a job is placed on one when it is submitted, where it is
+    /// admitted soonest (docs/scheduling.md). Reports each GPU and the
+    /// whole.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub gpus: u32,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -108,39 +114,57 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         vec![args.policy.as_str()]
     };
+    let opts = SimOptions {
+        schedule: false,
+        contention,
+        hints: !args.no_hints,
+        startup,
+        load,
+        after_load,
+        placement: args.placement,
+    };
+    let gpus = args.gpus as usize;
     let mut runs = Vec::new();
+    let mut per_device = Vec::new();
     let bar = crate::cli::bar(names.len(), &format!("simulating {} jobs", trace.len()));
     for name in names {
-        let mut policy = by_name(name)?;
         // Only the outcomes are reported: no schedule, so memory stays O(jobs).
-        runs.push(simulate_with(
-            &trace,
-            policy.as_mut(),
-            cfg,
-            SimOptions {
-                schedule: false,
-                contention,
-                hints: !args.no_hints,
-                startup,
-                load,
-                after_load,
-                placement: args.placement,
-            },
-        )?);
+        if gpus == 1 {
+            let mut policy = by_name(name)?;
+            runs.push(simulate_with(&trace, policy.as_mut(), cfg, opts)?);
+        } else {
+            let run = simulate_devices(&trace, &|| by_name(name), cfg, opts, gpus)?;
+            per_device.push(DevicesSummary::of(&run));
+            runs.push(run.combined);
+        }
         bar.inc(1);
     }
     bar.finish_and_clear();
     let rows: Vec<Summary> = runs.iter().map(Summary::of).collect();
-    if args.json {
+    let lane_size = lanes::size::format_size(cfg.memory / cfg.lanes.max(1) as u64);
+    if args.json && gpus == 1 {
         outln!("{}", serde_json::to_string_pretty(&rows)?)?;
-    } else {
+    } else if args.json {
+        outln!("{}", serde_json::to_string_pretty(&per_device)?)?;
+    } else if gpus == 1 {
         outln!(
             "{} jobs, {} lane(s) of {} each",
             trace.len(),
             cfg.lanes,
-            lanes::size::format_size(cfg.memory / cfg.lanes.max(1) as u64)
+            lane_size
         )?;
         out!("{}", table(&rows))?;
+    } else {
+        outln!(
+            "{} jobs, {} GPUs of {} lane(s) of {} each",
+            trace.len(),
+            gpus,
+            cfg.lanes,
+            lane_size
+        )?;
+        out!("{}", table(&rows))?;
+        outln!("per GPU:")?;
+        out!("{}", devices_table(&per_device))?;
     }
     if let Some(path) = &args.plot {
         plot_jct_cdf(&runs, path)?;

@@ -5,11 +5,13 @@
 //! - [`gen`]: synthetic traces with documented distributions;
 //! - [`import`]: public cluster traces' job tables turned into traces;
 //! - [`engine`]: the event-driven simulation itself ([`simulate`]);
+//! - [`devices`]: several GPUs, each job placed on one ([`simulate_devices`]);
 //! - [`report`]: average / p99 JCT, makespan, queueing, utilisation, plots;
 //! - [`live`]: an in-process live replay (threads, sleeps, `sched::Scheduler`);
 //! - [`remote`]: a replay against a running `lanes serve` with zoo models.
 
 pub mod contention;
+pub mod devices;
 pub mod engine;
 pub mod gen;
 pub mod import;
@@ -23,6 +25,7 @@ pub mod trace;
 mod waiting;
 
 pub use contention::{CoRun, Contention, ContentionError, FitError};
+pub use devices::{devices_table, simulate_devices, DeviceSummary, DevicesRun, DevicesSummary};
 pub use engine::{
     simulate, simulate_with, JobOutcome, Segment, SimConfig, SimError, SimOptions, SimRun, Startup,
 };
