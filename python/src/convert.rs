@@ -12,6 +12,7 @@
 //! array when `ml_dtypes` imports, else refused with a `TypeError`.
 
 use crate::errors::{client_error, local, FeedError};
+use lanes_adaptor::wire::copy_bytes;
 use lanes_adaptor::{bf16, f16, DType, FeedBuffers, Tensor, TensorData, TensorType, VarValues};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -109,44 +110,13 @@ pub fn feed_type(value: &Bound<'_, PyAny>) -> Option<TensorType> {
     None
 }
 
-/// Bytes from which a feed's copy is split over threads.
-const PARALLEL_COPY_FROM: usize = 4 << 20;
-
-/// `dst.copy_from_slice(src)`, over up to 4 threads for large feeds: one
-/// core's copy into the shared segment ran at a few GB/s, the largest
-/// cost of a step whose batch is tens of megabytes (MobileNetV3 at batch
-/// 64: 38.5 MB).
-fn parallel_copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
-    let bytes = std::mem::size_of_val(src);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(4)
-        .min(bytes / (PARALLEL_COPY_FROM / 2).max(1));
-    if bytes < PARALLEL_COPY_FROM || threads < 2 || dst.len() != src.len() {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let chunk = src.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let mut parts = dst.chunks_mut(chunk).zip(src.chunks(chunk));
-        // The first part on this thread, the others on their own.
-        let first = parts.next();
-        for (d, s) in parts {
-            scope.spawn(move || d.copy_from_slice(s));
-        }
-        if let Some((d, s)) = first {
-            d.copy_from_slice(s);
-        }
-    });
-}
-
 /// Copies the array `value` into feed `name`'s buffer (one `memcpy` when it
 /// is C-contiguous, else element by element in C order). The buffer's type
 /// was made from this array's ([`feed_type`]).
 pub fn write_feed(buffers: &mut FeedBuffers, name: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
     fn fill<T: Copy + Send + Sync + numpy::Element>(dst: &mut [T], a: &PyReadonlyArrayDyn<'_, T>) {
         match a.as_slice() {
-            Ok(s) if s.len() == dst.len() => parallel_copy(dst, s),
+            Ok(s) if s.len() == dst.len() => copy_bytes(dst, s),
             _ => dst
                 .iter_mut()
                 .zip(a.as_array().iter())
@@ -218,26 +188,4 @@ pub fn values_to_dict<'py>(py: Python<'py>, values: VarValues) -> PyResult<Bound
         d.set_item(k, tensor_to_numpy(py, t)?)?;
     }
     Ok(d)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parallel_copy;
-
-    #[test]
-    fn parallel_copy_copies_every_element() {
-        for n in [
-            0usize,
-            1,
-            1000,
-            (4 << 20) / 4 - 1,
-            (4 << 20) / 4,
-            (9 << 20) / 4 + 3,
-        ] {
-            let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
-            let mut dst = vec![-1.0f32; n];
-            parallel_copy(&mut dst, &src);
-            assert_eq!(dst, src, "{n}");
-        }
-    }
 }

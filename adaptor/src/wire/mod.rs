@@ -34,8 +34,8 @@ pub use decode::{
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use frames::{
-    chunk_frames, max_message_frames, tensor_frame, tensor_from_chunks, tensor_from_frame,
-    tensor_from_frame_in, CHUNK_BYTES,
+    chunk_frames, copy_bytes, max_message_frames, tensor_frame, tensor_from_chunks,
+    tensor_from_frame, tensor_from_frame_in, CHUNK_BYTES,
 };
 pub use message::{
     ErrorReply, JobKind, NamedTensor, Reply, Request, SessionId, SessionSpec, SessionState,

@@ -30,6 +30,17 @@ __device__ __forceinline__ int div_axis(const Strided& s, int d, int n, int* k) 
     return q;
 }
 
+// The offsets of row-major index i of s.dims through s.sa and s.sb, added
+// to *oa and *ob.
+__device__ __forceinline__ void strided_offsets(const Strided& s, int i, int* oa, int* ob) {
+    for (int d = s.rank - 1; d >= 0; --d) {
+        int k;
+        i = div_axis(s, d, i, &k);
+        *oa += k * s.sa[d];
+        *ob += k * s.sb[d];
+    }
+}
+
 #define GRID_LOOP(i, n) \
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
 
@@ -131,13 +142,8 @@ FOR_FLOATS(BINARY_ROW)
 template <typename T>
 __device__ void binary_bcast_t(T* out, const T* a, const T* b, int n, int op, Strided s) {
     GRID_LOOP(i, n) {
-        int rem = i, oa = 0, ob = 0;
-        for (int d = s.rank - 1; d >= 0; --d) {
-            int k;
-            rem = div_axis(s, d, rem, &k);
-            oa += k * s.sa[d];
-            ob += k * s.sb[d];
-        }
+        int oa = 0, ob = 0;
+        strided_offsets(s, i, &oa, &ob);
         store(out + i, binary_f(op, load(a + oa), load(b + ob)));
     }
 }
@@ -156,13 +162,8 @@ template <typename T>
 __device__ void binary_rows_t(T* out, const T* a, const T* b, int rows, int inner, int ia, int ib, int op,
                               Strided s) {
     for (int r = blockIdx.y; r < rows; r += gridDim.y) {
-        int rem = r, oa = 0, ob = 0;
-        for (int d = s.rank - 1; d >= 0; --d) {
-            int k;
-            rem = div_axis(s, d, rem, &k);
-            oa += k * s.sa[d];
-            ob += k * s.sb[d];
-        }
+        int oa = 0, ob = 0;
+        strided_offsets(s, r, &oa, &ob);
         const T* ar = a + oa;
         const T* br = b + ob;
         T* o = out + (long long)r * inner;
@@ -182,13 +183,8 @@ FOR_FLOATS(BINARY_ROWS)
 template <typename T>
 __device__ void strided_copy_impl(T* out, const T* in, int n, Strided s, int ob, int ib) {
     GRID_LOOP(i, n) {
-        int rem = i, oo = ob, oi = ib;
-        for (int d = s.rank - 1; d >= 0; --d) {
-            int k;
-            rem = div_axis(s, d, rem, &k);
-            oo += k * s.sa[d];
-            oi += k * s.sb[d];
-        }
+        int oo = ob, oi = ib;
+        strided_offsets(s, i, &oo, &oi);
         out[oo] = in[oi];
     }
 }

@@ -4,7 +4,7 @@
 
 use lanes_adaptor::DType;
 
-use super::geometry::{i, strided, Strided};
+use super::geometry::{collapse, i, strided, Strided};
 use crate::exec::cuda::device::grid;
 use crate::exec::cuda::elem::Elem;
 use crate::exec::cuda::program::{dev_err, CudaProgram};
@@ -25,34 +25,13 @@ impl CopyPlan {
     /// addresses (their alignment decides the widest unit).
     fn new(s: &Strided, ob: usize, ib: usize, esize: usize, out: u64, inp: u64) -> Option<Self> {
         let rank = s.rank as usize;
-        let mut dims = Vec::with_capacity(rank);
-        let mut sa = Vec::with_capacity(rank);
-        let mut sb = Vec::with_capacity(rank);
-        for k in 0..rank {
-            let d = s.dims[k] as usize;
-            if d == 0 {
-                return None;
-            }
-            if d > 1 {
-                dims.push(d);
-                sa.push(s.sa[k] as usize);
-                sb.push(s.sb[k] as usize);
-            }
+        if s.dims[..rank].contains(&0) {
+            return None;
         }
-        // Merge an axis into the next when both sides step over it as one.
-        let mut k = dims.len();
-        while k >= 2 {
-            let (j, n) = (k - 2, k - 1);
-            if sa[j] == sa[n] * dims[n] && sb[j] == sb[n] * dims[n] {
-                dims[j] *= dims[n];
-                sa[j] = sa[n];
-                sb[j] = sb[n];
-                dims.remove(n);
-                sa.remove(n);
-                sb.remove(n);
-            }
-            k -= 1;
-        }
+        let as_usize = |v: &[i32]| v[..rank].iter().map(|&x| x as usize).collect::<Vec<_>>();
+        // Axes of size 1 dropped, neighbours both sides step over as one merged.
+        let (mut dims, mut sa, mut sb) =
+            collapse(&as_usize(&s.dims), &as_usize(&s.sa), &as_usize(&s.sb));
         let (mut ob, mut ib, mut unit) = (ob, ib, esize);
         if let (Some(&1), Some(&1)) = (sa.last(), sb.last()) {
             let r = dims.len();
