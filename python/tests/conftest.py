@@ -37,40 +37,51 @@ def device_args() -> list:
     return ["--device", device]
 
 
-@pytest.fixture(scope="session")
-def endpoint(tmp_path_factory):
-    sock = tmp_path_factory.mktemp("lanes") / "serve.sock"
+def start_service(sock, args, log_path):
+    """A `lanes serve` child on `ipc://sock` with `args`, once a client
+    connects (60 s at most; its output goes to `log_path`): (process,
+    endpoint)."""
     ep = f"ipc://{sock}"
-    log = open(sock.with_name("serve.log"), "wb")
-    proc = subprocess.Popen(
-        [str(lanes_bin()), "serve", "--endpoint", ep, "--workers", "2", *device_args()],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(lanes_bin()), "serve", "--endpoint", ep, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None:
-            log.close()
             raise RuntimeError(
                 f"lanes serve exited with {proc.returncode}: "
-                + sock.with_name("serve.log").read_text(errors="replace")
+                + Path(log_path).read_text(errors="replace")
             )
         try:
-            lanes.Client(ep, timeout=2.0).close()
-            break
+            lanes.Client(ep, timeout=2.0, connect_timeout=1.0).close()
+            return proc, ep
         except lanes.LanesError:
             if time.monotonic() > deadline:
                 proc.kill()
                 raise
             time.sleep(0.1)
+
+
+def stop_service(proc):
+    """Terminates a service child (killed after 20 s)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def endpoint(tmp_path_factory):
+    sock = tmp_path_factory.mktemp("lanes") / "serve.sock"
+    proc, ep = start_service(sock, ["--workers", "2", *device_args()], sock.with_name("serve.log"))
     yield ep
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    stop_service(proc)
 
 
 @pytest.fixture

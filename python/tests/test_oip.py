@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import DATA, device_args, lanes_bin
+from conftest import DATA, device_args, lanes_bin, stop_service
 
 import lanes
 
@@ -62,12 +62,7 @@ def served(tmp_path_factory):
     url = url.removesuffix("/v2")
     grpc_url = line.split("gRPC inference protocol at ")[1].split()[0]
     yield url, endpoint, grpc_url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_service(proc)
     log.close()
 
 

@@ -4,7 +4,6 @@ docs/multi-gpu.md)."""
 
 import json
 import subprocess
-import time
 
 import numpy as np
 import pytest

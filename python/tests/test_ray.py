@@ -9,7 +9,6 @@ Skipped when ray is not installed (`pip install "ray[tune]"`; .ci/python
 installs it)."""
 
 import os
-import subprocess
 import sys
 import time
 
@@ -18,7 +17,7 @@ import pytest
 
 import lanes
 import lanes.ray
-from conftest import lanes_bin
+import conftest
 
 ray = pytest.importorskip("ray", reason='ray is not installed (pip install "ray[tune]")')
 cluster_utils = pytest.importorskip("ray.cluster_utils", reason="ray.cluster_utils is missing")
@@ -30,36 +29,12 @@ STEPS = 6
 
 def start_service(path):
     """A `lanes serve --device cpu` child on `ipc://path`, answering."""
-    ep = f"ipc://{path}"
-    log = open(f"{path}.log", "wb")
-    proc = subprocess.Popen(
-        [str(lanes_bin()), "serve", "--endpoint", ep, "--workers", "1", "--device", "cpu", "--memory", "256MiB"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    return conftest.start_service(
+        path, ["--workers", "1", "--device", "cpu", "--memory", "256MiB"], f"{path}.log"
     )
-    log.close()
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lanes serve exited with {proc.returncode}: {open(f'{path}.log').read()}")
-        try:
-            lanes.Client(ep, timeout=2.0, connect_timeout=1.0).close()
-            return proc, ep
-        except lanes.LanesError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.1)
 
 
-def stop(proc):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+stop = conftest.stop_service
 
 
 @pytest.fixture(scope="module")

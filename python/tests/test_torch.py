@@ -27,7 +27,6 @@ weights within 1e-2.
 import copy
 import os
 import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -37,7 +36,7 @@ torchvision = pytest.importorskip("torchvision")
 
 import lanes  # noqa: E402
 import lanes.torch as lt  # noqa: E402
-from conftest import lanes_bin  # noqa: E402
+from conftest import lanes_bin, start_service, stop_service  # noqa: E402
 
 STEPS = int(os.environ.get("LANES_TORCH_STEPS", "50"))
 
@@ -528,19 +527,9 @@ def test_a_dynamic_batch_inference_job_takes_any_batch_size(client):
 
 def test_a_model_larger_than_the_service_gets_the_admission_error(tmp_path):
     sock = tmp_path / "small.sock"
-    ep = f"ipc://{sock}"
-    proc = subprocess.Popen([str(lanes_bin()), "serve", "--device", "cpu", "--endpoint", ep, "--memory", "4MiB"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, ep = start_service(sock, ["--device", "cpu", "--memory", "4MiB"], tmp_path / "small.log")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                c = lanes.Client(ep, timeout=2.0)
-                break
-            except lanes.LanesError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        with c:
+        with lanes.Client(ep, timeout=2.0) as c:
             m = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
             x, y = torch.randn(4, 1024), torch.randint(0, 10, (4,))
             with pytest.raises(lanes.ModelError) as e:
@@ -549,8 +538,7 @@ def test_a_model_larger_than_the_service_gets_the_admission_error(tmp_path):
             assert e.value.code_name is not None
             assert "P" in str(e.value) and "T" in str(e.value)
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        stop_service(proc)
 
 
 @pytest.mark.parametrize("name", ["squeezenet1_1", "googlenet", "densenet121", "shufflenet_v2_x0_5",
