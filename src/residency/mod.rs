@@ -405,6 +405,34 @@ pub struct SwitchReport {
     pub bytes: u64,
     /// The plan's prediction, seconds.
     pub predicted: f64,
+    /// Where the switch's time went, when asked for (`LANES_SWITCH_TRACE=1`,
+    /// CUDA only).
+    pub trace: Option<SwitchTrace>,
+}
+
+/// One switch step by step, milliseconds. Host times count from the call;
+/// device times from an event recorded on the copy stream before the feeds
+/// (so the two clocks differ by the host's work before that event).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct SwitchTrace {
+    /// Host: the first group's memory mapped (and the ephemeral part).
+    pub host_mapped_ms: f64,
+    /// Host: the feeds' copies enqueued (on the compute stream, after every
+    /// group's copy).
+    pub host_feeds_ms: f64,
+    /// Host: each group's copy enqueued (its memory mapped first).
+    pub host_enqueued_ms: Vec<f64>,
+    /// Host: the compute launched (segments or nodes).
+    pub host_launched_ms: f64,
+    /// Host: the outputs on the host.
+    pub host_done_ms: f64,
+    /// Device: the feeds in (compute stream).
+    pub feeds_in_ms: f64,
+    /// Device: each group's copy done.
+    pub copy_done_ms: Vec<f64>,
+    /// Device: the prefix's and each group's segment done (replayed
+    /// switches only).
+    pub compute_done_ms: Vec<f64>,
 }
 
 #[cfg(test)]

@@ -102,6 +102,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         let mut times = Vec::with_capacity(a.iters);
         let mut groups = 0;
         let mut replayed = true;
+        let mut traces = Vec::with_capacity(a.iters);
         let bar = crate::cli::bar(a.iters, &format!("switches with {s}"));
         for _ in 0..a.iters {
             prog.evict()?;
@@ -109,12 +110,20 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
             let (out, rep) = prog.run_switching(&feeds, &fetch, s)?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
             groups = rep.as_ref().map_or(0, |r| r.groups);
+            traces.push(rep.as_ref().and_then(|r| r.trace.clone()));
             replayed &= rep.is_some_and(|r| r.replayed);
             identical &= bits(&out)? == want;
             bar.inc(1);
         }
         bar.finish_and_clear();
         let m = median(times.clone());
+        // The trace of the switch whose time is the median
+        // (LANES_SWITCH_TRACE=1).
+        let mut by_time: Vec<usize> = (0..times.len()).collect();
+        by_time.sort_by(|&i, &j| times[i].total_cmp(&times[j]));
+        let trace = by_time
+            .get(by_time.len() / 2)
+            .and_then(|&i| traces.get(i).cloned().flatten());
         medians.insert(s.name(), m);
         let plan = prog.plan(s);
         rows.insert(
@@ -125,6 +134,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
                 "groups": groups,
                 "replayed_segments": replayed,
                 "predicted_ms": plan.predicted * 1e3,
+                "trace": trace,
             }),
         );
     }

@@ -520,6 +520,7 @@ impl CpuProgram {
             groups: plan.groups(),
             bytes: res.layout.bytes(),
             predicted: plan.predicted,
+            trace: None,
         };
         out.map(|o| (o, Some(report)))
     }

@@ -28,7 +28,9 @@ use crate::exec::cuda::fuse::{find_chains, Fusion};
 use crate::exec::cuda::pin::SegmentPins;
 use crate::exec::cuda::vm::{granularity, VmArena};
 use crate::exec::{ExecError, HostFeed};
-use crate::residency::{Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport};
+use crate::residency::{
+    Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport, SwitchTrace,
+};
 
 pub use layout::ephemeral_need;
 use layout::{ephemeral_extent, plan_convs};
@@ -716,7 +718,10 @@ impl CudaProgram {
     /// (none when [`CudaOptions::fuse`] is off), and the nodes that launch
     /// nothing of their own.
     pub fn fused_chains(&self) -> (usize, usize) {
-        (self.fusion.chains.len(), self.fusion.skipped())
+        (
+            self.fusion.chains.len() + self.fusion.softmax.len(),
+            self.fusion.skipped(),
+        )
     }
 
     /// How many reshapes are views of their inputs under the current

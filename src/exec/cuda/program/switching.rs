@@ -14,6 +14,20 @@ pub(super) fn arena_fill() -> Option<u8> {
     })
 }
 
+/// `LANES_SWITCH_TRACE=1`: every switch times its steps into its report
+/// ([`SwitchTrace`]): timing events on both streams and the host's clock.
+fn switch_trace() -> bool {
+    static TRACE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TRACE.get_or_init(|| std::env::var("LANES_SWITCH_TRACE").is_ok_and(|v| v == "1"))
+}
+
+/// Milliseconds from `a` to `b`.
+fn between(a: &CudaEvent, b: &CudaEvent) -> Result<f64, ExecError> {
+    a.elapsed_ms(b)
+        .map(f64::from)
+        .map_err(|e| dev_err("event", e))
+}
+
 /// Per-group cost on the compute side (one stream wait), seconds.
 const WAIT_OVERHEAD: f64 = 2e-6;
 
@@ -247,6 +261,10 @@ impl CudaProgram {
             .ctx
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
+        let traced = switch_trace();
+        let t0 = std::time::Instant::now();
+        let ms = |t: std::time::Instant| (t - t0).as_secs_f64() * 1e3;
+        let mut trace = SwitchTrace::default();
         self.pin_feeds(feeds);
         let (feed_list, outs) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
@@ -266,15 +284,15 @@ impl CudaProgram {
         } else {
             self.arena.map_deferred(first)?;
         }
+        trace.host_mapped_ms = ms(std::time::Instant::now());
         let base = self.base;
         let p = self.res.bytes;
         // The ephemeral part is left as mapped: every kernel
         // writes its outputs before anything reads them (checked by filling
         // it with NaN bytes under LANES_ARENA_FILL=poison and comparing with
         // resident runs, see docs/switching.md). The fill, when asked for,
-        // runs on the compute stream around the feeds, which the copy stream
-        // brings in first: a copy from pageable memory returns only once
-        // done, so behind the weights it would hold up every launch.
+        // runs on the compute stream around the feeds, which that stream
+        // brings in after it (below).
         let mut fed: Vec<(usize, usize)> = feed_list
             .iter()
             .map(|(o, t)| {
@@ -304,13 +322,7 @@ impl CudaProgram {
             at = at.max(hi);
         }
         let copy = &self.res.copy;
-        for (o, t) in &feed_list {
-            self.upload_on(*o, *t, copy)?;
-        }
-        let feeds_in = self.event(copy, false)?;
-        self.stream
-            .wait(&feeds_in)
-            .map_err(|e| dev_err("stream wait", e))?;
+        let start = traced.then(|| self.event(copy, true)).transpose()?;
         let host = self
             .res
             .host
@@ -334,17 +346,30 @@ impl CudaProgram {
                 )
             }
             .map_err(|e| dev_err("host to device copy", e))?;
-            groups.push((units[r.start].first_use, self.event(copy, false)?));
+            groups.push((units[r.start].first_use, self.event(copy, traced)?));
+            if traced {
+                trace.host_enqueued_ms.push(ms(std::time::Instant::now()));
+            }
         }
         // Whatever the groups did not cover (alignment tail), before any
         // kernel runs.
         self.arena.map()?;
+        // The feeds go in on the compute stream once every group's copy is
+        // queued: the weights stream from the first moment, and a feed
+        // from pageable memory (whose copy returns only once done) holds up
+        // neither the weights nor, behind them, every launch.
+        for (o, t) in &feed_list {
+            self.upload_on(*o, *t, &self.stream)?;
+        }
+        let feeds_in = self.event(&self.stream, traced)?;
+        trace.host_feeds_ms = ms(std::time::Instant::now());
         let recorded = self
             .res
             .segments
             .get(&strategy)
             .filter(|sg| sg.starts == plan.starts);
         let replayed = recorded.is_some();
+        let mut done: Vec<CudaEvent> = Vec::new();
         let launched = if let Some(sg) = recorded {
             // Prefix, then each group's segment after its copy event.
             let mut r = Ok(());
@@ -359,6 +384,9 @@ impl CudaProgram {
                     if r.is_err() {
                         break;
                     }
+                }
+                if traced {
+                    done.push(self.event(&self.stream, true)?);
                 }
             }
             for (_, ev) in &groups {
@@ -382,12 +410,23 @@ impl CudaProgram {
             wait_until(usize::MAX)?;
             launched
         };
+        trace.host_launched_ms = ms(std::time::Instant::now());
         // Wait before copying to pageable memory (see `wait_idle`).
         let r: Result<Vec<Tensor>, ExecError> = launched
             .and_then(|()| self.sync())
             .and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
         self.sync()?;
         wait_idle(copy)?;
+        trace.host_done_ms = ms(std::time::Instant::now());
+        if let Some(e0) = &start {
+            trace.feeds_in_ms = between(e0, &feeds_in)?;
+            for (_, e) in &groups {
+                trace.copy_done_ms.push(between(e0, e)?);
+            }
+            for e in &done {
+                trace.compute_done_ms.push(between(e0, e)?);
+            }
+        }
         self.res.resident = true;
         self.res.dirty = self.res.updates;
         if !replayed
@@ -410,6 +449,7 @@ impl CudaProgram {
             groups: plan.groups(),
             bytes: self.res.layout.bytes(),
             predicted: plan.predicted,
+            trace: traced.then_some(trace),
         };
         r.map(|o| (o, Some(report)))
     }
