@@ -7,7 +7,9 @@
 //! placeholder's from step 0: the feed is in memory before the iteration
 //! starts) to the step of its last consumer, or to step `n` when the Run
 //! fetches it. An output nobody reads still occupies its bytes at its
-//! producer's step, since the kernel writes it.
+//! producer's step, since the kernel writes it. What a softmax chain
+//! (`chains.rs`) reads lives to the chain's last node, where a backend may
+//! run the chain as one kernel.
 //!
 //! Variables and constants are persistent: they live across iterations,
 //! outside the arena.
@@ -97,6 +99,22 @@ pub(crate) fn collect(g: &ValidGraph, fetched: &HashSet<Outlet>) -> Result<Tenso
                 first,
                 last,
             });
+        }
+    }
+    // What a fused softmax chain reads stays until the chain's kernel runs.
+    let keep = super::chains::keep_alive(graph, g.order(), fetched);
+    if !keep.is_empty() {
+        let at: std::collections::HashMap<Outlet, usize> = out
+            .ephemeral
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (e.outlet, k))
+            .collect();
+        for (o, until) in keep {
+            if let Some(&k) = at.get(&o) {
+                let e = &mut out.ephemeral[k];
+                e.last = e.last.max(step[until.index()]);
+            }
         }
     }
     Ok(out)

@@ -25,6 +25,7 @@
 
 pub mod arena;
 pub mod cache;
+pub mod chains;
 mod lifetime;
 mod views;
 

@@ -44,6 +44,9 @@ mod amp;
 /// Reshapes planned as views: no copy, no launch (`views.rs`).
 mod views;
 
+/// Softmax chains as one kernel.
+mod softmax;
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,

@@ -1,10 +1,10 @@
 //! Launching a fused chain (see `fuse.rs`) and choosing, per node, between
 //! it and the node's own kernels.
 
-use lanes_adaptor::{NodeId, Outlet};
+use lanes_adaptor::{DType, NodeId, Outlet};
 
-use super::device::grid;
-use super::fuse::{Act, Chain, Role};
+use super::device::{grid, warps};
+use super::fuse::{Act, Chain, Role, SoftmaxChain};
 use super::ops::plane_rows;
 use super::program::{op_err, CudaProgram};
 use crate::exec::ExecError;
@@ -29,6 +29,13 @@ impl CudaProgram {
                 })?;
                 self.exec_chain(chain)
             }
+            Role::Softmax(k) => {
+                let chain = self.fusion.softmax.get(k).ok_or_else(|| {
+                    let node = &self.graph.graph().nodes[id.index()];
+                    op_err(id, node, format!("fused softmax chain {k} is missing"))
+                })?;
+                self.exec_softmax(chain)
+            }
         }
     }
 
@@ -42,6 +49,7 @@ impl CudaProgram {
             Role::Plain | Role::ConvWithoutBias => Some(g.nodes[id.index()].op.name()),
             Role::Skip => None,
             Role::Last(k) => self.fusion.chains.get(k).map(Chain::name),
+            Role::Softmax(k) => self.fusion.softmax.get(k).map(SoftmaxChain::name),
         }
     }
 
@@ -134,6 +142,84 @@ impl CudaProgram {
             cfg,
             &[
                 &y, &x, &res, &bias, &g, &b, &m, &v, &n32, &c32, &inner32, &eps, &flags, &v4,
+            ],
+        )
+    }
+
+    /// A softmax chain (`fuse/softmax.rs`) as one kernel.
+    fn exec_softmax(&self, c: &SoftmaxChain) -> Result<(), ExecError> {
+        let g = self.graph.graph();
+        let node = &g.nodes[c.softmax.index()];
+        let dims = self
+            .slot(Outlet::new(c.softmax, 0))
+            .ty
+            .shape
+            .dims()
+            .to_vec();
+        let d = dims.last().copied().unwrap_or(1);
+        let rows = dims.iter().product::<usize>() / d.max(1);
+        if rows == 0 || d == 0 {
+            return Ok(());
+        }
+        let code = |o: Outlet| -> Result<i32, ExecError> {
+            match self.slot(o).ty.dtype {
+                DType::F32 => Ok(0),
+                DType::F16 => Ok(1),
+                DType::BF16 => Ok(2),
+                other => Err(op_err(
+                    c.softmax,
+                    node,
+                    format!("a fused softmax does not read or write {other:?}"),
+                )),
+            }
+        };
+        // Every tensor holds at most i32::MAX elements (checked at load).
+        let (rows32, d32) = (rows as i32, d as i32);
+        let own = if c.own {
+            self.addr(Outlet::new(c.softmax, 0))
+        } else {
+            0
+        };
+        let (half, hdt) = match c.half {
+            Some(h) => (self.addr(h), code(h)?),
+            None => (0, 0),
+        };
+        let x = self.addr(c.x);
+        let xdt = code(c.x)?;
+        if let Some(y) = c.y {
+            // The gradient: dx into the half output, or f32 into its own.
+            let (dx, dxdt) = if c.half.is_some() {
+                (half, hdt)
+            } else {
+                (own, 0)
+            };
+            let y = self.addr(y);
+            let has_post = i32::from(c.post_scale.is_some());
+            let post = c.post_scale.unwrap_or(1.0);
+            return self.k(
+                "softmax_grad_mixed",
+                warps(rows),
+                &[&dx, &dxdt, &has_post, &post, &y, &x, &xdt, &rows32, &d32],
+            );
+        }
+        let lead: Vec<usize> = {
+            let mut l = vec![1usize; 4usize.saturating_sub(dims.len())];
+            l.extend_from_slice(&dims[..dims.len() - 1]);
+            l
+        };
+        let (l1, l2) = (lead[1] as i32, lead[2] as i32);
+        let (mask, [m0, m1, m2]) = match c.mask {
+            Some((o, st)) => (self.addr(o), st),
+            None => (0, [0; 3]),
+        };
+        let has_scale = i32::from(c.scale.is_some());
+        let scale = c.scale.unwrap_or(1.0);
+        self.k(
+            "softmax_mixed",
+            warps(rows),
+            &[
+                &own, &half, &hdt, &x, &xdt, &mask, &has_scale, &scale, &l1, &l2, &m0, &m1, &m2,
+                &rows32, &d32,
             ],
         )
     }

@@ -27,6 +27,8 @@ use std::collections::{HashMap, HashSet};
 
 use lanes_adaptor::{DType, Graph, NodeId, Op, Outlet, TensorType};
 
+pub use crate::compile::chains::SoftmaxChain;
+
 /// One fused chain: y = relu?(bn?(x + bias?) + residual?), channels on
 /// axis 1.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,12 +113,17 @@ pub enum Role {
     Skip,
     /// The last node of chain `k`: launches the fused kernel.
     Last(usize),
+    /// The last node of softmax chain `k` (`softmax.rs`).
+    Softmax(usize),
 }
 
 /// The chains of a program and each node's role.
 #[derive(Debug, Clone, Default)]
 pub struct Fusion {
     pub chains: Vec<Chain>,
+    /// Softmax chains (`softmax.rs`), matched after the chains above on the
+    /// nodes they left.
+    pub softmax: Vec<SoftmaxChain>,
     roles: HashMap<NodeId, Role>,
 }
 
@@ -176,7 +183,33 @@ pub fn find_chains(
             None => pos += 1,
         }
     }
+    // Softmax chains (`compile::chains`) on the nodes left, where the
+    // layout keeps what they read apart from what they write (the plan's
+    // lifetimes make it so).
+    for c in crate::compile::chains::softmax_chains(graph, order, fetchable) {
+        let free = c.nodes.iter().all(|n| !fusion.roles.contains_key(n));
+        if !free || !disjoint(&c, range) {
+            continue;
+        }
+        for &n in &c.nodes[..c.nodes.len() - 1] {
+            fusion.roles.insert(n, Role::Skip);
+        }
+        fusion
+            .roles
+            .insert(c.last(), Role::Softmax(fusion.softmax.len()));
+        fusion.softmax.push(c);
+    }
     fusion
+}
+
+/// Every tensor `c` writes is disjoint from every ephemeral tensor it
+/// reads.
+fn disjoint(c: &SoftmaxChain, range: RangeOf<'_>) -> bool {
+    let reads: Vec<(usize, usize)> = c.reads().into_iter().filter_map(range).collect();
+    c.writes().into_iter().all(|w| match range(w) {
+        Some((lo, hi)) => reads.iter().all(|&(a, b)| b <= lo || a >= hi),
+        None => false,
+    })
 }
 
 struct Matcher<'a> {

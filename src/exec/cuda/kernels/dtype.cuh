@@ -62,3 +62,25 @@ __device__ __forceinline__ float load(const bf16* p) { return to_f32(*p); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(f16* p, float v) { *p = f32_to_f16(v); }
 __device__ __forceinline__ void store(bf16* p, float v) { *p = f32_to_bf16(v); }
+
+// Element types chosen at run time, for fused kernels whose tensors' types
+// vary by graph (fuse/softmax.rs): 0 f32, 1 fp16, 2 bf16 (softmax_dt in
+// ops). The branch is uniform over a launch.
+__device__ __forceinline__ float load_dt(const void* p, long long i, int dt) {
+    if (dt == 1) return load((const f16*)p + i);
+    if (dt == 2) return load((const bf16*)p + i);
+    return ((const float*)p)[i];
+}
+
+__device__ __forceinline__ void store_dt(void* p, long long i, float v, int dt) {
+    if (dt == 1) store((f16*)p + i, v);
+    else if (dt == 2) store((bf16*)p + i, v);
+    else ((float*)p)[i] = v;
+}
+
+// v as a tensor of type dt holds it: rounded to nearest even for a half type.
+__device__ __forceinline__ float round_dt(float v, int dt) {
+    if (dt == 1) return to_f32(f32_to_f16(v));
+    if (dt == 2) return to_f32(f32_to_bf16(v));
+    return v;
+}

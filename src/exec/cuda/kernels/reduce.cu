@@ -216,6 +216,72 @@ extern "C" __global__ void softmax_grad(float* dx, const float* y, const float* 
     }
 }
 
+// softmax_mixed's input element j of the row at b: as the ops before the
+// softmax left it.
+__device__ __forceinline__ float smx_in(const void* x, int xdt, const void* mask, long long b, long long mb, int j,
+                                        int has_scale, float scale) {
+    float v = load_dt(x, b + j, xdt);
+    if (has_scale) v = round_dt(v * scale, xdt);
+    if (mask) v = round_dt(v + load_dt(mask, mb + j, xdt), xdt);
+    return v;
+}
+
+// Softmax over the last axis with what mixed precision puts around it
+// (fuse/softmax.rs), one warp per row of D contiguous values: the input is
+// read in its own type xdt, optionally scaled (x * scale, rounded to xdt as
+// the Scale op stores it) and a mask added (rounded to xdt as the Add
+// stores it; the mask broadcast over the leading axes: row q's indices over
+// l0 x l1 x l2, the last fastest, times the mask's row strides m0..m2),
+// then widened to f32 (the Cast: exact). The f32 result goes to y32 when
+// it is non-null and, rounded, to yh of type hdt (the Cast after it) when
+// that is non-null. Every step is the unfused ops' arithmetic.
+extern "C" __global__ void softmax_mixed(float* y32, void* yh, int hdt, const void* x, int xdt, const void* mask,
+                                         int has_scale, float scale, int l1, int l2, int m0, int m1, int m2,
+                                         int rows, int D) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    long long b = (long long)q * D;
+    long long mb = 0;
+    if (mask) {
+        int i2 = q % l2, r = q / l2;
+        int i1 = r % l1, i0 = r / l1;
+        mb = ((long long)i0 * m0 + (long long)i1 * m1 + (long long)i2 * m2) * D;
+    }
+    float mx = NEG_INF;
+    for (int j = lane; j < D; j += 32) mx = fmaxf(mx, smx_in(x, xdt, mask, b, mb, j, has_scale, scale));
+    mx = warp_max(mx);
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) s += expf(smx_in(x, xdt, mask, b, mb, j, has_scale, scale) - mx);
+    s = warp_sum(s);
+    float inv = 1.0f / s;
+    for (int j = lane; j < D; j += 32) {
+        float v = expf(smx_in(x, xdt, mask, b, mb, j, has_scale, scale) - mx) * inv;
+        if (y32) y32[b + j] = v;
+        if (yh) store_dt(yh, b + j, v, hdt);
+    }
+}
+
+// Softmax's gradient over the last axis, dx = y * (dy - sum(dy * y)), with
+// dy read in its own type dydt (the Cast before it: exact) and dx stored as
+// type dxdt (the Cast after it), then optionally scaled and stored again
+// (the Scale after that, post_scale, rounded to dxdt).
+extern "C" __global__ void softmax_grad_mixed(void* dx, int dxdt, int has_post, float post_scale, const float* y,
+                                              const void* dy, int dydt, int rows, int D) {
+    int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (q >= rows) return;
+    long long b = (long long)q * D;
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) s += load_dt(dy, b + j, dydt) * y[b + j];
+    s = warp_sum(s);
+    for (int j = lane; j < D; j += 32) {
+        float v = y[b + j] * (load_dt(dy, b + j, dydt) - s);
+        if (has_post) v = round_dt(v, dxdt) * post_scale;
+        store_dt(dx, b + j, v, dxdt);
+    }
+}
+
 // One warp per row of D contiguous values; biased variance as PyTorch.
 extern "C" __global__ void layernorm(float* y, const float* x, const float* g, const float* bt, int rows, int D, float eps) {
     int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -273,6 +339,67 @@ extern "C" __global__ void layernorm_grad(float* dx, float* dg, float* db, const
     for (int q = blockIdx.x * per_block + (threadIdx.x >> 5); q < rows; q += gridDim.x * per_block) {
         long long o = (long long)q * D;
         layernorm_grad_row(dx + o, acc, acc + D, x + o, g, dy + o, D, eps, lane);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        atomicAdd(&dg[j], acc[j]);
+        atomicAdd(&db[j], acc[D + j]);
+    }
+}
+
+// layernorm_grad for rows of at most 32·LN_REG values (D ≤ 1024): each
+// lane keeps its columns' dgamma and dbeta terms in registers over every
+// row its warp does, then adds them into the block's shared sums once (one
+// shared atomic per column and warp, where layernorm_grad has one per
+// element), and the block adds those into dg and db once.
+#define LN_REG 32
+extern "C" __global__ void layernorm_grad_reg(float* dx, float* dg, float* db, const float* x, const float* g,
+                                              const float* dy, int rows, int D, float eps) {
+    extern __shared__ float acc[];
+    for (int j = threadIdx.x; j < 2 * D; j += blockDim.x) acc[j] = 0.0f;
+    __syncthreads();
+    int lane = threadIdx.x & 31;
+    int per_block = blockDim.x >> 5;
+    float pg[LN_REG], pb[LN_REG];
+#pragma unroll
+    for (int t = 0; t < LN_REG; ++t) { pg[t] = 0.0f; pb[t] = 0.0f; }
+    for (int q = blockIdx.x * per_block + (threadIdx.x >> 5); q < rows; q += gridDim.x * per_block) {
+        long long o = (long long)q * D;
+        const float* xr = x + o;
+        const float* dyr = dy + o;
+        float s = 0.0f;
+        for (int j = lane; j < D; j += 32) s += xr[j];
+        float mean = warp_sum(s) / D;
+        float v = 0.0f;
+        for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; v += d * d; }
+        float inv = rsqrtf(warp_sum(v) / D + eps);
+        float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+        for (int t = 0; t < LN_REG; ++t) {
+            int j = lane + 32 * t;
+            if (j < D) {
+                float xh = (xr[j] - mean) * inv;
+                float gd = dyr[j] * g[j];
+                s1 += gd;
+                s2 += gd * xh;
+                pg[t] += dyr[j] * xh;
+                pb[t] += dyr[j];
+            }
+        }
+        s1 = warp_sum(s1) / D;
+        s2 = warp_sum(s2) / D;
+        for (int j = lane; j < D; j += 32) {
+            float xh = (xr[j] - mean) * inv;
+            dx[o + j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < LN_REG; ++t) {
+        int j = lane + 32 * t;
+        if (j < D) {
+            atomicAdd(&acc[j], pg[t]);
+            atomicAdd(&acc[D + j], pb[t]);
+        }
     }
     __syncthreads();
     for (int j = threadIdx.x; j < D; j += blockDim.x) {

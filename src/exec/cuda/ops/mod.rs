@@ -657,9 +657,20 @@ impl CudaProgram {
                 ];
                 // dgamma and dbeta summed per block in shared memory
                 // (2·D floats, within the 48 KiB every launch may take);
-                // 8 warps a block, at most 256 blocks.
+                // 8 warps a block. Rows of at most 1,024 keep each lane's
+                // terms in registers until the warp is done (at most 512
+                // blocks, whose sums go to dg and db by atomics), longer
+                // ones add each row's terms into shared memory (at most
+                // 256 blocks).
                 let shared = 2 * d * 4;
-                if shared <= 48 * 1024 {
+                if d <= 1024 {
+                    let cfg = LaunchConfig {
+                        grid_dim: (rows.div_ceil(8).clamp(1, 512) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: shared as u32,
+                    };
+                    self.k("layernorm_grad_reg", cfg, &args)
+                } else if shared <= 48 * 1024 {
                     let cfg = LaunchConfig {
                         grid_dim: (rows.div_ceil(8).clamp(1, 256) as u32, 1, 1),
                         block_dim: (256, 1, 1),
