@@ -268,6 +268,88 @@ fn switch_reports_every_strategy_with_identical_outputs() {
     assert!(v["lower_bound_ms"].as_f64().unwrap() > 0.0);
 }
 
+/// `bench switch --precision bf16`: the weights stored in bf16 switch back
+/// with outputs bit-identical to the resident run under every strategy, as
+/// in fp32, and the bytes a switch copies (P) are at most 0.55× fp32's.
+#[test]
+fn switch_at_bf16_copies_half_the_bytes() {
+    let run = |precision: &str| {
+        bench(&[
+            "switch",
+            "--model",
+            "lenet",
+            "--batch",
+            "2",
+            "--iters",
+            "2",
+            "--precision",
+            precision,
+        ])
+        .0
+    };
+    let (f32_run, bf16_run) = (run("fp32"), run("bf16"));
+    for v in [&f32_run, &bf16_run] {
+        assert_eq!(v["outputs_identical_to_resident"], Value::Bool(true), "{v}");
+        assert_eq!(v["strategies"]["single"]["groups"].as_u64(), Some(1), "{v}");
+    }
+    assert_eq!(bf16_run["precision"], "bf16", "{bf16_run}");
+    assert_eq!(f32_run["precision"], "fp32", "{f32_run}");
+    let p = |v: &Value| v["persistent_bytes"].as_u64().unwrap() as f64;
+    let ratio = p(&bf16_run) / p(&f32_run);
+    assert!(ratio <= 0.55 && ratio > 0.25, "P bf16 / fp32 = {ratio}");
+    if device() == "cuda" {
+        let copied = |v: &Value| v["first_evict_copied_bytes"].as_u64().unwrap() as f64;
+        assert!(copied(&bf16_run) <= 0.55 * copied(&f32_run));
+    }
+}
+
+/// `bench pack --precision bf16`: the memory sized for `--fit` fp32 models
+/// holds about twice as many bf16 ones; the report says how many and the
+/// service held more resident at once than in fp32.
+#[test]
+fn pack_at_bf16_fits_about_twice_the_models() {
+    let run = |precision: &str| {
+        bench(&[
+            "pack",
+            "--model",
+            "mlp",
+            "--batch",
+            "2",
+            "--models",
+            "8",
+            "--fit",
+            "2",
+            "--requests",
+            "40",
+            "--precision",
+            precision,
+        ])
+        .0
+    };
+    let (f32_run, bf16_run) = (run("fp32"), run("bf16"));
+    assert_eq!(bf16_run["precision"], "bf16", "{bf16_run}");
+    assert_eq!(f32_run["fits"].as_u64(), Some(2), "{f32_run}");
+    assert_eq!(
+        f32_run["memory_bytes"], bf16_run["memory_bytes"],
+        "one memory for both"
+    );
+    let p = |v: &Value| v["persistent_bytes"].as_u64().unwrap() as f64;
+    assert!(p(&bf16_run) <= 0.55 * p(&f32_run), "{f32_run} {bf16_run}");
+    assert_eq!(
+        bf16_run["fp32_persistent_bytes"],
+        f32_run["persistent_bytes"]
+    );
+    let fits = bf16_run["fits"].as_u64().unwrap();
+    assert!(fits >= 3, "{bf16_run}");
+    let resident = |v: &Value| v["max_resident"].as_u64().unwrap();
+    assert!(resident(&f32_run) <= 2, "{f32_run}");
+    assert!(
+        resident(&bf16_run) > resident(&f32_run),
+        "{f32_run} {bf16_run}"
+    );
+    assert!(resident(&bf16_run) <= fits, "{bf16_run}");
+}
+
 /// `bench pack`: three times more models than memory; every request is
 /// answered, some found their model evicted, and the counts add up.
 #[test]

@@ -151,7 +151,30 @@ fn class(op: &Op) -> Class {
     }
 }
 
+/// Whether every backend runs `op` on fp16/bf16 inputs: shape inference
+/// takes them and the CUDA backend has half kernels for the op and for its
+/// gradient. The ops of autocast's f32 list that do have half kernels (the
+/// sums and means, `Exp`, `Log`) are half-capable here: the list is a
+/// policy, this is a capability. A graph whose dtypes are given rather than
+/// chosen (one captured from PyTorch with its autocast regions and half
+/// weights, `lanes.torch`) keeps them and casts to f32 only the inputs of
+/// the ops this refuses, as [`apply`] does.
+pub fn takes_half(op: &Op) -> bool {
+    use Op::*;
+    match class(op) {
+        Class::Wide => matches!(
+            op,
+            ReduceSum { .. } | ReduceMean { .. } | SumTo { .. } | Exp | Log
+        ),
+        // No half Embedding kernel on CUDA; ReduceMax has one, its gradient not.
+        _ => !matches!(op, Embedding | ReduceMax { .. } | DropoutMask { .. }),
+    }
+}
+
 /// Ops of a training step (gradients, updates), which the pass refuses.
+/// `Assign` is not one: a forward graph may write a variable (`lanes.torch`
+/// updates BatchNorm's running statistics with it under gradient
+/// accumulation).
 fn is_training_op(op: &Op) -> bool {
     use Op::*;
     matches!(
@@ -174,7 +197,6 @@ fn is_training_op(op: &Op) -> bool {
             | CrossEntropyGrad
             | SgdUpdate { .. }
             | AdamUpdate { .. }
-            | Assign
             | HardSigmoidGrad
             | HardSwishGrad
             | AmpUnscale
@@ -614,6 +636,51 @@ mod tests {
             .count();
         assert_eq!(casts_of_scaled, 1);
         validate(out, &GraphLimits::default()).unwrap();
+    }
+
+    #[test]
+    fn takes_half_is_a_capability_not_autocasts_list() {
+        let half = [
+            Op::MatMul {
+                transpose_a: false,
+                transpose_b: true,
+            },
+            Op::Relu,
+            Op::Add,
+            Op::ReduceSum {
+                axes: vec![0],
+                keep_dims: false,
+            },
+            Op::Exp,
+            Op::Cast { to: DType::BF16 },
+        ];
+        for op in &half {
+            assert!(takes_half(op), "{op:?}");
+        }
+        let f32_only = [
+            Op::Softmax { axis: 1 },
+            Op::CrossEntropy,
+            Op::Where,
+            Op::GlobalAvgPool,
+            Op::Embedding,
+            Op::ReduceMax {
+                axes: vec![0],
+                keep_dims: false,
+            },
+        ];
+        for op in &f32_only {
+            assert!(!takes_half(op), "{op:?}");
+        }
+        // What takes_half admits, shape inference takes in bf16.
+        let x = TensorType::new(DType::BF16, [2, 2]);
+        for op in &half[..5] {
+            let ins = if matches!(op, Op::Relu | Op::Exp | Op::ReduceSum { .. }) {
+                vec![x.clone()]
+            } else {
+                vec![x.clone(), x.clone()]
+            };
+            assert!(infer(op, &ins).is_ok(), "{op:?}");
+        }
     }
 
     #[test]

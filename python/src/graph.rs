@@ -107,6 +107,16 @@ impl GraphBuilder {
         }
     }
 
+    /// Whether every backend runs the op whose JSON form is `op` on
+    /// float16/bfloat16 inputs (`lanes_adaptor::amp::takes_half`); the
+    /// others take float32, after a Cast.
+    #[staticmethod]
+    fn takes_half(op: &str) -> PyResult<bool> {
+        let op: Op = serde_json::from_str(op)
+            .map_err(|e| PyValueError::new_err(format!("op `{op}` is not a Lanes op: {e}")))?;
+        Ok(lanes_adaptor::amp::takes_half(&op))
+    }
+
     /// A per-iteration input fed under `name`.
     #[pyo3(signature = (name, shape, dtype="float32"))]
     fn placeholder(&self, name: &str, shape: Vec<usize>, dtype: &str) -> PyResult<PyOutlet> {

@@ -345,6 +345,9 @@ class InferenceJob:
         self.inputs = t.inputs
         self.outputs = names
         self._dropout = t.seed is not None
+        #: Outputs torch computes in half come back float32 and are made
+        #: that dtype again (exactly).
+        self._dtypes = t.output_dtypes
         #: The captured batch when calls may bring another (None: only it).
         self.batch: Optional[int] = t.inputs[0][1][0] if dynamic_batch else None
 
@@ -359,6 +362,7 @@ class InferenceJob:
         else:
             outs = self._run_any_batch(args)
         ts = [torch.from_numpy(o) for o in outs]
+        ts = [x if d is None else x.to(d) for x, d in zip(ts, self._dtypes)]
         return ts[0] if len(ts) == 1 else tuple(ts)
 
     def _run_any_batch(self, args: Sequence[Any]) -> List[np.ndarray]:
@@ -427,6 +431,20 @@ def _loss_scale(scaler: Any) -> Tuple[Optional[Dict[str, Any]], int]:
     return settings, int(scaler.state_dict().get("_growth_tracker", 0))
 
 
+def _refuse_half_weights(model: torch.nn.Module) -> None:
+    """A training job's weights are float32: one whose parameters or buffers
+    are float16/bfloat16 (`model.half()`) is refused, as `precision="bf16"`
+    is (docs/precision.md)."""
+    for key, v in list(model.named_parameters()) + list(model.named_buffers()):
+        if v.is_floating_point() and v.dtype != torch.float32:
+            raise ModelError(
+                f"`{key}` is {v.dtype}: a training job keeps its weights in float32 (a step's update "
+                "smaller than half a unit in the last place of a half weight would be lost). Train the "
+                "float32 model (model.float()) with torch.autocast inside forward, or with "
+                "precision=\"bf16-mixed\"; half weights are for inference_job"
+            )
+
+
 def training_job(
     client: Any,
     model: torch.nn.Module,
@@ -453,7 +471,9 @@ def training_job(
     `torch.nn.utils.clip_grad_norm_`. `accumulate=k` accumulates gradients
     over k micro-batches (each of the example's shapes) before an update, as
     a PyTorch loop that steps the optimizer every k backward passes of
-    `loss / k` (models with BatchNorm in training mode: not yet).
+    `loss / k` (a BatchNorm in training mode normalises each micro-batch
+    with its own statistics and updates its running statistics k times, in
+    order, as those k forwards do).
     `save_to` (a directory) also saves
     the job with the example batch, to time and profile it on its own:
     `lanes bench train --job DIR --op-profile`. `precision="bf16-mixed"`
@@ -475,23 +495,24 @@ def training_job(
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
     n_inputs = len(example) - targets
+    _refuse_half_weights(model)
     model.train()
     ep = _export(_WithLoss(model, loss, n_inputs), example, "training step")
     if accumulate < 1:
         raise ValueError(f"accumulate must be at least 1, got {accumulate}")
-    t = translate(ep, training=True, prefix="model.")
+    t = _Translator(ep, training=True, prefix="model.")
+    if accumulate > 1:
+        t.bn_updates = {}
+    t.run()
     if len(t.outputs) != 1 or t.outputs[0].shape not in ((), (1,)):
         raise ModelError("the loss must be one scalar tensor")
     if accumulate > 1:
-        if t.updates_buffers:
-            raise ModelError(
-                "gradient accumulation of a model with BatchNorm in training mode is not supported yet "
-                "(each micro-batch would update the running statistics)"
-            )
         # One walk per micro-batch into the same graph, weights shared; the
         # loss is their mean, so the gradients are their summed loss / k.
+        # BatchNorm's running statistics see the micro-batches in turn.
         for j in range(1, accumulate):
             t.run(prefix=f"m{j}/")
+        t.finish_batch_norms()
         total = t.outputs[0]
         for o in t.outputs[1:]:
             total = t.emit("Add", [total, o])
@@ -544,7 +565,10 @@ def inference_job(
     `example` is one tensor or a tuple of the model's inputs.
     `precision="fp16"` or `"bf16"` serves it as `model.half()` would
     (weights stored in half, inputs and outputs float32);
-    `"bf16-mixed"`/`"fp16-mixed"` as under `torch.autocast`.
+    `"bf16-mixed"`/`"fp16-mixed"` as under `torch.autocast`. A model
+    already in float16/bfloat16 (`model.half()`), or with `torch.autocast`
+    regions in its forward, keeps the dtypes torch recorded: half weights
+    held in half, half outputs returned in their dtype.
 
     `dynamic_batch=True`: calls may bring any number N of samples (the
     example's shapes but the first dimension). They run as Runs of the

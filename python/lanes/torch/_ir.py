@@ -45,7 +45,7 @@ class _Out:
 
     outlet: Tuple[int, int]
     shape: Tuple[int, ...]
-    dtype: str  # "float32" | "int64"
+    dtype: str  # "float32" | "int64" | "bfloat16" | "float16"
 
     @property
     def rank(self) -> int:
@@ -127,6 +127,23 @@ def _where_from(node: torch.fx.Node) -> Tuple[str, str]:
 class _Param:
     name: str
     tensor: torch.Tensor
+
+
+#: Lanes' float dtypes by the names `GraphBuilder.type_of` gives.
+_FLOATS = ("float32", "bfloat16", "float16")
+
+#: A dtype name as `Op::Cast`'s JSON spells it.
+_CAST_TO = {"float32": "F32", "int64": "I64", "float16": "F16", "bfloat16": "BF16"}
+
+_HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _float_name(dt: Any) -> Optional[str]:
+    """A torch float dtype as a Lanes float dtype's name (None for others:
+    integers, booleans, float64)."""
+    if dt == torch.float32:
+        return "float32"
+    return _HALF_NAMES.get(dt)
 
 
 def _feed_dtype(dt: torch.dtype) -> Optional[str]:

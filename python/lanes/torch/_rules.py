@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from ._ir import _Buffer, _Out, _feed_dtype, _norm_axis, _pair
+from ._ir import _Buffer, _Out, _feed_dtype, _float_name, _norm_axis, _pair
 
 # ---------------------------------------------------------------------------
 # rules: one function per ATen op (overload packet), args as torch passes them
@@ -102,6 +102,8 @@ def _batch_norm(t, node, x, w, b, rm, rv, training, momentum, eps, cudnn_enabled
         if not isinstance(rm, _Buffer) or not isinstance(rv, _Buffer):
             raise t.fail("BatchNorm's running statistics must be module buffers")
         t.updates_buffers = True
+        if t.bn_updates is not None:
+            return t.batch_norm_accumulating(x, w, b, rm, rv, float(eps), float(momentum))
         return t.emit("BatchNormTrain", [x, w, b, rm, rv], n_out=1, eps=float(eps), momentum=float(momentum))
     return t.emit("BatchNorm", [x, w, b, rm, rv], eps=float(eps))
 
@@ -407,14 +409,16 @@ def _identity(t, node, x, *rest, **kw):
 
 @_rule("to", "_to_copy", "type_as")
 def _to(t, node, x, *rest, **kw):
+    """A dtype conversion: a Lanes `Cast` (between float32, float16 and
+    bfloat16, or to and from int64; booleans are float32 0/1)."""
     val = node.meta.get("val")
     x = t.lanes(x)
-    want = _feed_dtype(val.dtype) if isinstance(val, torch.Tensor) else x.dtype
+    want = x.dtype
+    if isinstance(val, torch.Tensor):
+        want = _float_name(val.dtype) or _feed_dtype(val.dtype)
     if want is None:
-        raise t.fail(f"conversion to {val.dtype} is not supported: Lanes computes in float32 for now")
-    if want == x.dtype:
-        return x
-    return t.emit("Cast", [x], to="F32" if want == "float32" else "I64")
+        raise t.fail(f"conversion to {val.dtype} is not supported (float32, float16, bfloat16 and integers are)")
+    return t.cast(x, want)
 
 
 @_rule("expand", "expand_as", "broadcast_to")

@@ -14,10 +14,14 @@ import torch
 from .. import _lanes
 from .._lanes import ModelError
 from ._ir import (
+    _CAST_TO,
+    _FLOATS,
+    _HALF_NAMES,
     DROPOUT_SEED,
     TorchImportError,
     _Buffer,
     _feed_dtype,
+    _float_name,
     _has_out,
     _op,
     _Out,
@@ -75,9 +79,23 @@ class _Translator:
         self._n_big = 0
         #: A BatchNorm in training mode updates running statistics in place.
         self.updates_buffers = False
+        #: Gradient accumulation: each walk's BatchNorm batch statistics,
+        #: (running mean, running var, momentum, eps, count) → [(mean, invstd)]
+        #: in walk order, for `finish_batch_norms`; None when not accumulating.
+        self.bn_updates: Optional[Dict[Tuple[str, str], Any]] = None
+        self._walk = ""
         #: The dropout seed's placeholder, once a dropout op needs it.
         self.seed: Optional[_Out] = None
         self._salt = 0
+        #: The float dtype torch computed the node being translated in (its
+        #: recorded output's): the Lanes ops made for it take their float
+        #: inputs in it, or in float32 where Lanes has no half kernel.
+        self._want: Optional[str] = None
+        #: One cast per value and dtype.
+        self._casts: Dict[Tuple[Tuple[int, int], str], _Out] = {}
+        #: The torch dtype of each output that Lanes sends back as float32
+        #: (a half output, cast in the graph); None where it keeps its own.
+        self.output_dtypes: List[Optional[torch.dtype]] = []
 
     # -- errors --------------------------------------------------------------
 
@@ -104,6 +122,13 @@ class _Translator:
 
     def _emit_json(self, label: str, op_json: str, inputs: Sequence[Any], n_out: int = 1) -> Any:
         ins = [self.lanes(x) for x in inputs]
+        if self._want is not None and label != "Cast":
+            # In torch's dtype where Lanes runs the op in it (the amp pass's
+            # rule, `amp::takes_half`), else in float32.
+            target = self._want
+            if target != "float32" and not _lanes.GraphBuilder.takes_half(op_json):
+                target = "float32"
+            ins = [self.cast(i, target) if i.dtype in _FLOATS else i for i in ins]
         try:
             outs = self.b.op(op_json, [i.outlet for i in ins])
         except ModelError as e:
@@ -113,6 +138,34 @@ class _Translator:
             shape, dtype = self.b.type_of(o)
             res.append(_Out(o, tuple(shape), dtype))
         return res[0] if n_out == 1 else tuple(res)
+
+    def cast(self, x: Any, dtype: str) -> _Out:
+        """`x` in `dtype` (a Lanes `Cast`, made once per value and dtype)."""
+        x = self.lanes(x)
+        if x.dtype == dtype:
+            return x
+        key = (tuple(x.outlet), dtype)
+        hit = self._casts.get(key)
+        if hit is None:
+            hit = self._emit_json("Cast", _op("Cast", to=_CAST_TO[dtype]), [x])
+            self._casts[key] = hit
+        return hit
+
+    def settle(self, node: torch.fx.Node, out: Any) -> Any:
+        """A rule's float results in the dtypes torch recorded for `node`
+        (a half result of an op Lanes ran in float32 is rounded back, as
+        torch's own half kernels round theirs)."""
+        val = node.meta.get("val")
+        if isinstance(out, tuple) and isinstance(val, (list, tuple)) and len(val) == len(out):
+            return tuple(self._settle_one(o, v) for o, v in zip(out, val))
+        return self._settle_one(out, val)
+
+    def _settle_one(self, out: Any, val: Any) -> Any:
+        if isinstance(out, _Out) and isinstance(val, torch.Tensor):
+            want = _float_name(val.dtype)
+            if want is not None and out.dtype in _FLOATS and out.dtype != want:
+                return self.cast(out, want)
+        return out
 
     def dropout_mask(self, shape: Tuple[int, ...], p: float) -> _Out:
         """A fresh dropout mask (0, or 1 / (1 − p)) of `shape`, drawn in the
@@ -166,12 +219,15 @@ class _Translator:
         key = id(tensor)
         if key in self._var_of_tensor:
             return self._var_of_tensor[key]
-        t = tensor.detach()
+        t = tensor.detach().cpu()
+        if t.dtype in _HALF_NAMES:
+            out = self._half_variable(name, t)
+            self._var_of_tensor[key] = out
+            self.variables[name] = tensor
+            return out
         if t.is_floating_point():
             if t.dtype != torch.float32:
-                raise self.fail(
-                    f"`{name}` is {t.dtype}: Lanes computes in float32 for now (call model.float())"
-                )
+                raise self.fail(f"`{name}` is {t.dtype}: Lanes holds float32, float16 and bfloat16 weights")
             arr = t.contiguous().numpy()
         elif t.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             arr = t.to(torch.int64).contiguous().numpy()
@@ -185,6 +241,75 @@ class _Translator:
         self._var_of_tensor[key] = out
         self.variables[name] = tensor
         return out
+
+    def _half_variable(self, name: str, t: torch.Tensor) -> _Out:
+        """A float16/bfloat16 weight held in its dtype (2 bytes an element).
+        NumPy has no bfloat16: its bits travel as ml_dtypes' bfloat16; without
+        ml_dtypes the variable is float32 (the same values) and cast."""
+        t = t.contiguous()
+        dtype = _HALF_NAMES[t.dtype]
+        if t.dtype == torch.float16:
+            arr = t.numpy()
+        else:
+            try:
+                import ml_dtypes  # type: ignore[import-not-found]
+            except ImportError:
+                o = self.b.variable(name, np.ascontiguousarray(t.to(torch.float32).numpy()))
+                shape, dt = self.b.type_of(o)
+                return self.cast(_Out(o, tuple(shape), dt), dtype)
+            arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        o = self.b.variable(name, np.ascontiguousarray(arr))
+        shape, dt = self.b.type_of(o)
+        return _Out(o, tuple(shape), dt)
+
+    def batch_norm_accumulating(self, x: Any, w: Any, b: Any, rm: _Buffer, rv: _Buffer, eps: float,
+                                momentum: float) -> _Out:
+        """A training BatchNorm of one micro-batch's walk. Every walk's
+        BatchNorm normalises with its own batch statistics; the running
+        statistics must see the micro-batches one after the other, as k
+        PyTorch forwards do, but a variable has one writer: each walk's op
+        updates a scratch pair of its own, and `finish_batch_norms` updates
+        the real ones once from every walk's saved batch statistics."""
+        x = self.lanes(x)
+        c = x.shape[1]
+        scratch = []
+        for buf in (rm, rv):
+            name = f"{self._walk}bn_scratch/{buf.name}"
+            o = self.b.variable(name, np.zeros(c, dtype=np.float32))
+            shape, dt = self.b.type_of(o)
+            scratch.append(_Out(o, tuple(shape), dt))
+        y, mean, invstd = self.emit("BatchNormTrain", [x, w, b, scratch[0], scratch[1]], n_out=3, eps=eps,
+                                    momentum=momentum)
+        count = int(np.prod(x.shape)) // c
+        key = (rm.name, rv.name)
+        entry = self.bn_updates.setdefault(key, {"bufs": (rm, rv), "momentum": momentum, "eps": eps,
+                                                 "count": count, "stats": []})
+        entry["stats"].append((mean, invstd))
+        return y
+
+    def finish_batch_norms(self) -> None:
+        """The running statistics after every walk's batch, in walk order:
+        r ← (1 − m)·r + m·s for each walk's s, folded into one update,
+        r·(1 − m)^k + Σ_j m·(1 − m)^(k−1−j)·s_j (`Assign`); the variance's s
+        is the unbiased batch variance, n/(n − 1)·(1/invstd² − eps)."""
+        if not self.bn_updates:
+            return
+        self._want = None
+        for entry in self.bn_updates.values():
+            rm, rv = entry["bufs"]
+            m, eps, n, stats = entry["momentum"], entry["eps"], entry["count"], entry["stats"]
+            k = len(stats)
+            means = [s[0] for s in stats]
+            variances = []
+            for _, invstd in stats:
+                biased = self.emit("Add", [self.emit("Div", [1.0, self.emit("Mul", [invstd, invstd])]), -eps])
+                variances.append(self.emit_scale(biased, n / (n - 1) if n > 1 else 1.0))
+            for buf, batch in ((rm, means), (rv, variances)):
+                var = self.lanes(buf)
+                total = self.emit_scale(var, (1.0 - m) ** k)
+                for j, s in enumerate(batch):
+                    total = self.emit("Add", [total, self.emit_scale(s, m * (1.0 - m) ** (k - 1 - j))])
+                self.b.op(_op("Assign"), [var.outlet, total.outlet])
 
     def lanes(self, v: Any) -> _Out:
         """`v` as a tensor of the Lanes graph."""
@@ -214,6 +339,7 @@ class _Translator:
         shared with the earlier walks (gradient accumulation walks once per
         micro-batch)."""
         self.env = {}
+        self._walk = prefix
         sig = self.ep.graph_signature
         specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
         state = self.ep.state_dict
@@ -235,15 +361,21 @@ class _Translator:
                     val = node.meta.get("val")
                     if not isinstance(val, torch.Tensor):
                         raise self.fail("only tensor inputs are supported", node)
-                    dtype = _feed_dtype(val.dtype)
+                    half = _HALF_NAMES.get(val.dtype)
+                    dtype = "float32" if half else _feed_dtype(val.dtype)
                     if dtype is None:
-                        raise self.fail(f"input of dtype {val.dtype}: Lanes takes float32 and integer inputs", node)
+                        raise self.fail(
+                            f"input of dtype {val.dtype}: Lanes takes float32, float16, bfloat16 and integer inputs",
+                            node,
+                        )
                     name = f"{prefix}input_{n_user}"
                     n_user += 1
                     shape = tuple(int(d) for d in val.shape)
                     o = self.b.placeholder(name, list(shape), dtype)
                     self.inputs.append((name, shape, dtype))
-                    self.env[node] = _Out(o, shape, dtype)
+                    # A half input is fed as float32 (the same values) and
+                    # cast to its dtype as the graph's first op.
+                    self.env[node] = self.cast(_Out(o, shape, dtype), half) if half else _Out(o, shape, dtype)
                 else:
                     raise self.fail(f"graph input of kind {kind} is not supported", node)
             elif node.op == "call_function":
@@ -262,7 +394,15 @@ class _Translator:
                     v = self.env[o] if isinstance(o, torch.fx.Node) else o
                     if isinstance(v, _Param):
                         v = self.param(v)
-                    self.outputs.append(self.lanes(v))
+                    out = self.lanes(v)
+                    # A half result is sent back as float32 (exact) and
+                    # made the recorded dtype again on the client.
+                    val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+                    half = isinstance(val, torch.Tensor) and val.dtype in _HALF_NAMES
+                    if out.dtype != "float32" and out.dtype in _FLOATS:
+                        out = self.cast(out, "float32")
+                    self.outputs.append(out)
+                    self.output_dtypes.append(val.dtype if half else None)
             else:
                 raise self.fail(f"graph node kind {node.op} is not supported", node)
 
@@ -285,8 +425,9 @@ class _Translator:
     def inline(self, node: torch.fx.Node) -> Any:
         """A higher-order op that only sets a mode around a region
         (`wrap_with_autocast`, `wrap_with_set_grad_enabled`): the region's
-        graph translated in place. Lanes computes in float32, so an autocast
-        mode is dropped; in training, a no_grad region is taken only when its
+        graph translated in place. Under autocast, torch recorded each of the
+        region's results in the dtype it computed it in, and `call` keeps
+        those dtypes; in training, a no_grad region is taken only when its
         results are known at capture."""
         args = [self.arg(a) for a in node.args]
         name = getattr(node.target, "__name__", "")
@@ -346,7 +487,15 @@ class _Translator:
             raise self.fail(
                 "Lanes has no translation for this op yet (docs/torch.md lists the supported ones)"
             )
-        out = rule(self, node, *args, **kwargs)
+        outer, val = self._want, node.meta.get("val")
+        if isinstance(val, (list, tuple)):
+            val = next((v for v in val if isinstance(v, torch.Tensor) and _float_name(v.dtype)), None)
+        self._want = _float_name(val.dtype) if isinstance(val, torch.Tensor) else None
+        try:
+            out = rule(self, node, *args, **kwargs)
+            out = self.settle(node, out)
+        finally:
+            self._want = outer
         self.check_shape(node, out)
         return out
 

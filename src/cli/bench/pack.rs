@@ -5,13 +5,19 @@
 //! at a time, through real sockets. Reports latency p50/p99 over all
 //! requests, over requests whose model was resident and over those whose
 //! model had been evicted, and how often a request hit an evicted model.
+//!
+//! `--precision bf16` (or `fp16`) serves every model with half weights
+//! (`lanes_adaptor::amp`) in the same memory, still sized for `--fit` fp32
+//! copies: the report gives each model's P at that precision, how many fit
+//! (`fits`, from `sum P + max T <= C`) and the most the service held
+//! resident at once (`max_resident`), about twice the fp32 numbers.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use lanes::server::{self, DeviceChoice, ServerConfig};
 use lanes_adaptor::wire::{Reply, Request};
-use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec, Tensor};
+use lanes_adaptor::{Client, ClientOptions, Limits, SessionSpec, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -34,9 +40,14 @@ pub struct PackArgs {
     /// Sessions (models) registered.
     #[arg(long, default_value_t = 6)]
     models: usize,
-    /// How many of them the memory holds at once.
+    /// How many of them the memory holds at once in fp32 (the memory is
+    /// sized for this many fp32 copies, whatever `--precision`).
     #[arg(long, default_value_t = 2)]
     fit: usize,
+    /// fp32 | bf16 | fp16 (weights stored in half) | bf16-mixed |
+    /// fp16-mixed (f32 weights); docs/precision.md.
+    #[arg(long, default_value = "fp32")]
+    precision: lanes_adaptor::Precision,
     /// Timed requests (after one warm-up request per model).
     #[arg(long, default_value_t = 200)]
     requests: usize,
@@ -66,12 +77,16 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     let device = server::resolve_device(paths::resolve(a.device)?.choice())?;
     let since = Instant::now();
     progress(&format!("building {} ×{}", a.model, a.models), since);
-    let (w, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
-    // What the lanes count for one model on this device (on the GPU: the
-    // workspaces in T, whole granules); room for `fit` models in one lane,
-    // not for one more.
+    let (w32, valid) = workload::validated_inference(&a.model, a.batch, a.seq)?;
+    // What the lanes count for one fp32 model on this device (on the GPU:
+    // the workspaces in T, whole granules); room for `fit` of them in one
+    // lane, not for one more.
+    let (p32, t32) = server::admission_sizes(&device, &valid, a.reserve)?;
+    let memory = a.fit as u64 * p32 + t32 + p32 / 2;
+    // The models served, at the precision asked for, in that memory.
+    let (w, valid) = workload::validated(w32.at_precision(a.precision)?)?;
     let (p, t) = server::admission_sizes(&device, &valid, a.reserve)?;
-    let memory = a.fit as u64 * p + t + p / 2;
+    let fits = memory.saturating_sub(t) / p.max(1);
     let limits = Limits {
         max_nodes: 1 << 20,
         ..Limits::default()
@@ -112,12 +127,17 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
             .vars
             .iter()
             .map(|(n, t)| {
-                let t = match t.f32s() {
-                    Ok(v) => Tensor::from_f32(
-                        t.shape().clone(),
-                        v.iter().map(|x| x * (1.0 + m as f32 * 1e-3)).collect(),
-                    )?,
-                    Err(_) => t.clone(),
+                let t = if t.dtype().is_float() {
+                    let v: Vec<f32> = t
+                        .to_f32_vec()?
+                        .iter()
+                        .map(|x| x * (1.0 + m as f32 * 1e-3))
+                        .collect();
+                    let data = TensorData::from_f32_rounded(t.dtype(), &v)
+                        .context("a float dtype rounds")?;
+                    Tensor::new(t.shape().clone(), data)?
+                } else {
+                    t.clone()
                 };
                 Ok((n.clone(), t))
             })
@@ -134,10 +154,12 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
     );
     let mut rng = StdRng::seed_from_u64(a.seed);
     let (mut all, mut hits, mut misses) = (Vec::new(), Vec::new(), Vec::new());
+    let mut max_resident = 0;
     let bar = crate::cli::bar(a.requests, "requests");
     for _ in 0..a.requests {
         let m = rng.gen_range(0..a.models);
         let st = client.status()?;
+        max_resident = max_resident.max(st.sessions.iter().filter(|s| s.resident).count());
         let resident = st
             .sessions
             .iter()
@@ -165,9 +187,14 @@ pub fn pack(a: PackArgs) -> anyhow::Result<()> {
         "models": a.models,
         "fit": a.fit,
         "oversubscription": a.models as f64 / a.fit as f64,
+        "precision": a.precision.to_string(),
         "memory_bytes": memory,
         "persistent_bytes": p,
         "ephemeral_bytes": t,
+        "fp32_persistent_bytes": p32,
+        "fp32_ephemeral_bytes": t32,
+        "fits": fits,
+        "max_resident": max_resident,
         "requests": a.requests,
         "p50_ms": quantile(&all, 0.5),
         "p99_ms": quantile(&all, 0.99),

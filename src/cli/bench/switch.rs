@@ -7,7 +7,9 @@
 //! inference model's pinned host image stays current, so eviction copies
 //! nothing after the first), then one `run_switching` is timed from the call
 //! to the fetched output on the host. Outputs of every switch are checked
-//! bit-identical to the resident run.
+//! bit-identical to the resident run. `--precision bf16` (or `fp16`) stores
+//! the weights in half (`lanes_adaptor::amp`), so a switch copies about half
+//! the bytes (docs/switching.md).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -36,6 +38,10 @@ pub struct SwitchArgs {
     /// Sequence length for BERT.
     #[arg(long, default_value_t = 128)]
     seq: usize,
+    /// fp32 | bf16 | fp16 (weights stored in half: half the bytes to copy)
+    /// | bf16-mixed | fp16-mixed (f32 weights); docs/precision.md.
+    #[arg(long, default_value = "fp32")]
+    precision: lanes_adaptor::Precision,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -53,8 +59,11 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     }
     workload::check_model(&a.model, a.seq)?;
     let device = super::paths::resolve(a.device)?;
-    eprintln!("building {} at batch {} …", a.model, a.batch);
-    let built = workload::inference(&a.model, a.batch, a.seq)?;
+    eprintln!(
+        "building {} at batch {} in {} …",
+        a.model, a.batch, a.precision
+    );
+    let built = workload::inference(&a.model, a.batch, a.seq)?.at_precision(a.precision)?;
     let feeds: BTreeMap<String, Tensor> = built.random_feeds(7)?;
     let fetch = vec![built.fetch.clone()];
     let graph = validate(
@@ -147,6 +156,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "batch": a.batch,
         "seq": if a.model == "bert_base" { Some(a.seq) } else { None },
         "device": device.name(),
+        "precision": a.precision.to_string(),
         "persistent_bytes": bytes,
         "units": prog.layout().units.len(),
         "first_evict_ms": first_evict_ms,

@@ -183,7 +183,11 @@ pub fn validated_inference(
     batch: usize,
     seq: usize,
 ) -> anyhow::Result<(Workload, lanes_adaptor::ValidGraph)> {
-    let w = inference(model, batch, seq)?;
+    validated(inference(model, batch, seq)?)
+}
+
+/// A workload with its graph validated (a copy: the workload keeps its own).
+pub fn validated(w: Workload) -> anyhow::Result<(Workload, lanes_adaptor::ValidGraph)> {
     let valid = lanes_adaptor::validate(
         w.graph.clone(),
         &lanes_adaptor::GraphLimits {
