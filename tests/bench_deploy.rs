@@ -2,7 +2,7 @@
 //! settings: the binary run as a user would, its stdout one JSON report
 //! whose counts must add up. CPU here; `LANES_TEST_DEVICE=cuda` runs the
 //! same on the GPU machine (with `LANES_BIN` pointing at the staged
-//! binary). About 15 s on the 2-core development VM.
+//! binary). About 20 s on the 2-core development VM.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
