@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 
 mod child;
 pub mod colocate;
+pub mod deploy;
 mod doorbell;
 pub mod gpus;
 mod isolate;
@@ -58,6 +59,11 @@ enum What {
     /// Inference packing: more models than fit, requests across them;
     /// latency p50/p99 and how often a request hit an evicted model.
     Pack(pack::PackArgs),
+    /// Issue 32's deployment: a mix of many models (each its own weights)
+    /// served to concurrent clients, Zipf popularity, open-loop Poisson
+    /// requests; a baseline with every model resident, then with memory
+    /// for a fraction; hits and misses per kind against their goals.
+    Deploy(deploy::DeployArgs),
     /// Where a LoadGraph's time goes: decode, validate, plan, program
     /// build, warm-up; per-phase medians of cold loads (load cache empty)
     /// and warm ones (the architecture loaded before).
@@ -107,6 +113,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Train(a) => train(a),
         What::Switch(a) => switch::switch(a),
         What::Pack(a) => pack::pack(a),
+        What::Deploy(a) => deploy::deploy(a),
         What::Load(a) => load::load(a),
         What::Lanes(a) => parallel::lanes(a),
         What::Colocate(a) => colocate::colocate(a),
