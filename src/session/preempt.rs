@@ -90,6 +90,7 @@ impl Session {
             copied,
             evict_ms,
             waits_for_memory = waits,
+            yields = self.yields,
             "training job yielded its memory at an iteration boundary"
         );
         Ok(Some(copied))
@@ -98,10 +99,5 @@ impl Session {
     /// Whether the socket thread asked this job to yield.
     pub fn is_asked_to_yield(&self) -> bool {
         self.yield_request.is_asked()
-    }
-
-    /// Times this job yielded at an iteration boundary.
-    pub fn yields(&self) -> u64 {
-        self.yields
     }
 }
