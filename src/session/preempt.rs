@@ -28,17 +28,14 @@ impl YieldRequest {
         self.0.store(true, Ordering::SeqCst);
     }
 
-    /// Takes the request back (nothing waits for memory any more).
+    /// Takes the request back (nothing waits for memory any more, or the
+    /// job answered it).
     pub fn withdraw(&self) {
         self.0.store(false, Ordering::SeqCst);
     }
 
     pub fn is_asked(&self) -> bool {
         self.0.load(Ordering::SeqCst)
-    }
-
-    fn take(&self) -> bool {
-        self.0.swap(false, Ordering::SeqCst)
     }
 }
 
@@ -55,14 +52,25 @@ impl Session {
     /// the lane's turn) and, when `more_queued` says it has Runs queued
     /// (asked after the eviction), asks the lanes for its memory again so
     /// those Runs wait for it. Returns the bytes copied out when it
-    /// yielded, `None` when it did not. The request is taken either way.
+    /// yielded, `None` when it did not. The request is taken either way,
+    /// once the job's memory is given up (until then the socket thread
+    /// sees it still asked, and asks no other job).
     pub fn yield_at_boundary(
         &mut self,
         more_queued: impl FnOnce() -> bool,
     ) -> Result<Option<u64>, SessionError> {
-        if !self.yield_request.take() {
+        if !self.yield_request.is_asked() {
             return Ok(None);
         }
+        let outcome = self.give_up_memory(more_queued);
+        self.yield_request.withdraw();
+        outcome
+    }
+
+    fn give_up_memory(
+        &mut self,
+        more_queued: impl FnOnce() -> bool,
+    ) -> Result<Option<u64>, SessionError> {
         let someone_waits = self
             .lanes
             .as_ref()
