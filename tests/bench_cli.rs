@@ -608,3 +608,66 @@ fn colocate_runs_the_protocol_and_reports_each_repetition() {
     assert!(s["goals_met"].as_u64().unwrap() <= 2);
     assert!(stderr.contains("repetition 1"), "{stderr}");
 }
+
+/// `bench preempt` on tiny models: with memory for both the model stays
+/// resident (no request finds it evicted); with memory for one, training
+/// yields to the model's requests and comes back (both counted by the
+/// service). The report's shape and its counts; no timing asserts.
+#[test]
+fn preempt_reports_resident_and_preempting_requests() {
+    let (v, stderr) = bench(&[
+        "preempt",
+        "--train-model",
+        "mlp",
+        "--train-batch",
+        "16",
+        "--model",
+        "lenet",
+        "--batch",
+        "2",
+        "--requests",
+        "4",
+        "--interval-ms",
+        "100",
+        "--train-window",
+        "0.3",
+        "--warmup",
+        "2",
+    ]);
+    assert_eq!(v["bench"], "preempt");
+    assert_eq!(v["requests"], 4);
+    let (resident, preempting) = (&v["resident"], &v["preempting"]);
+    assert!(
+        resident["memory_bytes"].as_u64().unwrap() > preempting["memory_bytes"].as_u64().unwrap(),
+        "{v}"
+    );
+    for m in [resident, preempting] {
+        assert_eq!(m["latency"]["n"], 4, "{m}");
+        let (p50, p99) = (
+            positive(&m["latency"]["p50_ms"], "p50"),
+            positive(&m["latency"]["p99_ms"], "p99"),
+        );
+        assert!(p50 <= p99, "{m}");
+        positive(&m["model_alone_median_ms"], "alone");
+        positive(&m["training"]["alone_it_per_s"], "training alone");
+        positive(
+            &m["training"]["during_requests_it_per_s"],
+            "training beside",
+        );
+    }
+    // Both fit: nothing is evicted.
+    assert_eq!(resident["misses"], 0, "{resident}");
+    assert_eq!(resident["training"]["evictions"], 0, "{resident}");
+    // One fits: the model was evicted for training, brought back for the
+    // requests, and training yielded to them and came back.
+    assert!(preempting["misses"].as_u64().unwrap() >= 1, "{preempting}");
+    assert!(
+        preempting["model_returns"].as_u64().unwrap() >= 1,
+        "{preempting}"
+    );
+    let t = &preempting["training"];
+    assert!(t["evictions"].as_u64().unwrap() >= 1, "{t}");
+    assert!(t["returns"].as_u64().unwrap() >= 1, "{t}");
+    positive(&v["p50_preempting_over_resident"], "p50 ratio");
+    assert!(stderr.contains("preempting: 4 requests"), "{stderr}");
+}

@@ -31,6 +31,7 @@ pub mod models;
 pub mod pack;
 pub mod parallel;
 mod paths;
+pub mod preempt;
 pub mod sim;
 mod soak;
 pub mod sweep;
@@ -76,6 +77,12 @@ enum What {
     /// process): latency alone and beside training, training throughput,
     /// and how soon a job that arrives while training runs answers.
     Colocate(colocate::ColocateArgs),
+    /// PipeSwitch's case: a training job runs back to back while an
+    /// inference model's requests arrive, through a real `lanes serve` with
+    /// `--evict-training`: memory for both (the model resident) and memory
+    /// for one (each request preempts training at an iteration boundary);
+    /// latency of each, training's it/s and how soon it resumes.
+    Preempt(preempt::PreemptArgs),
     /// A hyper-parameter sweep: N training jobs of one model with
     /// different learning rates through a real `lanes serve`, together and
     /// one after another; makespan and per-job completion times.
@@ -117,6 +124,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         What::Load(a) => load::load(a),
         What::Lanes(a) => parallel::lanes(a),
         What::Colocate(a) => colocate::colocate(a),
+        What::Preempt(a) => preempt::preempt(a),
         What::Sweep(a) => sweep::sweep(a),
         What::Gpus(a) => gpus::gpus(a),
         What::Sim(a) => sim::sim(a),

@@ -101,7 +101,10 @@ pub struct Args {
     /// with `--memory none`).
     #[arg(long)]
     pub no_evict: bool,
-    /// Training jobs may be evicted too (their state is copied out).
+    /// Training jobs may be evicted too (their state is copied out): idle
+    /// ones under memory pressure, and a busy one at its next iteration
+    /// boundary when an inference job waits for memory (it comes back once
+    /// that job is idle; docs/switching.md, *Eviction*).
     #[arg(long)]
     pub evict_training: bool,
     /// Refuse the shared-memory segments that jobs on this host offer for

@@ -300,6 +300,15 @@ impl Dispatcher {
         self.ready.notify_all();
     }
 
+    /// Whether a job waits in the lanes' admission queue (lock order:
+    /// dispatcher, then lanes).
+    pub fn memory_wanted(&self) -> bool {
+        self.lock()
+            .gate
+            .as_ref()
+            .is_some_and(|g| !g.waiting_jobs().is_empty())
+    }
+
     /// Marks a session's item finished after `took` (measured by the
     /// worker), so its next item may run.
     pub fn done(&self, session: SessionId, took: Duration) {

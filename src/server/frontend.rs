@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lanes_adaptor::wire::shm::{AttachedSegment, FdDesk, SegmentLookup};
-use lanes_adaptor::wire::{self, BufferPool, ErrorCode, JobKind, Reply, SessionId, SessionSpec};
+use lanes_adaptor::wire::{self, BufferPool, ErrorCode, Reply, SessionId, SessionSpec};
 
 use super::auth::Gate;
 use super::decoder::{Decoder, DECODED};
@@ -20,6 +20,7 @@ use crate::session::Session;
 
 mod bells;
 mod connections;
+mod pressure;
 mod requests;
 mod segments;
 mod shutdown;
@@ -79,6 +80,9 @@ struct Entry {
     feed_types: crate::session::FeedTypes,
     /// Its Runs' count against its `slo_ms`, when it stated one.
     slo: Option<slo::SloTrack>,
+    /// Asks its job (training) to give its memory up at its next iteration
+    /// boundary (`pressure.rs`).
+    yields: crate::session::YieldRequest,
 }
 
 /// Largest message a connection that has not authenticated may send (a
@@ -176,6 +180,9 @@ struct Frontend {
     /// How long the request being handled took to decode (from its
     /// arrival), for a LoadGraph's time breakdown.
     decode_took: Duration,
+    /// The training job asked to yield its memory at its next iteration
+    /// boundary, if one is (`pressure.rs`).
+    asked: Option<SessionId>,
 }
 
 /// Binds the sockets and starts the workers and the socket thread.
@@ -315,6 +322,7 @@ pub(super) fn spawn(
         trim: super::trim::Trimmer::start(),
         stopping: None,
         decode_took: Duration::ZERO,
+        asked: None,
     };
     let thread = std::thread::Builder::new()
         .name("lanes-frontend".into())
@@ -578,13 +586,15 @@ impl Frontend {
         tracing::info!(%session, name = %spec.name, kind = %spec.kind, priority = spec.priority, "session opened");
         let feed_types = crate::session::FeedTypes::default();
         let slo = spec.slo_ms.map(slo::SloTrack::new);
+        let state = Session::new(session, spec.clone());
+        let yields = state.yield_request();
         self.sessions.insert(
             session,
             Entry {
                 owner: peer.to_vec(),
                 origin,
                 state: Arc::new(Mutex::new(
-                    Session::new(session, spec.clone())
+                    state
                         .with_feed_types(Arc::clone(&feed_types))
                         .with_lanes(self.lanes.clone())
                         .with_pool(self.pool.clone())
@@ -607,6 +617,7 @@ impl Frontend {
                 segments: HashMap::new(),
                 feed_types,
                 slo,
+                yields,
             },
         );
         Reply::SessionOpened { session }
@@ -669,68 +680,6 @@ impl Frontend {
             self.relieve_pressure();
         }
         Ok(())
-    }
-
-    /// Under memory pressure (a job waits in the admission queue) evicts idle
-    /// resident jobs to host memory, least recently used first: inference
-    /// jobs, then training jobs when `evict_training` allows. Evicting gives
-    /// the job's lane memory back, which admits waiting jobs.
-    fn relieve_pressure(&mut self) {
-        let Some(lanes) = self.lanes.clone() else {
-            return;
-        };
-        if !self.config.evict_idle {
-            return;
-        }
-        let waiting: HashSet<SessionId> = lanes
-            .waiting_jobs()
-            .into_iter()
-            .map(|j| SessionId(j.0))
-            .collect();
-        if waiting.is_empty() {
-            return;
-        }
-        let mut candidates: Vec<(bool, Instant, SessionId)> = self
-            .sessions
-            .iter()
-            .filter(|(id, e)| {
-                !waiting.contains(id)
-                    && (e.spec.kind == JobKind::Inference || self.config.evict_training)
-                    && self.dispatcher.is_idle(**id)
-            })
-            .map(|(id, e)| (e.spec.kind != JobKind::Inference, e.last_seen, *id))
-            .collect();
-        candidates.sort();
-        let mut evicted = 0;
-        for (_, _, id) in candidates {
-            if lanes.waiting_jobs().is_empty() {
-                break;
-            }
-            let Some(e) = self.sessions.get(&id) else {
-                continue;
-            };
-            let Ok(mut s) = e.state.try_lock() else {
-                continue;
-            };
-            if !s.is_loaded() || !s.is_resident() || !s.is_admitted() {
-                continue;
-            }
-            let t0 = Instant::now();
-            // Never waits for a lane's iteration (CPU jobs are read out of
-            // the reservation in their lane's turn): a busy one is tried
-            // again at the next pass.
-            match s.try_evict() {
-                Ok(Some(_)) => {
-                    evicted += 1;
-                    tracing::debug!(session = %id, ms = t0.elapsed().as_secs_f64() * 1e3, "evicted under pressure");
-                }
-                Ok(None) => {}
-                Err(err) => tracing::warn!(session = %id, error = %err, "eviction failed"),
-            }
-        }
-        if evicted > 0 {
-            self.dispatcher.wake();
-        }
     }
 
     /// Reclaims sessions silent past the idle timeout with nothing queued

@@ -303,7 +303,9 @@ pub struct ServerConfig {
     /// Under memory pressure, evict idle jobs to host memory (inference
     /// jobs, least recently used first); their next Run brings them back.
     pub evict_idle: bool,
-    /// Training jobs may be evicted too (their state is copied out).
+    /// Training jobs may be evicted too (their state is copied out): idle
+    /// ones, and a busy one at its next iteration boundary while an
+    /// inference job waits for memory (`frontend/pressure.rs`).
     pub evict_training: bool,
     /// Most bytes of feed storage kept after runs for decoding the next
     /// requests' tensors into (see [`lanes_adaptor::wire::BufferPool`]);

@@ -174,6 +174,7 @@ pub(crate) fn run(
         let started = std::time::Instant::now();
         let queued = started.saturating_duration_since(item.enqueued);
         let what = item.work.name();
+        let state = Arc::clone(&item.state);
         let Answered {
             frames,
             error,
@@ -197,8 +198,37 @@ pub(crate) fn run(
         // (clients must not rely on it: workers answer through separate
         // sockets).
         let sent = push.send_multipart(out, 0);
+        if what == "run" {
+            yield_if_asked(&dispatcher, session, &state);
+        }
         dispatcher.done(session, took);
         sent?;
+        // Something waits for memory: the socket thread looks again now
+        // that this session may be idle (an empty message, which it drops),
+        // rather than at its next poll timeout.
+        if dispatcher.memory_wanted() {
+            push.send(zmq::Message::new(), 0)?;
+        }
     }
     Ok(())
+}
+
+/// After a Run's reply: a training job the socket thread asked to give its
+/// memory up does so now, at its iteration boundary (`session/preempt.rs`);
+/// its later Runs, when it has any queued, wait for its memory to come back.
+fn yield_if_asked(
+    dispatcher: &Dispatcher,
+    session: lanes_adaptor::wire::SessionId,
+    state: &std::sync::Mutex<Session>,
+) {
+    let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+    if !s.is_asked_to_yield() {
+        return;
+    }
+    // Taking the dispatcher's lock while holding a session's is safe: no
+    // one holding the dispatcher's locks a session (the socket thread only
+    // tries to).
+    if let Err(e) = s.yield_at_boundary(|| dispatcher.session_load(session).0 > 0) {
+        tracing::warn!(%session, error = %e, "yielding at the iteration boundary failed");
+    }
 }

@@ -24,8 +24,10 @@ use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
 
 mod load;
+mod preempt;
 mod slo;
 pub use load::LoadTimes;
+pub use preempt::YieldRequest;
 
 /// Why a session request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -150,6 +152,11 @@ pub struct Session {
     feed_types: Option<FeedTypes>,
     /// Where the last LoadGraph's time went.
     load_times: Option<LoadTimes>,
+    /// Set by the socket thread when this training job should give its
+    /// memory up at its next iteration boundary (`preempt.rs`).
+    yield_request: YieldRequest,
+    /// Times it did.
+    yields: u64,
 }
 
 /// A session's placeholders by name, set once its graph is loaded.
@@ -210,6 +217,8 @@ impl Session {
             rank: Default::default(),
             feed_types: None,
             load_times: None,
+            yield_request: YieldRequest::default(),
+            yields: 0,
         }
     }
 

@@ -44,8 +44,8 @@ use super::child::{connect, open, ServeOpts, Service};
 use super::paths::progress;
 use super::workload;
 
-mod requests;
-mod trainer;
+pub(super) mod requests;
+pub(super) mod trainer;
 
 use requests::{latency, median, spread, Arrivals, InferJob};
 use trainer::Trainer;

@@ -56,22 +56,22 @@ impl Arrivals {
 }
 
 /// An inference job: its own connection and session, its feeds.
-pub(super) struct InferJob {
-    pub(super) client: Client,
-    pub(super) id: SessionId,
-    pub(super) feeds: BTreeMap<String, Tensor>,
-    pub(super) fetch: String,
+pub(in crate::cli::bench) struct InferJob {
+    pub(in crate::cli::bench) client: Client,
+    pub(in crate::cli::bench) id: SessionId,
+    pub(in crate::cli::bench) feeds: BTreeMap<String, Tensor>,
+    pub(in crate::cli::bench) fetch: String,
 }
 
 impl InferJob {
-    pub(super) fn run(&mut self) -> anyhow::Result<()> {
+    pub(in crate::cli::bench) fn run(&mut self) -> anyhow::Result<()> {
         let fetch = [self.fetch.as_str()];
         self.client.run_in(self.id, feeds_of(&self.feeds), &fetch)?;
         Ok(())
     }
 
     /// `n` requests one after the other; each one's latency, milliseconds.
-    pub(super) fn closed_loop(&mut self, n: usize) -> anyhow::Result<Vec<f64>> {
+    pub(in crate::cli::bench) fn closed_loop(&mut self, n: usize) -> anyhow::Result<Vec<f64>> {
         (0..n)
             .map(|_| {
                 let t0 = Instant::now();
@@ -86,7 +86,7 @@ impl InferJob {
     /// answered, when later: one Run of a session runs at a time in the
     /// service anyway) and its latency counts from its due time, so
     /// queueing behind a slow request shows. Latencies in milliseconds.
-    pub(super) fn open_loop(
+    pub(in crate::cli::bench) fn open_loop(
         &mut self,
         due: &[Duration],
         start: Instant,
@@ -113,7 +113,7 @@ fn rank(s: &[f64], p: f64) -> Option<f64> {
 }
 
 /// Latency summary (nearest rank), milliseconds.
-pub(super) fn latency(times: &[f64]) -> Value {
+pub(in crate::cli::bench) fn latency(times: &[f64]) -> Value {
     let mut s = times.to_vec();
     s.sort_by(f64::total_cmp);
     json!({
@@ -127,7 +127,7 @@ pub(super) fn latency(times: &[f64]) -> Value {
 }
 
 /// The median of `v` (the lower middle), NaN when empty.
-pub(super) fn median(v: &[f64]) -> f64 {
+pub(in crate::cli::bench) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s.get(s.len().saturating_sub(1) / 2)
@@ -136,7 +136,7 @@ pub(super) fn median(v: &[f64]) -> f64 {
 }
 
 /// `{min, median, max}` of the repetitions' values.
-pub(super) fn spread(v: &[f64]) -> Value {
+pub(in crate::cli::bench) fn spread(v: &[f64]) -> Value {
     let min = v.iter().copied().fold(f64::INFINITY, f64::min);
     let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     json!({ "min": min, "median": median(v), "max": max })

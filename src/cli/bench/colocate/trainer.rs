@@ -15,7 +15,7 @@ use super::super::workload::Workload;
 use super::{feeds_of, ms};
 
 /// One training job's thread and what it shares with the bench.
-pub(super) struct Trainer {
+pub(in crate::cli::bench) struct Trainer {
     stop: Arc<AtomicBool>,
     pause: Arc<AtomicBool>,
     /// Set by the thread while paused with nothing in flight.
@@ -23,13 +23,17 @@ pub(super) struct Trainer {
     done: Arc<Mutex<Vec<Instant>>>,
     thread: std::thread::JoinHandle<anyhow::Result<()>>,
     /// Its LoadGraph, milliseconds.
-    pub(super) load_ms: f64,
+    pub(in crate::cli::bench) load_ms: f64,
 }
 
 impl Trainer {
     /// Connects, loads and warms up (three steps); returns once the job is
     /// iterating.
-    pub(super) fn start(endpoint: String, w: Workload, index: usize) -> anyhow::Result<Trainer> {
+    pub(in crate::cli::bench) fn start(
+        endpoint: String,
+        w: Workload,
+        index: usize,
+    ) -> anyhow::Result<Trainer> {
         let stop = Arc::new(AtomicBool::new(false));
         let pause = Arc::new(AtomicBool::new(false));
         let idle = Arc::new(AtomicBool::new(false));
@@ -117,7 +121,7 @@ impl Trainer {
     }
 
     /// Stops sending Runs and waits until the one in flight has finished.
-    pub(super) fn pause(&self) {
+    pub(in crate::cli::bench) fn pause(&self) {
         self.pause.store(true, Ordering::SeqCst);
         while !self.idle.load(Ordering::SeqCst) && !self.thread.is_finished() {
             std::thread::sleep(Duration::from_millis(1));
@@ -125,13 +129,13 @@ impl Trainer {
     }
 
     /// Iterates again.
-    pub(super) fn resume(&self) {
+    pub(in crate::cli::bench) fn resume(&self) {
         self.idle.store(false, Ordering::SeqCst);
         self.pause.store(false, Ordering::SeqCst);
     }
 
     /// Completions at or after `from` and at or before `to`.
-    pub(super) fn steps_between(&self, from: Instant, to: Instant) -> usize {
+    pub(in crate::cli::bench) fn steps_between(&self, from: Instant, to: Instant) -> usize {
         self.done
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -140,8 +144,16 @@ impl Trainer {
             .count()
     }
 
+    /// Every completion so far, in order.
+    pub(in crate::cli::bench) fn completions(&self) -> Vec<Instant> {
+        self.done
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// Median time between completions in `[from, to]`, milliseconds.
-    pub(super) fn median_step_ms(&self, from: Instant, to: Instant) -> f64 {
+    pub(in crate::cli::bench) fn median_step_ms(&self, from: Instant, to: Instant) -> f64 {
         let done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
         let mut gaps: Vec<f64> = done
             .windows(2)
@@ -153,13 +165,13 @@ impl Trainer {
     }
 
     /// Whether the thread has ended (an error, or stopped).
-    pub(super) fn is_finished(&self) -> bool {
+    pub(in crate::cli::bench) fn is_finished(&self) -> bool {
         self.thread.is_finished()
     }
 
     /// Stops the job, closes its session and returns the thread's error,
     /// if it had one.
-    pub(super) fn finish(self) -> anyhow::Result<()> {
+    pub(in crate::cli::bench) fn finish(self) -> anyhow::Result<()> {
         self.stop.store(true, Ordering::SeqCst);
         self.thread
             .join()
