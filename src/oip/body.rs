@@ -88,12 +88,17 @@ impl Chunks {
     }
 
     /// Copies every byte into `dst`, which must be exactly as long; false
-    /// (and `dst` untouched) when it is not. A large body is copied by a
-    /// few threads ([`lanes_adaptor::wire::copy_chunks`]), as the `lanes`
-    /// Python client copies a large feed into its shared segment.
+    /// (and `dst` untouched) when it is not.
     pub fn copy_to(&self, dst: &mut [u8]) -> bool {
-        let parts: Vec<&[u8]> = self.parts().collect();
-        lanes_adaptor::wire::copy_chunks(dst, &parts)
+        if dst.len() != self.len {
+            return false;
+        }
+        let mut at = 0;
+        for p in self.parts() {
+            dst[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        true
     }
 }
 

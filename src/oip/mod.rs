@@ -35,8 +35,7 @@
 //! model's thread writes each request's rows of it straight into the
 //! session's *feed buffers* (a shared segment made once per batch size and
 //! written by every Run, so no request's bytes land in freshly mapped
-//! memory; 4 MiB or more by a few threads, as the `lanes` Python client
-//! copies a feed into its segment), whose Run carries only a header; the outputs come back through
+//! memory), whose Run carries only a header; the outputs come back through
 //! the buffers' reply slot. A gRPC input's `raw_input_contents` is moved,
 //! not copied, until then. Where the service refuses the segment
 //! (`--no-shared-memory`, its limits), the feeds are made tensors (one

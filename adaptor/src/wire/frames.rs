@@ -73,63 +73,48 @@ pub fn copy_bytes<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
     });
 }
 
-/// Copies `chunks`, in order, into `dst`, by several threads when large
-/// (the rule of [`copy_bytes`]): each thread takes an equal share of `dst`
-/// and the bytes of the chunks that land in it, whatever the chunks'
-/// sizes (64 KiB frames, a request body in the pieces its server read,
-/// one large piece). False, and nothing copied, when `dst` is not exactly
-/// their total length.
-pub fn copy_chunks(dst: &mut [u8], chunks: &[&[u8]]) -> bool {
-    let total = chunks.iter().map(|c| c.len()).sum::<usize>();
-    if total != dst.len() {
-        return false;
+/// Copies `chunks`, in order, into `dst` (exactly their total length:
+/// checked by the caller), by several threads when large, each taking a
+/// run of whole chunks.
+fn copy_chunks(dst: &mut [u8], chunks: &[&[u8]]) {
+    let threads = copy_threads(dst.len());
+    if threads <= 1 || chunks.len() < threads {
+        let mut at = 0;
+        for c in chunks {
+            dst[at..at + c.len()].copy_from_slice(c);
+            at += c.len();
+        }
+        return;
     }
-    let threads = copy_threads(total);
-    if threads <= 1 {
-        copy_in_order(dst, chunks);
-        return true;
-    }
-    let share = total.div_ceil(threads);
+    let share = dst.len().div_ceil(threads);
     std::thread::scope(|scope| {
         let mut rest = dst;
-        // The next byte to copy: chunk `k`, at `at` in it.
-        let (mut k, mut at) = (0, 0);
-        while !rest.is_empty() {
-            let n = share.min(rest.len());
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(n);
-            rest = tail;
-            let mut from: Vec<&[u8]> = Vec::new();
-            let mut need = n;
-            // The chunks add up to `dst`: they cover every share.
-            while need > 0 && k < chunks.len() {
-                let c = &chunks[k][at..];
-                let take = c.len().min(need);
-                from.push(&c[..take]);
-                need -= take;
-                at += take;
-                if at == chunks[k].len() {
-                    k += 1;
-                    at = 0;
-                }
+        let mut from = 0;
+        while from < chunks.len() {
+            // Whole chunks up to about `share` bytes for this thread.
+            let (mut to, mut bytes) = (from, 0);
+            while to < chunks.len() && (bytes < share || to == from) {
+                bytes += chunks[to].len();
+                to += 1;
             }
-            let mut copy = move || copy_in_order(mine, &from);
-            if rest.is_empty() {
-                copy();
-            } else {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(bytes);
+            rest = tail;
+            let group = &chunks[from..to];
+            from = to;
+            let mut copy = move || {
+                let mut at = 0;
+                for c in group {
+                    mine[at..at + c.len()].copy_from_slice(c);
+                    at += c.len();
+                }
+            };
+            if from < chunks.len() {
                 scope.spawn(copy);
+            } else {
+                copy();
             }
         }
     });
-    true
-}
-
-/// Copies `chunks`, in order, into `dst` (as long as they are together).
-fn copy_in_order(dst: &mut [u8], chunks: &[&[u8]]) {
-    let mut at = 0;
-    for c in chunks {
-        dst[at..at + c.len()].copy_from_slice(c);
-        at += c.len();
-    }
 }
 
 /// `bytes` as frames of at most `chunk` bytes (one empty frame when
@@ -256,9 +241,9 @@ fn tensor_from_chunks_in(
             got,
         });
     }
-    // The lengths are checked above: the copy is made.
-    let copy = |dst: &mut [u8]| {
-        copy_chunks(dst, chunks);
+    let copy = |dst: &mut [u8]| match chunks {
+        [one] => copy_bytes(dst, one),
+        many => copy_chunks(dst, many),
     };
     #[cfg(target_endian = "little")]
     {
@@ -473,49 +458,9 @@ mod tests {
             // Reassembled as the decoder does, in parallel when large.
             let slices: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
             let mut back = vec![0u8; len];
-            assert!(copy_chunks(&mut back, &slices));
+            copy_chunks(&mut back, &slices);
             assert_eq!(back, bytes);
         }
-    }
-
-    #[test]
-    fn chunks_of_any_sizes_are_copied_in_order_or_refused() {
-        let len = 9 << 20;
-        let bytes: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
-        // The pieces' sizes before the last (the rest): none (one piece);
-        // growing as a server's reads do; a large one after tiny ones; a
-        // last of one byte. Empty pieces between them all.
-        let cuts: [&[usize]; 4] = [
-            &[],
-            &[
-                8 << 10,
-                24 << 10,
-                24 << 10,
-                56 << 10,
-                120 << 10,
-                1 << 20,
-                3 << 20,
-            ],
-            &[1, 1, 5 << 20],
-            &[len - 1],
-        ];
-        for cut in cuts {
-            let mut pieces: Vec<&[u8]> = Vec::new();
-            let mut from = 0;
-            for &n in cut {
-                pieces.push(&bytes[from..from + n]);
-                pieces.push(&[]);
-                from += n;
-            }
-            pieces.push(&bytes[from..]);
-            let mut back = vec![0u8; len];
-            assert!(copy_chunks(&mut back, &pieces), "{cut:?}");
-            assert_eq!(back, bytes, "{cut:?}");
-            let mut short = vec![7u8; len - 1];
-            assert!(!copy_chunks(&mut short, &pieces));
-            assert!(short.iter().all(|&b| b == 7));
-        }
-        assert!(copy_chunks(&mut [], &[]));
     }
 
     #[test]

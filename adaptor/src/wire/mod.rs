@@ -34,7 +34,7 @@ pub use decode::{
 };
 pub use error::{DecodeError, ErrorCode, WireError};
 pub use frames::{
-    chunk_frames, copy_bytes, copy_chunks, max_message_frames, tensor_frame, tensor_from_chunks,
+    chunk_frames, copy_bytes, max_message_frames, tensor_frame, tensor_from_chunks,
     tensor_from_frame, tensor_from_frame_in, CHUNK_BYTES,
 };
 pub use message::{
