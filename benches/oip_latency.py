@@ -28,6 +28,13 @@ input is [BATCH, 3, SIZE, SIZE] (--size, default 224): 384 bytes at batch
 8 and size 2, 602,112 (600 KB) at batch 1 and 224, 4.8 MB at batch 8 and
 224, ResNet-50 b8's input. Several sizes go in one repository under
 different --name, and `bench --model NAME` picks one.
+
+`floor` needs no service: the time to move a request of --bytes (default
+4,816,896, ResNet-50 b8's input) over loopback TCP to a plain socket
+server thread that only reads it and answers a few bytes, the least any
+HTTP front door pays for such a request on this host:
+
+    python3 benches/oip_latency.py floor [--bytes N] [--runs 300]
 """
 import argparse
 import http.client
@@ -37,6 +44,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -44,7 +52,13 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 
 
-def export(a):
+def write_model(repo, model, name, batch, size, config=None):
+    """Exports MODEL (one of resnet50, resnet18, probe; random weights) to
+    REPO/NAME/1/model.onnx with a dynamic batch axis, writes
+    REPO/NAME/config.pbtxt (CONFIG, by default `max_batch_size: BATCH` and
+    no dynamic batching) and the model's input at batch BATCH, SIZE x SIZE
+    pixels, as REPO/NAME.input.npy. Returns the input's size in bytes.
+    `oip_load.py export` calls it too."""
     import torch
     import torchvision
 
@@ -66,21 +80,26 @@ def export(a):
         "resnet18": lambda: torchvision.models.resnet18(weights=None),
         "probe": Probe,
     }
-    if a.model not in builders:
-        sys.exit(f"unknown model {a.model!r} (one of {', '.join(builders)})")
-    name = a.name or a.model
-    model = builders[a.model]().eval()
-    x = torch.randn(a.batch, 3, a.size, a.size)
+    if model not in builders:
+        sys.exit(f"unknown model {model!r} (one of {', '.join(builders)})")
+    module = builders[model]().eval()
+    x = torch.randn(batch, 3, size, size)
     with tempfile.TemporaryDirectory() as tmp:
-        path = export_with_references(model, {"input": x}, ["output"], tmp, name)
-        version = os.path.join(a.repo, name, "1")
+        path = export_with_references(module, {"input": x}, ["output"], tmp, name)
+        version = os.path.join(repo, name, "1")
         os.makedirs(version, exist_ok=True)
         os.replace(path, os.path.join(version, "model.onnx"))
-    with open(os.path.join(a.repo, name, "config.pbtxt"), "w") as f:
-        f.write(f"max_batch_size: {a.batch}\n")
-    np.save(os.path.join(a.repo, f"{name}.input.npy"), x.numpy())
+    with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
+        f.write(config if config is not None else f"max_batch_size: {batch}\n")
+    np.save(os.path.join(repo, f"{name}.input.npy"), x.numpy())
+    return int(x.numel()) * 4
+
+
+def export(a):
+    name = a.name or a.model
+    size = write_model(a.repo, a.model, name, a.batch, a.size)
     print(json.dumps({"exported": name, "model": a.model, "repo": a.repo, "batch": a.batch,
-                      "input_bytes": int(x.numel()) * 4}))
+                      "input_bytes": size}))
 
 
 def process_cost(pid):
@@ -190,6 +209,68 @@ def bench(a):
     print(json.dumps(row))
 
 
+def floor(a):
+    """The floor under any HTTP front door: the time to move one request of
+    the same size over loopback TCP with nothing else done with it. A plain
+    socket server thread (in this process) reads exactly the request's
+    bytes into one buffer allocated once, as an HTTP server's receiving
+    copy does, and answers a few bytes; the client sends header lines and
+    body as `bench` does (two sends, TCP_NODELAY) and waits for the answer.
+    No parsing, no copy after the socket's: what is left is the kernel's
+    work and the wake-ups of a request and its answer."""
+    header = (f"POST /v2/models/floor/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              f"Content-Type: application/octet-stream\r\n"
+              f"Content-Length: {a.bytes}\r\n\r\n").encode()
+    body = np.random.default_rng(0).integers(0, 256, a.bytes, dtype=np.uint8).tobytes()
+    request = len(header) + len(body)
+    reply = b"x" * a.reply_bytes
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(request)
+        view = memoryview(buf)
+        with conn:
+            while True:
+                got = 0
+                while got < request:
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        return
+                    got += n
+                conn.sendall(reply)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    answer = bytearray(a.reply_bytes)
+    answer_view = memoryview(answer)
+
+    def one():
+        client.sendall(header)
+        client.sendall(body)
+        got = 0
+        while got < a.reply_bytes:
+            n = client.recv_into(answer_view[got:])
+            if n == 0:
+                raise RuntimeError("the floor's server closed the connection")
+            got += n
+
+    row = {"floor": True, "request_bytes": request, "reply_bytes": a.reply_bytes}
+    row.update(timed(one, a.runs, a.warmup, os.getpid()))
+    # Here `service_*` is this process, client and server together.
+    row["process_cpu_ms"] = row.pop("service_cpu_ms")
+    row["process_page_faults"] = row.pop("service_page_faults")
+    row["gb_per_s"] = request / (row["median_ms"] * 1e-3) / 1e9
+    client.close()
+    server.join(timeout=10)
+    listener.close()
+    print(json.dumps(row))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -209,8 +290,20 @@ def main():
     b.add_argument("--service-pid", type=int,
                    help="the lanes serve process: also report its CPU time and minor page "
                         "faults per request (Linux), for each path")
+    f = sub.add_parser("floor", help="time moving a request's bytes over loopback TCP, nothing "
+                                     "else (what any HTTP front door pays)")
+    f.add_argument("--bytes", type=int, default=4816896,
+                   help="the body's size (default: ResNet-50 b8's input, 4,816,896)")
+    f.add_argument("--reply-bytes", type=int, default=64, help="the answer's size")
+    f.add_argument("--runs", type=int, default=300)
+    f.add_argument("--warmup", type=int, default=20)
     a = ap.parse_args()
-    if a.cmd == "export":
+    if a.cmd == "floor":
+        if a.bytes < 0 or a.reply_bytes < 1 or a.runs < 1 or a.warmup < 0:
+            ap.error("--bytes not negative, --reply-bytes and --runs positive, --warmup not "
+                     "negative")
+        floor(a)
+    elif a.cmd == "export":
         if a.batch < 1 or a.size < 1:
             ap.error("--batch and --size must be positive")
         export(a)
