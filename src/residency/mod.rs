@@ -417,8 +417,8 @@ pub struct SwitchReport {
 pub struct SwitchTrace {
     /// Host: the first group's memory mapped (and the ephemeral part).
     pub host_mapped_ms: f64,
-    /// Host: the feeds' copies enqueued (on the compute stream, after every
-    /// group's copy).
+    /// Host: the feeds' copies enqueued (on the copy stream, before the
+    /// weights).
     pub host_feeds_ms: f64,
     /// Host: each group's copy enqueued (its memory mapped first).
     pub host_enqueued_ms: Vec<f64>,
@@ -426,7 +426,7 @@ pub struct SwitchTrace {
     pub host_launched_ms: f64,
     /// Host: the outputs on the host.
     pub host_done_ms: f64,
-    /// Device: the feeds in (compute stream).
+    /// Device: the feeds in.
     pub feeds_in_ms: f64,
     /// Device: each group's copy done.
     pub copy_done_ms: Vec<f64>,

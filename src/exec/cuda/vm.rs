@@ -516,7 +516,8 @@ impl VmArena {
             return Ok(());
         }
         // Whole pieces side by side (a lane's block may be larger than this
-        // part: its first pieces); a single allocation maps `bytes` of it.
+        // part: its first pieces); a single allocation maps whole (of the
+        // part's size: `map_ephemeral` sees to it for a lane's block).
         if block.handles.len() > 1 && bytes % block.piece != 0 {
             return Err(dev_err(
                 "mapping the arena",
@@ -632,7 +633,15 @@ impl VmArena {
         if self.parts[1].is_none() {
             let bytes = self.size - self.split;
             let b = match self.lane {
-                Some(l) => Block::of_lane(&self.ctx, l, bytes)?,
+                // A lane's block of one allocation maps only whole: the
+                // driver refuses part of one (CUDA_ERROR_NOT_SUPPORTED, seen
+                // on an H100 when programs of different T shared a lane
+                // without a device reservation). A program whose part is
+                // smaller than such a block takes a block of its own.
+                Some(l) => match Block::of_lane(&self.ctx, l, bytes)? {
+                    b if b.handles.len() == 1 && b.size != bytes => Block::take(&self.ctx, bytes)?,
+                    b => b,
+                },
                 None => Block::take(&self.ctx, bytes)?,
             };
             self.map_part(1, b)?;
