@@ -15,17 +15,16 @@
 
 mod util;
 
-use std::collections::BTreeMap;
+use util::jobs::{self, open, Job};
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lanes::server::PolicyChoice;
-use lanes_adaptor::wire::{Reply, Request, SessionId};
+use lanes_adaptor::wire::SessionId;
 use lanes_adaptor::zoo::seeded_feeds;
-use lanes_adaptor::{
-    Arch, Client, ClientOptions, Graph, Optimizer, SessionSpec, Tensor, VarValues,
-};
+use lanes_adaptor::{Arch, Client, Optimizer, SessionSpec};
 
 /// Runs the training job keeps in flight.
 const AHEAD: usize = 4;
@@ -34,38 +33,7 @@ const AHEAD: usize = 4;
 const TRAIN_FOR: Duration = Duration::from_secs(60);
 
 fn client(endpoint: &str) -> Client {
-    Client::connect_with(
-        endpoint,
-        ClientOptions {
-            timeout: Duration::from_secs(120),
-            name: "colocate-test".into(),
-            ..ClientOptions::default()
-        },
-    )
-    .unwrap()
-}
-
-fn open(c: &mut Client, spec: SessionSpec) -> SessionId {
-    match c.request(&Request::OpenSession(spec)).unwrap() {
-        Reply::SessionOpened { session } => session,
-        other => panic!("unexpected reply {other:?}"),
-    }
-}
-
-struct Job {
-    graph: Graph,
-    vars: VarValues,
-    feeds: BTreeMap<String, Tensor>,
-    fetch: String,
-}
-
-impl Job {
-    fn feeds(&self) -> Vec<(String, Tensor)> {
-        self.feeds
-            .iter()
-            .map(|(n, t)| (n.clone(), t.clone()))
-            .collect()
-    }
+    jobs::client(endpoint, "colocate-test", Duration::from_secs(120))
 }
 
 /// An MLP training step heavy enough to take milliseconds on the CPU.

@@ -16,16 +16,14 @@
 
 mod util;
 
-use std::collections::{BTreeMap, VecDeque};
+use util::jobs::{self, open, Job};
+
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lanes_adaptor::wire::{Reply, Request, SessionId};
 use lanes_adaptor::zoo::seeded_feeds;
-use lanes_adaptor::{
-    validate, Arch, Client, ClientOptions, Graph, GraphLimits, Optimizer, SessionSpec, Tensor,
-    VarValues,
-};
+use lanes_adaptor::{validate, Arch, Client, GraphLimits, Optimizer, SessionSpec, Tensor};
 
 /// Training steps in all, and how many Runs the training job keeps in
 /// flight (so it is never idle between them).
@@ -35,44 +33,13 @@ const AHEAD: usize = 4;
 const BEFORE: usize = 3;
 
 fn client(endpoint: &str) -> Client {
-    Client::connect_with(
-        endpoint,
-        ClientOptions {
-            timeout: Duration::from_secs(300),
-            name: "preempt-test".into(),
-            ..ClientOptions::default()
-        },
-    )
-    .unwrap()
+    jobs::client(endpoint, "preempt-test", Duration::from_secs(300))
 }
 
-fn open(c: &mut Client, spec: SessionSpec) -> SessionId {
-    match c.request(&Request::OpenSession(spec)).unwrap() {
-        Reply::SessionOpened { session } => session,
-        other => panic!("unexpected reply {other:?}"),
-    }
-}
-
-struct Job {
-    graph: Graph,
-    vars: VarValues,
-    feeds: BTreeMap<String, Tensor>,
-    fetch: String,
-}
-
-impl Job {
-    fn feeds(&self) -> Vec<(String, Tensor)> {
-        self.feeds
-            .iter()
-            .map(|(n, t)| (n.clone(), t.clone()))
-            .collect()
-    }
-
-    /// (P, T) as the lanes count them on the test's device.
-    fn sizes(&self) -> (u64, u64) {
-        let valid = validate(self.graph.clone(), &GraphLimits::default()).unwrap();
-        lanes::server::admission_sizes(&util::device(), &valid, false).unwrap()
-    }
+/// (P, T) of `job` as the lanes count them on the test's device.
+fn sizes(job: &Job) -> (u64, u64) {
+    let valid = validate(job.graph.clone(), &GraphLimits::default()).unwrap();
+    lanes::server::admission_sizes(&util::device(), &valid, false).unwrap()
 }
 
 fn mlp() -> Arch {
@@ -153,7 +120,7 @@ fn reference_losses() -> Vec<f32> {
 /// times, when the second answer came, and the sessions' status.
 fn preempted(evict_training: bool) -> (Vec<u32>, Vec<u32>, Trained, Instant, String) {
     let (train_job, infer_job) = (training_job(), inference_job());
-    let ((pt, tt), (pi, ti)) = (train_job.sizes(), infer_job.sizes());
+    let ((pt, tt), (pi, ti)) = (sizes(&train_job), sizes(&infer_job));
     let memory = (pt + tt).max(pi + ti) + pi.min(pt) / 2;
     assert!(
         pt + pi + tt.max(ti) > memory && pt + tt + pi + ti > memory,

@@ -1017,24 +1017,32 @@ fn fused_epilogues() {
 /// program to fuse.
 #[test]
 fn fused_cases_match_on_the_planner_layout() {
-    use lanes::compile;
-    use lanes::exec::cuda::fuse::find_chains;
     for c in fused_cases() {
         let (graph, _) = c.g.finish().unwrap();
         let vg = validate(graph, &GraphLimits::default()).unwrap();
-        let mut fetchable = compile::sinks(&vg);
-        for k in &c.fetches {
-            fetchable.insert(vg.graph().resolve(k).unwrap());
-        }
-        let plan = compile::plan_outlets(&vg, fetchable, Default::default()).unwrap();
-        let fetched = plan.fetched.iter().copied().collect();
-        let range = |o: Outlet| {
-            plan.slot(o)
-                .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
-        };
-        let f = find_chains(vg.graph(), vg.order(), &fetched, &range);
+        let f = matched_on_plan(&vg, &c.fetches);
         assert_eq!(Some(f.chains.len()), c.chains, "{}: {f:?}", c.name);
     }
+}
+
+/// The fusion the CUDA matcher finds on the memory planner's layout of
+/// `vg` for its sinks and `fetches`, without a GPU.
+fn matched_on_plan(
+    vg: &lanes_adaptor::ValidGraph,
+    fetches: &[String],
+) -> lanes::exec::cuda::fuse::Fusion {
+    use lanes::compile;
+    let mut fetchable = compile::sinks(vg);
+    for k in fetches {
+        fetchable.insert(vg.graph().resolve(k).unwrap());
+    }
+    let plan = compile::plan_outlets(vg, fetchable, Default::default()).unwrap();
+    let fetched = plan.fetched.iter().copied().collect();
+    let range = |o: Outlet| {
+        plan.slot(o)
+            .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
+    };
+    lanes::exec::cuda::fuse::find_chains(vg.graph(), vg.order(), &fetched, &range)
 }
 
 /// Fusion changes no result: two CNNs and a small BERT on the GPU with and

@@ -114,22 +114,10 @@ const VARIANTS: [(DType, bool, bool); 5] = [
 /// of every variant, with the ops the variant has.
 #[test]
 fn softmax_chains_match_on_the_planner_layout() {
-    use lanes::compile;
-    use lanes::exec::cuda::fuse::find_chains;
     for (dt, mask, scale) in VARIANTS {
         let (graph, _, fetches) = attention(dt, mask, scale);
         let vg = validate(graph, &GraphLimits::default()).unwrap();
-        let mut fetchable = compile::sinks(&vg);
-        for k in &fetches {
-            fetchable.insert(vg.graph().resolve(k).unwrap());
-        }
-        let plan = compile::plan_outlets(&vg, fetchable, Default::default()).unwrap();
-        let fetched = plan.fetched.iter().copied().collect();
-        let range = |o: Outlet| {
-            plan.slot(o)
-                .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
-        };
-        let f = find_chains(vg.graph(), vg.order(), &fetched, &range);
+        let f = matched_on_plan(&vg, &fetches);
         let what = format!("{dt:?} mask {mask} scale {scale}: {:?}", f.softmax);
         assert_eq!(f.softmax.len(), 2, "{what}");
         let (fwd, bwd) = (&f.softmax[0], &f.softmax[1]);
@@ -151,8 +139,6 @@ fn softmax_chains_match_on_the_planner_layout() {
 /// here), a softmax over another axis does not fuse.
 #[test]
 fn softmax_chains_leave_what_is_fetched() {
-    use lanes::compile;
-    use lanes::exec::cuda::fuse::find_chains;
     let (graph, _, mut fetches) = attention(DType::BF16, true, true);
     let vg = validate(graph, &GraphLimits::default()).unwrap();
     let add = vg
@@ -162,17 +148,7 @@ fn softmax_chains_leave_what_is_fetched() {
         .position(|n| matches!(n.op, Op::Add))
         .unwrap();
     fetches.push(vg.graph().nodes[add].name.clone());
-    let mut fetchable = compile::sinks(&vg);
-    for k in &fetches {
-        fetchable.insert(vg.graph().resolve(k).unwrap());
-    }
-    let plan = compile::plan_outlets(&vg, fetchable, Default::default()).unwrap();
-    let fetched = plan.fetched.iter().copied().collect();
-    let range = |o: Outlet| {
-        plan.slot(o)
-            .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
-    };
-    let f = find_chains(vg.graph(), vg.order(), &fetched, &range);
+    let f = matched_on_plan(&vg, &fetches);
     assert_eq!(f.softmax.len(), 2, "{:?}", f.softmax);
     assert!(f.softmax[0].mask.is_none() && f.softmax[0].scale.is_none());
 
@@ -184,14 +160,7 @@ fn softmax_chains_leave_what_is_fetched() {
     g.set_name(y, "y");
     let (graph, _) = g.finish().unwrap();
     let vg = validate(graph, &GraphLimits::default()).unwrap();
-    let fetchable = compile::sinks(&vg);
-    let plan = compile::plan_outlets(&vg, fetchable, Default::default()).unwrap();
-    let fetched = plan.fetched.iter().copied().collect();
-    let range = |o: Outlet| {
-        plan.slot(o)
-            .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
-    };
-    let f = find_chains(vg.graph(), vg.order(), &fetched, &range);
+    let f = matched_on_plan(&vg, &[]);
     assert!(f.softmax.is_empty(), "{:?}", f.softmax);
 }
 
