@@ -72,9 +72,7 @@ impl SoftmaxChain {
             "fused softmax"
         }
     }
-}
 
-impl SoftmaxChain {
     /// What the kernel reads: the input (or dy), y, the mask.
     pub fn reads(&self) -> Vec<Outlet> {
         let mut r = vec![self.x];
@@ -94,36 +92,6 @@ impl SoftmaxChain {
     }
 }
 
-/// The softmax chains of `graph` run in `order`, given the outputs a Run
-/// may fetch; no node is in two chains.
-pub fn softmax_chains(
-    graph: &Graph,
-    order: &[NodeId],
-    fetchable: &HashSet<Outlet>,
-) -> Vec<SoftmaxChain> {
-    let mut uses: HashMap<Outlet, usize> = HashMap::new();
-    for n in &graph.nodes {
-        for &o in &n.inputs {
-            *uses.entry(o).or_default() += 1;
-        }
-    }
-    let m = Matcher {
-        graph,
-        order,
-        fetchable,
-        uses,
-    };
-    let mut used: HashSet<NodeId> = HashSet::new();
-    let mut chains = Vec::new();
-    for pos in 0..order.len() {
-        if let Some(c) = m.softmax_at(pos, &|n| used.contains(&n)) {
-            used.extend(c.nodes.iter().copied());
-            chains.push(c);
-        }
-    }
-    chains
-}
-
 /// For each chain, the ephemeral tensors it reads and the position of its
 /// last node: a read tensor must stay in memory until then.
 pub(crate) fn keep_alive(
@@ -131,21 +99,57 @@ pub(crate) fn keep_alive(
     order: &[NodeId],
     fetchable: &HashSet<Outlet>,
 ) -> Vec<(Outlet, NodeId)> {
-    softmax_chains(graph, order, fetchable)
+    Matcher::new(graph, order, fetchable)
+        .softmax_chains()
         .iter()
         .flat_map(|c| c.reads().into_iter().map(move |r| (r, c.last())))
         .collect()
 }
 
-struct Matcher<'a> {
-    graph: &'a Graph,
-    order: &'a [NodeId],
-    fetchable: &'a HashSet<Outlet>,
-    uses: HashMap<Outlet, usize>,
+/// A graph run in an order, the uses of each output and the outputs a Run
+/// may fetch: what a matcher of op chains asks (the softmax chains here,
+/// the epilogues in `exec/cuda/fuse.rs`).
+pub(crate) struct Matcher<'a> {
+    pub(crate) graph: &'a Graph,
+    pub(crate) order: &'a [NodeId],
+    pub(crate) fetchable: &'a HashSet<Outlet>,
+    pub(crate) uses: HashMap<Outlet, usize>,
 }
 
-impl Matcher<'_> {
-    fn ty(&self, o: Outlet) -> Option<&TensorType> {
+impl<'a> Matcher<'a> {
+    pub(crate) fn new(
+        graph: &'a Graph,
+        order: &'a [NodeId],
+        fetchable: &'a HashSet<Outlet>,
+    ) -> Self {
+        let mut uses: HashMap<Outlet, usize> = HashMap::new();
+        for n in &graph.nodes {
+            for &o in &n.inputs {
+                *uses.entry(o).or_default() += 1;
+            }
+        }
+        Matcher {
+            graph,
+            order,
+            fetchable,
+            uses,
+        }
+    }
+
+    /// The softmax chains of the graph in its order; no node is in two.
+    pub(crate) fn softmax_chains(&self) -> Vec<SoftmaxChain> {
+        let mut used: HashSet<NodeId> = HashSet::new();
+        let mut chains = Vec::new();
+        for pos in 0..self.order.len() {
+            if let Some(c) = self.softmax_at(pos, &used) {
+                used.extend(c.nodes.iter().copied());
+                chains.push(c);
+            }
+        }
+        chains
+    }
+
+    pub(crate) fn ty(&self, o: Outlet) -> Option<&TensorType> {
         self.graph
             .nodes
             .get(o.node.index())?
@@ -154,7 +158,7 @@ impl Matcher<'_> {
     }
 
     /// `o` is read by one node only and not fetchable.
-    fn private(&self, o: Outlet) -> bool {
+    pub(crate) fn private(&self, o: Outlet) -> bool {
         self.uses.get(&o).copied() == Some(1) && !self.fetchable.contains(&o)
     }
 
@@ -184,7 +188,7 @@ impl Matcher<'_> {
 
     /// The softmax chain whose softmax (or gradient) runs at `pos`, if it
     /// has at least one op besides it.
-    fn softmax_at(&self, pos: usize, taken: &dyn Fn(NodeId) -> bool) -> Option<SoftmaxChain> {
+    fn softmax_at(&self, pos: usize, taken: &HashSet<NodeId>) -> Option<SoftmaxChain> {
         let id = self.node_at(pos)?;
         let node = &self.graph.nodes[id.index()];
         let (grad, axis) = match node.op {
@@ -283,7 +287,7 @@ impl Matcher<'_> {
         chain.nodes = before;
         chain.nodes.push(id);
         chain.nodes.extend(after);
-        if chain.nodes.iter().any(|&n| taken(n)) {
+        if chain.nodes.iter().any(|n| taken.contains(n)) {
             return None;
         }
         Some(chain)

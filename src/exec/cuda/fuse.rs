@@ -25,8 +25,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use lanes_adaptor::{DType, Graph, NodeId, Op, Outlet, TensorType};
+use lanes_adaptor::{DType, Graph, NodeId, Op, Outlet};
 
+use crate::compile::chains::Matcher;
 pub use crate::compile::chains::SoftmaxChain;
 
 /// One fused chain: y = relu?(bn?(x + bias?) + residual?), channels on
@@ -151,18 +152,7 @@ pub fn find_chains(
     fetchable: &HashSet<Outlet>,
     range: RangeOf<'_>,
 ) -> Fusion {
-    let mut uses: HashMap<Outlet, usize> = HashMap::new();
-    for n in &graph.nodes {
-        for &o in &n.inputs {
-            *uses.entry(o).or_default() += 1;
-        }
-    }
-    let m = Matcher {
-        graph,
-        order,
-        fetchable,
-        uses,
-    };
+    let m = Matcher::new(graph, order, fetchable);
     let mut fusion = Fusion::default();
     let mut pos = 0;
     while pos < order.len() {
@@ -186,7 +176,7 @@ pub fn find_chains(
     // Softmax chains (`compile::chains`) on the nodes left, where the
     // layout keeps what they read apart from what they write (the plan's
     // lifetimes make it so).
-    for c in crate::compile::chains::softmax_chains(graph, order, fetchable) {
+    for c in m.softmax_chains() {
         let free = c.nodes.iter().all(|n| !fusion.roles.contains_key(n));
         if !free || !disjoint(&c, range) {
             continue;
@@ -212,31 +202,13 @@ fn disjoint(c: &SoftmaxChain, range: RangeOf<'_>) -> bool {
     })
 }
 
-struct Matcher<'a> {
-    graph: &'a Graph,
-    order: &'a [NodeId],
-    fetchable: &'a HashSet<Outlet>,
-    uses: HashMap<Outlet, usize>,
-}
-
+// The matcher (graph, order, uses, fetchable outputs) is the softmax
+// chains' (`compile::chains`); the epilogues' rules are added here.
 impl Matcher<'_> {
-    fn ty(&self, o: Outlet) -> Option<&TensorType> {
-        self.graph
-            .nodes
-            .get(o.node.index())?
-            .outputs
-            .get(o.slot as usize)
-    }
-
     /// `o` is f32 of `dims`.
     fn is_f32(&self, o: Outlet, dims: &[usize]) -> bool {
         self.ty(o)
             .is_some_and(|t| t.dtype == DType::F32 && t.shape.dims() == dims)
-    }
-
-    /// `o` may be consumed by the next node only: one use, not fetchable.
-    fn private(&self, o: Outlet) -> bool {
-        self.uses.get(&o).copied() == Some(1) && !self.fetchable.contains(&o)
     }
 
     /// The longest chain starting at position `pos` whose layout allows
