@@ -282,6 +282,27 @@ extern "C" __global__ void softmax_grad_mixed(void* dx, int dxdt, int has_post, 
     }
 }
 
+// A row's mean and 1/sqrt(biased variance + eps), by one warp (every lane
+// gets both); the mean through `mean`.
+__device__ __forceinline__ float row_stats(const float* xr, int D, float eps, int lane, float* mean) {
+    float s = 0.0f;
+    for (int j = lane; j < D; j += 32) s += xr[j];
+    float m = warp_sum(s) / D;
+    float v = 0.0f;
+    for (int j = lane; j < D; j += 32) { float d = xr[j] - m; v += d * d; }
+    *mean = m;
+    return rsqrtf(warp_sum(v) / D + eps);
+}
+
+// A row's dx from its sums s1 = mean(dy·g) and s2 = mean(dy·g·x̂), by one warp.
+__device__ __forceinline__ void layernorm_dx_row(float* dx, const float* xr, const float* g, const float* dyr, int D,
+                                                 float mean, float inv, float s1, float s2, int lane) {
+    for (int j = lane; j < D; j += 32) {
+        float xh = (xr[j] - mean) * inv;
+        dx[j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
+    }
+}
+
 // One warp per row of D contiguous values; biased variance as PyTorch.
 extern "C" __global__ void layernorm(float* y, const float* x, const float* g, const float* bt, int rows, int D, float eps) {
     int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -289,12 +310,8 @@ extern "C" __global__ void layernorm(float* y, const float* x, const float* g, c
     if (q >= rows) return;
     const float* xr = x + (long long)q * D;
     float* yr = y + (long long)q * D;
-    float s = 0.0f;
-    for (int j = lane; j < D; j += 32) s += xr[j];
-    float mean = warp_sum(s) / D;
-    float v = 0.0f;
-    for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; v += d * d; }
-    float inv = rsqrtf(warp_sum(v) / D + eps);
+    float mean;
+    float inv = row_stats(xr, D, eps, lane, &mean);
     for (int j = lane; j < D; j += 32) yr[j] = (xr[j] - mean) * inv * g[j] + bt[j];
 }
 
@@ -302,12 +319,8 @@ extern "C" __global__ void layernorm(float* y, const float* x, const float* g, c
 // added into pg/pb (stride 1).
 __device__ __forceinline__ void layernorm_grad_row(float* dx, float* pg, float* pb, const float* xr, const float* g,
                                                    const float* dyr, int D, float eps, int lane) {
-    float s = 0.0f;
-    for (int j = lane; j < D; j += 32) s += xr[j];
-    float mean = warp_sum(s) / D;
-    float v = 0.0f;
-    for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; v += d * d; }
-    float inv = rsqrtf(warp_sum(v) / D + eps);
+    float mean;
+    float inv = row_stats(xr, D, eps, lane, &mean);
     float s1 = 0.0f, s2 = 0.0f;
     for (int j = lane; j < D; j += 32) {
         float xh = (xr[j] - mean) * inv;
@@ -319,10 +332,7 @@ __device__ __forceinline__ void layernorm_grad_row(float* dx, float* pg, float* 
     }
     s1 = warp_sum(s1) / D;
     s2 = warp_sum(s2) / D;
-    for (int j = lane; j < D; j += 32) {
-        float xh = (xr[j] - mean) * inv;
-        dx[j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
-    }
+    layernorm_dx_row(dx, xr, g, dyr, D, mean, inv, s1, s2, lane);
 }
 
 // dx per row, one warp per row (the block's warps stride over the rows);
@@ -367,12 +377,8 @@ extern "C" __global__ void layernorm_grad_reg(float* dx, float* dg, float* db, c
         long long o = (long long)q * D;
         const float* xr = x + o;
         const float* dyr = dy + o;
-        float s = 0.0f;
-        for (int j = lane; j < D; j += 32) s += xr[j];
-        float mean = warp_sum(s) / D;
-        float v = 0.0f;
-        for (int j = lane; j < D; j += 32) { float d = xr[j] - mean; v += d * d; }
-        float inv = rsqrtf(warp_sum(v) / D + eps);
+        float mean;
+        float inv = row_stats(xr, D, eps, lane, &mean);
         float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
         for (int t = 0; t < LN_REG; ++t) {
@@ -388,10 +394,7 @@ extern "C" __global__ void layernorm_grad_reg(float* dx, float* dg, float* db, c
         }
         s1 = warp_sum(s1) / D;
         s2 = warp_sum(s2) / D;
-        for (int j = lane; j < D; j += 32) {
-            float xh = (xr[j] - mean) * inv;
-            dx[o + j] = inv * (dyr[j] * g[j] - s1 - xh * s2);
-        }
+        layernorm_dx_row(dx + o, xr, g, dyr, D, mean, inv, s1, s2, lane);
     }
 #pragma unroll
     for (int t = 0; t < LN_REG; ++t) {
