@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use lanes::server::PolicyChoice;
 use lanes_adaptor::wire::SessionId;
-use lanes_adaptor::zoo::seeded_feeds;
-use lanes_adaptor::{Arch, Client, Optimizer, SessionSpec};
+use lanes_adaptor::{Arch, Client, SessionSpec};
 
 /// Runs the training job keeps in flight.
 const AHEAD: usize = 4;
@@ -43,15 +42,7 @@ fn training_job() -> Job {
         hidden: vec![1024, 1024],
         classes: 10,
     };
-    let (t, inputs) = arch
-        .training(128, 3, &Optimizer::sgd_momentum(0.01, 0.9, 0.0))
-        .unwrap();
-    Job {
-        graph: t.graph,
-        vars: t.vars,
-        feeds: seeded_feeds(&inputs, 5, 10).unwrap(),
-        fetch: t.loss,
-    }
+    Job::training(&arch, 128)
 }
 
 fn inference_job() -> Job {
@@ -60,13 +51,7 @@ fn inference_job() -> Job {
         hidden: vec![128],
         classes: 10,
     };
-    let m = arch.inference(8, 4).unwrap();
-    Job {
-        feeds: seeded_feeds(&m.inputs, 9, 10).unwrap(),
-        graph: m.graph,
-        vars: m.vars,
-        fetch: m.output,
-    }
+    Job::inference(&arch, 8)
 }
 
 /// The training job on its own connection: `AHEAD` Runs in flight until

@@ -22,8 +22,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lanes_adaptor::zoo::seeded_feeds;
-use lanes_adaptor::{validate, Arch, Client, GraphLimits, Optimizer, SessionSpec, Tensor};
+use lanes_adaptor::{validate, Arch, Client, GraphLimits, SessionSpec, Tensor};
 
 /// Training steps in all, and how many Runs the training job keeps in
 /// flight (so it is never idle between them).
@@ -52,25 +51,11 @@ fn mlp() -> Arch {
 
 /// An MLP training step (SGD with momentum: state beside the weights).
 fn training_job() -> Job {
-    let (t, inputs) = mlp()
-        .training(64, 3, &Optimizer::sgd_momentum(0.01, 0.9, 0.0))
-        .unwrap();
-    Job {
-        graph: t.graph,
-        vars: t.vars,
-        feeds: seeded_feeds(&inputs, 5, 10).unwrap(),
-        fetch: t.loss,
-    }
+    Job::training(&mlp(), 64)
 }
 
 fn inference_job() -> Job {
-    let m = mlp().inference(8, 4).unwrap();
-    Job {
-        feeds: seeded_feeds(&m.inputs, 9, 10).unwrap(),
-        graph: m.graph,
-        vars: m.vars,
-        fetch: m.output,
-    }
+    Job::inference(&mlp(), 8)
 }
 
 /// The training job on its own connection: `STEPS` Runs, `AHEAD` in

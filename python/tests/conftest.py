@@ -65,6 +65,27 @@ def start_service(sock, args, log_path):
             time.sleep(0.1)
 
 
+def start_http_service(endpoint, args, log_path):
+    """A `lanes serve` child on `endpoint` with `args` (which open the
+    inference protocol's front door, `--http ...`), once its ready line
+    names the front door; its stderr goes to `log_path`: (process, ready
+    line, HTTP address without `/v2`)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(lanes_bin()), "serve", "--endpoint", endpoint, *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+    line = proc.stdout.readline().decode()
+    if "inference protocol at http://" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"lanes serve did not start: {line!r}\n"
+                           + Path(log_path).read_text(errors="replace"))
+    url = line.split("inference protocol at http://")[1].split()[0].removesuffix(",")
+    return proc, line, url.removesuffix("/v2")
+
+
 def stop_service(proc):
     """Terminates a service child (killed after 20 s)."""
     if proc.poll() is None:

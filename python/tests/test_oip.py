@@ -6,12 +6,11 @@ model run through a Lanes session, the model repository, statistics,
 dynamic batching, and errors."""
 
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import DATA, device_args, lanes_bin, stop_service
+from conftest import DATA, device_args, start_http_service, stop_service
 
 import lanes
 
@@ -43,27 +42,15 @@ def served(tmp_path_factory):
     (repo / "garbage" / "1").mkdir(parents=True)
     (repo / "garbage" / "1" / "model.onnx").write_bytes(b"not a model")
     endpoint = f"ipc://{root / 'serve.sock'}"
-    log = open(root / "serve.log", "wb")
-    proc = subprocess.Popen(
-        [str(lanes_bin()), "serve", "--endpoint", endpoint, "--workers", "2",
-         "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+    proc, line, url = start_http_service(
+        endpoint,
+        ["--workers", "2", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
          "--model-repository", str(repo), *device_args()],
-        stdout=subprocess.PIPE,
-        stderr=log,
+        root / "serve.log",
     )
-    line = proc.stdout.readline().decode()
-    if "inference protocol at http://" not in line:
-        proc.kill()
-        proc.wait()
-        log.close()
-        raise RuntimeError(f"lanes serve did not start: {line!r}\n"
-                           + (root / "serve.log").read_text(errors="replace"))
-    url = line.split("inference protocol at http://")[1].split()[0].removesuffix(",")
-    url = url.removesuffix("/v2")
     grpc_url = line.split("gRPC inference protocol at ")[1].split()[0]
     yield url, endpoint, grpc_url
     stop_service(proc)
-    log.close()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, device_args, lanes_bin, stop_service
+from conftest import REPO, device_args, start_http_service, stop_service
 
 pytest.importorskip("torch")
 pytest.importorskip("torchvision")  # the export's onnx_fixtures imports it
@@ -37,24 +37,13 @@ def served(tmp_path_factory):
     assert exported["exported"] == ["probe_unbatched", "probe_batched"]
     assert "dynamic_batching" in (repo / "probe_batched" / "config.pbtxt").read_text()
     assert "dynamic_batching" not in (repo / "probe_unbatched" / "config.pbtxt").read_text()
-    log = open(root / "serve.log", "wb")
-    proc = subprocess.Popen(
-        [str(lanes_bin()), "serve", "--endpoint", f"ipc://{root / 'serve.sock'}",
-         "--http", "127.0.0.1:0", "--model-repository", str(repo), *device_args()],
-        stdout=subprocess.PIPE,
-        stderr=log,
+    proc, _, url = start_http_service(
+        f"ipc://{root / 'serve.sock'}",
+        ["--http", "127.0.0.1:0", "--model-repository", str(repo), *device_args()],
+        root / "serve.log",
     )
-    line = proc.stdout.readline().decode()
-    if "inference protocol at http://" not in line:
-        proc.kill()
-        proc.wait()
-        log.close()
-        raise RuntimeError(f"lanes serve did not start: {line!r}\n"
-                           + (root / "serve.log").read_text(errors="replace"))
-    url = line.split("inference protocol at http://")[1].split()[0].removesuffix(",")
-    yield url.removesuffix("/v2"), repo
+    yield url, repo
     stop_service(proc)
-    log.close()
 
 
 def test_the_sweep_reports_levels_and_batching_gathers_requests(served):
