@@ -164,10 +164,12 @@ fn garbage_rings_are_bounded_and_close_the_doorbells() {
                 f
             }
         };
+        // Counted before the ring: read after it, a ring the service
+        // examined first would leave the wait below nothing to see.
+        let seen = metric(&metrics, GARBAGE);
         assert!(bad.seg.ring(BELL_AT, BELL_LEN, id, &frame));
         rings += 1;
         // Each ring is seen before the next (the loop takes one a turn).
-        let seen = metric(&metrics, GARBAGE);
         until("the ring is examined", || {
             metric(&metrics, GARBAGE) > seen || metric(&metrics, CLOSED) > 0
         });
