@@ -47,6 +47,9 @@ mod views;
 /// Softmax chains as one kernel.
 mod softmax;
 
+/// What a program costs beyond its arena.
+mod overhead;
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,

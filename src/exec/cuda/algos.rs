@@ -72,11 +72,6 @@ impl Key {
             tf32,
         }
     }
-
-    /// The pass the choice is for.
-    pub fn pass(&self) -> Pass {
-        self.pass
-    }
 }
 
 struct Chosen {

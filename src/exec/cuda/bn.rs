@@ -24,85 +24,23 @@
 
 use std::collections::HashMap;
 
-use cudarc::cudnn::result::{self as cudnn, CudnnError};
-use cudarc::cudnn::sys::{
-    cudnnBatchNormMode_t, cudnnDataType_t, cudnnHandle_t, cudnnTensorDescriptor_t,
-    cudnnTensorFormat_t,
-};
-use cudarc::driver::CudaStream;
+use cudarc::cudnn::result::CudnnError;
+use cudarc::cudnn::sys::{cudnnBatchNormMode_t, cudnnDataType_t, cudnnHandle_t};
 use lanes_adaptor::{DType, Op, ValidGraph};
+
+use super::conv::{bad_param, TensorDesc};
 
 /// Smallest eps handed to cuDNN (its `CUDNN_BN_MIN_EPSILON` was 1e-5; a
 /// graph's f32 1e-5 counts as that).
 const MIN_EPS: f32 = 1e-5;
 
-/// A cuDNN handle of its own, bound to the program's stream (cudarc's
-/// handle does not expose its raw pointer, which the batch-norm calls need).
-/// Not `Send`: the program that owns it is (see `CudaProgram`).
-#[derive(Debug)]
-pub(super) struct BnHandle(cudnnHandle_t);
-
-impl BnHandle {
-    pub fn new(stream: &CudaStream) -> Result<Self, CudnnError> {
-        let h = cudnn::create_handle()?;
-        let handle = BnHandle(h);
-        // SAFETY: `h` is a live handle; the stream outlives the program
-        // that owns both.
-        unsafe { cudnn::set_stream(h, stream.cu_stream() as _) }?;
-        Ok(handle)
-    }
-}
-
-impl Drop for BnHandle {
-    fn drop(&mut self) {
-        // SAFETY: the handle was created in `new` and is destroyed once.
-        // Nothing to do about a failure while dropping.
-        let _ = unsafe { cudnn::destroy_handle(self.0) };
-    }
-}
-
-/// What a dimension cuDNN cannot take, or a rank below 2, answers.
-fn bad_param() -> CudnnError {
-    CudnnError(cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM)
-}
-
-/// One tensor descriptor, destroyed on drop.
-#[derive(Debug)]
-struct Desc(cudnnTensorDescriptor_t);
-
-impl Desc {
-    /// An NCHW f32 descriptor.
-    fn nchw(n: usize, c: usize, h: usize, w: usize) -> Result<Self, CudnnError> {
-        let dim = |v: usize| i32::try_from(v).map_err(|_| bad_param());
-        let (n, c, h, w) = (dim(n)?, dim(c)?, dim(h)?, dim(w)?);
-        let d = Desc(cudnn::create_tensor_descriptor()?);
-        // SAFETY: `d.0` is a live descriptor.
-        unsafe {
-            cudnn::set_tensor4d_descriptor(
-                d.0,
-                cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
-                cudnnDataType_t::CUDNN_DATA_FLOAT,
-                [n, c, h, w],
-            )
-        }?;
-        Ok(d)
-    }
-}
-
-impl Drop for Desc {
-    fn drop(&mut self) {
-        // SAFETY: created in `nchw`, destroyed once.
-        let _ = unsafe { cudnn::destroy_tensor_descriptor(self.0) };
-    }
-}
-
 /// The descriptors and constants of one batch-norm node run by cuDNN.
 #[derive(Debug)]
 pub(super) struct BnPlan {
     /// x and y: [N, C, inner, 1].
-    x: Desc,
+    x: TensorDesc,
     /// Scale, bias, means and variances: [1, C, 1, 1].
-    per_channel: Desc,
+    per_channel: TensorDesc,
     eps: f64,
     /// The running statistics' update factor.
     momentum: f64,
@@ -125,8 +63,8 @@ fn forward_fits(eps: f32, dims: &[usize]) -> bool {
 fn plan(dims: &[usize], eps: f32, momentum: f32) -> Result<BnPlan, CudnnError> {
     let (n, c, inner) = ncx(dims).ok_or_else(bad_param)?;
     Ok(BnPlan {
-        x: Desc::nchw(n, c, inner, 1)?,
-        per_channel: Desc::nchw(1, c, 1, 1)?,
+        x: TensorDesc::nchw(F32, &[n, c, inner, 1])?,
+        per_channel: TensorDesc::nchw(F32, &[1, c, 1, 1])?,
         // f64::from(1e-5f32) is just below 1e-5.
         eps: f64::from(eps).max(1e-5),
         momentum: f64::from(momentum),
@@ -164,6 +102,7 @@ pub(super) fn plan_batch_norms(
     Ok(plans)
 }
 
+const F32: cudnnDataType_t = cudnnDataType_t::CUDNN_DATA_FLOAT;
 const ONE: f32 = 1.0;
 const ZERO: f32 = 0.0;
 
@@ -173,11 +112,12 @@ impl BnPlan {
     ///
     /// # Safety
     /// Every address is an arena range of the type the plan was made from:
-    /// x and y [N, C, ...], the others [C], all f32, on the handle's stream.
+    /// x and y [N, C, ...], the others [C], all f32; `h` is the process's
+    /// cuDNN handle, bound to the program's stream.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn forward(
         &self,
-        h: &BnHandle,
+        h: cudnnHandle_t,
         x: u64,
         y: u64,
         (scale, bias): (u64, u64),
@@ -190,7 +130,7 @@ impl BnPlan {
         // cuDNN expects for float data.
         unsafe {
             cudarc::cudnn::sys::cudnnBatchNormalizationForwardTraining(
-                h.0,
+                h,
                 cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL,
                 (&ONE as *const f32).cast(),
                 (&ZERO as *const f32).cast(),

@@ -1,69 +1,26 @@
 //! Convolutions through cuDNN: descriptors and algorithm chosen once when a
 //! program is built (cuDNN's heuristics, as PyTorch with
 //! `cudnn.benchmark = False`, kept per shape and element type for the
-//! process in `algos.rs`), run on raw arena addresses.
+//! process in `algos.rs`), run on raw arena addresses with the process's
+//! one cuDNN handle (`handles.rs`).
 //!
 //! Tensors and filters in f32, fp16 or bf16 (all three of one convolution
 //! of one type), always with FLOAT compute: cuDNN's FLOAT_CONFIG,
 //! PSEUDO_HALF_CONFIG and PSEUDO_BFLOAT16_CONFIG, which forward, backward
 //! data and backward filter all support (bf16 from sm_80).
 
-use std::marker::PhantomData;
-use std::sync::Arc;
-
+use cudarc::cudnn::result::{self as dnn, CudnnError};
 use cudarc::cudnn::sys::{
-    cudnnConvolutionBwdDataAlgo_t, cudnnConvolutionBwdFilterAlgo_t, cudnnConvolutionFwdAlgo_t,
-    cudnnConvolutionMode_t, cudnnDataType_t, cudnnMathType_t, cudnnTensorFormat_t,
+    cudnnConvolutionBwdDataAlgoPerf_t, cudnnConvolutionBwdDataAlgo_t,
+    cudnnConvolutionBwdFilterAlgoPerf_t, cudnnConvolutionBwdFilterAlgo_t,
+    cudnnConvolutionDescriptor_t, cudnnConvolutionFwdAlgoPerf_t, cudnnConvolutionFwdAlgo_t,
+    cudnnConvolutionMode_t, cudnnDataType_t, cudnnFilterDescriptor_t, cudnnHandle_t,
+    cudnnMathType_t, cudnnStatus_t, cudnnTensorDescriptor_t, cudnnTensorFormat_t,
 };
-use cudarc::cudnn::{
-    ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, Cudnn, CudnnDataType,
-    CudnnError, FilterDescriptor, TensorDescriptor,
-};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use lanes_adaptor::Conv2dAttrs;
 
 use super::algos;
 use super::elem::Elem;
-
-/// A device range given by address, for cuDNN's typed launch API.
-pub(super) struct Raw<T> {
-    ptr: u64,
-    len: usize,
-    stream: Arc<CudaStream>,
-    _t: PhantomData<T>,
-}
-
-impl<T> Raw<T> {
-    pub fn new(ptr: u64, len: usize, stream: &Arc<CudaStream>) -> Self {
-        Raw {
-            ptr,
-            len,
-            stream: stream.clone(),
-            _t: PhantomData,
-        }
-    }
-}
-
-impl<T> DeviceSlice<T> for Raw<T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-}
-
-impl<T> DevicePtr<T> for Raw<T> {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Sync(None))
-    }
-}
-
-impl<T> DevicePtrMut<T> for Raw<T> {
-    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Sync(None))
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Algo {
@@ -72,87 +29,107 @@ pub(super) enum Algo {
     BwdFilter(cudnnConvolutionBwdFilterAlgo_t),
 }
 
-/// An element type of convolution tensors, with the scaling factors
-/// (alpha 1, beta 0) in the type cuDNN takes them in for it (f32 for all
-/// three: FLOAT compute).
-pub(super) trait ConvElem: CudnnDataType + Copy {
-    const ONE: Self;
-    const ZERO: Self;
-}
-
-impl ConvElem for f32 {
-    const ONE: Self = 1.0;
-    const ZERO: Self = 0.0;
-}
-
-/// fp16 tensors to cuDNN (`CUDNN_DATA_HALF`). cuDNN reads and writes the
-/// device memory itself; a value of this type is only a scaling factor,
-/// which cuDNN takes as an f32 for 16-bit data.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct F16(f32);
-
-/// bf16 tensors to cuDNN (`CUDNN_DATA_BFLOAT16`); as [`F16`].
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Bf16(f32);
-
-impl CudnnDataType for F16 {
-    const DATA_TYPE: cudnnDataType_t = cudnnDataType_t::CUDNN_DATA_HALF;
-    type Scalar = f32;
-    fn into_scaling_parameter(self) -> f32 {
-        self.0
-    }
-}
-
-impl CudnnDataType for Bf16 {
-    const DATA_TYPE: cudnnDataType_t = cudnnDataType_t::CUDNN_DATA_BFLOAT16;
-    type Scalar = f32;
-    fn into_scaling_parameter(self) -> f32 {
-        self.0
-    }
-}
-
-impl ConvElem for F16 {
-    const ONE: Self = F16(1.0);
-    const ZERO: Self = F16(0.0);
-}
-
-impl ConvElem for Bf16 {
-    const ONE: Self = Bf16(1.0);
-    const ZERO: Self = Bf16(0.0);
-}
-
-/// Descriptors of one convolution: x [N,C,H,W], w [O,C/g,kh,kw], y [N,O,OH,OW]
-/// in `X`, computed in f32.
-#[derive(Debug)]
-pub(super) struct Typed<X: ConvElem> {
-    conv: ConvDescriptor<f32>,
-    x: TensorDescriptor<X>,
-    w: FilterDescriptor<X>,
-    y: TensorDescriptor<X>,
-    algo: Algo,
-}
-
-/// One convolution's plan, in its element type.
-#[derive(Debug)]
-pub(super) enum Plan {
-    F32(Typed<f32>),
-    F16(Typed<F16>),
-    Bf16(Typed<Bf16>),
-}
-
-/// A convolution's plan and the workspace its algorithm needs.
-#[derive(Debug)]
-pub(super) struct ConvPlan {
-    pub plan: Plan,
-    pub workspace_bytes: usize,
+/// What a dimension cuDNN cannot take answers.
+pub(super) fn bad_param() -> CudnnError {
+    CudnnError(cudnnStatus_t::CUDNN_STATUS_BAD_PARAM)
 }
 
 fn dims4(d: &[usize]) -> Result<[i32; 4], CudnnError> {
+    let v = |x: usize| i32::try_from(x).map_err(|_| bad_param());
     match d {
-        &[a, b, c, e] => Ok([a as i32, b as i32, c as i32, e as i32]),
-        _ => Err(CudnnError(
-            cudarc::cudnn::sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM,
-        )),
+        &[a, b, c, e] => Ok([v(a)?, v(b)?, v(c)?, v(e)?]),
+        _ => Err(bad_param()),
+    }
+}
+
+/// cuDNN's type for tensors of `elem`.
+fn data_type(elem: Elem) -> cudnnDataType_t {
+    match elem {
+        Elem::F32 => cudnnDataType_t::CUDNN_DATA_FLOAT,
+        Elem::F16 => cudnnDataType_t::CUDNN_DATA_HALF,
+        Elem::Bf16 => cudnnDataType_t::CUDNN_DATA_BFLOAT16,
+    }
+}
+
+/// One NCHW tensor descriptor, destroyed on drop.
+#[derive(Debug)]
+pub(super) struct TensorDesc(pub cudnnTensorDescriptor_t);
+
+impl TensorDesc {
+    pub fn nchw(dt: cudnnDataType_t, dims: &[usize]) -> Result<Self, CudnnError> {
+        let dims = dims4(dims)?;
+        let d = TensorDesc(dnn::create_tensor_descriptor()?);
+        // SAFETY: `d.0` is a live descriptor.
+        unsafe {
+            dnn::set_tensor4d_descriptor(d.0, cudnnTensorFormat_t::CUDNN_TENSOR_NCHW, dt, dims)
+        }?;
+        Ok(d)
+    }
+}
+
+impl Drop for TensorDesc {
+    fn drop(&mut self) {
+        // SAFETY: created in `nchw`, destroyed once; nothing to do about a
+        // failure while dropping.
+        let _ = unsafe { dnn::destroy_tensor_descriptor(self.0) };
+    }
+}
+
+/// One KCRS filter descriptor, destroyed on drop.
+#[derive(Debug)]
+struct FilterDesc(cudnnFilterDescriptor_t);
+
+impl FilterDesc {
+    fn kcrs(dt: cudnnDataType_t, dims: &[usize]) -> Result<Self, CudnnError> {
+        let dims = dims4(dims)?;
+        let d = FilterDesc(dnn::create_filter_descriptor()?);
+        // SAFETY: `d.0` is a live descriptor.
+        unsafe {
+            dnn::set_filter4d_descriptor(d.0, dt, cudnnTensorFormat_t::CUDNN_TENSOR_NCHW, dims)
+        }?;
+        Ok(d)
+    }
+}
+
+impl Drop for FilterDesc {
+    fn drop(&mut self) {
+        // SAFETY: created in `kcrs`, destroyed once.
+        let _ = unsafe { dnn::destroy_filter_descriptor(self.0) };
+    }
+}
+
+/// One 2-d convolution descriptor (FLOAT compute), destroyed on drop.
+#[derive(Debug)]
+struct ConvDesc(cudnnConvolutionDescriptor_t);
+
+impl ConvDesc {
+    fn new(a: &Conv2dAttrs, math: cudnnMathType_t) -> Result<Self, CudnnError> {
+        let v = |x: usize| i32::try_from(x).map_err(|_| bad_param());
+        let d = ConvDesc(dnn::create_convolution_descriptor()?);
+        // SAFETY: `d.0` is a live descriptor.
+        unsafe {
+            dnn::set_convolution2d_descriptor(
+                d.0,
+                v(a.padding[0])?,
+                v(a.padding[1])?,
+                v(a.stride[0])?,
+                v(a.stride[1])?,
+                v(a.dilation[0])?,
+                v(a.dilation[1])?,
+                cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                cudnnDataType_t::CUDNN_DATA_FLOAT,
+            )?;
+            dnn::set_convolution_math_type(d.0, math)?;
+            dnn::set_convolution_group_count(d.0, v(a.groups)?)?;
+        }
+        Ok(d)
+    }
+}
+
+impl Drop for ConvDesc {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { dnn::destroy_convolution_descriptor(self.0) };
     }
 }
 
@@ -168,169 +145,120 @@ fn math_type(elem: Elem, tf32: bool) -> cudnnMathType_t {
     }
 }
 
-impl<X: ConvElem> Typed<X> {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        key: algos::Key,
-        cudnn: &Arc<Cudnn>,
-        a: &Conv2dAttrs,
-        x: &[usize],
-        w: &[usize],
-        y: &[usize],
-        math: cudnnMathType_t,
-    ) -> Result<(Self, usize), CudnnError> {
-        let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
-        // f32: the compute type (CUDNN_DATA_FLOAT) for every element type.
-        let mut conv = cudnn.create_conv2d::<f32>(
-            [a.padding[0] as i32, a.padding[1] as i32],
-            [a.stride[0] as i32, a.stride[1] as i32],
-            [a.dilation[0] as i32, a.dilation[1] as i32],
-            cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
-        )?;
-        conv.set_math_type(math)?;
-        conv.set_group_count(a.groups as i32)?;
-        let x = cudnn.create_4d_tensor::<X>(nchw, dims4(x)?)?;
-        let w = cudnn.create_4d_filter::<X>(nchw, dims4(w)?)?;
-        let y = cudnn.create_4d_tensor::<X>(nchw, dims4(y)?)?;
-        let (algo, workspace_bytes) = algos::choose(key.clone(), || match key.pass() {
-            algos::Pass::Forward => {
-                let op = ConvForward {
-                    conv: &conv,
-                    x: &x,
-                    w: &w,
-                    y: &y,
-                };
-                let algo = op.pick_algorithm()?;
-                Ok((Algo::Fwd(algo), op.get_workspace_size(algo)?))
-            }
-            algos::Pass::BackwardData => {
-                let op = ConvBackwardData {
-                    conv: &conv,
-                    dx: &x,
-                    w: &w,
-                    dy: &y,
-                };
-                let algo = op.pick_algorithm()?;
-                Ok((Algo::BwdData(algo), op.get_workspace_size(algo)?))
-            }
-            algos::Pass::BackwardFilter => {
-                let op = ConvBackwardFilter {
-                    conv: &conv,
-                    x: &x,
-                    dw: &w,
-                    dy: &y,
-                };
-                let algo = op.pick_algorithm()?;
-                Ok((Algo::BwdFilter(algo), op.get_workspace_size(algo)?))
-            }
-        })?;
-        Ok((
-            Typed {
-                conv,
-                x,
-                w,
-                y,
-                algo,
-            },
-            workspace_bytes,
-        ))
-    }
-
-    /// See [`ConvPlan::run`].
-    ///
-    /// # Safety
-    /// As [`ConvPlan::run`].
-    unsafe fn run(
-        &self,
-        stream: &Arc<CudaStream>,
-        a: (u64, usize),
-        b: (u64, usize),
-        out: (u64, usize),
-        workspace: u64,
-        workspace_bytes: usize,
-    ) -> Result<(), CudnnError> {
-        let ra = Raw::<X>::new(a.0, a.1, stream);
-        let rb = Raw::<X>::new(b.0, b.1, stream);
-        let mut ro = Raw::<X>::new(out.0, out.1, stream);
-        let mut ws = Raw::<u8>::new(workspace, workspace_bytes, stream);
-        let ws = if workspace_bytes > 0 {
-            Some(&mut ws)
-        } else {
-            None
-        };
-        let scale = (X::ONE, X::ZERO);
-        match self.algo {
-            Algo::Fwd(algo) => {
-                let op = ConvForward {
-                    conv: &self.conv,
-                    x: &self.x,
-                    w: &self.w,
-                    y: &self.y,
-                };
-                // SAFETY: forwarded to the caller.
-                unsafe { op.launch(algo, ws, scale, &ra, &rb, &mut ro) }
-            }
-            Algo::BwdData(algo) => {
-                let op = ConvBackwardData {
-                    conv: &self.conv,
-                    dx: &self.x,
-                    w: &self.w,
-                    dy: &self.y,
-                };
-                // SAFETY: forwarded to the caller.
-                unsafe { op.launch(algo, ws, scale, &mut ro, &rb, &ra) }
-            }
-            Algo::BwdFilter(algo) => {
-                let op = ConvBackwardFilter {
-                    conv: &self.conv,
-                    x: &self.x,
-                    dw: &self.w,
-                    dy: &self.y,
-                };
-                // SAFETY: forwarded to the caller.
-                unsafe { op.launch(algo, ws, scale, &ra, &mut ro, &rb) }
-            }
-        }
-    }
+/// cuDNN's heuristics' first choice among up to `N` results written by
+/// `query` (count asked, count returned, results), checked for success.
+fn first_choice<P, const N: usize>(
+    query: impl FnOnce(i32, *mut i32, *mut P) -> Result<(), CudnnError>,
+    status: impl Fn(&P) -> cudnnStatus_t,
+) -> Result<P, CudnnError> {
+    let mut results: Vec<P> = Vec::with_capacity(N);
+    let mut returned = 0i32;
+    query(N as i32, &mut returned, results.as_mut_ptr())?;
+    let returned = usize::try_from(returned).map_err(|_| bad_param())?.min(N);
+    // SAFETY: cuDNN wrote `returned` (at most the `N` asked) results.
+    unsafe { results.set_len(returned) };
+    let first = results.into_iter().next().ok_or_else(bad_param)?;
+    status(&first).result()?;
+    Ok(first)
 }
 
+/// A convolution's plan: descriptors of x [N,C,H,W], w [O,C/g,kh,kw],
+/// y [N,O,OH,OW] in one element type, computed in f32, the algorithm of
+/// its pass and the workspace that algorithm needs.
+#[derive(Debug)]
+pub(super) struct ConvPlan {
+    conv: ConvDesc,
+    x: TensorDesc,
+    w: FilterDesc,
+    y: TensorDesc,
+    algo: Algo,
+    pub workspace_bytes: usize,
+}
+
+// SAFETY: the descriptors are plain cuDNN objects this plan alone owns and
+// only reads after creation (any thread may pass a descriptor to cuDNN).
+unsafe impl Send for ConvPlan {}
+
 impl ConvPlan {
+    /// The plan of `pass` with the process's cuDNN handle `h` (its
+    /// heuristics and workspace sizes; nothing is launched).
     #[allow(clippy::too_many_arguments)]
     fn new(
+        h: cudnnHandle_t,
         pass: algos::Pass,
         elem: Elem,
-        cudnn: &Arc<Cudnn>,
         a: &Conv2dAttrs,
         x: &[usize],
         w: &[usize],
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        let math = math_type(elem, tf32);
+        let dt = data_type(elem);
+        let conv = ConvDesc::new(a, math_type(elem, tf32))?;
+        let x_d = TensorDesc::nchw(dt, x)?;
+        let w_d = FilterDesc::kcrs(dt, w)?;
+        let y_d = TensorDesc::nchw(dt, y)?;
         let key = algos::Key::new(pass, elem, a, x, w, y, tf32);
-        let (plan, workspace_bytes) = match elem {
-            Elem::F32 => {
-                let (t, ws) = Typed::<f32>::new(key, cudnn, a, x, w, y, math)?;
-                (Plan::F32(t), ws)
+        let (c, xd, wd, yd) = (conv.0, x_d.0, w_d.0, y_d.0);
+        // SAFETY (each query): the handle and the four descriptors are live.
+        let (algo, workspace_bytes) = algos::choose(key, || match pass {
+            algos::Pass::Forward => {
+                const N: usize =
+                    cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_COUNT as usize;
+                let p = first_choice::<cudnnConvolutionFwdAlgoPerf_t, N>(
+                    |n, r, out| unsafe {
+                        dnn::get_convolution_forward_algorithm(h, xd, wd, c, yd, n, r, out)
+                    },
+                    |p| p.status,
+                )?;
+                let ws = unsafe {
+                    dnn::get_convolution_forward_workspace_size(h, xd, wd, c, yd, p.algo)
+                }?;
+                Ok((Algo::Fwd(p.algo), ws))
             }
-            Elem::F16 => {
-                let (t, ws) = Typed::<F16>::new(key, cudnn, a, x, w, y, math)?;
-                (Plan::F16(t), ws)
+            algos::Pass::BackwardData => {
+                const N: usize =
+                    cudnnConvolutionBwdDataAlgo_t::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT as usize;
+                let p = first_choice::<cudnnConvolutionBwdDataAlgoPerf_t, N>(
+                    |n, r, out| unsafe {
+                        dnn::get_convolution_backward_data_algorithm(h, wd, yd, c, xd, n, r, out)
+                    },
+                    |p| p.status,
+                )?;
+                let ws = unsafe {
+                    dnn::get_convolution_backward_data_workspace_size(h, wd, yd, c, xd, p.algo)
+                }?;
+                Ok((Algo::BwdData(p.algo), ws))
             }
-            Elem::Bf16 => {
-                let (t, ws) = Typed::<Bf16>::new(key, cudnn, a, x, w, y, math)?;
-                (Plan::Bf16(t), ws)
+            algos::Pass::BackwardFilter => {
+                const N: usize =
+                    cudnnConvolutionBwdFilterAlgo_t::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT
+                        as usize;
+                let p = first_choice::<cudnnConvolutionBwdFilterAlgoPerf_t, N>(
+                    |n, r, out| unsafe {
+                        dnn::get_convolution_backward_filter_algorithm(h, xd, yd, c, wd, n, r, out)
+                    },
+                    |p| p.status,
+                )?;
+                let ws = unsafe {
+                    dnn::get_convolution_backward_filter_workspace_size(h, xd, yd, c, wd, p.algo)
+                }?;
+                Ok((Algo::BwdFilter(p.algo), ws))
             }
-        };
+        })?;
         Ok(ConvPlan {
-            plan,
+            conv,
+            x: x_d,
+            w: w_d,
+            y: y_d,
+            algo,
             workspace_bytes,
         })
     }
 
     /// y = conv(x, w), x [N,C,H,W], w [O,C/g,kh,kw], y [N,O,OH,OW] in `elem`.
     pub fn forward(
-        cudnn: &Arc<Cudnn>,
+        h: cudnnHandle_t,
         elem: Elem,
         a: &Conv2dAttrs,
         x: &[usize],
@@ -338,12 +266,12 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        Self::new(algos::Pass::Forward, elem, cudnn, a, x, w, y, tf32)
+        Self::new(h, algos::Pass::Forward, elem, a, x, w, y, tf32)
     }
 
     /// dx from dy and w (shapes as [`ConvPlan::forward`]'s x, w, y).
     pub fn backward_data(
-        cudnn: &Arc<Cudnn>,
+        h: cudnnHandle_t,
         elem: Elem,
         a: &Conv2dAttrs,
         x: &[usize],
@@ -351,12 +279,12 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        Self::new(algos::Pass::BackwardData, elem, cudnn, a, x, w, y, tf32)
+        Self::new(h, algos::Pass::BackwardData, elem, a, x, w, y, tf32)
     }
 
     /// dw from x and dy (shapes as [`ConvPlan::forward`]'s x, w, y).
     pub fn backward_filter(
-        cudnn: &Arc<Cudnn>,
+        h: cudnnHandle_t,
         elem: Elem,
         a: &Conv2dAttrs,
         x: &[usize],
@@ -364,13 +292,13 @@ impl ConvPlan {
         y: &[usize],
         tf32: bool,
     ) -> Result<Self, CudnnError> {
-        Self::new(algos::Pass::BackwardFilter, elem, cudnn, a, x, w, y, tf32)
+        Self::new(h, algos::Pass::BackwardFilter, elem, a, x, w, y, tf32)
     }
 
-    /// Runs the convolution. For the forward plan `a` is x, `b` is w and
-    /// `out` is y; for backward-data `a` is dy, `b` is w, `out` is dx; for
-    /// backward-filter `a` is x, `b` is dy, `out` is dw. Lengths are in
-    /// elements of the plan's type.
+    /// Runs the convolution with handle `h` (bound to the program's
+    /// stream). For the forward plan `a` is x, `b` is w and `out` is y;
+    /// for backward-data `a` is dy, `b` is w, `out` is dx; for
+    /// backward-filter `a` is x, `b` is dy, `out` is dw.
     ///
     /// # Safety
     /// The addresses must point to live device ranges of the sizes given by
@@ -378,19 +306,73 @@ impl ConvPlan {
     /// least `workspace_bytes`.
     pub unsafe fn run(
         &self,
-        stream: &Arc<CudaStream>,
-        a: (u64, usize),
-        b: (u64, usize),
-        out: (u64, usize),
+        h: cudnnHandle_t,
+        a: u64,
+        b: u64,
+        out: u64,
         workspace: u64,
         workspace_bytes: usize,
     ) -> Result<(), CudnnError> {
-        // SAFETY: forwarded to the caller.
+        // FLOAT compute: the scaling factors are f32 for every data type.
+        let (one, zero) = (1.0f32, 0.0f32);
+        let alpha = (&one as *const f32).cast();
+        let beta = (&zero as *const f32).cast();
+        let p = |a: u64| a as *const std::ffi::c_void;
+        let m = |a: u64| a as *mut std::ffi::c_void;
+        let ws = if workspace_bytes > 0 {
+            m(workspace)
+        } else {
+            std::ptr::null_mut()
+        };
+        let (c, x, w, y) = (self.conv.0, self.x.0, self.w.0, self.y.0);
+        // SAFETY: the caller's contract; the descriptors are live.
         unsafe {
-            match &self.plan {
-                Plan::F32(t) => t.run(stream, a, b, out, workspace, workspace_bytes),
-                Plan::F16(t) => t.run(stream, a, b, out, workspace, workspace_bytes),
-                Plan::Bf16(t) => t.run(stream, a, b, out, workspace, workspace_bytes),
+            match self.algo {
+                Algo::Fwd(algo) => dnn::convolution_forward(
+                    h,
+                    alpha,
+                    x,
+                    p(a),
+                    w,
+                    p(b),
+                    c,
+                    algo,
+                    ws,
+                    workspace_bytes,
+                    beta,
+                    y,
+                    m(out),
+                ),
+                Algo::BwdData(algo) => dnn::convolution_backward_data(
+                    h,
+                    alpha,
+                    w,
+                    p(b),
+                    y,
+                    p(a),
+                    c,
+                    algo,
+                    ws,
+                    workspace_bytes,
+                    beta,
+                    x,
+                    m(out),
+                ),
+                Algo::BwdFilter(algo) => dnn::convolution_backward_filter(
+                    h,
+                    alpha,
+                    x,
+                    p(a),
+                    y,
+                    p(b),
+                    c,
+                    algo,
+                    ws,
+                    workspace_bytes,
+                    beta,
+                    w,
+                    m(out),
+                ),
             }
         }
     }

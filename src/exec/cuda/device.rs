@@ -1,7 +1,8 @@
 //! The process-wide GPU: one CUDA context on one device (0 unless
 //! [`select_device`] chose another before first use) and the NVRTC-compiled
 //! kernels, compiled once per process and cached. Programs create their own
-//! stream, cuBLAS and cuDNN handles on top of it. A process serves one GPU:
+//! streams on top of it and share one cuBLAS and one cuDNN handle
+//! (`handles.rs`). A process serves one GPU:
 //! several GPUs are several processes (docs/multi-gpu.md).
 
 use std::collections::HashMap;

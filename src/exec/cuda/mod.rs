@@ -18,6 +18,7 @@ mod device;
 mod elem;
 mod epilogue;
 pub mod fuse;
+mod handles;
 mod ops;
 mod pin;
 mod program;

@@ -124,9 +124,9 @@ impl CudaProgram {
         // which is exactly what these sizes, leading dimensions and strides
         // (in elements) make cuBLAS read and write; alpha and beta are f32,
         // the scale type of CUBLAS_COMPUTE_32F(_FAST_TF32).
-        unsafe {
+        let gemm = |h| unsafe {
             cudarc::cublas::result::gemm_strided_batched_ex(
-                *self.blas.handle(),
+                h,
                 op(tb),
                 op(ta),
                 n as i32,
@@ -150,8 +150,20 @@ impl CudaProgram {
                 compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        }
-        .map_err(|e| format!("cuBLAS: {e:?}"))
+        };
+        // The process's handle, bound to this program's stream and the
+        // workspace in its arena (`handles.rs`).
+        crate::exec::cuda::handles::blas()
+            .and_then(|b| {
+                b.with(
+                    &self.stream,
+                    self.cublas_workspace(),
+                    self.options.matmul_tf32,
+                    gemm,
+                )
+            })
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("cuBLAS: {e:?}"))
     }
 }
 

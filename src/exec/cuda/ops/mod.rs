@@ -54,9 +54,16 @@ impl CudaProgram {
         unsafe { launch(&self.stream, f, cfg, args) }
     }
 
-    /// cuDNN's plan for batch-norm forward `id`, when cuDNN runs it.
-    fn cudnn_bn(&self, id: NodeId) -> Option<(&super::bn::BnPlan, &super::bn::BnHandle)> {
-        Some((self.bns.get(&id.index())?, self.bn_handle.as_ref()?))
+    /// Runs `f` with the process's cuDNN handle bound to this program's
+    /// stream (`handles.rs`); a cuDNN failure is reported as `err` makes it.
+    fn with_cudnn(
+        &self,
+        err: impl Fn(String) -> ExecError,
+        f: impl FnOnce(cudarc::cudnn::sys::cudnnHandle_t) -> Result<(), cudarc::cudnn::CudnnError>,
+    ) -> Result<(), ExecError> {
+        super::handles::dnn()?
+            .with(&self.stream, f)?
+            .map_err(|e| err(format!("cuDNN: {e:?}")))
     }
 
     /// Runs node `id`.
@@ -431,21 +438,12 @@ impl CudaProgram {
                     .convs
                     .get(&id.index())
                     .ok_or_else(|| err("no convolution plan".into()))?;
-                let n = |t: &TensorType| t.shape.numel();
                 let (ws, ws_bytes) = self.cudnn_workspace();
                 // SAFETY: the plan's descriptors were made from these very
                 // types; the workspace holds the largest size any plan asked.
-                unsafe {
-                    plan.run(
-                        &self.stream,
-                        (inp[0], n(ity[0])),
-                        (inp[1], n(ity[1])),
-                        (out[0], n_out),
-                        ws,
-                        ws_bytes,
-                    )
-                }
-                .map_err(|e| err(format!("cuDNN: {e:?}")))?;
+                self.with_cudnn(err, |h| unsafe {
+                    plan.run(h, inp[0], inp[1], out[0], ws, ws_bytes)
+                })?;
                 // A bias whose add moved into a fused chain is added there.
                 let bias = inp
                     .get(2)
@@ -527,10 +525,10 @@ impl CudaProgram {
                 )
             }
             Op::BatchNormTrain { eps, momentum } => {
-                if let Some((plan, h)) = self.cudnn_bn(id) {
+                if let Some(plan) = self.bns.get(&id.index()) {
                     // SAFETY: the plan was made from these types; the
-                    // handle is on the program's stream.
-                    return unsafe {
+                    // handle is bound to the program's stream.
+                    return self.with_cudnn(err, |h| unsafe {
                         plan.forward(
                             h,
                             inp[0],
@@ -539,8 +537,7 @@ impl CudaProgram {
                             (inp[3], inp[4]),
                             (out[1], out[2]),
                         )
-                    }
-                    .map_err(|e| err(format!("cuDNN: {e:?}")));
+                    });
                 }
                 let d = ity[0].shape.dims();
                 let (nb, c, inner) = (i(d[0]), i(d[1]), i(prod(&d[2..])));

@@ -95,9 +95,17 @@ impl ArenaLayout {
 }
 
 /// The cuDNN plan of every convolution node (forward, data and filter
-/// gradients) and the largest workspace they ask for.
+/// gradients) and the largest workspace they ask for, from the process's
+/// cuDNN handle (nothing launched).
 pub(super) fn plan_convs(
-    cudnn: &Arc<Cudnn>,
+    graph: &ValidGraph,
+    options: CudaOptions,
+) -> Result<(HashMap<usize, ConvPlan>, usize), ExecError> {
+    crate::exec::cuda::handles::dnn()?.planning(|h| plan_convs_with(h, graph, options))
+}
+
+fn plan_convs_with(
+    h: cudarc::cudnn::sys::cudnnHandle_t,
     graph: &ValidGraph,
     options: CudaOptions,
 ) -> Result<(HashMap<usize, ConvPlan>, usize), ExecError> {
@@ -128,7 +136,7 @@ pub(super) fn plan_convs(
         };
         let plan = match &node.op {
             Op::Conv2d(a) => Some(ConvPlan::forward(
-                cudnn,
+                h,
                 elem()?,
                 a,
                 in_ty(0)?.shape.dims(),
@@ -137,7 +145,7 @@ pub(super) fn plan_convs(
                 options.conv_tf32,
             )),
             Op::Conv2dGradInput { attrs, .. } => Some(ConvPlan::backward_data(
-                cudnn,
+                h,
                 elem()?,
                 attrs,
                 out()?.shape.dims(),
@@ -146,7 +154,7 @@ pub(super) fn plan_convs(
                 options.conv_tf32,
             )),
             Op::Conv2dGradFilter { attrs, .. } => Some(ConvPlan::backward_filter(
-                cudnn,
+                h,
                 elem()?,
                 attrs,
                 in_ty(0)?.shape.dims(),
@@ -172,9 +180,7 @@ pub(super) fn plan_convs(
 pub fn ephemeral_need(graph: &ValidGraph, planned: u64) -> Result<u64, ExecError> {
     let gpu = gpu()?;
     gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-    let stream = gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))?;
-    let cudnn = Cudnn::new(stream).map_err(|e| dev_err("cuDNN", e))?;
-    let (_, ws) = plan_convs(&cudnn, graph, CudaOptions::default())?;
+    let (_, ws) = plan_convs(graph, CudaOptions::default())?;
     ephemeral_extent(planned, ws).map(|(_, _, extent)| extent as u64)
 }
 

@@ -13,15 +13,13 @@ mod wait;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use cudarc::cublas::CudaBlas;
-use cudarc::cudnn::Cudnn;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream, PinnedHostSlice};
 use lanes_adaptor::wire::shm::AttachedSegment;
 use lanes_adaptor::{NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
 
 use crate::compile::{self, MemoryPlan};
-use crate::exec::cuda::bn::{plan_batch_norms, BnHandle, BnPlan};
+use crate::exec::cuda::bn::{plan_batch_norms, BnPlan};
 use crate::exec::cuda::conv::ConvPlan;
 use crate::exec::cuda::device::{gpu, Gpu};
 use crate::exec::cuda::fuse::{find_chains, Fusion};
@@ -49,23 +47,6 @@ pub struct ArenaParts {
     /// The planner's lower bound for T and T with every tensor in its own bytes.
     pub lower_bound: usize,
     pub no_reuse: usize,
-}
-
-/// Hands cuBLAS its workspace (in the arena), so that it never allocates
-/// (also required for capturing its calls in a CUDA graph).
-fn bind_cublas_workspace(blas: &CudaBlas, at: u64) -> Result<(), ExecError> {
-    // SAFETY: the handle is live (owned by `blas`); `at` starts
-    // CUBLAS_WORKSPACE bytes of the program's arena, whose address stays
-    // reserved as long as the program (and so the handle) lives.
-    unsafe {
-        cudarc::cublas::sys::cublasSetWorkspace_v2(
-            *blas.handle(),
-            at as *mut std::ffi::c_void,
-            CUBLAS_WORKSPACE,
-        )
-    }
-    .result()
-    .map_err(|e| dev_err("cuBLAS workspace", e))
 }
 
 /// A stream of `urgency` levels above the device's least priority.
@@ -105,14 +86,11 @@ pub struct CudaProgram {
     pub(super) graph: ValidGraph,
     pub(super) gpu: Arc<Gpu>,
     pub(super) stream: Arc<CudaStream>,
-    pub(super) blas: CudaBlas,
     pub(super) slots: Vec<Vec<Slot>>,
     pub(super) base: u64,
     pub(super) convs: HashMap<usize, ConvPlan>,
-    /// Batch norms with batch statistics that cuDNN runs, and its handle
-    /// for them (made only when there are any).
+    /// Batch norms with batch statistics that cuDNN runs.
     pub(super) bns: HashMap<usize, BnPlan>,
-    pub(super) bn_handle: Option<BnHandle>,
     pub(super) options: CudaOptions,
     /// Fused chains for the current arena layout (re-matched when a new
     /// fetch re-plans it).
@@ -131,7 +109,6 @@ pub struct CudaProgram {
     // (the arena's memory is given up while the program is evicted; its
     // address stays).
     arena: VmArena,
-    _cudnn: Arc<Cudnn>,
     /// Where the arena's parts are and which fetches the plan keeps.
     mem: ArenaLayout,
     /// The job's shared segments its feeds were copied from, registered
@@ -219,10 +196,11 @@ impl std::fmt::Debug for CudaProgram {
     }
 }
 
-// SAFETY: the cuDNN handle and descriptors (the only members that are not
-// `Send`) are owned by this program and used only through `&mut self` or
-// `&self` methods of it, so they are never used from two threads at once;
-// cuDNN allows a handle to move between threads when calls do not overlap.
+// SAFETY: the cuDNN descriptors (the only members that are not `Send`)
+// are owned by this program and used only through `&mut self` or `&self`
+// methods of it, so they are never used from two threads at once; cuDNN
+// allows a descriptor to move between threads. The shared handles are
+// used under their locks (`handles.rs`).
 unsafe impl Send for CudaProgram {}
 
 pub(super) fn dev_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
@@ -262,18 +240,6 @@ impl CudaProgram {
         let gpu = gpu()?;
         gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
         let stream = stream_of(&gpu.ctx, options.urgency)?;
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("cuBLAS", e))?;
-        let math = if options.matmul_tf32 {
-            cudarc::cublas::sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            cudarc::cublas::sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
-        // SAFETY: the handle is live (owned by `blas`); setting the math mode
-        // has no memory effects.
-        unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), math) }
-            .result()
-            .map_err(|e| dev_err("cuBLAS math mode", e))?;
-        let cudnn = Cudnn::new(stream.clone()).map_err(|e| dev_err("cuDNN", e))?;
         let copy_stream = stream_of(&gpu.ctx, options.urgency)?;
 
         // Layout: the persistent tensors first, in first-use order (so a
@@ -325,14 +291,9 @@ impl CudaProgram {
             }
         }
 
-        let (convs, ws_bytes) = plan_convs(&cudnn, &graph, options)?;
+        let (convs, ws_bytes) = plan_convs(&graph, options)?;
         let bns = plan_batch_norms(&graph, options.cudnn_batch_norm)
             .map_err(|(k, e)| op_err(NodeId(k as u32), &g.nodes[k], format!("cuDNN: {e:?}")))?;
-        let bn_handle = if bns.is_empty() {
-            None
-        } else {
-            Some(BnHandle::new(&stream).map_err(|e| dev_err("cuDNN", e))?)
-        };
         let gran = granularity(&gpu.ctx)?;
         let (mem, plan) = ArenaLayout::new(
             &graph,
@@ -357,19 +318,15 @@ impl CudaProgram {
             }
             .map_err(|e| dev_err("memset", e))?;
         }
-        bind_cublas_workspace(&blas, base + mem.cublas_at as u64)?;
-
         let updates = g.nodes.iter().any(|n| !n.op.mutated_inputs().is_empty());
         let mut prog = CudaProgram {
             graph,
             gpu,
             stream,
-            blas,
             slots,
             base,
             convs,
             bns,
-            bn_handle,
             options,
             fusion: Fusion::default(),
             captured: None,
@@ -392,7 +349,6 @@ impl CudaProgram {
                 plans: PlanCache::default(),
             },
             arena,
-            _cudnn: cudnn,
             pins: SegmentPins::default(),
             last_wait_ns: std::sync::atomic::AtomicU64::new(0),
             mem,
@@ -466,6 +422,13 @@ impl CudaProgram {
     /// The cuDNN workspace in the arena: (address, bytes).
     pub(super) fn cudnn_workspace(&self) -> (u64, usize) {
         (self.base + self.mem.cudnn_at as u64, self.mem.cudnn_bytes)
+    }
+
+    /// Where cuBLAS works for this program: [`CUBLAS_WORKSPACE`] bytes of
+    /// its arena, bound to the shared handle for each of its calls (so it
+    /// never allocates, as capturing its calls in a CUDA graph requires).
+    pub(super) fn cublas_workspace(&self) -> (u64, usize) {
+        (self.base + self.mem.cublas_at as u64, CUBLAS_WORKSPACE)
     }
 
     pub(super) fn slot(&self, o: Outlet) -> &Slot {
@@ -605,7 +568,6 @@ impl CudaProgram {
             "re-planned the ephemeral region for new fetches"
         );
         mem.place(&self.graph, &plan, &mut self.slots)?;
-        bind_cublas_workspace(&self.blas, self.base + mem.cublas_at as u64)?;
         self.mem = mem;
         self.fusion = self.match_chains();
         self.captured = None;

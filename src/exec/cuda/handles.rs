@@ -1,0 +1,170 @@
+//! The cuBLAS and cuDNN handles every program of the process shares.
+//!
+//! A handle costs device memory that no lane counts: on an H200 a cuBLAS
+//! handle took 64 MiB and a cuDNN handle 8.8 MiB (`overhead.rs` in the GPU
+//! conformance suite). With a handle of each per program, a packed
+//! deployment ran out of device memory near 700 small models while its
+//! lanes had room. So there is one handle of each for the process, each
+//! behind a mutex: a program binds it to its own stream (and, for cuBLAS,
+//! to the workspace in its own arena) for the calls it makes, which cost a
+//! lock and, when another program called last, two or three host calls.
+//! A recorded iteration (a CUDA graph) calls neither library, so replays
+//! take no lock.
+//!
+//! `cublasSetStream` resets the workspace to cuBLAS's own pool, so the
+//! workspace is bound again after every change of stream.
+
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+
+use cudarc::cublas::sys::{cublasHandle_t, cublasMath_t};
+use cudarc::cublas::CudaBlas;
+use cudarc::cudnn::result as dnn;
+use cudarc::cudnn::sys::cudnnHandle_t;
+use cudarc::driver::CudaStream;
+
+use super::device::gpu;
+use super::program::dev_err;
+use crate::exec::ExecError;
+
+/// What the cuBLAS handle is bound to now.
+struct BlasState {
+    blas: CudaBlas,
+    stream: usize,
+    workspace: (u64, usize),
+    math: Option<cublasMath_t>,
+}
+
+/// The process's cuBLAS handle.
+pub(super) struct Blas(Mutex<BlasState>);
+
+/// The process's cuDNN handle and the stream it is bound to now.
+struct DnnState {
+    handle: cudnnHandle_t,
+    stream: usize,
+}
+
+// SAFETY: the handle is only used while the mutex around this state is
+// held, so never from two threads at once; cuDNN allows a handle to be
+// used from another thread than the one that made it when calls do not
+// overlap.
+unsafe impl Send for DnnState {}
+
+/// The process's cuDNN handle.
+pub(super) struct Dnn(Mutex<DnnState>);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while the lock was held left the binding as it was: the
+    // next caller binds again if it differs.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The shared cuBLAS handle, made on first use.
+pub(super) fn blas() -> Result<&'static Blas, ExecError> {
+    static BLAS: OnceLock<Result<Blas, ExecError>> = OnceLock::new();
+    BLAS.get_or_init(|| {
+        let gpu = gpu()?;
+        gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        let blas = CudaBlas::new(gpu.ctx.default_stream()).map_err(|e| dev_err("cuBLAS", e))?;
+        Ok(Blas(Mutex::new(BlasState {
+            blas,
+            stream: 0,
+            workspace: (0, 0),
+            math: None,
+        })))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// The shared cuDNN handle, made on first use.
+pub(super) fn dnn() -> Result<&'static Dnn, ExecError> {
+    static DNN: OnceLock<Result<Dnn, ExecError>> = OnceLock::new();
+    DNN.get_or_init(|| {
+        let gpu = gpu()?;
+        gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        let handle = dnn::create_handle().map_err(|e| dev_err("cuDNN", e))?;
+        // Bound to the legacy default stream (0) until a program binds it.
+        Ok(Dnn(Mutex::new(DnnState { handle, stream: 0 })))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+impl Blas {
+    /// Runs `f` with the handle bound to `stream`, `workspace` (address,
+    /// bytes) and the math mode of `tf32`.
+    pub fn with<R>(
+        &self,
+        stream: &CudaStream,
+        workspace: (u64, usize),
+        tf32: bool,
+        f: impl FnOnce(cublasHandle_t) -> R,
+    ) -> Result<R, ExecError> {
+        let mut s = lock(&self.0);
+        let h = *s.blas.handle();
+        let cu = stream.cu_stream() as usize;
+        if s.stream != cu {
+            // SAFETY: the handle is live and ours while the lock is held;
+            // the stream outlives the calls made on it below (the caller's).
+            unsafe { cudarc::cublas::sys::cublasSetStream_v2(h, stream.cu_stream() as _) }
+                .result()
+                .map_err(|e| dev_err("cuBLAS stream", e))?;
+            s.stream = cu;
+            // Setting the stream put cuBLAS's own pool back.
+            s.workspace = (0, 0);
+        }
+        if s.workspace != workspace {
+            // SAFETY: the caller's workspace is device memory of that many
+            // bytes that stays mapped while its program lives; it is bound
+            // again before any other program's call.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    h,
+                    workspace.0 as *mut std::ffi::c_void,
+                    workspace.1,
+                )
+            }
+            .result()
+            .map_err(|e| dev_err("cuBLAS workspace", e))?;
+            s.workspace = workspace;
+        }
+        let math = if tf32 {
+            cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        if s.math != Some(math) {
+            // SAFETY: the handle is live; the math mode has no memory effects.
+            unsafe { cudarc::cublas::sys::cublasSetMathMode(h, math) }
+                .result()
+                .map_err(|e| dev_err("cuBLAS math mode", e))?;
+            s.math = Some(math);
+        }
+        Ok(f(h))
+    }
+}
+
+impl Dnn {
+    /// Runs `f` with the handle bound to `stream`.
+    pub fn with<R>(
+        &self,
+        stream: &CudaStream,
+        f: impl FnOnce(cudnnHandle_t) -> R,
+    ) -> Result<R, ExecError> {
+        let mut s = lock(&self.0);
+        let cu = stream.cu_stream() as usize;
+        if s.stream != cu {
+            // SAFETY: the handle is live and ours while the lock is held.
+            unsafe { dnn::set_stream(s.handle, stream.cu_stream() as _) }
+                .map_err(|e| dev_err("cuDNN stream", e))?;
+            s.stream = cu;
+        }
+        Ok(f(s.handle))
+    }
+
+    /// Runs `f` with the handle, for calls that launch nothing (descriptor
+    /// queries, algorithm heuristics, workspace sizes).
+    pub fn planning<R>(&self, f: impl FnOnce(cudnnHandle_t) -> R) -> R {
+        f(lock(&self.0).handle)
+    }
+}

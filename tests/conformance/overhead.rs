@@ -1,0 +1,78 @@
+//! What a program costs on the device beyond its arena: the libraries'
+//! handles, streams and recorded graphs that admission does not count. A
+//! packed deployment holds a thousand programs, so this must stay small.
+
+use super::*;
+
+/// Device bytes in use now.
+fn used() -> u64 {
+    let (free, total) = lanes::exec::cuda::memory_info().unwrap();
+    total - free
+}
+
+/// 48 tiny ResNets (convolutions, inference batch norms, a matrix product),
+/// each run three times (warm-up, profiled, recorded into a CUDA graph):
+/// the device memory they take beyond their arenas' mapped bytes is at
+/// most 4 MiB a program. Prints what a cuBLAS handle, a cuDNN handle and
+/// a stream take alone, for the record.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_program_costs_little_beyond_its_arena() {
+    const N: usize = 48;
+    let built = models::resnet(&[1, 1, 1, 1], 2, 32).unwrap();
+    let vg = validate(built.graph, &large_limits()).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let (name, ty) = &built.inputs[0];
+    let feeds: BTreeMap<String, Tensor> =
+        [(name.clone(), rnd(&mut rng, &ty.shape.0, -1.0, 1.0))].into();
+    let fetches = vec![built.output.clone()];
+    // The process's first program opens the device and the libraries.
+    let mut first = CudaProgram::new(vg.clone(), built.vars.clone()).unwrap();
+    first.run(&feeds, &fetches).unwrap();
+    let before = used();
+    let mut programs = Vec::with_capacity(N);
+    for _ in 0..N {
+        let mut p = CudaProgram::new(vg.clone(), built.vars.clone()).unwrap();
+        for _ in 0..3 {
+            p.run(&feeds, &fetches).unwrap();
+        }
+        programs.push(p);
+    }
+    let after = used();
+    let arenas: u64 = programs.iter().map(|p| p.own_device_bytes() as u64).sum();
+    let beyond = (after - before).saturating_sub(arenas) / N as u64;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    println!(
+        "{N} programs: {:.1} MiB in use, {:.1} MiB mapped by their arenas; \
+         beyond the arena {:.2} MiB a program (graph recorded: {})",
+        mib(after - before),
+        mib(arenas),
+        mib(beyond),
+        programs[0].uses_cuda_graph()
+    );
+    // The parts alone, for the record.
+    let ctx = cudarc::driver::CudaContext::new(lanes::exec::cuda::selected_device()).unwrap();
+    let at = used();
+    let streams: Vec<_> = (0..N).map(|_| ctx.new_stream().unwrap()).collect();
+    let s = used();
+    let blas: Vec<_> = (0..N)
+        .map(|_| cudarc::cublas::CudaBlas::new(streams[0].clone()).unwrap())
+        .collect();
+    let b = used();
+    let dnn: Vec<_> = (0..N)
+        .map(|_| cudarc::cudnn::Cudnn::new(streams[0].clone()).unwrap())
+        .collect();
+    let d = used();
+    println!(
+        "alone, each: a stream {:.2} MiB, a cuBLAS handle {:.2} MiB, a cuDNN handle {:.2} MiB",
+        mib((s - at) / N as u64),
+        mib((b - s) / N as u64),
+        mib((d - b) / N as u64)
+    );
+    drop((dnn, blas, streams));
+    assert!(
+        beyond <= 4 << 20,
+        "{:.2} MiB a program beyond its arena",
+        mib(beyond)
+    );
+}
