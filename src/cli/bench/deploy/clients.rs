@@ -80,6 +80,9 @@ pub struct RequestRecord {
     /// From the scheduled send to the reply (open loop: a late send's wait
     /// counts).
     pub latency_ms: f64,
+    /// How late the client sent it (behind its earlier requests or its
+    /// Status calls), counted in `latency_ms`.
+    pub late_ms: f64,
     /// Whether the Run found its model evicted (brought it back).
     pub miss: bool,
 }
@@ -387,6 +390,7 @@ fn serve(
         if let Some(wait) = scheduled.checked_duration_since(Instant::now()) {
             std::thread::sleep(wait);
         }
+        let sent = Instant::now();
         client
             .run_in(id, feeds, &[kind.fetch.as_str()])
             .with_context(|| format!("request {} to model {} ({})", a.index, a.model, kind.name))?;
@@ -404,6 +408,7 @@ fn serve(
             scheduled_s: scheduled.saturating_duration_since(origin).as_secs_f64(),
             done_s: done.saturating_duration_since(origin).as_secs_f64(),
             latency_ms: done.saturating_duration_since(scheduled).as_secs_f64() * 1e3,
+            late_ms: sent.saturating_duration_since(scheduled).as_secs_f64() * 1e3,
             miss: false,
         });
     }

@@ -487,6 +487,8 @@ pub fn deploy(a: DeployArgs) -> anyhow::Result<()> {
             "returns_during_requests": returns_counted,
             "status_calls": status_ms.len(),
             "status_p50_ms": report::quantile(&status_ms, 0.5),
+            "status_p99_ms": report::quantile(&status_ms, 0.99),
+            "status_max_ms": status_ms.iter().copied().fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))),
         },
         "goals": {
             "hit_p99_over_baseline_p99": overall["hit_p99_over_baseline_p99"],
@@ -516,6 +518,14 @@ fn summary(v: &Value, names: &[String]) {
         f(&c["overall"]["miss_p99_ms"]),
         f(&c["overall"]["miss_p99_over_bound"]),
         f(&c["throughput_rps"]),
+    );
+    eprintln!(
+        "  constrained: sent late p99 {} ms; from the send, hit p99 {} ms, miss p99 {} ms; Status p99 {} ms, max {} ms",
+        f(&c["overall"]["late_p99_ms"]),
+        f(&c["overall"]["hit_served_p99_ms"]),
+        f(&c["overall"]["miss_served_p99_ms"]),
+        f(&c["status_p99_ms"]),
+        f(&c["status_max_ms"]),
     );
     for n in names {
         let k = &c["per_kind"][n];

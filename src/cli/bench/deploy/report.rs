@@ -102,6 +102,14 @@ fn group(
         .map(|r| r.latency_ms / bound_of(r.model))
         .collect();
     let all: Vec<f64> = reqs.iter().map(|r| r.latency_ms).collect();
+    // The service's part: from the actual send to the reply.
+    let served = |miss: bool| -> Vec<f64> {
+        reqs.iter()
+            .filter(|r| r.miss == miss)
+            .map(|r| r.latency_ms - r.late_ms)
+            .collect()
+    };
+    let late: Vec<f64> = reqs.iter().map(|r| r.late_ms).collect();
     let hit_p99 = quantile(&hits, 0.99);
     json!({
         "requests": reqs.len(),
@@ -117,6 +125,9 @@ fn group(
         "baseline_p99_ms": baseline_p99,
         "hit_p99_over_baseline_p99": ratio(hit_p99, baseline_p99),
         "miss_p99_over_bound": quantile(&over_bound, 0.99),
+        "late_p99_ms": quantile(&late, 0.99),
+        "hit_served_p99_ms": quantile(&served(false), 0.99),
+        "miss_served_p99_ms": quantile(&served(true), 0.99),
     })
 }
 
@@ -191,6 +202,7 @@ mod tests {
             scheduled_s: index as f64,
             done_s: index as f64 + latency_ms / 1e3,
             latency_ms,
+            late_ms: 0.0,
             miss,
         }
     }
