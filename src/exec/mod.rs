@@ -9,7 +9,7 @@ pub mod cuda;
 pub mod gate;
 mod program;
 
-pub use program::{Backend, GpuShare, Program};
+pub use program::{Backend, GpuShare, Program, StandbyTimes};
 
 use std::sync::Arc;
 

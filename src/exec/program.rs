@@ -12,6 +12,22 @@ use super::gate::Gate;
 use super::{ExecError, HostFeed};
 use crate::residency::{GroupPlan, Layout, Strategy, SwitchReport};
 
+/// Where an inference program's standby preparation went
+/// (`CudaProgram::prepare_standby`; all zero on the CPU and for training).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StandbyTimes {
+    /// Warm-up, profiled and recorded iterations on zero feeds.
+    pub runs: std::time::Duration,
+    /// The pinned host image of the weights (allocated, copied back), and
+    /// the link's measurement when this program made it.
+    pub host_image: std::time::Duration,
+    /// Whether `host_image` includes measuring the link (once per process
+    /// and size class of weights).
+    pub link_measured: bool,
+    /// Recording the pipelined switch's segments as CUDA graphs.
+    pub segments: std::time::Duration,
+}
+
 /// Which executor a graph runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
@@ -260,9 +276,9 @@ impl Program {
 
     /// GPU inference programs get ready to be switched before their first
     /// request (see `CudaProgram::prepare_standby`); nothing on the CPU.
-    pub fn prepare_standby(&mut self) -> Result<(), ExecError> {
+    pub fn prepare_standby(&mut self) -> Result<StandbyTimes, ExecError> {
         match self {
-            Program::Cpu(_) => Ok(()),
+            Program::Cpu(_) => Ok(StandbyTimes::default()),
             Program::Cuda(p) => p.prepare_standby(),
         }
     }

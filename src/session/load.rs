@@ -40,6 +40,8 @@ pub struct LoadTimes {
     pub warm: Duration,
     /// The validated graph came from the load cache.
     pub cached: bool,
+    /// `warm`'s parts on the GPU.
+    pub standby: crate::exec::StandbyTimes,
 }
 
 impl LoadTimes {
@@ -159,7 +161,7 @@ impl Session {
             // Admitted: warm up in the lane's memory, in the lane's turn.
             let turn = lease.as_ref().and_then(|(l, _)| l.turn());
             program.bind_lane(turn.as_ref().map(LaneTurn::key))?;
-            program.prepare_standby()?;
+            times.standby = program.prepare_standby()?;
         }
         times.warm = clock.lap();
         self.lease = lease.map(|(l, _)| l);
@@ -197,6 +199,7 @@ mod tests {
             build: Duration::from_millis(5),
             warm: Duration::from_millis(6),
             cached: false,
+            standby: Default::default(),
         };
         let names: Vec<&str> = t.phases().iter().map(|(n, _)| *n).collect();
         assert_eq!(names, LoadTimes::PHASES);

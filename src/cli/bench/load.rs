@@ -66,6 +66,16 @@ fn summary(loads: &[Timed]) -> serde_json::Value {
         let v = loads.iter().map(|l| ms(l.times.phases()[i].1)).collect();
         m.insert(format!("{phase}_ms"), median(v).into());
     }
+    let part = |f: fn(&Timed) -> Duration| median(loads.iter().map(|l| ms(f(l))).collect());
+    m.insert(
+        "warm_parts_ms".into(),
+        serde_json::json!({
+            "runs": part(|l| l.times.standby.runs),
+            "host_image": part(|l| l.times.standby.host_image),
+            "segments": part(|l| l.times.standby.segments),
+            "link_measured": loads.iter().filter(|l| l.times.standby.link_measured).count(),
+        }),
+    );
     m.insert(
         "total_ms".into(),
         median(loads.iter().map(|l| ms(l.total)).collect()).into(),

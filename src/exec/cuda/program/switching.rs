@@ -2,6 +2,7 @@
 //! it back, pipelined with the iteration's compute (docs/switching.md).
 
 use super::*;
+use crate::exec::StandbyTimes;
 
 /// `LANES_ARENA_FILL`: `zero` or `poison` (0xFF bytes: NaN) fills the
 /// ephemeral part of an arena allocated by a switch; unset leaves it as is.
@@ -154,7 +155,7 @@ impl CudaProgram {
             self.res.dirty = false;
         }
         if self.res.link.is_none() {
-            self.res.link = Some(self.measure_link()?);
+            self.res.link = Some(self.link()?);
             self.res.plans.invalidate();
         }
         let costs = self.costs();
@@ -168,10 +169,18 @@ impl CudaProgram {
     /// pipelined plan's segments — so that the first eviction copies nothing
     /// and every switch replays recorded segments. A graph that updates
     /// variables is left alone (running it would change its state).
-    pub fn prepare_standby(&mut self) -> Result<(), ExecError> {
+    pub fn prepare_standby(&mut self) -> Result<StandbyTimes, ExecError> {
+        let mut times = StandbyTimes::default();
         if self.res.updates || !self.res.resident {
-            return Ok(());
+            return Ok(times);
         }
+        let mut clock = std::time::Instant::now();
+        let mut lap = || {
+            let now = std::time::Instant::now();
+            let d = now - clock;
+            clock = now;
+            d
+        };
         let g = self.graph.graph();
         let feeds: BTreeMap<String, Tensor> = g
             .placeholders()
@@ -190,13 +199,48 @@ impl CudaProgram {
             }
             self.run(&feeds, &[])?;
         }
+        times.runs = lap();
+        let measured = self.res.link.is_none();
         self.refresh_host_image()?;
+        times.host_image = lap();
+        if measured {
+            times.link_measured = true;
+        }
         if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
             let plan = self.plan(Strategy::Pipelined);
             let sg = self.record_segments(&plan)?;
             self.res.segments.insert(Strategy::Pipelined, sg);
         }
-        Ok(())
+        times.segments = lap();
+        Ok(times)
+    }
+
+    /// The link's bandwidth and per-copy overhead: measured once per
+    /// process for each size class of persistent regions (a power of two:
+    /// small copies do not reach the link's peak), by the first program of
+    /// that class to take its host image; later ones reuse it (each
+    /// measurement copies the region twice).
+    fn link(&self) -> Result<(f64, f64), ExecError> {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock, PoisonError};
+        static LINKS: OnceLock<Mutex<HashMap<u32, (f64, f64)>>> = OnceLock::new();
+        let class = self.res.bytes.max(1).ilog2();
+        let links = LINKS.get_or_init(Default::default);
+        if let Some(&l) = links
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&class)
+        {
+            return Ok(l);
+        }
+        let l = self.measure_link()?;
+        if l.0 > 0.0 {
+            links
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(class, l);
+        }
+        Ok(l)
     }
 
     /// Times one copy of the whole persistent region from the pinned image
