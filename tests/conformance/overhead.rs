@@ -76,3 +76,58 @@ fn a_program_costs_little_beyond_its_arena() {
         mib(beyond)
     );
 }
+
+/// A program's host image goes back to the pool when it ends, and the next
+/// program of the same size takes it (no new page-locked memory): that
+/// program's switches still bring back its own weights. Two tiny ResNets
+/// of one architecture and different weights: the second's output after
+/// an eviction equals its resident output bit for bit and differs from
+/// the first's.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_reused_host_image_holds_the_new_programs_weights() {
+    let a = models::resnet(&[1, 1, 1, 1], 2, 32).unwrap();
+    let vg = validate(a.graph, &large_limits()).unwrap();
+    // The same architecture with other weights: every variable scaled.
+    let other: VarValues = a
+        .vars
+        .iter()
+        .map(|(n, t)| {
+            let v: Vec<f32> = t.f32s().unwrap().iter().map(|x| x * 0.5 + 0.01).collect();
+            (n.clone(), Tensor::from_f32(t.shape().clone(), v).unwrap())
+        })
+        .collect();
+    let mut rng = StdRng::seed_from_u64(9);
+    let (name, ty) = &a.inputs[0];
+    let feeds: BTreeMap<String, Tensor> =
+        [(name.clone(), rnd(&mut rng, &ty.shape.0, -1.0, 1.0))].into();
+    let fetches = vec![a.output.clone()];
+    let run = |p: &mut Program| p.run(&feeds, &fetches).unwrap()[0].f32s().unwrap().to_vec();
+
+    let mut first = Program::new(Backend::Cuda, vg.clone(), a.vars.clone()).unwrap();
+    first.prepare_standby().unwrap();
+    let first_out = run(&mut first);
+    first.evict().unwrap();
+    let kept_before = lanes::exec::cuda::kept_host_image_bytes();
+    drop(first);
+    let kept = lanes::exec::cuda::kept_host_image_bytes();
+    assert!(
+        kept > kept_before,
+        "the image was not kept: {kept_before} → {kept}"
+    );
+
+    let mut second = Program::new(Backend::Cuda, vg, other).unwrap();
+    second.prepare_standby().unwrap();
+    assert!(
+        lanes::exec::cuda::kept_host_image_bytes() < kept,
+        "the second program did not take the kept image"
+    );
+    let resident = run(&mut second);
+    second.evict().unwrap();
+    let switched = run(&mut second);
+    assert_eq!(resident, switched, "the switch brought back other weights");
+    assert_ne!(
+        resident, first_out,
+        "the two programs' weights did not differ"
+    );
+}

@@ -175,6 +175,11 @@ pub fn load(a: LoadArgs) -> anyhow::Result<()> {
         "uncached": summary(&uncached),
         "cold": summary(&cold),
         "warm": summary(&warm),
+        "host_images_kept_bytes": if matches!(backend, lanes::exec::Backend::Cuda) {
+            Some(lanes::exec::cuda::kept_host_image_bytes())
+        } else {
+            None
+        },
     });
     outln!("{json}")?;
     Ok(())

@@ -162,6 +162,8 @@ struct Residency {
     profile: Option<Profile>,
     /// Measured host → device bandwidth (bytes/s) and per-copy overhead (s).
     link: Option<(f64, f64)>,
+    /// This program measured the link (no other of its size class had).
+    link_measured: bool,
     /// Iterations launched so far (the first warms up, the second is profiled).
     iterations: u64,
     /// GPU time of one replay of the recorded iteration, seconds: the
@@ -171,6 +173,19 @@ struct Residency {
     /// after the prefix), valid for the cut they were recorded for.
     segments: std::collections::HashMap<Strategy, Segments>,
     plans: PlanCache,
+}
+
+impl Drop for Residency {
+    /// The host image goes back to the pool (`host_pool.rs`) once no copy
+    /// reads or writes it: those run on the copy stream, or on the compute
+    /// stream with a synchronize after them.
+    fn drop(&mut self) {
+        if let Some(img) = self.host.take() {
+            if self.copy.synchronize().is_ok() {
+                crate::exec::cuda::host_pool::give(img);
+            }
+        }
+    }
 }
 
 /// Failed recordings of the iteration before a program stops trying.
@@ -343,6 +358,7 @@ impl CudaProgram {
                 dirty: true,
                 profile: None,
                 link: None,
+                link_measured: false,
                 iterations: 0,
                 graph_secs: None,
                 segments: std::collections::HashMap::new(),

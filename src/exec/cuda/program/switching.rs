@@ -129,10 +129,8 @@ impl CudaProgram {
         let mut copied = 0u64;
         if self.res.dirty || self.res.host.is_none() {
             if self.res.host.is_none() && bytes > 0 {
-                // SAFETY: the buffer is written by the copy below before any read.
-                let pinned = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }
-                    .map_err(|e| dev_err(&format!("allocating {bytes} pinned bytes"), e))?;
-                self.res.host = Some(pinned);
+                // Written whole by the copy below before any read.
+                self.res.host = Some(crate::exec::cuda::host_pool::take(&self.gpu.ctx, bytes)?);
             }
             if let Some(host) = self.res.host.as_mut() {
                 let dst = host
@@ -155,7 +153,9 @@ impl CudaProgram {
             self.res.dirty = false;
         }
         if self.res.link.is_none() {
-            self.res.link = Some(self.link()?);
+            let (link, measured) = self.link()?;
+            self.res.link = Some(link);
+            self.res.link_measured = measured;
             self.res.plans.invalidate();
         }
         let costs = self.costs();
@@ -200,12 +200,9 @@ impl CudaProgram {
             self.run(&feeds, &[])?;
         }
         times.runs = lap();
-        let measured = self.res.link.is_none();
         self.refresh_host_image()?;
         times.host_image = lap();
-        if measured {
-            times.link_measured = true;
-        }
+        times.link_measured = self.res.link_measured;
         if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
             let plan = self.plan(Strategy::Pipelined);
             let sg = self.record_segments(&plan)?;
@@ -220,7 +217,8 @@ impl CudaProgram {
     /// small copies do not reach the link's peak), by the first program of
     /// that class to take its host image; later ones reuse it (each
     /// measurement copies the region twice).
-    fn link(&self) -> Result<(f64, f64), ExecError> {
+    /// Whether this call measured it is the second value.
+    fn link(&self) -> Result<((f64, f64), bool), ExecError> {
         use std::collections::HashMap;
         use std::sync::{Mutex, OnceLock, PoisonError};
         static LINKS: OnceLock<Mutex<HashMap<u32, (f64, f64)>>> = OnceLock::new();
@@ -231,7 +229,7 @@ impl CudaProgram {
             .unwrap_or_else(PoisonError::into_inner)
             .get(&class)
         {
-            return Ok(l);
+            return Ok((l, false));
         }
         let l = self.measure_link()?;
         if l.0 > 0.0 {
@@ -240,7 +238,7 @@ impl CudaProgram {
                 .unwrap_or_else(PoisonError::into_inner)
                 .insert(class, l);
         }
-        Ok(l)
+        Ok((l, true))
     }
 
     /// Times one copy of the whole persistent region from the pinned image
