@@ -70,8 +70,8 @@ struct Entry {
     loaded: bool,
     iterations: u64,
     resident: bool,
-    /// (evictions, returns), as last read.
-    switches: (u64, u64),
+    /// The session's evictions and returns (read at any time).
+    switches: crate::session::SwitchCounts,
     /// Shared-memory segments its Runs may carry feeds in, by the client's
     /// segment id; unmapped when the session goes.
     segments: HashMap<u32, Arc<AttachedSegment>>,
@@ -588,6 +588,7 @@ impl Frontend {
         let slo = spec.slo_ms.map(slo::SloTrack::new);
         let state = Session::new(session, spec.clone());
         let yields = state.yield_request();
+        let switches = state.switch_counts();
         self.sessions.insert(
             session,
             Entry {
@@ -613,7 +614,7 @@ impl Frontend {
                 loaded: false,
                 iterations: 0,
                 resident: true,
-                switches: (0, 0),
+                switches,
                 segments: HashMap::new(),
                 feed_types,
                 slo,

@@ -130,8 +130,9 @@ pub struct Session {
     memory: Option<(u64, u64)>,
     /// The executor LoadGraph builds.
     backend: Backend,
-    /// Evictions and returns so far.
-    switches: (u64, u64),
+    /// Evictions and returns so far (shared with the socket thread's
+    /// Status, which reads them while the session runs).
+    switches: SwitchCounts,
     /// Where the feeds' storage goes after a run (the service decodes the
     /// next request's tensors into it).
     pool: Option<BufferPool>,
@@ -157,6 +158,24 @@ pub struct Session {
     yield_request: YieldRequest,
     /// Times it did.
     yields: u64,
+}
+
+/// A session's evictions and returns, shared: the session counts, the
+/// socket thread's Status reads them at any time.
+#[derive(Debug, Clone, Default)]
+pub struct SwitchCounts(std::sync::Arc<[std::sync::atomic::AtomicU64; 2]>);
+
+impl SwitchCounts {
+    /// One more eviction, or (`returned`) one more return.
+    fn count(&self, returned: bool) {
+        self.0[usize::from(returned)].fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+
+    /// (evictions, returns).
+    pub fn get(&self) -> (u64, u64) {
+        let n = |i: usize| self.0[i].load(std::sync::atomic::Ordering::Acquire);
+        (n(0), n(1))
+    }
 }
 
 /// A session's placeholders by name, set once its graph is loaded.
@@ -209,7 +228,7 @@ impl Session {
             lease: None,
             memory: None,
             backend: Backend::Cpu,
-            switches: (0, 0),
+            switches: SwitchCounts::default(),
             pool: None,
             share: GpuShare::default(),
             armed: None,
@@ -315,7 +334,13 @@ impl Session {
 
     /// (evictions, returns) so far.
     pub fn switches(&self) -> (u64, u64) {
-        self.switches
+        self.switches.get()
+    }
+
+    /// The session's counts of evictions and returns, readable without
+    /// its lock (a return is counted before its Run's reply is sent).
+    pub fn switch_counts(&self) -> SwitchCounts {
+        self.switches.clone()
     }
 
     /// Moves the job's persistent memory to host memory and gives its lane
@@ -366,7 +391,7 @@ impl Session {
             loaded.program.evict()?
         };
         self.lease = None; // releases the lane memory
-        self.switches.0 += 1;
+        self.switches.count(false);
         tracing::info!(session = %session, copied, "evicted to host memory");
         Ok(Some(copied))
     }
@@ -555,7 +580,7 @@ impl Session {
         let returning = !loaded.program.is_resident();
         if returning {
             self.readmit()?;
-            self.switches.1 += 1;
+            self.switches.count(true);
         }
         let session = self.id;
         // A lane runs one iteration at a time (its jobs share its ephemeral

@@ -31,7 +31,6 @@ impl Frontend {
                     e.loaded = s.is_loaded();
                     e.iterations = s.iterations();
                     e.resident = s.is_resident();
-                    e.switches = s.switches();
                 }
             }
             let state = if running {
@@ -44,6 +43,8 @@ impl Frontend {
                 SessionState::Open
             };
             let stats = self.dispatcher.stats(id).unwrap_or_default();
+            // Current even while the session runs.
+            let switches = e.switches.get();
             sessions.push(SessionStatus {
                 session: id,
                 spec: e.spec.clone(),
@@ -55,8 +56,8 @@ impl Frontend {
                 queueing_mean_us: stats.queueing_mean().as_micros() as u64,
                 service_mean_us: stats.service_mean().as_micros() as u64,
                 resident: e.resident,
-                evictions: e.switches.0,
-                returns: e.switches.1,
+                evictions: switches.0,
+                returns: switches.1,
                 shared_bytes: e.segments.values().map(|s| s.bytes().len() as u64).sum(),
                 slo: e.slo.as_ref().map(|t| t.attainment()),
             });

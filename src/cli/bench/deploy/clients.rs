@@ -301,8 +301,8 @@ struct Pending {
     returns_before: u64,
 }
 
-/// Attempts at a Status that shows a model settled (Ready) before a
-/// request of it is left unclassified as an error.
+/// Attempts at a Status that lists a model's session before a request of
+/// it is left unclassified as an error (one Status normally does).
 const SETTLE_TRIES: usize = 2000;
 
 /// Per-session (state, returns) of this client's sessions.
@@ -334,8 +334,11 @@ fn settle(
 ) -> anyhow::Result<()> {
     for _ in 0..SETTLE_TRIES {
         let now = counts(client, ids, out)?;
+        // A return is counted before its Run's reply, and only this
+        // client runs its models: the count read after the reply is the
+        // request's, whatever the session is doing now.
         pending.retain(|m, p| match now.get(m) {
-            Some(&(SessionState::Ready, r)) => {
+            Some(&(_, r)) => {
                 out.requests[p.record].miss = r > p.returns_before;
                 returns.insert(*m, r);
                 false
@@ -351,7 +354,7 @@ fn settle(
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    bail!("a model's session did not settle after its reply (Status never showed it Ready)")
+    bail!("a model's session was missing from every Status after its reply")
 }
 
 /// Sends `arrivals` (this client's) one at a time: at their scheduled
