@@ -46,6 +46,8 @@
 //! - `grpc/`: the gRPC service (`inference.proto`, its generated code
 //!   checked in as `inference.rs`);
 //! - `infer.rs`: what the two share, and running a checked request;
+//! - `control.rs`: the repository extension's index, load and unload,
+//!   which both doors serve;
 //! - `repository.rs`: the model repository (Triton's layout) and the
 //!   little of `config.pbtxt` that is read;
 //! - `body.rs`: a request body in the pieces it arrived in;
@@ -57,6 +59,7 @@
 
 mod batch;
 mod body;
+mod control;
 mod error;
 pub mod grpc;
 mod infer;
@@ -108,13 +111,16 @@ const SERVER_NAME: &str = "lanes";
 const PLATFORM: &str = "lanes_onnx";
 
 /// The protocol extensions served over HTTP (gRPC serves the statistics
-/// only).
+/// and the model repository, [`GRPC_EXTENSIONS`]).
 const EXTENSIONS: [&str; 4] = [
     "binary_tensor_data",
     "model_repository",
     "model_configuration",
     "statistics",
 ];
+
+/// The protocol extensions served over gRPC.
+const GRPC_EXTENSIONS: [&str; 2] = ["model_repository", "statistics"];
 
 /// Default of [`OipConfig::max_body_bytes`].
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
