@@ -407,3 +407,77 @@ def test_bad_model_files_are_refused(triton, triton_grpc, served):
                                      "file:1/model.onnx": base64.b64encode(conv).decode()}})
     assert status == 200 and triton.is_model_ready("sent2")
     triton.unload_model("sent2")
+
+
+W = (np.arange(12, dtype=np.float32).reshape(4, 3) / 8 - 0.5).astype(np.float32)
+B = np.array([0.25, -0.5, 1.0], np.float32)
+
+
+def half_model(elem):
+    """y = x @ W + B with x and y declared `elem` (float16 or bfloat16),
+    computed in float32 between two Casts, as a model exported in half
+    is at its edges."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["xf", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["yf"]),
+        helper.make_node("Cast", ["yf"], ["y"], to=elem),
+    ]
+    g = helper.make_graph(
+        nodes, "half", [helper.make_tensor_value_info("x", elem, ["N", 4])],
+        [helper.make_tensor_value_info("y", elem, ["N", 3])],
+        [numpy_helper.from_array(W, "w"), numpy_helper.from_array(B, "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    return m.SerializeToString()
+
+
+@pytest.mark.parametrize("dt", ["FP16", "BF16"])
+def test_half_tensors_on_the_wire(triton, triton_grpc, dt):
+    grpcclient, c = triton_grpc
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from onnx import TensorProto
+    elem, np_dt, rtol = {
+        "FP16": (TensorProto.FLOAT16, np.float16, 1e-3),
+        "BF16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16, 1e-2),
+    }[dt]
+    name = f"half_{dt.lower()}"
+    triton.load_model(name, config="{}", files={"file:1/model.onnx": half_model(elem)})
+    m = triton.get_model_metadata(name)
+    assert m["inputs"] == [{"name": "x", "datatype": dt, "shape": [-1, 4]}]
+    assert m["outputs"] == [{"name": "y", "datatype": dt, "shape": [-1, 3]}]
+    assert triton.get_model_config(name)["input"][0]["data_type"] == f"TYPE_{dt}"
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32).astype(np_dt)
+    want = (x.astype(np.float32) @ W + B).astype(np_dt).astype(np.float32)
+    # tritonclient sends BF16 only as binary data over HTTP.
+    got = []
+    for binary in [True, False] if dt == "FP16" else [True]:
+        i = httpclient.InferInput("x", [3, 4], dt)
+        i.set_data_from_numpy(x, binary_data=binary)
+        o = httpclient.InferRequestedOutput("y", binary_data=binary)
+        y = triton.infer(name, [i], outputs=[o]).as_numpy("y")
+        assert y.dtype == np_dt and y.shape == (3, 3)
+        np.testing.assert_allclose(y.astype(np.float32), want, rtol=rtol, atol=rtol)
+        got.append(y)
+    i = grpcclient.InferInput("x", [3, 4], dt)
+    i.set_data_from_numpy(x)
+    y = c.infer(name, [i]).as_numpy("y")
+    assert y.dtype == np_dt
+    # Every door gives the very same values.
+    for other in got:
+        np.testing.assert_array_equal(y.astype(np.float32), other.astype(np.float32))
+    # The model's datatype, and no other.
+    i = httpclient.InferInput("x", [3, 4], "FP32")
+    i.set_data_from_numpy(x.astype(np.float32))
+    with pytest.raises(InferenceServerException, match=f"datatype FP32 does not match the model's {dt}"):
+        triton.infer(name, [i])
+    i = httpclient.InferInput("x", [3, 4], dt)
+    i.set_data_from_numpy(x, binary_data=True)
+    # One element short: 2 bytes each.
+    i._raw_data = i._raw_data[:-2]
+    i._parameters["binary_data_size"] = len(i._raw_data)
+    with pytest.raises(InferenceServerException, match="binary_data_size 22"):
+        triton.infer(name, [i])
+    triton.unload_model(name)
