@@ -481,3 +481,70 @@ def test_half_tensors_on_the_wire(triton, triton_grpc, dt):
     with pytest.raises(InferenceServerException, match="binary_data_size 22"):
         triton.infer(name, [i])
     triton.unload_model(name)
+
+
+@pytest.mark.parametrize("request_coding", [None, "gzip", "deflate"])
+@pytest.mark.parametrize("response_coding", [None, "gzip", "deflate"])
+def test_compressed_bodies(triton, request_coding, response_coding):
+    x = np.load(ONNX / "resnet18.input.npy")
+    want = np.load(ONNX / "resnet18.output.npy")
+    for binary in (False, True):
+        i = httpclient.InferInput("input", list(x.shape), "FP32")
+        i.set_data_from_numpy(x, binary_data=binary)
+        o = httpclient.InferRequestedOutput("output", binary_data=binary)
+        got = triton.infer("resnet18", [i], outputs=[o],
+                           request_compression_algorithm=request_coding,
+                           response_compression_algorithm=response_coding).as_numpy("output")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compressed_bodies_are_bounded_and_checked(served):
+    import gzip
+    import zlib
+
+    def infer_raw(body, encoding, accept=None):
+        headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+        if accept:
+            headers["Accept-Encoding"] = accept
+        req = urllib.request.Request(f"http://{served[0]}/v2/models/conv/infer", data=body,
+                                     headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, r.headers.get("Content-Encoding"), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, None, json.loads(e.read())["error"]
+
+    x = np.zeros((1, 4, 9, 9), np.float32)
+    request = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                      "data": x.flatten().tolist()}]}).encode()
+    status, coding, body = infer_raw(zlib.compress(request), "deflate", accept="gzip;q=0, deflate")
+    assert (status, coding) == (200, "deflate")
+    assert json.loads(zlib.decompress(body))["outputs"][0]["shape"] == [1, 6]
+    # A bomb: a small body that inflates past --http-max-body.
+    bomb = gzip.compress(b" " * (MAX_BODY + 1))
+    assert len(bomb) < MAX_BODY // 100
+    status, _, err = infer_raw(bomb, "gzip")
+    assert status == 413 and "inflates to more than" in err, err
+    status, _, err = infer_raw(b"not gzip", "gzip")
+    assert status == 400 and "not valid gzip data" in err, err
+    status, _, err = infer_raw(request, "br")
+    assert status == 400 and "is not supported" in err, err
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_grpc_compressed_requests(triton_grpc, coding):
+    grpcclient, c = triton_grpc
+    x = np.load(ONNX / "resnet18.input.npy")
+    want = np.load(ONNX / "resnet18.output.npy")
+    i = grpcclient.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    got = c.infer("resnet18", [i], compression_algorithm=coding).as_numpy("output")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # A message that inflates past --http-max-body is refused.
+    big = np.zeros((MAX_BODY // (3 * 32 * 32 * 4) + 1, 3, 32, 32), np.float32)
+    i = grpcclient.InferInput("input", list(big.shape), "FP32")
+    i.set_data_from_numpy(big)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("resnet18", [i], compression_algorithm=coding)
+    assert "RESOURCE_EXHAUSTED" in e.value.status()
+    assert "size limit, of 2097152 bytes, exceeded" in e.value.message()

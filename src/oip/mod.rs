@@ -40,7 +40,9 @@
 //! not copied, until then. Where the service refuses the segment
 //! (`--no-shared-memory`, its limits), the feeds are made tensors (one
 //! copy) and travel in the Run. A binary output is copied once, behind
-//! the JSON header in the response body.
+//! the JSON header in the response body. A compressed request body is
+//! inflated into one buffer first, and a response compressed for a
+//! caller that asks (`encoding.rs`).
 //!
 //! - `routes.rs`: the REST routes;
 //! - `grpc/`: the gRPC service (`inference.proto`, its generated code
@@ -51,6 +53,7 @@
 //! - `repository.rs`: the model repository (Triton's layout) and the
 //!   little of `config.pbtxt` that is read;
 //! - `body.rs`: a request body in the pieces it arrived in;
+//! - `encoding.rs`: gzip and deflate request and response bodies;
 //! - `tensors.rs`: request and response bodies, JSON tensors and the
 //!   binary tensor data extension;
 //! - `batch.rs`: dynamic batching (requests gathered into one Run);
@@ -60,6 +63,7 @@
 mod batch;
 mod body;
 mod control;
+mod encoding;
 mod error;
 pub mod grpc;
 mod infer;

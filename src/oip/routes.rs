@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 
 use super::body::Chunks;
 use super::control::{self, Param};
+use super::encoding;
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::Model;
@@ -225,14 +226,16 @@ async fn infer_inner(
 ) -> Result<Response> {
     let _permit = s.permit()?;
     let model = s.models.get(&name, version.as_deref())?;
-    let (headers, bytes) = body_chunks(req, s.max_body).await?;
-    if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
-        if enc.as_bytes() != b"identity" {
-            return Err(ApiError::BadRequest(format!(
-                "Content-Encoding {enc:?} is not supported; send the body uncompressed"
-            )));
-        }
+    let (headers, mut bytes) = body_chunks(req, s.max_body).await?;
+    if let Some(coding) = encoding::request_coding(headers.get(header::CONTENT_ENCODING))? {
+        let limit = s.max_body;
+        let inflated =
+            tokio::task::spawn_blocking(move || encoding::inflate(coding, &bytes, limit))
+                .await
+                .map_err(|e| ApiError::Internal(format!("inflating the body stopped: {e}")))??;
+        bytes = Chunks::one(axum::body::Bytes::from(inflated));
     }
+    let answer_in = encoding::response_coding(headers.get(header::ACCEPT_ENCODING));
     let header_len = match headers.get(HEADER_LENGTH) {
         None => None,
         Some(v) => Some(v.to_str().map_err(|_| {
@@ -285,8 +288,22 @@ async fn infer_inner(
     } else {
         encode()
     };
-    let mut resp = Response::new(Body::from(enc.body));
+    let body = match answer_in {
+        None => enc.body,
+        Some(c) if enc.body.len() > LARGE_JSON => {
+            let raw = enc.body;
+            tokio::task::spawn_blocking(move || encoding::compress(c, &raw))
+                .await
+                .map_err(|e| ApiError::Internal(format!("compressing stopped: {e}")))?
+        }
+        Some(c) => encoding::compress(c, &enc.body),
+    };
+    let mut resp = Response::new(Body::from(body));
     let h = resp.headers_mut();
+    if let Some(c) = answer_in {
+        // Inference-Header-Content-Length stays the uncompressed JSON's.
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(c.name()));
+    }
     match enc.header_len {
         Some(n) => {
             h.insert(

@@ -6,7 +6,8 @@
 //! batching (`super::infer`, `super::tensors`); only the reading and the
 //! writing are its own. Inputs come as `raw_input_contents` (what
 //! tritonclient sends) or as typed `contents`; outputs go back as
-//! `raw_output_contents`. Errors are gRPC statuses
+//! `raw_output_contents`. Request messages may be gzip- or
+//! deflate-compressed. Errors are gRPC statuses
 //! ([`super::ApiError::grpc_code`]); a request message over
 //! `--http-max-body` is refused by tonic before it is read.
 
@@ -52,7 +53,13 @@ pub(super) async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let max = state.max_body;
+    // Compressed request messages are taken (tritonclient's
+    // `compression_algorithm`), inflated by tonic into at most `max` bytes;
+    // responses are not compressed (clients announce gzip whether or not
+    // they asked for it, and it costs CPU on both sides).
     let service = GrpcInferenceServiceServer::new(Service { state })
+        .accept_compressed(tonic::codec::CompressionEncoding::Gzip)
+        .accept_compressed(tonic::codec::CompressionEncoding::Deflate)
         .max_decoding_message_size(max)
         .max_encoding_message_size(usize::MAX);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
