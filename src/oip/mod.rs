@@ -98,8 +98,9 @@ pub struct OipConfig {
     /// Largest request body (JSON and binary data together), and largest
     /// gRPC request message.
     pub max_body_bytes: usize,
-    /// Most inference requests being served at once over HTTP and gRPC
-    /// together; more are answered 503 (RESOURCE_EXHAUSTED) at once.
+    /// Most inference and load requests being served at once over HTTP
+    /// and gRPC together; more are answered 503 (RESOURCE_EXHAUSTED) at
+    /// once.
     pub max_in_flight: usize,
     /// How long a model's thread waits for the service's reply to one Run.
     pub run_timeout: std::time::Duration,

@@ -401,9 +401,10 @@ fn params(body: &Value) -> Result<Vec<(String, Param)>> {
 }
 
 /// A load's body may carry a model file (base64 in `parameters`): it is
-/// bounded by `--http-max-body` as an inference request is, and read off
-/// the runtime's threads.
+/// bounded by `--http-max-body` and counted among the requests in flight
+/// as an inference request is, and read off the runtime's threads.
 async fn load(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
+    let _permit = s.permit()?;
     let (_, bytes) = body(req, s.max_body).await?;
     let read = move || -> Result<Vec<(String, Param)>> { params(&parse_control(&bytes)?) };
     let params = tokio::task::spawn_blocking(read)

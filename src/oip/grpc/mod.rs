@@ -410,6 +410,7 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<RepositoryModelLoadRequest>,
     ) -> Answer<RepositoryModelLoadResponse> {
+        let _permit = self.state.permit()?;
         let r = req.into_inner();
         control::load(&self.state, r.model_name, params(r.parameters)?).await?;
         Ok(Response::new(RepositoryModelLoadResponse {}))
