@@ -243,7 +243,9 @@ fn repository_index_load_and_unload() {
         "/v2/repository/models/conv/load",
         &json!({ "parameters": { "config": "{}", "file:1/model.onnx": "AAAA" } }),
     );
+    // Three zero bytes: not an ONNX model.
     assert_eq!(file.status, 400);
+    assert!(file.error().contains("does not import"), "{}", file.error());
     // The model loaded before stays loaded.
     assert_eq!(h.get("/v2/models/conv/ready").status, 200);
 }
@@ -478,6 +480,15 @@ fn requests_over_the_in_flight_limit_are_refused() {
     }
     let refused = refused.expect("a request over --http-max-in-flight was refused");
     assert!(refused.contains("--http-max-in-flight"), "{refused}");
+    // A load (which may carry a model file) takes a place too; the three
+    // requests wait for their batch until the unload below.
+    let load = h.post("/v2/repository/models/waits/load", Vec::new(), None);
+    assert_eq!(load.status, 503);
+    assert!(
+        load.error().contains("in flight already"),
+        "{}",
+        load.error()
+    );
     // Unloading serves the requests queued (one batch of three) first.
     assert_eq!(
         h.post("/v2/repository/models/waits/unload", Vec::new(), None)

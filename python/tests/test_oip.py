@@ -5,7 +5,11 @@ tensors (and over gRPC) compared with PyTorch's outputs and with the same
 model run through a Lanes session, the model repository, statistics,
 dynamic batching, and errors."""
 
+import base64
+import json
 import shutil
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -18,6 +22,10 @@ httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 ONNX = DATA / "onnx"
+
+# The service's --http-max-body: small, so that a model file over it is
+# cheap to send.
+MAX_BODY = 2 << 20
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,7 @@ def served(tmp_path_factory):
     proc, line, url = start_http_service(
         endpoint,
         ["--workers", "2", "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
-         "--model-repository", str(repo), *device_args()],
+         "--model-repository", str(repo), "--http-max-body", f"{MAX_BODY}B", *device_args()],
         root / "serve.log",
     )
     grpc_url = line.split("gRPC inference protocol at ")[1].split()[0]
@@ -225,3 +233,318 @@ def test_grpc_errors_are_exceptions_with_messages(triton_grpc):
         infer_grpc("resnet18", np.zeros((5, 3, 32, 32), np.float32))
     with pytest.raises(InferenceServerException, match="not available"):
         infer_grpc("garbage", x)
+
+
+def test_grpc_repository_index_load_and_unload(triton_grpc, triton):
+    grpcclient, c = triton_grpc
+    index = {m["name"]: m for m in c.get_model_repository_index(as_json=True)["models"]}
+    assert index["conv"]["state"] == "READY" and index["conv"]["version"] == "1"
+    assert index["garbage"]["state"] == "UNAVAILABLE"
+    assert "does not import" in index["garbage"]["reason"]
+    # The same index as over HTTP.
+    assert {n: m["state"] for n, m in index.items()} == {
+        m["name"]: m["state"] for m in triton.get_model_repository_index()}
+    # `ready`: the loaded models only (tritonclient has no argument for it).
+    from tritonclient.grpc import service_pb2
+    ready = c._client_stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True))
+    assert "garbage" not in {m.name for m in ready.models}
+    assert {"conv", "resnet18"} <= {m.name for m in ready.models}
+
+    c.unload_model("conv", unload_dependents=True)
+    assert not c.is_model_ready("conv") and not triton.is_model_ready("conv")
+    index = {m.name: m for m in c.get_model_repository_index().models}
+    assert (index["conv"].state, index["conv"].reason) == ("UNAVAILABLE", "unloaded")
+    c.load_model("conv")
+    assert c.is_model_ready("conv") and triton.is_model_ready("conv")
+    x = np.random.default_rng(1).standard_normal((2, 4, 9, 9)).astype(np.float32)
+    i = grpcclient.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    np.testing.assert_array_equal(c.infer("conv", [i]).as_numpy("y"),
+                                  infer(triton, "conv", x, True, name="x", out="y"))
+
+
+def test_grpc_repository_errors(triton_grpc):
+    _, c = triton_grpc
+    from tritonclient.grpc import service_pb2
+    with pytest.raises(InferenceServerException, match="no model `absent` in the repository") as e:
+        c.load_model("absent")
+    assert "NOT_FOUND" in e.value.status()
+    with pytest.raises(InferenceServerException, match="does not import") as e:
+        c.load_model("garbage")
+    assert "INVALID_ARGUMENT" in e.value.status()
+    with pytest.raises(InferenceServerException, match="unknown model `absent`") as e:
+        c.unload_model("absent")
+    assert "NOT_FOUND" in e.value.status()
+    # A parameter with none of the protocol's kinds set.
+    req = service_pb2.RepositoryModelLoadRequest(model_name="conv")
+    req.parameters["empty"].CopyFrom(service_pb2.ModelRepositoryParameter())
+    import grpc
+    with pytest.raises(grpc.RpcError) as e:
+        c._client_stub.RepositoryModelLoad(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameter `empty` has no value" in e.value.details()
+    assert c.is_model_ready("conv")
+
+
+def post(served, path, body):
+    """(status, body or error message) of a POST to /v2/repository/PATH."""
+    req = urllib.request.Request(f"http://{served[0]}/v2/repository/{path}",
+                                 data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())["error"]
+
+
+def test_http_repository_parameters_are_checked(served):
+    def post_(path, body):
+        return post(served, path, body)
+
+    assert post_("models/conv/load", {"parameters": [1]}) == (
+        400, "`parameters` must be an object")
+    assert post_("models/conv/load", {"parameters": {"x": {"y": 1}}}) == (
+        400, "parameter `x` must be a string, a boolean or an integer")
+    assert post_("models/conv/unload", {"parameters": {"unload_dependents": 1.5}}) == (
+        400, "parameter `unload_dependents`: 1.5 is not an integer")
+    assert post_("index", {"ready": "yes"}) == (400, "`ready` must be a boolean")
+
+
+def conv_x(rows=2):
+    return np.random.default_rng(2).standard_normal((rows, 4, 9, 9)).astype(np.float32)
+
+
+def test_a_model_file_sent_in_the_load_request(triton, triton_grpc):
+    grpcclient, c = triton_grpc
+    conv = (ONNX / "ops_conv.onnx").read_bytes()
+    want = infer(triton, "conv", conv_x(), True, name="x", out="y")
+    # Over HTTP: a name the repository does not have.
+    triton.load_model("sent", config=json.dumps({"max_batch_size": 4}),
+                      files={"file:1/model.onnx": conv})
+    assert triton.is_model_ready("sent") and c.is_model_ready("sent")
+    assert triton.get_model_config("sent")["max_batch_size"] == 4
+    assert triton.get_model_metadata("sent")["versions"] == ["1"]
+    np.testing.assert_array_equal(infer(triton, "sent", conv_x(), True, name="x", out="y"), want)
+    index = {m["name"]: m for m in triton.get_model_repository_index()}
+    assert (index["sent"]["state"], index["sent"]["version"]) == ("READY", "1")
+    # Over gRPC: a reload at another version, with dynamic batching.
+    config = {"max_batch_size": 2,
+              "dynamic_batching": {"max_queue_delay_microseconds": "100",
+                                   "preferred_batch_size": [2]}}
+    c.load_model("sent", config=json.dumps(config), files={"file:7/model.onnx": conv})
+    cfg = triton.get_model_config("sent")
+    assert cfg["max_batch_size"] == 2
+    assert cfg["dynamic_batching"] == {"max_queue_delay_microseconds": 100,
+                                       "preferred_batch_size": [2]}
+    i = grpcclient.InferInput("x", [2, 4, 9, 9], "FP32")
+    i.set_data_from_numpy(conv_x())
+    r = c.infer("sent", [i])
+    assert r.get_response().model_version == "7"
+    np.testing.assert_array_equal(r.as_numpy("y"), want)
+    # A model of the repository replaced from a request, then loaded from
+    # the repository again by a load without files.
+    resnet = (ONNX / "resnet18.onnx").read_bytes()
+    triton.load_model("conv", config="{}", files={"file:3/model.onnx": resnet})
+    assert triton.get_model_metadata("conv")["inputs"][0]["name"] == "input"
+    assert triton.get_model_metadata("conv")["versions"] == ["3"]
+    c.load_model("conv")
+    m = triton.get_model_metadata("conv")
+    assert (m["inputs"][0]["name"], m["versions"]) == ("x", ["1"])
+    # A configuration alone overrides the repository's config.pbtxt.
+    triton.load_model("resnet18", config=json.dumps({"max_batch_size": 2}))
+    assert triton.get_model_config("resnet18")["max_batch_size"] == 2
+    triton.load_model("resnet18")
+    assert triton.get_model_config("resnet18")["max_batch_size"] == 4
+    triton.unload_model("sent")
+    assert not triton.is_model_ready("sent")
+
+
+def test_bad_model_files_are_refused(triton, triton_grpc, served):
+    _, c = triton_grpc
+    conv = (ONNX / "ops_conv.onnx").read_bytes()
+    cfg = "{}"
+    for load in (triton.load_model, c.load_model):
+        # Not ONNX: the importer's message; the model loaded before stays.
+        with pytest.raises(InferenceServerException, match="does not import") as e:
+            load("conv", config=cfg, files={"file:1/model.onnx": b"not a model"})
+        if load == c.load_model:
+            assert "INVALID_ARGUMENT" in e.value.status()
+        assert triton.is_model_ready("conv")
+        with pytest.raises(InferenceServerException, match="needs the `config` parameter"):
+            load("conv", files={"file:1/model.onnx": conv})
+        with pytest.raises(InferenceServerException, match="only `file:VERSION/model.onnx`"):
+            load("conv", config=cfg, files={"file:1/model.pt2": conv})
+        with pytest.raises(InferenceServerException, match="one model file per load"):
+            load("conv", config=cfg, files={"file:1/model.onnx": conv, "file:2/model.onnx": conv})
+        with pytest.raises(InferenceServerException, match="parameter `config`: not JSON"):
+            load("conv", config="max_batch_size: 2", files={"file:1/model.onnx": conv})
+        with pytest.raises(InferenceServerException, match="max_batch_size: `-2`"):
+            load("conv", config='{"max_batch_size": -2}')
+        with pytest.raises(InferenceServerException, match="cannot name a model"):
+            load(".hidden", config=cfg, files={"file:1/model.onnx": conv})
+        # A made-up name whose file fails is not kept in the index.
+        with pytest.raises(InferenceServerException, match="does not import"):
+            load("made_up", config=cfg, files={"file:1/model.onnx": b"\x00" * 10})
+        assert "made_up" not in {m["name"] for m in triton.get_model_repository_index()}
+    assert triton.is_model_ready("conv")
+    # Over the size limit: 413 over HTTP, RESOURCE_EXHAUSTED over gRPC.
+    big = b"\x00" * (MAX_BODY + 1)
+    with pytest.raises(InferenceServerException, match="exceeds") as e:
+        triton.load_model("big", config=cfg, files={"file:1/model.onnx": big})
+    assert e.value.status() == "413"
+    with pytest.raises(InferenceServerException, match="exceeds") as e:
+        c.load_model("big", config=cfg, files={"file:1/model.onnx": big})
+    assert "RESOURCE_EXHAUSTED" in e.value.status()
+    # Not base64 (tritonclient always encodes it).
+    status, err = post(served, "models/conv/load",
+                       {"parameters": {"config": "{}", "file:1/model.onnx": "%%%"}})
+    assert (status, "is not base64" in err) == (400, True), err
+    status, err = post(served, "models/conv/load",
+                       {"parameters": {"config": "{}", "file:1/model.onnx": True}})
+    assert (status, "must be the file's bytes" in err) == (400, True), err
+    status, _ = post(served, "models/sent2/load",
+                     {"parameters": {"config": "{}",
+                                     "file:1/model.onnx": base64.b64encode(conv).decode()}})
+    assert status == 200 and triton.is_model_ready("sent2")
+    triton.unload_model("sent2")
+
+
+W = (np.arange(12, dtype=np.float32).reshape(4, 3) / 8 - 0.5).astype(np.float32)
+B = np.array([0.25, -0.5, 1.0], np.float32)
+
+
+def half_model(elem):
+    """y = x @ W + B with x and y declared `elem` (float16 or bfloat16),
+    computed in float32 between two Casts, as a model exported in half
+    is at its edges."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["xf", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["yf"]),
+        helper.make_node("Cast", ["yf"], ["y"], to=elem),
+    ]
+    g = helper.make_graph(
+        nodes, "half", [helper.make_tensor_value_info("x", elem, ["N", 4])],
+        [helper.make_tensor_value_info("y", elem, ["N", 3])],
+        [numpy_helper.from_array(W, "w"), numpy_helper.from_array(B, "b")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    return m.SerializeToString()
+
+
+@pytest.mark.parametrize("dt", ["FP16", "BF16"])
+def test_half_tensors_on_the_wire(triton, triton_grpc, dt):
+    grpcclient, c = triton_grpc
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from onnx import TensorProto
+    elem, np_dt, rtol = {
+        "FP16": (TensorProto.FLOAT16, np.float16, 1e-3),
+        "BF16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16, 1e-2),
+    }[dt]
+    name = f"half_{dt.lower()}"
+    triton.load_model(name, config="{}", files={"file:1/model.onnx": half_model(elem)})
+    m = triton.get_model_metadata(name)
+    assert m["inputs"] == [{"name": "x", "datatype": dt, "shape": [-1, 4]}]
+    assert m["outputs"] == [{"name": "y", "datatype": dt, "shape": [-1, 3]}]
+    assert triton.get_model_config(name)["input"][0]["data_type"] == f"TYPE_{dt}"
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32).astype(np_dt)
+    want = (x.astype(np.float32) @ W + B).astype(np_dt).astype(np.float32)
+    # tritonclient sends BF16 only as binary data over HTTP.
+    got = []
+    for binary in [True, False] if dt == "FP16" else [True]:
+        i = httpclient.InferInput("x", [3, 4], dt)
+        i.set_data_from_numpy(x, binary_data=binary)
+        o = httpclient.InferRequestedOutput("y", binary_data=binary)
+        y = triton.infer(name, [i], outputs=[o]).as_numpy("y")
+        assert y.dtype == np_dt and y.shape == (3, 3)
+        np.testing.assert_allclose(y.astype(np.float32), want, rtol=rtol, atol=rtol)
+        got.append(y)
+    i = grpcclient.InferInput("x", [3, 4], dt)
+    i.set_data_from_numpy(x)
+    y = c.infer(name, [i]).as_numpy("y")
+    assert y.dtype == np_dt
+    # Every door gives the very same values.
+    for other in got:
+        np.testing.assert_array_equal(y.astype(np.float32), other.astype(np.float32))
+    # The model's datatype, and no other.
+    i = httpclient.InferInput("x", [3, 4], "FP32")
+    i.set_data_from_numpy(x.astype(np.float32))
+    with pytest.raises(InferenceServerException, match=f"datatype FP32 does not match the model's {dt}"):
+        triton.infer(name, [i])
+    i = httpclient.InferInput("x", [3, 4], dt)
+    i.set_data_from_numpy(x, binary_data=True)
+    # One element short: 2 bytes each.
+    i._raw_data = i._raw_data[:-2]
+    i._parameters["binary_data_size"] = len(i._raw_data)
+    with pytest.raises(InferenceServerException, match="binary_data_size 22"):
+        triton.infer(name, [i])
+    triton.unload_model(name)
+
+
+@pytest.mark.parametrize("request_coding", [None, "gzip", "deflate"])
+@pytest.mark.parametrize("response_coding", [None, "gzip", "deflate"])
+def test_compressed_bodies(triton, request_coding, response_coding):
+    x = np.load(ONNX / "resnet18.input.npy")
+    want = np.load(ONNX / "resnet18.output.npy")
+    for binary in (False, True):
+        i = httpclient.InferInput("input", list(x.shape), "FP32")
+        i.set_data_from_numpy(x, binary_data=binary)
+        o = httpclient.InferRequestedOutput("output", binary_data=binary)
+        got = triton.infer("resnet18", [i], outputs=[o],
+                           request_compression_algorithm=request_coding,
+                           response_compression_algorithm=response_coding).as_numpy("output")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_compressed_bodies_are_bounded_and_checked(served):
+    import gzip
+    import zlib
+
+    def infer_raw(body, encoding, accept=None):
+        headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+        if accept:
+            headers["Accept-Encoding"] = accept
+        req = urllib.request.Request(f"http://{served[0]}/v2/models/conv/infer", data=body,
+                                     headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, r.headers.get("Content-Encoding"), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, None, json.loads(e.read())["error"]
+
+    x = np.zeros((1, 4, 9, 9), np.float32)
+    request = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                      "data": x.flatten().tolist()}]}).encode()
+    status, coding, body = infer_raw(zlib.compress(request), "deflate", accept="gzip;q=0, deflate")
+    assert (status, coding) == (200, "deflate")
+    assert json.loads(zlib.decompress(body))["outputs"][0]["shape"] == [1, 6]
+    # A bomb: a small body that inflates past --http-max-body.
+    bomb = gzip.compress(b" " * (MAX_BODY + 1))
+    assert len(bomb) < MAX_BODY // 100
+    status, _, err = infer_raw(bomb, "gzip")
+    assert status == 413 and "inflates to more than" in err, err
+    status, _, err = infer_raw(b"not gzip", "gzip")
+    assert status == 400 and "not valid gzip data" in err, err
+    status, _, err = infer_raw(request, "br")
+    assert status == 400 and "is not supported" in err, err
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_grpc_compressed_requests(triton_grpc, coding):
+    grpcclient, c = triton_grpc
+    x = np.load(ONNX / "resnet18.input.npy")
+    want = np.load(ONNX / "resnet18.output.npy")
+    i = grpcclient.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    got = c.infer("resnet18", [i], compression_algorithm=coding).as_numpy("output")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # A message that inflates past --http-max-body is refused.
+    big = np.zeros((MAX_BODY // (3 * 32 * 32 * 4) + 1, 3, 32, 32), np.float32)
+    i = grpcclient.InferInput("input", list(big.shape), "FP32")
+    i.set_data_from_numpy(big)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("resnet18", [i], compression_algorithm=coding)
+    assert "RESOURCE_EXHAUSTED" in e.value.status()
+    assert "size limit, of 2097152 bytes, exceeded" in e.value.message()

@@ -218,8 +218,9 @@ pub struct HttpArgs {
     /// (RESOURCE_EXHAUSTED over gRPC).
     #[arg(long, default_value = "64MiB", value_name = "SIZE")]
     pub http_max_body: ByteSize,
-    /// Most inference requests served over HTTP and gRPC together at
-    /// once; more are answered 503 (RESOURCE_EXHAUSTED) at once.
+    /// Most inference and load requests served over HTTP and gRPC
+    /// together at once; more are answered 503 (RESOURCE_EXHAUSTED) at
+    /// once.
     #[arg(long, default_value_t = lanes::oip::DEFAULT_MAX_IN_FLIGHT, value_name = "N")]
     pub http_max_in_flight: usize,
 }

@@ -44,14 +44,15 @@ impl State {
             .is_some_and(|f| f.load(Ordering::Relaxed))
     }
 
-    /// A place among the inference requests in flight (over both front
+    /// A place among the requests in flight that may carry large bodies
+    /// (inference, and loads with their model files; over both front
     /// doors), or the refusal when all are taken.
     pub fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
         Arc::clone(&self.in_flight)
             .try_acquire_owned()
             .map_err(|_| {
                 ApiError::Overloaded(format!(
-                    "{} inference requests are in flight already (--http-max-in-flight)",
+                    "{} inference and load requests are in flight already (--http-max-in-flight)",
                     self.max_in_flight
                 ))
             })

@@ -40,15 +40,20 @@
 //! not copied, until then. Where the service refuses the segment
 //! (`--no-shared-memory`, its limits), the feeds are made tensors (one
 //! copy) and travel in the Run. A binary output is copied once, behind
-//! the JSON header in the response body.
+//! the JSON header in the response body. A compressed request body is
+//! inflated into one buffer first, and a response compressed for a
+//! caller that asks (`encoding.rs`).
 //!
 //! - `routes.rs`: the REST routes;
 //! - `grpc/`: the gRPC service (`inference.proto`, its generated code
 //!   checked in as `inference.rs`);
 //! - `infer.rs`: what the two share, and running a checked request;
+//! - `control.rs`: the repository extension's index, load and unload,
+//!   which both doors serve;
 //! - `repository.rs`: the model repository (Triton's layout) and the
 //!   little of `config.pbtxt` that is read;
 //! - `body.rs`: a request body in the pieces it arrived in;
+//! - `encoding.rs`: gzip and deflate request and response bodies;
 //! - `tensors.rs`: request and response bodies, JSON tensors and the
 //!   binary tensor data extension;
 //! - `batch.rs`: dynamic batching (requests gathered into one Run);
@@ -57,6 +62,8 @@
 
 mod batch;
 mod body;
+mod control;
+mod encoding;
 mod error;
 pub mod grpc;
 mod infer;
@@ -91,8 +98,9 @@ pub struct OipConfig {
     /// Largest request body (JSON and binary data together), and largest
     /// gRPC request message.
     pub max_body_bytes: usize,
-    /// Most inference requests being served at once over HTTP and gRPC
-    /// together; more are answered 503 (RESOURCE_EXHAUSTED) at once.
+    /// Most inference and load requests being served at once over HTTP
+    /// and gRPC together; more are answered 503 (RESOURCE_EXHAUSTED) at
+    /// once.
     pub max_in_flight: usize,
     /// How long a model's thread waits for the service's reply to one Run.
     pub run_timeout: std::time::Duration,
@@ -108,13 +116,16 @@ const SERVER_NAME: &str = "lanes";
 const PLATFORM: &str = "lanes_onnx";
 
 /// The protocol extensions served over HTTP (gRPC serves the statistics
-/// only).
+/// and the model repository, [`GRPC_EXTENSIONS`]).
 const EXTENSIONS: [&str; 4] = [
     "binary_tensor_data",
     "model_repository",
     "model_configuration",
     "statistics",
 ];
+
+/// The protocol extensions served over gRPC.
+const GRPC_EXTENSIONS: [&str; 2] = ["model_repository", "statistics"];
 
 /// Default of [`OipConfig::max_body_bytes`].
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;

@@ -16,8 +16,11 @@ use lanes_adaptor::{
 };
 
 use super::batch::{self, FeedsOf};
+use super::control::Override;
 use super::error::ApiError;
-use super::repository::{DynamicBatching, ModelEntry, Repository, DEFAULT_MAX_BATCH};
+use super::repository::{
+    plain_name, DynamicBatching, ModelEntry, Repository, DEFAULT_MAX_BATCH, MODEL_FILE,
+};
 use super::stats::{RequestTimes, Stats};
 use super::tensors::Feed;
 
@@ -202,7 +205,7 @@ impl Models {
         };
         for name in names {
             // A failure is kept in the index, with its reason.
-            let _ = self.load(&name);
+            let _ = self.load(&name, Override::default());
         }
     }
 
@@ -282,35 +285,67 @@ impl Models {
             .collect()
     }
 
-    /// Loads (or reloads) `name` from the repository. A failed reload
+    /// Loads (or reloads) `name` from the repository, or from the file
+    /// and configuration a load request sent (`over`). A failed reload
     /// keeps the model loaded before; a successful one replaces it.
-    pub fn load(&self, name: &str) -> Result<(), ApiError> {
+    pub fn load(&self, name: &str, over: Override) -> Result<(), ApiError> {
         let _one = lock(&self.loading);
-        let entry = {
-            let repo = lock(&self.repo);
-            let repo = repo.as_ref().ok_or_else(|| {
-                ApiError::NotFound("no model repository (--model-repository)".into())
-            })?;
-            match repo.entry(name) {
-                Ok(e) => e,
-                Err(super::RepositoryError::NoModel(_)) => {
-                    return Err(ApiError::NotFound(format!(
-                        "no model `{name}` in the repository"
-                    )))
+        // A failed load from a request's file is kept in the index only
+        // for a name known already (no entry per name a caller makes up).
+        let keep_failure = over.file.is_none() || lock(&self.table).contains_key(name);
+        let (entry, bytes) = match over.file {
+            Some((version, bytes)) => {
+                if !plain_name(name) {
+                    return Err(ApiError::BadRequest(format!(
+                        "`{name}` cannot name a model (one path component, not starting with `.`)"
+                    )));
                 }
-                Err(e) => return Err(self.failed(name, None, e.to_string())),
+                let entry = ModelEntry {
+                    name: name.to_string(),
+                    version,
+                    file: format!("file:{version}/{MODEL_FILE}").into(),
+                    config: over.config.unwrap_or_default(),
+                };
+                (entry, bytes)
+            }
+            None => {
+                let mut entry = self.entry(name)?;
+                let bytes = std::fs::read(&entry.file).map_err(|e| {
+                    let reason = format!("cannot read `{}`: {e}", entry.file.display());
+                    self.failed(name, Some(entry.version.to_string()), reason)
+                })?;
+                if let Some(c) = over.config {
+                    entry.config = c;
+                }
+                (entry, bytes)
             }
         };
         let version = Some(entry.version.to_string());
-        let model = match spawn(&self.connect, entry) {
+        let model = match spawn(&self.connect, entry, bytes) {
             Ok(m) => Arc::new(m),
-            Err(reason) => return Err(self.failed(name, version, reason)),
+            Err(reason) if keep_failure => return Err(self.failed(name, version, reason)),
+            Err(reason) => return Err(load_failed(name, &reason)),
         };
         let old = lock(&self.table).insert(name.to_string(), Slot::Ready(model));
         if let Some(Slot::Ready(old)) = old {
             old.stop(true);
         }
         Ok(())
+    }
+
+    /// The repository's entry for `name`.
+    fn entry(&self, name: &str) -> Result<ModelEntry, ApiError> {
+        let repo = lock(&self.repo);
+        let repo = repo
+            .as_ref()
+            .ok_or_else(|| ApiError::NotFound("no model repository (--model-repository)".into()))?;
+        match repo.entry(name) {
+            Ok(e) => Ok(e),
+            Err(super::RepositoryError::NoModel(_)) => Err(ApiError::NotFound(format!(
+                "no model `{name}` in the repository"
+            ))),
+            Err(e) => Err(self.failed(name, None, e.to_string())),
+        }
     }
 
     fn failed(&self, name: &str, version: Option<String>, reason: String) -> ApiError {
@@ -324,7 +359,7 @@ impl Models {
                 },
             );
         }
-        ApiError::BadRequest(format!("failed to load model `{name}`: {reason}"))
+        load_failed(name, &reason)
     }
 
     /// Unloads `name`: requests queued are served, later ones refused.
@@ -357,10 +392,12 @@ impl Models {
     }
 }
 
+fn load_failed(name: &str, reason: &str) -> ApiError {
+    ApiError::BadRequest(format!("failed to load model `{name}`: {reason}"))
+}
+
 /// Starts a model's thread and waits until its first session is loaded.
-fn spawn(connect: &Connect, entry: ModelEntry) -> Result<Model, String> {
-    let bytes = std::fs::read(&entry.file)
-        .map_err(|e| format!("cannot read `{}`: {e}", entry.file.display()))?;
+fn spawn(connect: &Connect, entry: ModelEntry, bytes: Vec<u8>) -> Result<Model, String> {
     let (tx, rx) = crossbeam_channel::unbounded::<Job>();
     let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
     let connect = connect.clone();

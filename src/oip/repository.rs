@@ -51,11 +51,14 @@ pub struct ModelConfig {
     pub dynamic_batching: Option<DynamicBatching>,
 }
 
-/// One model of the repository: its newest version.
+/// One model to load: the repository's newest version of it, or the
+/// model file a load request carried.
 #[derive(Debug, Clone)]
 pub struct ModelEntry {
     pub name: String,
     pub version: u64,
+    /// Where the model file is: in the repository, or the request's
+    /// parameter that carried it (`file:1/model.onnx`).
     pub file: PathBuf,
     pub config: ModelConfig,
 }
@@ -74,7 +77,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RepositoryError + '_ {
 }
 
 /// A model name that is one plain path component.
-fn plain_name(name: &str) -> bool {
+pub fn plain_name(name: &str) -> bool {
     !name.is_empty()
         && name != "."
         && name != ".."
@@ -150,6 +153,60 @@ impl Repository {
             config,
         })
     }
+}
+
+/// The version of a model file sent in a load request, from its
+/// parameter's name: `file:VERSION/model.onnx`, VERSION a positive
+/// integer; `None` for any other name.
+pub fn file_version(param: &str) -> Option<u64> {
+    let (v, file) = param.strip_prefix("file:")?.split_once('/')?;
+    // Digits without a leading zero: how a version directory is named.
+    let digits = !v.is_empty() && !v.starts_with('0') && v.bytes().all(|b| b.is_ascii_digit());
+    if file != MODEL_FILE || !digits {
+        return None;
+    }
+    v.parse().ok()
+}
+
+/// Reads `max_batch_size` and `dynamic_batching` from a model
+/// configuration in JSON (a load request's `config` parameter: Triton's
+/// configuration as protobuf's JSON mapping, where 64-bit integers may be
+/// strings); other fields are skipped.
+pub fn parse_config_json(text: &str) -> Result<ModelConfig, String> {
+    use serde_json::Value;
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("not a JSON object")?;
+    fn uint(v: &Value, field: &str) -> Result<u64, String> {
+        let n = match v {
+            Value::Number(n) => n.as_u64(),
+            Value::String(s) => s.parse().ok(),
+            _ => None,
+        };
+        n.ok_or_else(|| format!("{field}: `{v}` is not a non-negative integer"))
+    }
+    let size = |v: &Value, field: &str| {
+        usize::try_from(uint(v, field)?).map_err(|_| format!("{field} is too large"))
+    };
+    let mut cfg = ModelConfig::default();
+    if let Some(m) = obj.get("max_batch_size") {
+        cfg.max_batch_size = Some(size(m, "max_batch_size")?);
+    }
+    if let Some(b) = obj.get("dynamic_batching") {
+        let b = b.as_object().ok_or("dynamic_batching is not an object")?;
+        let mut d = DynamicBatching::default();
+        if let Some(x) = b.get("max_queue_delay_microseconds") {
+            d.max_queue_delay_us = uint(x, "max_queue_delay_microseconds")?;
+        }
+        if let Some(p) = b.get("preferred_batch_size") {
+            let list = p.as_array().ok_or("preferred_batch_size is not a list")?;
+            for x in list {
+                d.preferred_batch_sizes
+                    .push(size(x, "preferred_batch_size")?);
+            }
+        }
+        cfg.dynamic_batching = Some(d);
+    }
+    Ok(cfg)
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -340,6 +397,63 @@ mod tests {
             "a: $",
         ] {
             assert!(parse_config(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn json_configs_read_the_same_fields() {
+        let c = parse_config_json(
+            r#"{"name": "m", "backend": "onnxruntime", "max_batch_size": 4,
+                "input": [{"name": "x", "dims": [3]}],
+                "dynamic_batching": {"max_queue_delay_microseconds": "100",
+                                     "preferred_batch_size": [2, 4]}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.max_batch_size, Some(4));
+        assert_eq!(
+            c.dynamic_batching,
+            Some(DynamicBatching {
+                max_queue_delay_us: 100,
+                preferred_batch_sizes: vec![2, 4],
+            })
+        );
+        assert_eq!(parse_config_json("{}").unwrap(), ModelConfig::default());
+        for (bad, why) in [
+            ("", "not JSON"),
+            ("[1]", "not a JSON object"),
+            (r#"{"max_batch_size": -1}"#, "max_batch_size: `-1`"),
+            (r#"{"max_batch_size": "x"}"#, "max_batch_size"),
+            (r#"{"dynamic_batching": 3}"#, "not an object"),
+            (
+                r#"{"dynamic_batching": {"preferred_batch_size": 4}}"#,
+                "not a list",
+            ),
+            (
+                r#"{"dynamic_batching": {"max_queue_delay_microseconds": 1.5}}"#,
+                "max_queue_delay_microseconds",
+            ),
+        ] {
+            let e = parse_config_json(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn request_files_name_a_version_and_model_onnx() {
+        assert_eq!(file_version("file:1/model.onnx"), Some(1));
+        assert_eq!(file_version("file:12/model.onnx"), Some(12));
+        for bad in [
+            "file:0/model.onnx",
+            "file:+1/model.onnx",
+            "file:01/model.onnx",
+            "file:1/model.pt",
+            "file:1/sub/model.onnx",
+            "file:model.onnx",
+            "file:x/model.onnx",
+            "1/model.onnx",
+            "config",
+        ] {
+            assert_eq!(file_version(bad), None, "{bad}");
         }
     }
 

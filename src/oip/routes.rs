@@ -12,6 +12,8 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use super::body::Chunks;
+use super::control::{self, Param};
+use super::encoding;
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::Model;
@@ -224,14 +226,16 @@ async fn infer_inner(
 ) -> Result<Response> {
     let _permit = s.permit()?;
     let model = s.models.get(&name, version.as_deref())?;
-    let (headers, bytes) = body_chunks(req, s.max_body).await?;
-    if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
-        if enc.as_bytes() != b"identity" {
-            return Err(ApiError::BadRequest(format!(
-                "Content-Encoding {enc:?} is not supported; send the body uncompressed"
-            )));
-        }
+    let (headers, mut bytes) = body_chunks(req, s.max_body).await?;
+    if let Some(coding) = encoding::request_coding(headers.get(header::CONTENT_ENCODING))? {
+        let limit = s.max_body;
+        let inflated =
+            tokio::task::spawn_blocking(move || encoding::inflate(coding, &bytes, limit))
+                .await
+                .map_err(|e| ApiError::Internal(format!("inflating the body stopped: {e}")))??;
+        bytes = Chunks::one(axum::body::Bytes::from(inflated));
     }
+    let answer_in = encoding::response_coding(headers.get(header::ACCEPT_ENCODING));
     let header_len = match headers.get(HEADER_LENGTH) {
         None => None,
         Some(v) => Some(v.to_str().map_err(|_| {
@@ -284,8 +288,22 @@ async fn infer_inner(
     } else {
         encode()
     };
-    let mut resp = Response::new(Body::from(enc.body));
+    let body = match answer_in {
+        None => enc.body,
+        Some(c) if enc.body.len() > LARGE_JSON => {
+            let raw = enc.body;
+            tokio::task::spawn_blocking(move || encoding::compress(c, &raw))
+                .await
+                .map_err(|e| ApiError::Internal(format!("compressing stopped: {e}")))?
+        }
+        Some(c) => encoding::compress(c, &enc.body),
+    };
+    let mut resp = Response::new(Body::from(body));
     let h = resp.headers_mut();
+    if let Some(c) = answer_in {
+        // Inference-Header-Content-Length stays the uncompressed JSON's.
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(c.name()));
+    }
     match enc.header_len {
         Some(n) => {
             h.insert(
@@ -304,13 +322,22 @@ async fn infer_inner(
     Ok(resp)
 }
 
-/// A small control body (index, load, unload): JSON or empty.
+/// Largest body of an index or unload request (a load's may carry a
+/// model file: `--http-max-body`).
+const CONTROL_BODY: usize = 1 << 20;
+
+/// An index's or unload's body, of at most [`CONTROL_BODY`] bytes: JSON
+/// or empty.
 async fn control_body(req: Request) -> Result<Value> {
-    let (_, bytes) = body(req, 1 << 20).await?;
+    let (_, bytes) = body(req, CONTROL_BODY).await?;
+    parse_control(&bytes)
+}
+
+fn parse_control(bytes: &[u8]) -> Result<Value> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(json!({}));
     }
-    serde_json::from_slice(&bytes)
+    serde_json::from_slice(bytes)
         .map_err(|e| ApiError::BadRequest(format!("malformed request body: {e}")))
 }
 
@@ -321,11 +348,8 @@ async fn index(St(s): St<S>, req: Request) -> Result<Json<Value>> {
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::BadRequest("`ready` must be a boolean".into())),
     };
-    let list: Vec<Value> = s
-        .models
-        .index()
+    let list: Vec<Value> = control::index(&s, only_ready)
         .into_iter()
-        .filter(|e| !only_ready || e.state == super::model::ModelState::Ready)
         .map(|e| {
             let mut v = json!({ "name": e.name, "state": e.state.to_string() });
             if let Some(ver) = e.version {
@@ -340,29 +364,59 @@ async fn index(St(s): St<S>, req: Request) -> Result<Json<Value>> {
     Ok(Json(Value::Array(list)))
 }
 
-async fn load(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
-    let body = control_body(req).await?;
-    if let Some(p) = body.get("parameters").and_then(Value::as_object) {
-        if p.keys().any(|k| k == "config" || k.starts_with("file:")) {
-            return Err(ApiError::BadRequest(
-                "loading a model from the request (`config`, `file:` parameters) is not supported; \
-                 put it in the model repository and load it by name"
-                    .into(),
-            ));
-        }
+/// A load or unload body's `parameters`, as the protocol's kinds: a
+/// `file:` parameter's base64 string decoded to its bytes.
+fn params(body: &Value) -> Result<Vec<(String, Param)>> {
+    use base64::Engine;
+    let Some(p) = body.get("parameters") else {
+        return Ok(Vec::new());
+    };
+    let p = p
+        .as_object()
+        .ok_or_else(|| ApiError::BadRequest("`parameters` must be an object".into()))?;
+    let mut out = Vec::with_capacity(p.len());
+    for (k, v) in p {
+        let param = match v {
+            Value::String(s) if k.starts_with("file:") => Param::Bytes(
+                base64::engine::general_purpose::STANDARD
+                    .decode(s)
+                    .map_err(|e| {
+                        ApiError::BadRequest(format!("parameter `{k}` is not base64: {e}"))
+                    })?,
+            ),
+            Value::Bool(b) => Param::Bool(*b),
+            Value::String(s) => Param::Text(s.clone()),
+            Value::Number(n) => Param::Int(n.as_i64().ok_or_else(|| {
+                ApiError::BadRequest(format!("parameter `{k}`: {n} is not an integer"))
+            })?),
+            _ => {
+                return Err(ApiError::BadRequest(format!(
+                    "parameter `{k}` must be a string, a boolean or an integer"
+                )))
+            }
+        };
+        out.push((k.clone(), param));
     }
-    let st = Arc::clone(&s);
-    tokio::task::spawn_blocking(move || st.models.load(&name))
+    Ok(out)
+}
+
+/// A load's body may carry a model file (base64 in `parameters`): it is
+/// bounded by `--http-max-body` and counted among the requests in flight
+/// as an inference request is, and read off the runtime's threads.
+async fn load(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
+    let _permit = s.permit()?;
+    let (_, bytes) = body(req, s.max_body).await?;
+    let read = move || -> Result<Vec<(String, Param)>> { params(&parse_control(&bytes)?) };
+    let params = tokio::task::spawn_blocking(read)
         .await
-        .map_err(|e| ApiError::Internal(format!("the load stopped: {e}")))??;
+        .map_err(|e| ApiError::Internal(format!("reading the load request stopped: {e}")))??;
+    control::load(&s, name, params).await?;
     Ok(StatusCode::OK)
 }
 
 async fn unload(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
-    control_body(req).await?;
-    let st = Arc::clone(&s);
-    tokio::task::spawn_blocking(move || st.models.unload(&name))
-        .await
-        .map_err(|e| ApiError::Internal(format!("the unload stopped: {e}")))??;
+    let body = control_body(req).await?;
+    params(&body)?;
+    control::unload(&s, name).await?;
     Ok(StatusCode::OK)
 }

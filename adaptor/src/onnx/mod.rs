@@ -74,9 +74,11 @@ impl Default for ImportOptions {
 pub struct OnnxModel {
     pub graph: Graph,
     pub vars: VarValues,
-    /// Placeholders, in the file's order. ONNX bool inputs are f32 0/1.
+    /// Placeholders, in the file's order. ONNX bool inputs are f32 0/1;
+    /// float16 and bfloat16 inputs are f16 and bf16 (cast to f32 inside).
     pub inputs: Vec<(String, TensorType)>,
-    /// Fetchable outputs, in the file's order.
+    /// Fetchable outputs, in the file's order; those declared float16 or
+    /// bfloat16 are f16 and bf16.
     pub outputs: Vec<(String, TensorType)>,
     /// The default-domain opset the file declares.
     pub opset: i64,
@@ -220,18 +222,22 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
             reason,
         };
         let (elem, dims) = input_type(vi, opts).map_err(err)?;
-        let ty = TensorType::new(
-            if elem == Elem::I64 {
-                DType::I64
-            } else {
-                DType::F32
-            },
-            dims,
-        );
+        // A float16 or bfloat16 input is fed in its own type and computed
+        // on as f32 (as the file's half weights are).
+        let half = half_type(vi);
+        let dtype = match (half, elem) {
+            (Some(h), _) => h,
+            (None, Elem::I64) => DType::I64,
+            (None, _) => DType::F32,
+        };
+        let ty = TensorType::new(dtype, dims);
         if ty.checked_bytes().is_none() {
             return Err(err(format!("type {ty} overflows")));
         }
-        let o = imp.g.placeholder(&name, ty.clone());
+        let mut o = imp.g.placeholder(&name, ty.clone());
+        if half.is_some() {
+            o = imp.g.cast(o, DType::F32);
+        }
         if let Some(e) = imp.g.error() {
             return Err(err(e.to_string()));
         }
@@ -336,6 +342,19 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
             .get(&name)
             .cloned()
             .ok_or_else(|| err("not computed by any node".into()))?;
+        // An output the file declares float16 or bfloat16 is returned in
+        // that type, rounded once from the f32 it is computed in.
+        let v = match (half_type(vi), v) {
+            (Some(h), Val::Rt { o, elem })
+                if imp.g.ty(o).is_some_and(|t| t.dtype == DType::F32) =>
+            {
+                Val::Rt {
+                    o: imp.g.cast(o, h),
+                    elem,
+                }
+            }
+            (_, v) => v,
+        };
         let o = imp.output(&name, v).map_err(err)?;
         let ty = imp
             .g
@@ -363,6 +382,20 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
         onnx_nodes: graph.node.len(),
         folded,
     })
+}
+
+/// The half type a graph input or output is declared in, if it is one.
+fn half_type(vi: &proto::ValueInfoProto) -> Option<DType> {
+    use proto::tensor_proto::DataType;
+    use proto::type_proto::Value;
+    let Some(Value::TensorType(tt)) = vi.r#type.as_ref().and_then(|t| t.value.as_ref()) else {
+        return None;
+    };
+    match DataType::try_from(tt.elem_type.unwrap_or(0)) {
+        Ok(DataType::Float16) => Some(DType::F16),
+        Ok(DataType::Bfloat16) => Some(DType::BF16),
+        _ => None,
+    }
 }
 
 /// Element type and dimensions of a graph input at the chosen sizes.

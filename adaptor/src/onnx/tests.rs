@@ -293,6 +293,41 @@ fn count(m: &OnnxModel, op: &str) -> usize {
     m.graph.nodes.iter().filter(|n| n.op.name() == op).count()
 }
 
+/// Inputs and outputs declared float16 or bfloat16 are fed and fetched in
+/// that type: a cast to f32 after each such input, one back before each
+/// such output; the rest of the graph is the f32 one.
+#[test]
+fn half_inputs_and_outputs_keep_their_type() {
+    use proto::tensor_proto::DataType;
+    use proto::type_proto::Value;
+    let plain = import_model(&model("ops_conv.onnx")).unwrap();
+    assert_eq!(plain.inputs[0].1.dtype, DType::F32);
+    for (dt, want) in [
+        (DataType::Float16, DType::F16),
+        (DataType::Bfloat16, DType::BF16),
+    ] {
+        let mut m = model("ops_conv.onnx");
+        let g = m.graph.as_mut().unwrap();
+        for vi in g.input.iter_mut().chain(g.output.iter_mut()) {
+            if let Some(Value::TensorType(t)) = vi.r#type.as_mut().and_then(|t| t.value.as_mut()) {
+                t.elem_type = Some(dt as i32);
+            }
+        }
+        let half = import_model(&m).unwrap();
+        let types = |l: &[(String, TensorType)]| l.iter().map(|(_, t)| t.dtype).collect::<Vec<_>>();
+        assert_eq!(types(&half.inputs), vec![want; half.inputs.len()]);
+        assert_eq!(types(&half.outputs), vec![want; half.outputs.len()]);
+        for ((_, h), (_, p)) in half.inputs.iter().zip(&plain.inputs) {
+            assert_eq!(h.shape, p.shape);
+        }
+        assert_eq!(
+            count(&half, "cast"),
+            count(&plain, "cast") + half.inputs.len() + half.outputs.len()
+        );
+        assert_eq!(half.vars, plain.vars);
+    }
+}
+
 /// The Erf GELU becomes one `gelu`, unless an intermediate value is read
 /// elsewhere (here: made a graph output), when it stays `erf` and friends.
 #[test]

@@ -287,6 +287,91 @@ pub struct ModelStatisticsResponse {
     #[prost(message, repeated, tag = "1")]
     pub model_stats: ::prost::alloc::vec::Vec<ModelStatistics>,
 }
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RepositoryIndexRequest {
+    /// Lanes has one repository; a name is ignored.
+    #[prost(string, tag = "1")]
+    pub repository_name: ::prost::alloc::string::String,
+    /// Only the models loaded now.
+    #[prost(bool, tag = "2")]
+    pub ready: bool,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct RepositoryIndexResponse {
+    #[prost(message, repeated, tag = "1")]
+    pub models: ::prost::alloc::vec::Vec<repository_index_response::ModelIndex>,
+}
+/// Nested message and enum types in `RepositoryIndexResponse`.
+pub mod repository_index_response {
+    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+    pub struct ModelIndex {
+        #[prost(string, tag = "1")]
+        pub name: ::prost::alloc::string::String,
+        /// Empty when no version is known.
+        #[prost(string, tag = "2")]
+        pub version: ::prost::alloc::string::String,
+        /// READY or UNAVAILABLE.
+        #[prost(string, tag = "3")]
+        pub state: ::prost::alloc::string::String,
+        /// Why a model is UNAVAILABLE.
+        #[prost(string, tag = "4")]
+        pub reason: ::prost::alloc::string::String,
+    }
+}
+/// A load or unload parameter: one of a few kinds.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelRepositoryParameter {
+    #[prost(oneof = "model_repository_parameter::ParameterChoice", tags = "1, 2, 3, 4")]
+    pub parameter_choice: ::core::option::Option<
+        model_repository_parameter::ParameterChoice,
+    >,
+}
+/// Nested message and enum types in `ModelRepositoryParameter`.
+pub mod model_repository_parameter {
+    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Oneof)]
+    pub enum ParameterChoice {
+        #[prost(bool, tag = "1")]
+        BoolParam(bool),
+        #[prost(int64, tag = "2")]
+        Int64Param(i64),
+        /// `config`: the model configuration, as JSON.
+        #[prost(string, tag = "3")]
+        StringParam(::prost::alloc::string::String),
+        /// `file:VERSION/model.onnx`: a model file's bytes.
+        #[prost(bytes, tag = "4")]
+        BytesParam(::prost::alloc::vec::Vec<u8>),
+    }
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct RepositoryModelLoadRequest {
+    #[prost(string, tag = "1")]
+    pub repository_name: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub model_name: ::prost::alloc::string::String,
+    #[prost(map = "string, message", tag = "3")]
+    pub parameters: ::std::collections::HashMap<
+        ::prost::alloc::string::String,
+        ModelRepositoryParameter,
+    >,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RepositoryModelLoadResponse {}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct RepositoryModelUnloadRequest {
+    #[prost(string, tag = "1")]
+    pub repository_name: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub model_name: ::prost::alloc::string::String,
+    /// `unload_dependents` is accepted and has no effect (no model of Lanes
+    /// depends on another).
+    #[prost(map = "string, message", tag = "3")]
+    pub parameters: ::std::collections::HashMap<
+        ::prost::alloc::string::String,
+        ModelRepositoryParameter,
+    >,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct RepositoryModelUnloadResponse {}
 /// Generated client implementations.
 pub mod grpc_inference_service_client {
     #![allow(
@@ -550,6 +635,94 @@ pub mod grpc_inference_service_client {
                 );
             self.inner.unary(req, path, codec).await
         }
+        /// Triton's model repository extension: the models and their states.
+        pub async fn repository_index(
+            &mut self,
+            request: impl tonic::IntoRequest<super::RepositoryIndexRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RepositoryIndexResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/RepositoryIndex",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new("inference.GRPCInferenceService", "RepositoryIndex"),
+                );
+            self.inner.unary(req, path, codec).await
+        }
+        /// Loads or reloads a model: from the repository, or from the files and
+        /// configuration the request carries.
+        pub async fn repository_model_load(
+            &mut self,
+            request: impl tonic::IntoRequest<super::RepositoryModelLoadRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RepositoryModelLoadResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/RepositoryModelLoad",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "RepositoryModelLoad",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
+        /// Unloads a model.
+        pub async fn repository_model_unload(
+            &mut self,
+            request: impl tonic::IntoRequest<super::RepositoryModelUnloadRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RepositoryModelUnloadResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/RepositoryModelUnload",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "RepositoryModelUnload",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -619,6 +792,31 @@ pub mod grpc_inference_service_server {
             request: tonic::Request<super::ModelStatisticsRequest>,
         ) -> std::result::Result<
             tonic::Response<super::ModelStatisticsResponse>,
+            tonic::Status,
+        >;
+        /// Triton's model repository extension: the models and their states.
+        async fn repository_index(
+            &self,
+            request: tonic::Request<super::RepositoryIndexRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RepositoryIndexResponse>,
+            tonic::Status,
+        >;
+        /// Loads or reloads a model: from the repository, or from the files and
+        /// configuration the request carries.
+        async fn repository_model_load(
+            &self,
+            request: tonic::Request<super::RepositoryModelLoadRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RepositoryModelLoadResponse>,
+            tonic::Status,
+        >;
+        /// Unloads a model.
+        async fn repository_model_unload(
+            &self,
+            request: tonic::Request<super::RepositoryModelUnloadRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::RepositoryModelUnloadResponse>,
             tonic::Status,
         >;
     }
@@ -1012,6 +1210,153 @@ pub mod grpc_inference_service_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = ModelStatisticsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/RepositoryIndex" => {
+                    #[allow(non_camel_case_types)]
+                    struct RepositoryIndexSvc<T: GrpcInferenceService>(pub Arc<T>);
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<super::RepositoryIndexRequest>
+                    for RepositoryIndexSvc<T> {
+                        type Response = super::RepositoryIndexResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::RepositoryIndexRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::repository_index(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = RepositoryIndexSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/RepositoryModelLoad" => {
+                    #[allow(non_camel_case_types)]
+                    struct RepositoryModelLoadSvc<T: GrpcInferenceService>(pub Arc<T>);
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<super::RepositoryModelLoadRequest>
+                    for RepositoryModelLoadSvc<T> {
+                        type Response = super::RepositoryModelLoadResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::RepositoryModelLoadRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::repository_model_load(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = RepositoryModelLoadSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/RepositoryModelUnload" => {
+                    #[allow(non_camel_case_types)]
+                    struct RepositoryModelUnloadSvc<T: GrpcInferenceService>(pub Arc<T>);
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<super::RepositoryModelUnloadRequest>
+                    for RepositoryModelUnloadSvc<T> {
+                        type Response = super::RepositoryModelUnloadResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::RepositoryModelUnloadRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::repository_model_unload(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = RepositoryModelUnloadSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(

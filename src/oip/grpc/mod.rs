@@ -6,7 +6,8 @@
 //! batching (`super::infer`, `super::tensors`); only the reading and the
 //! writing are its own. Inputs come as `raw_input_contents` (what
 //! tritonclient sends) or as typed `contents`; outputs go back as
-//! `raw_output_contents`. Errors are gRPC statuses
+//! `raw_output_contents`. Request messages may be gzip- or
+//! deflate-compressed. Errors are gRPC statuses
 //! ([`super::ApiError::grpc_code`]); a request message over
 //! `--http-max-body` is refused by tonic before it is read.
 
@@ -32,6 +33,7 @@ use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 
 use super::body::Chunks;
+use super::control::{self, Param};
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::ModelInfo;
@@ -40,6 +42,8 @@ use proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceSe
 use proto::model_infer_request::InferInputTensor;
 use proto::model_infer_response::InferOutputTensor;
 use proto::model_metadata_response::TensorMetadata;
+use proto::model_repository_parameter::ParameterChoice;
+use proto::repository_index_response::ModelIndex;
 use proto::*;
 
 /// Serves the protocol on `listener` until `shutdown` resolves.
@@ -49,7 +53,13 @@ pub(super) async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let max = state.max_body;
+    // Compressed request messages are taken (tritonclient's
+    // `compression_algorithm`), inflated by tonic into at most `max` bytes;
+    // responses are not compressed (clients announce gzip whether or not
+    // they asked for it, and it costs CPU on both sides).
     let service = GrpcInferenceServiceServer::new(Service { state })
+        .accept_compressed(tonic::codec::CompressionEncoding::Gzip)
+        .accept_compressed(tonic::codec::CompressionEncoding::Deflate)
         .max_decoding_message_size(max)
         .max_encoding_message_size(usize::MAX);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -243,6 +253,28 @@ fn statistics(j: &serde_json::Value) -> ModelStatistics {
     }
 }
 
+/// A load's or unload's parameters, as the protocol's kinds (one with no
+/// value is refused).
+fn params(
+    map: std::collections::HashMap<String, ModelRepositoryParameter>,
+) -> Result<Vec<(String, Param)>, ApiError> {
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let p = match v.parameter_choice {
+            Some(ParameterChoice::BoolParam(b)) => Param::Bool(b),
+            Some(ParameterChoice::Int64Param(i)) => Param::Int(i),
+            Some(ParameterChoice::StringParam(s)) => Param::Text(s),
+            Some(ParameterChoice::BytesParam(b)) => Param::Bytes(b),
+            None => return Err(bad(format!("parameter `{k}` has no value"))),
+        };
+        out.push((k, p));
+    }
+    // The map's order is arbitrary; the answers (the first bad parameter
+    // named) should not be.
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
 type Answer<T> = Result<Response<T>, Status>;
 
 #[tonic::async_trait]
@@ -272,8 +304,7 @@ impl GrpcInferenceService for Service {
         Ok(Response::new(ServerMetadataResponse {
             name: super::SERVER_NAME.into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            // Of the extensions served over HTTP, the one gRPC serves too.
-            extensions: vec!["statistics".into()],
+            extensions: super::GRPC_EXTENSIONS.iter().map(|&e| e.into()).collect(),
         }))
     }
 
@@ -357,5 +388,41 @@ impl GrpcInferenceService for Service {
             .map(|m| statistics(&m.stats.json(&m.info.name, &m.info.version)))
             .collect();
         Ok(Response::new(ModelStatisticsResponse { model_stats }))
+    }
+
+    async fn repository_index(
+        &self,
+        req: Request<RepositoryIndexRequest>,
+    ) -> Answer<RepositoryIndexResponse> {
+        let models = control::index(&self.state, req.get_ref().ready)
+            .into_iter()
+            .map(|e| ModelIndex {
+                name: e.name,
+                version: e.version.unwrap_or_default(),
+                state: e.state.to_string(),
+                reason: e.reason.unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(RepositoryIndexResponse { models }))
+    }
+
+    async fn repository_model_load(
+        &self,
+        req: Request<RepositoryModelLoadRequest>,
+    ) -> Answer<RepositoryModelLoadResponse> {
+        let _permit = self.state.permit()?;
+        let r = req.into_inner();
+        control::load(&self.state, r.model_name, params(r.parameters)?).await?;
+        Ok(Response::new(RepositoryModelLoadResponse {}))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        req: Request<RepositoryModelUnloadRequest>,
+    ) -> Answer<RepositoryModelUnloadResponse> {
+        let r = req.into_inner();
+        params(r.parameters)?;
+        control::unload(&self.state, r.model_name).await?;
+        Ok(Response::new(RepositoryModelUnloadResponse {}))
     }
 }
