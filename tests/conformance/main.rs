@@ -47,6 +47,9 @@ mod views;
 /// Softmax chains as one kernel.
 mod softmax;
 
+/// Half epilogue chains (casts around a batch norm) as one kernel.
+mod epilogue_half;
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,
