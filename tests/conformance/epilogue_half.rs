@@ -10,6 +10,9 @@ use lanes_adaptor::{amp, DType, Precision, TensorData, TensorType};
 /// The chains [`net`] has on the planner's layout.
 const NET_CHAINS: usize = 4;
 
+/// What [`net`]'s runs fetch.
+const FETCHES: [&str; 2] = ["y", "z"];
+
 /// Spatial sizes: 10×10 and 9×9 run one block row per plane (four
 /// elements at a time, then one), 4×4 and 5×5 the flat kernel (likewise).
 const SIZES: [usize; 4] = [10, 9, 4, 5];
@@ -67,7 +70,8 @@ fn bn(g: &mut GraphBuilder, rng: &mut StdRng, x: Outlet, name: &str) -> Outlet {
 ///    Cast `dt` (`b`);
 /// 3. a biased half convolution: conv(b) + bias → Add a → Relu (`c`);
 /// 4. an f32 residual: conv(c) → Cast f32 → BatchNorm → Add (c in f32) →
-///    Relu, fetched as `y` (f32).
+///    Relu, fetched as `y` (f32) and cast to `dt` for a last convolution
+///    (the chain writes both), whose output is fetched as `z` (f32).
 fn net(dt: DType, s: usize) -> (Graph, VarValues) {
     let mut rng = StdRng::seed_from_u64(77 + s as u64);
     let mut g = GraphBuilder::new();
@@ -98,6 +102,10 @@ fn net(dt: DType, s: usize) -> (Graph, VarValues) {
     let s4 = g.add(n4, wide);
     let y = g.relu(s4);
     g.set_name(y, "y");
+    let yh = g.cast(y, dt);
+    let c5 = conv(&mut g, &mut rng, yh, "c5", false, dt);
+    let z = g.cast(c5, DType::F32);
+    g.set_name(z, "z");
     g.finish().unwrap()
 }
 
@@ -128,16 +136,17 @@ fn half_epilogue_chains_match_on_the_planner_layout() {
         for s in SIZES {
             let (graph, _) = net(dt, s);
             let vg = validate(graph, &GraphLimits::default()).unwrap();
-            let f = matched_on_plan(&vg, &["y".to_string()]);
+            let f = matched_on_plan(&vg, &FETCHES.map(String::from));
             assert_eq!(f.chains.len(), NET_CHAINS, "{dt:?} {s}: {f:?}");
-            // Every cast but the input's and the residual's widening.
+            // Every cast but the input's, the residual's widening and z's.
             let casts = f
                 .chains
                 .iter()
                 .flat_map(|c| &c.nodes)
                 .filter(|n| matches!(vg.graph().nodes[n.index()].op, Op::Cast { .. }))
                 .count();
-            assert_eq!(casts, 5, "{dt:?} {s}: {f:?}");
+            assert_eq!(casts, 6, "{dt:?} {s}: {f:?}");
+            assert!(f.chains[3].also.is_some(), "{dt:?} {s}: {f:?}");
         }
     }
 }
@@ -157,14 +166,14 @@ fn half_epilogue_chains_change_no_result() {
             let mut rng = StdRng::seed_from_u64(s as u64);
             let feeds: BTreeMap<String, Tensor> =
                 [("x".to_string(), rnd(&mut rng, &[2, 8, s, s], -1.0, 1.0))].into();
-            let fetches = vec!["y".to_string()];
+            let fetches = FETCHES.map(String::from).to_vec();
             let mut fused =
                 CudaProgram::with_options(vg.clone(), vars.clone(), opts(true)).unwrap();
             let mut plain =
                 CudaProgram::with_options(vg.clone(), vars.clone(), opts(false)).unwrap();
             let mut cpu = CpuProgram::new(vg, vars).unwrap();
             let want = cpu.run(&feeds, &fetches).unwrap();
-            // Four convolutions of 72 products each, each within the
+            // Five convolutions of 72 products each, each within the
             // convolution's tolerance, carried through the chains.
             let u = unit(dt);
             let tol = Tol {
@@ -179,7 +188,10 @@ fn half_epilogue_chains_change_no_result() {
                     if a != b {
                         return Err(format!("iteration {it}: fused differs from unfused"));
                     }
-                    worst = worst.max(compare(&format!("iteration {it}"), &want[0], &a[0], tol)?);
+                    for (k, key) in FETCHES.iter().enumerate() {
+                        let what = format!("iteration {it}: {key}");
+                        worst = worst.max(compare(&what, &want[k], &a[k], tol)?);
+                    }
                 }
                 let (chains, skipped) = fused.fused_chains();
                 if chains != NET_CHAINS || plain.fused_chains().0 != 0 {

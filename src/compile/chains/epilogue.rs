@@ -20,7 +20,10 @@
 //! longer writes has exactly one use (the chain's next node) and is not
 //! fetchable; all its tensors have one shape (channels on axis 1; no
 //! broadcasting) and are f32 or one half dtype; a widening cast is followed
-//! by its batch norm, a narrowing one follows an f32 stage.
+//! by its batch norm, a narrowing one follows an f32 stage. An f32 result
+//! that other nodes read too (a residual block's output: the next block's
+//! Add and, through a Cast, its convolutions) ends the chain written in f32
+//! and, when the next node is that Cast, in half as well ([`Chain::also`]).
 
 use lanes_adaptor::{DType, NodeId, Op, Outlet};
 
@@ -47,8 +50,13 @@ pub struct Chain {
     /// [`Stage`]: its node's output dtype, or that of the narrowing Cast
     /// right after it. F32 for absent stages; all F32 in an f32 chain.
     pub rounding: [DType; 4],
+    /// A narrowing Cast of the last stage's f32 result, which other nodes
+    /// read too: the kernel writes that result and this, its half copy
+    /// (the Cast is the chain's last node).
+    pub also: Option<Outlet>,
     /// The chain's nodes after the convolution, in order (casts included);
-    /// the last one's output is the only tensor the kernel writes.
+    /// the kernel writes the last one's output ([`Chain::output`]) and
+    /// [`Chain::also`].
     pub nodes: Vec<NodeId>,
 }
 
@@ -78,6 +86,7 @@ impl Chain {
             relu: false,
             row: None,
             rounding: [DType::F32; 4],
+            also: None,
             nodes: Vec::new(),
         }
     }
@@ -86,6 +95,20 @@ impl Chain {
     pub fn last(&self) -> NodeId {
         // A chain has at least one node after the convolution.
         self.nodes[self.nodes.len() - 1]
+    }
+
+    /// The tensor the kernel writes the chain's result to: the last node's
+    /// output, or with [`Chain::also`] the output of the node before it.
+    pub fn output(&self) -> Outlet {
+        let k = self.nodes.len() - 1 - usize::from(self.also.is_some());
+        Outlet::new(self.nodes[k], 0)
+    }
+
+    /// Every tensor the kernel writes.
+    pub fn writes(&self) -> Vec<Outlet> {
+        let mut w = vec![self.output()];
+        w.extend(self.also);
+        w
     }
 
     /// The dtype stage `s`'s result is rounded to.
@@ -266,6 +289,15 @@ impl Matcher<'_> {
         while let Some(next_at) = self.next_runs(at) {
             let next_id = self.order[next_at];
             if !self.private(cur) {
+                // Read elsewhere too: written, with its half copy when the
+                // next node makes one.
+                if let Some(h) = self.half_copy(next_at, cur, cur_dt, widened, &mut half) {
+                    if last.is_some() {
+                        chain.also = Some(h);
+                        chain.nodes.push(next_id);
+                        found.push((chain.clone(), next_at));
+                    }
+                }
                 break;
             }
             let next = &g.nodes[next_id.index()];
@@ -329,6 +361,33 @@ impl Matcher<'_> {
             }
         }
         found
+    }
+
+    /// The Cast at `at` narrowing `cur` (f32, no widening cast pending) to
+    /// the chain's half dtype: its output.
+    fn half_copy(
+        &self,
+        at: usize,
+        cur: Outlet,
+        cur_dt: DType,
+        widened: bool,
+        half: &mut Option<DType>,
+    ) -> Option<Outlet> {
+        let id = self.order[at];
+        let n = &self.graph.nodes[id.index()];
+        match (&n.op, n.inputs.as_slice()) {
+            (Op::Cast { to }, &[x])
+                if x == cur
+                    && to.is_half()
+                    && cur_dt == DType::F32
+                    && !widened
+                    && n.outputs.len() == 1
+                    && one_half(half, *to) =>
+            {
+                Some(Outlet::new(id, 0))
+            }
+            _ => None,
+        }
     }
 
     /// The position of the first node after `at` that runs: variables,

@@ -65,9 +65,9 @@ impl CudaProgram {
     }
 
     /// y = relu?(bn?(x + bias?) + residual?), or act(x + row bias), into
-    /// the last node's output.
+    /// the chain's output (and its half copy, `Chain::also`).
     fn exec_chain(&self, c: &Chain) -> Result<(), ExecError> {
-        let y = self.addr(Outlet::new(c.last(), 0));
+        let y = self.addr(c.output());
         let x = self.addr(c.x);
         let dims = self.slot(c.x).ty.shape.dims().to_vec();
         let n: usize = dims.iter().product();
@@ -123,14 +123,20 @@ impl CudaProgram {
         // Every tensor holds at most i32::MAX elements (checked at load).
         let (c32, inner32, n32) = (ch as i32, inner as i32, n as i32);
         // A chain touching a half tensor: the kernel over mixed types.
-        let ydt = self.slot(Outlet::new(c.last(), 0)).ty.dtype;
+        let ydt = self.slot(c.output()).ty.dtype;
         let rdt = c.residual.map_or(DType::F32, |r| self.slot(r).ty.dtype);
         let xdt = self.slot(c.x).ty.dtype;
         let stages = [Stage::Bias, Stage::Bn, Stage::Add, Stage::Relu];
-        let mixed = [xdt, ydt, rdt]
-            .into_iter()
-            .chain(stages.iter().map(|&s| c.rounds(s)))
-            .any(|d| d != DType::F32);
+        // The half copy of the result: written too where the chain has one.
+        let (y2, y2dt) = match c.also {
+            Some(h) => (self.addr(h), self.slot(h).ty.dtype),
+            None => (0, DType::F32),
+        };
+        let mixed = c.also.is_some()
+            || [xdt, ydt, rdt]
+                .into_iter()
+                .chain(stages.iter().map(|&s| c.rounds(s)))
+                .any(|d| d != DType::F32);
         if mixed {
             let node = &self.graph.graph().nodes[c.last().index()];
             let code = |d: DType| {
@@ -142,7 +148,8 @@ impl CudaProgram {
                     )
                 })
             };
-            let (xc, yc, rc) = (code(xdt)?, code(ydt)?, code(rdt)?);
+            let (xc, yc, rc, y2c) = (code(xdt)?, code(ydt)?, code(rdt)?, code(y2dt)?);
+            let aligned = aligned && y2 % 16 == 0;
             let mut rd = 0i32;
             for (k, &s) in stages.iter().enumerate() {
                 rd |= code(c.rounds(s))? << (2 * k);
@@ -155,8 +162,8 @@ impl CudaProgram {
                     "fused_mixed_planes",
                     plane_rows(units, planes),
                     &[
-                        &y, &yc, &x, &xc, &res, &rc, &bias, &g, &b, &m, &v, &c32, &inner32, &eps,
-                        &flags, &rd, &v4,
+                        &y, &yc, &y2, &y2c, &x, &xc, &res, &rc, &bias, &g, &b, &m, &v, &c32,
+                        &inner32, &eps, &flags, &rd, &v4,
                     ],
                 );
             }
@@ -167,8 +174,8 @@ impl CudaProgram {
                 "fused_mixed_flat",
                 cfg,
                 &[
-                    &y, &yc, &x, &xc, &res, &rc, &bias, &g, &b, &m, &v, &n32, &c32, &inner32, &eps,
-                    &flags, &rd, &v4,
+                    &y, &yc, &y2, &y2c, &x, &xc, &res, &rc, &bias, &g, &b, &m, &v, &n32, &c32,
+                    &inner32, &eps, &flags, &rd, &v4,
                 ],
             );
         }

@@ -150,16 +150,19 @@ impl Matcher<'_> {
     }
 }
 
-/// The last node's output slot is disjoint from every ephemeral tensor the
-/// kernel reads, or is exactly its bytes (same start, same length: the
-/// same element type, so each thread reads an element before writing it).
+/// Each tensor the kernel writes is disjoint from every ephemeral tensor
+/// it reads, or is exactly its bytes (same start, same length: the same
+/// element type, so each thread reads an element before writing it).
 fn layout_allows(chain: &Chain, range: RangeOf<'_>) -> bool {
-    let Some((lo, hi)) = range(Outlet::new(chain.last(), 0)) else {
-        return false;
-    };
-    chain.reads().into_iter().all(|o| match range(o) {
-        None => true,
-        Some((a, b)) => (a == lo && b == hi) || b <= lo || a >= hi,
+    let reads: Vec<Option<(usize, usize)>> = chain.reads().into_iter().map(range).collect();
+    chain.writes().into_iter().all(|w| {
+        let Some((lo, hi)) = range(w) else {
+            return false;
+        };
+        reads.iter().all(|r| match *r {
+            None => true,
+            Some((a, b)) => (a == lo && b == hi) || b <= lo || a >= hi,
+        })
     })
 }
 

@@ -121,6 +121,51 @@ fn amp_conv_bn_relu_cast_is_one_chain() {
     }
 }
 
+/// A residual block's output in the `amp` form: the f32 Relu is read by
+/// the next block's Add and, through a Cast, by its convolution. The chain
+/// writes the Relu's output and its half copy, ending at the Cast.
+#[test]
+fn an_f32_result_read_twice_is_written_with_its_half_copy() {
+    for dt in HALVES {
+        let mut g = GraphBuilder::new();
+        let x = input(&mut g, "x", dt);
+        let res = g.placeholder("res", TensorType::f32([2, 4, 6, 6]));
+        let c = conv(&mut g, x, "c", false, dt);
+        let w = g.cast(c, DType::F32);
+        let b = bn(&mut g, w, "bn");
+        let a = g.add(b, res);
+        let r = g.relu(a);
+        let h = g.cast(r, dt);
+        let c2 = conv(&mut g, h, "c2", false, dt);
+        let c2w = g.cast(c2, DType::F32);
+        let _ = g.add(c2w, r);
+        let (_, f) = matched(g, &[]);
+        let ch = f.chains.iter().find(|c| c.bn.is_some()).unwrap();
+        assert_eq!(
+            ch.nodes,
+            vec![w.node, b.node, a.node, r.node, h.node],
+            "{dt:?}"
+        );
+        assert_eq!(ch.also, Some(h));
+        assert_eq!(ch.output(), r);
+        assert_eq!(ch.writes(), vec![r, h]);
+        assert_eq!(ch.rounds(Stage::Relu), DType::F32);
+        assert_eq!(f.role(r.node), Role::Skip);
+        assert_eq!(f.role(h.node), Role::Last(0));
+        // Without the Cast right after it, the Relu's output alone.
+        let mut g = GraphBuilder::new();
+        let x = input(&mut g, "x", dt);
+        let w = g.cast(x, DType::F32);
+        let b = bn(&mut g, w, "bn");
+        let r = g.relu(b);
+        let _ = g.add(r, w);
+        let (_, f) = matched(g, &[]);
+        let ch = f.chains.iter().find(|c| c.bn.is_some()).unwrap();
+        assert_eq!(ch.also, None, "{dt:?}");
+        assert_eq!(ch.output(), r);
+    }
+}
+
 /// Without a batch norm: a biased half convolution, a half residual Add and
 /// Relu, the bias moved into the kernel and rounded there.
 #[test]
@@ -146,7 +191,9 @@ fn half_conv_bias_add_relu_fuses() {
 }
 
 /// A second use of an intermediate stops the chain before the node that
-/// would skip it: the batch norm's f32 output read again here.
+/// would skip it: the batch norm's f32 output read again here is written,
+/// with the half cast right after it as its copy, and nothing after that
+/// joins.
 #[test]
 fn a_second_use_of_an_intermediate_stops_a_half_chain() {
     for dt in HALVES {
@@ -158,18 +205,14 @@ fn a_second_use_of_an_intermediate_stops_a_half_chain() {
         let r = g.relu(n);
         let other = g.relu(b);
         g.set_name(other, "other");
-        let (vg, f) = matched(g, &[]);
-        // Cast → BatchNorm may fuse (the batch norm's output is written);
-        // nothing after it joins.
-        for ch in &f.chains {
-            assert!(!ch.nodes.contains(&n.node), "{dt:?}: {f:?}");
-            assert!(!ch.nodes.contains(&r.node), "{dt:?}: {f:?}");
-        }
-        if let Some(ch) = f.chains.iter().find(|c| c.bn.is_some()) {
-            assert_eq!(ch.nodes, vec![w.node, b.node], "{dt:?}");
-            assert_eq!(ch.last(), b.node);
-        }
-        assert!(vg.order().contains(&other.node));
+        let (_, f) = matched(g, &[]);
+        assert_eq!(f.chains.len(), 1, "{dt:?}: {f:?}");
+        let ch = &f.chains[0];
+        assert_eq!(ch.nodes, vec![w.node, b.node, n.node], "{dt:?}");
+        assert_eq!((ch.output(), ch.also), (b, Some(n)), "{dt:?}");
+        assert_eq!(ch.rounds(Stage::Bn), DType::F32);
+        assert_eq!(f.role(r.node), Role::Plain);
+        assert_eq!(f.role(other.node), Role::Plain);
     }
 }
 

@@ -508,7 +508,8 @@ extern "C" __global__ void fused_flat(float* y, const float* x, const float* res
 
 // Fused epilogue over mixed element types (a half chain spanning casts,
 // `compile/chains/epilogue.rs`): x and bias in xdt, res in rdt, y written in
-// ydt (0 f32, 1 fp16, 2 bf16, as load_dt). After each stage the value is
+// ydt (0 f32, 1 fp16, 2 bf16, as load_dt) and, when y2 is not null, again
+// in y2dt (a narrowing Cast's copy, rounded as the cast rounds). After each stage the value is
 // rounded to the type its result has in the op-by-op graph: rd holds two
 // bits per stage (bias, batch norm, add, relu from the lowest), each a type
 // code for round_dt. Every stage computes in f32 as its unfused kernel does
@@ -578,10 +579,11 @@ __device__ __forceinline__ void fused_mixed_channel(int c, int flags, const void
     *bc0 = (flags & FUSE_BIAS) ? load_dt(bias, c, bdt) : 0.0f;
 }
 
-// Four elements of a mixed chain from element i (i % 4 == 0), one channel.
-__device__ __forceinline__ void fused_mixed4(void* y, int ydt, const void* x, int xdt, const void* res, int rdt,
-                                             long long i, int flags, int rd, float bc0, float mc, float r,
-                                             float gc, float bc) {
+// Four elements of a mixed chain from element i (i % 4 == 0), one channel;
+// y2 (when not null) gets the result again, rounded to y2dt.
+__device__ __forceinline__ void fused_mixed4(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                             const void* res, int rdt, long long i, int flags, int rd, float bc0,
+                                             float mc, float r, float gc, float bc) {
     float4 a = load4_dt(x, i, xdt);
     float4 rv;
     rv.x = rv.y = rv.z = rv.w = 0.0f;
@@ -592,16 +594,28 @@ __device__ __forceinline__ void fused_mixed4(void* y, int ydt, const void* x, in
     o.z = fused_mixed_f(a.z, flags, rd, bc0, mc, r, gc, bc, rv.z);
     o.w = fused_mixed_f(a.w, flags, rd, bc0, mc, r, gc, bc, rv.w);
     store4_dt(y, i, o, ydt);
+    if (y2) store4_dt(y2, i, o, y2dt);
+}
+
+// One element of a mixed chain: y[i] (and y2[i] when y2 is not null).
+__device__ __forceinline__ void fused_mixed1(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                             const void* res, int rdt, long long i, int flags, int rd, float bc0,
+                                             float mc, float r, float gc, float bc) {
+    float rv = (flags & FUSE_RES) ? load_dt(res, i, rdt) : 0.0f;
+    float t = fused_mixed_f(load_dt(x, i, xdt), flags, rd, bc0, mc, r, gc, bc, rv);
+    store_dt(y, i, t, ydt);
+    if (y2) store_dt(y2, i, t, y2dt);
 }
 
 // fused_planes over mixed types: one row of blocks per (n, c) plane; vec4:
-// four elements at a time (inner % 4 == 0; y, x and res 16-byte aligned;
-// the host checks). y may be x or res exactly (same type: each element is
-// read before it is written, by the same thread).
-extern "C" __global__ void fused_mixed_planes(void* y, int ydt, const void* x, int xdt, const void* res, int rdt,
-                                              const void* bias, const float* g, const float* b, const float* m,
-                                              const float* v, int C, int inner, float eps, int flags, int rd,
-                                              int vec4) {
+// four elements at a time (inner % 4 == 0; y, y2, x and res 16-byte
+// aligned; the host checks). y may be x or res exactly (same type: each
+// element is read before it is written, by the same thread). y2: the
+// result's half copy, or null.
+extern "C" __global__ void fused_mixed_planes(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                              const void* res, int rdt, const void* bias, const float* g,
+                                              const float* b, const float* m, const float* v, int C, int inner,
+                                              float eps, int flags, int rd, int vec4) {
     int p = blockIdx.y;
     int c = p % C;
     float bc0, mc, r, gc, bc;
@@ -611,37 +625,34 @@ extern "C" __global__ void fused_mixed_planes(void* y, int ydt, const void* x, i
     if (vec4) {
         int n4 = inner / 4;
         for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n4; j += step) {
-            fused_mixed4(y, ydt, x, xdt, res, rdt, base + 4LL * j, flags, rd, bc0, mc, r, gc, bc);
+            fused_mixed4(y, ydt, y2, y2dt, x, xdt, res, rdt, base + 4LL * j, flags, rd, bc0, mc, r, gc, bc);
         }
     } else {
         for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inner; j += step) {
-            long long i = base + j;
-            float rv = (flags & FUSE_RES) ? load_dt(res, i, rdt) : 0.0f;
-            store_dt(y, i, fused_mixed_f(load_dt(x, i, xdt), flags, rd, bc0, mc, r, gc, bc, rv), ydt);
+            fused_mixed1(y, ydt, y2, y2dt, x, xdt, res, rdt, base + j, flags, rd, bc0, mc, r, gc, bc);
         }
     }
 }
 
 // The same over x viewed as [outer, C, inner], one element (vec4: four,
 // inner % 4 == 0 and n % 4 == 0, pointers 16-byte aligned) per index.
-extern "C" __global__ void fused_mixed_flat(void* y, int ydt, const void* x, int xdt, const void* res, int rdt,
-                                            const void* bias, const float* g, const float* b, const float* m,
-                                            const float* v, int n, int C, int inner, float eps, int flags, int rd,
-                                            int vec4) {
+extern "C" __global__ void fused_mixed_flat(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                            const void* res, int rdt, const void* bias, const float* g,
+                                            const float* b, const float* m, const float* v, int n, int C, int inner,
+                                            float eps, int flags, int rd, int vec4) {
     float bc0, mc, r, gc, bc;
     if (vec4) {
         int n4 = n / 4;
         GRID_LOOP(j, n4) {
             int c = ((j * 4) / inner) % C;
             fused_mixed_channel(c, flags, bias, xdt, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
-            fused_mixed4(y, ydt, x, xdt, res, rdt, 4LL * j, flags, rd, bc0, mc, r, gc, bc);
+            fused_mixed4(y, ydt, y2, y2dt, x, xdt, res, rdt, 4LL * j, flags, rd, bc0, mc, r, gc, bc);
         }
     } else {
         GRID_LOOP(i, n) {
             int c = (i / inner) % C;
             fused_mixed_channel(c, flags, bias, xdt, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
-            float rv = (flags & FUSE_RES) ? load_dt(res, i, rdt) : 0.0f;
-            store_dt(y, i, fused_mixed_f(load_dt(x, i, xdt), flags, rd, bc0, mc, r, gc, bc, rv), ydt);
+            fused_mixed1(y, ydt, y2, y2dt, x, xdt, res, rdt, i, flags, rd, bc0, mc, r, gc, bc);
         }
     }
 }
