@@ -291,8 +291,10 @@ impl Matcher<'_> {
             if !self.private(cur) {
                 // Read elsewhere too: written, with its half copy when the
                 // next node makes one.
+                // (After a node of the chain: a convolution's own output is
+                // not the chain's to write.)
                 if let Some(h) = self.half_copy(next_at, cur, cur_dt, widened, &mut half) {
-                    if last.is_some() {
+                    if last.is_some() && !chain.nodes.is_empty() {
                         chain.also = Some(h);
                         chain.nodes.push(next_id);
                         found.push((chain.clone(), next_at));

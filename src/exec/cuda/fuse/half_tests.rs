@@ -166,6 +166,21 @@ fn an_f32_result_read_twice_is_written_with_its_half_copy() {
     }
 }
 
+/// A biased f32 convolution read twice, then cast: no chain (its bias add
+/// stays with it; the kernel writes no convolution's output).
+#[test]
+fn a_biased_convolution_read_twice_is_not_a_chain() {
+    let mut g = GraphBuilder::new();
+    let x = g.placeholder("x", TensorType::f32([2, 4, 6, 6]));
+    let c = conv(&mut g, x, "c", true, DType::F32);
+    let h = g.cast(c, DType::BF16);
+    let _ = g.relu(h);
+    let _ = g.add(c, x);
+    let (_, f) = matched(g, &[]);
+    assert!(f.chains.iter().all(|ch| ch.bias.is_none()), "{f:?}");
+    assert_eq!(f.role(c.node), Role::Plain);
+}
+
 /// Without a batch norm: a biased half convolution, a half residual Add and
 /// Relu, the bias moved into the kernel and rounded there.
 #[test]
