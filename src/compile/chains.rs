@@ -1,3 +1,8 @@
+//! Op chains a backend may run as one kernel, found from the graph's
+//! structure: the epilogues after a convolution or a linear layer
+//! (`epilogue.rs`: bias, batch norm, residual Add, Relu, with the casts
+//! around a batch norm in half precision) and the softmax chains below.
+//!
 //! Softmax chains: a softmax over the last axis, or its gradient, with the
 //! ops that mixed precision and attention put right around it, which the
 //! CUDA backend runs as one kernel (`exec/cuda/fuse.rs`; `softmax_mixed`,
@@ -27,6 +32,9 @@
 use std::collections::{HashMap, HashSet};
 
 use lanes_adaptor::{DType, Graph, NodeId, Op, Outlet, TensorType};
+
+mod epilogue;
+pub use epilogue::{Act, Chain, Stage};
 
 /// One softmax chain (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
@@ -93,22 +101,32 @@ impl SoftmaxChain {
 }
 
 /// For each chain, the ephemeral tensors it reads and the position of its
-/// last node: a read tensor must stay in memory until then.
+/// last node: a read tensor must stay in memory until then. The softmax
+/// chains, and the epilogue chains that span a cast (their tensors differ
+/// in size, so the last output must not land partly over what they read;
+/// an f32 chain's output may take its input's exact bytes).
 pub(crate) fn keep_alive(
     graph: &Graph,
     order: &[NodeId],
     fetchable: &HashSet<Outlet>,
 ) -> Vec<(Outlet, NodeId)> {
-    Matcher::new(graph, order, fetchable)
+    let m = Matcher::new(graph, order, fetchable);
+    let softmax = m
         .softmax_chains()
-        .iter()
-        .flat_map(|c| c.reads().into_iter().map(move |r| (r, c.last())))
-        .collect()
+        .into_iter()
+        .flat_map(|c| c.reads().into_iter().map(move |r| (r, c.last())));
+    let epilogues = m
+        .epilogues()
+        .into_iter()
+        .filter(|c| m.spans_cast(c))
+        .flat_map(|c| c.reads().into_iter().map(move |r| (r, c.last())));
+    softmax.chain(epilogues).collect()
 }
 
 /// A graph run in an order, the uses of each output and the outputs a Run
 /// may fetch: what a matcher of op chains asks (the softmax chains here,
-/// the epilogues in `exec/cuda/fuse.rs`).
+/// the epilogues in `epilogue.rs`; `exec/cuda/fuse.rs` picks those its
+/// layout allows).
 pub(crate) struct Matcher<'a> {
     pub(crate) graph: &'a Graph,
     pub(crate) order: &'a [NodeId],

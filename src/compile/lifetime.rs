@@ -7,9 +7,9 @@
 //! placeholder's from step 0: the feed is in memory before the iteration
 //! starts) to the step of its last consumer, or to step `n` when the Run
 //! fetches it. An output nobody reads still occupies its bytes at its
-//! producer's step, since the kernel writes it. What a softmax chain
-//! (`chains.rs`) reads lives to the chain's last node, where a backend may
-//! run the chain as one kernel.
+//! producer's step, since the kernel writes it. What a softmax chain or an
+//! epilogue chain spanning a cast (`chains.rs`) reads lives to the chain's
+//! last node, where a backend may run the chain as one kernel.
 //!
 //! Variables and constants are persistent: they live across iterations,
 //! outside the arena.
@@ -101,7 +101,7 @@ pub(crate) fn collect(g: &ValidGraph, fetched: &HashSet<Outlet>) -> Result<Tenso
             });
         }
     }
-    // What a fused softmax chain reads stays until the chain's kernel runs.
+    // What a fused chain reads stays until the chain's kernel runs.
     let keep = super::chains::keep_alive(graph, g.order(), fetched);
     if !keep.is_empty() {
         let at: std::collections::HashMap<Outlet, usize> = out

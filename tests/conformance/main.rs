@@ -50,6 +50,9 @@ mod softmax;
 /// What a program costs beyond its arena.
 mod overhead;
 
+/// Half epilogue chains (casts around a batch norm) as one kernel.
+mod epilogue_half;
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,

@@ -44,6 +44,8 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "batchnorm_planes",
             "fused_planes",
             "fused_flat",
+            "fused_mixed_planes",
+            "fused_mixed_flat",
             "fused_row",
             "fused_row4",
             "sgd_update",

@@ -4,7 +4,7 @@
 use lanes_adaptor::{DType, NodeId, Outlet};
 
 use super::device::{grid, warps};
-use super::fuse::{Act, Chain, Role, SoftmaxChain};
+use super::fuse::{Act, Chain, Role, SoftmaxChain, Stage};
 use super::ops::plane_rows;
 use super::program::{op_err, CudaProgram};
 use crate::exec::ExecError;
@@ -65,9 +65,9 @@ impl CudaProgram {
     }
 
     /// y = relu?(bn?(x + bias?) + residual?), or act(x + row bias), into
-    /// the last node's output.
+    /// the chain's output (and its half copy, `Chain::also`).
     fn exec_chain(&self, c: &Chain) -> Result<(), ExecError> {
-        let y = self.addr(Outlet::new(c.last(), 0));
+        let y = self.addr(c.output());
         let x = self.addr(c.x);
         let dims = self.slot(c.x).ty.shape.dims().to_vec();
         let n: usize = dims.iter().product();
@@ -122,6 +122,63 @@ impl CudaProgram {
         let planes = n / inner.max(1);
         // Every tensor holds at most i32::MAX elements (checked at load).
         let (c32, inner32, n32) = (ch as i32, inner as i32, n as i32);
+        // A chain touching a half tensor: the kernel over mixed types.
+        let ydt = self.slot(c.output()).ty.dtype;
+        let rdt = c.residual.map_or(DType::F32, |r| self.slot(r).ty.dtype);
+        let xdt = self.slot(c.x).ty.dtype;
+        let stages = [Stage::Bias, Stage::Bn, Stage::Add, Stage::Relu];
+        // The half copy of the result: written too where the chain has one.
+        let (y2, y2dt) = match c.also {
+            Some(h) => (self.addr(h), self.slot(h).ty.dtype),
+            None => (0, DType::F32),
+        };
+        let mixed = c.also.is_some()
+            || [xdt, ydt, rdt]
+                .into_iter()
+                .chain(stages.iter().map(|&s| c.rounds(s)))
+                .any(|d| d != DType::F32);
+        if mixed {
+            let node = &self.graph.graph().nodes[c.last().index()];
+            let code = |d: DType| {
+                dt_code(d).ok_or_else(|| {
+                    op_err(
+                        c.last(),
+                        node,
+                        format!("a fused chain does not read or write {d:?}"),
+                    )
+                })
+            };
+            let (xc, yc, rc, y2c) = (code(xdt)?, code(ydt)?, code(rdt)?, code(y2dt)?);
+            let aligned = aligned && y2 % 16 == 0;
+            let mut rd = 0i32;
+            for (k, &s) in stages.iter().enumerate() {
+                rd |= code(c.rounds(s))? << (2 * k);
+            }
+            if inner >= 32 && (1..=65_535).contains(&planes) {
+                let vec4 = inner % 4 == 0 && aligned;
+                let units = if vec4 { inner / 4 } else { inner };
+                let v4 = i32::from(vec4);
+                return self.k(
+                    "fused_mixed_planes",
+                    plane_rows(units, planes),
+                    &[
+                        &y, &yc, &y2, &y2c, &x, &xc, &res, &rc, &bias, &g, &b, &m, &v, &c32,
+                        &inner32, &eps, &flags, &rd, &v4,
+                    ],
+                );
+            }
+            let vec4 = inner % 4 == 0 && n % 4 == 0 && aligned;
+            let v4 = i32::from(vec4);
+            let cfg = if vec4 { grid(n / 4) } else { grid(n) };
+            return self.k(
+                "fused_mixed_flat",
+                cfg,
+                &[
+                    &y, &yc, &y2, &y2c, &x, &xc, &res, &rc, &bias, &g, &b, &m, &v, &n32, &c32,
+                    &inner32, &eps, &flags, &rd, &v4,
+                ],
+            );
+        }
         if inner >= 32 && (1..=65_535).contains(&planes) {
             let vec4 = inner % 4 == 0 && aligned;
             let units = if vec4 { inner / 4 } else { inner };
@@ -162,16 +219,14 @@ impl CudaProgram {
             return Ok(());
         }
         let code = |o: Outlet| -> Result<i32, ExecError> {
-            match self.slot(o).ty.dtype {
-                DType::F32 => Ok(0),
-                DType::F16 => Ok(1),
-                DType::BF16 => Ok(2),
-                other => Err(op_err(
+            let d = self.slot(o).ty.dtype;
+            dt_code(d).ok_or_else(|| {
+                op_err(
                     c.softmax,
                     node,
-                    format!("a fused softmax does not read or write {other:?}"),
-                )),
-            }
+                    format!("a fused softmax does not read or write {d:?}"),
+                )
+            })
         };
         // Every tensor holds at most i32::MAX elements (checked at load).
         let (rows32, d32) = (rows as i32, d as i32);
@@ -222,5 +277,16 @@ impl CudaProgram {
                 &rows32, &d32,
             ],
         )
+    }
+}
+
+/// A float type's code in the kernels' run-time typed loads and stores
+/// (`dtype.cuh`: `load_dt`, `store_dt`, `round_dt`).
+fn dt_code(d: DType) -> Option<i32> {
+    match d {
+        DType::F32 => Some(0),
+        DType::F16 => Some(1),
+        DType::BF16 => Some(2),
+        _ => None,
     }
 }

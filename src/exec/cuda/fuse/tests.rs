@@ -3,7 +3,7 @@
 use super::*;
 use crate::compile::{self, MemoryPlan};
 use lanes_adaptor::{
-    validate, Arch, Conv2dAttrs, GraphBuilder, GraphLimits, Tensor, TensorType, ValidGraph,
+    validate, Arch, Conv2dAttrs, GraphBuilder, GraphLimits, Op, Tensor, TensorType, ValidGraph,
 };
 
 /// Ranges of `plan`'s ephemeral tensors.

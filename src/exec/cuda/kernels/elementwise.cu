@@ -506,6 +506,157 @@ extern "C" __global__ void fused_flat(float* y, const float* x, const float* res
     }
 }
 
+// Fused epilogue over mixed element types (a half chain spanning casts,
+// `compile/chains/epilogue.rs`): x and bias in xdt, res in rdt, y written in
+// ydt (0 f32, 1 fp16, 2 bf16, as load_dt) and, when y2 is not null, again
+// in y2dt (a narrowing Cast's copy, rounded as the cast rounds). After each stage the value is
+// rounded to the type its result has in the op-by-op graph: rd holds two
+// bits per stage (bias, batch norm, add, relu from the lowest), each a type
+// code for round_dt. Every stage computes in f32 as its unfused kernel does
+// (channel_bias, batchnorm_infer, binary_same, unary), so the result is the
+// unfused graph's bit for bit.
+__device__ __forceinline__ float fused_mixed_f(float t, int flags, int rd, float bc0, float mc, float r,
+                                               float gc, float bc, float res) {
+    if (flags & FUSE_BIAS) t = round_dt(t + bc0, rd & 3);
+    if (flags & FUSE_BN) t = round_dt((t - mc) * r * gc + bc, (rd >> 2) & 3);
+    if (flags & FUSE_RES) t = round_dt(t + res, (rd >> 4) & 3);
+    if (flags & FUSE_RELU) t = round_dt(t > 0.0f ? t : 0.0f, (rd >> 6) & 3);
+    return t;
+}
+
+// Four consecutive elements of type dt from p at element i (i % 4 == 0; p
+// 16-byte aligned: for a 16-bit type the four are 8 aligned bytes).
+__device__ __forceinline__ float4 load4_dt(const void* p, long long i, int dt) {
+    if (dt == 0) return reinterpret_cast<const float4*>(p)[i >> 2];
+    uint2 u = reinterpret_cast<const uint2*>(p)[i >> 2];
+    unsigned short s[4] = {(unsigned short)(u.x & 0xffffu), (unsigned short)(u.x >> 16),
+                           (unsigned short)(u.y & 0xffffu), (unsigned short)(u.y >> 16)};
+    float f[4];
+    for (int k = 0; k < 4; ++k) {
+        if (dt == 1) {
+            f16 h;
+            h.bits = s[k];
+            f[k] = to_f32(h);
+        } else {
+            bf16 h;
+            h.bits = s[k];
+            f[k] = to_f32(h);
+        }
+    }
+    float4 o;
+    o.x = f[0];
+    o.y = f[1];
+    o.z = f[2];
+    o.w = f[3];
+    return o;
+}
+
+// v's four values into p at element i (i % 4 == 0; p 16-byte aligned),
+// rounded to dt as store_dt rounds.
+__device__ __forceinline__ void store4_dt(void* p, long long i, float4 v, int dt) {
+    if (dt == 0) {
+        reinterpret_cast<float4*>(p)[i >> 2] = v;
+        return;
+    }
+    float f[4] = {v.x, v.y, v.z, v.w};
+    unsigned int b[4];
+    for (int k = 0; k < 4; ++k) {
+        b[k] = dt == 1 ? (unsigned int)f32_to_f16(f[k]).bits : (unsigned int)f32_to_bf16(f[k]).bits;
+    }
+    uint2 u;
+    u.x = b[0] | (b[1] << 16);
+    u.y = b[2] | (b[3] << 16);
+    reinterpret_cast<uint2*>(p)[i >> 2] = u;
+}
+
+// Channel c's constants of a mixed chain: the bias in bdt, the batch norm's
+// f32 vectors as fused_channel reads them.
+__device__ __forceinline__ void fused_mixed_channel(int c, int flags, const void* bias, int bdt, const float* g,
+                                                    const float* b, const float* m, const float* v, float eps,
+                                                    float* bc0, float* mc, float* r, float* gc, float* bc) {
+    // The bias is not read there (its flag cleared): loaded here in its type.
+    fused_channel(c, flags & ~FUSE_BIAS, (const float*)0, g, b, m, v, eps, bc0, mc, r, gc, bc);
+    *bc0 = (flags & FUSE_BIAS) ? load_dt(bias, c, bdt) : 0.0f;
+}
+
+// Four elements of a mixed chain from element i (i % 4 == 0), one channel;
+// y2 (when not null) gets the result again, rounded to y2dt.
+__device__ __forceinline__ void fused_mixed4(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                             const void* res, int rdt, long long i, int flags, int rd, float bc0,
+                                             float mc, float r, float gc, float bc) {
+    float4 a = load4_dt(x, i, xdt);
+    float4 rv;
+    rv.x = rv.y = rv.z = rv.w = 0.0f;
+    if (flags & FUSE_RES) rv = load4_dt(res, i, rdt);
+    float4 o;
+    o.x = fused_mixed_f(a.x, flags, rd, bc0, mc, r, gc, bc, rv.x);
+    o.y = fused_mixed_f(a.y, flags, rd, bc0, mc, r, gc, bc, rv.y);
+    o.z = fused_mixed_f(a.z, flags, rd, bc0, mc, r, gc, bc, rv.z);
+    o.w = fused_mixed_f(a.w, flags, rd, bc0, mc, r, gc, bc, rv.w);
+    store4_dt(y, i, o, ydt);
+    if (y2) store4_dt(y2, i, o, y2dt);
+}
+
+// One element of a mixed chain: y[i] (and y2[i] when y2 is not null).
+__device__ __forceinline__ void fused_mixed1(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                             const void* res, int rdt, long long i, int flags, int rd, float bc0,
+                                             float mc, float r, float gc, float bc) {
+    float rv = (flags & FUSE_RES) ? load_dt(res, i, rdt) : 0.0f;
+    float t = fused_mixed_f(load_dt(x, i, xdt), flags, rd, bc0, mc, r, gc, bc, rv);
+    store_dt(y, i, t, ydt);
+    if (y2) store_dt(y2, i, t, y2dt);
+}
+
+// fused_planes over mixed types: one row of blocks per (n, c) plane; vec4:
+// four elements at a time (inner % 4 == 0; y, y2, x and res 16-byte
+// aligned; the host checks). y may be x or res exactly (same type: each
+// element is read before it is written, by the same thread). y2: the
+// result's half copy, or null.
+extern "C" __global__ void fused_mixed_planes(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                              const void* res, int rdt, const void* bias, const float* g,
+                                              const float* b, const float* m, const float* v, int C, int inner,
+                                              float eps, int flags, int rd, int vec4) {
+    int p = blockIdx.y;
+    int c = p % C;
+    float bc0, mc, r, gc, bc;
+    fused_mixed_channel(c, flags, bias, xdt, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
+    long long base = (long long)p * inner;
+    int step = blockDim.x * gridDim.x;
+    if (vec4) {
+        int n4 = inner / 4;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n4; j += step) {
+            fused_mixed4(y, ydt, y2, y2dt, x, xdt, res, rdt, base + 4LL * j, flags, rd, bc0, mc, r, gc, bc);
+        }
+    } else {
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < inner; j += step) {
+            fused_mixed1(y, ydt, y2, y2dt, x, xdt, res, rdt, base + j, flags, rd, bc0, mc, r, gc, bc);
+        }
+    }
+}
+
+// The same over x viewed as [outer, C, inner], one element (vec4: four,
+// inner % 4 == 0 and n % 4 == 0, pointers 16-byte aligned) per index.
+extern "C" __global__ void fused_mixed_flat(void* y, int ydt, void* y2, int y2dt, const void* x, int xdt,
+                                            const void* res, int rdt, const void* bias, const float* g,
+                                            const float* b, const float* m, const float* v, int n, int C, int inner,
+                                            float eps, int flags, int rd, int vec4) {
+    float bc0, mc, r, gc, bc;
+    if (vec4) {
+        int n4 = n / 4;
+        GRID_LOOP(j, n4) {
+            int c = ((j * 4) / inner) % C;
+            fused_mixed_channel(c, flags, bias, xdt, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
+            fused_mixed4(y, ydt, y2, y2dt, x, xdt, res, rdt, 4LL * j, flags, rd, bc0, mc, r, gc, bc);
+        }
+    } else {
+        GRID_LOOP(i, n) {
+            int c = (i / inner) % C;
+            fused_mixed_channel(c, flags, bias, xdt, g, b, m, v, eps, &bc0, &mc, &r, &gc, &bc);
+            fused_mixed1(y, ydt, y2, y2dt, x, xdt, res, rdt, i, flags, rd, bc0, mc, r, gc, bc);
+        }
+    }
+}
+
 // Fused bias + activation (see `fuse.rs`): y = act(x[i] + bias[i % len]),
 // binary_row's add then unary's activation (op 0 relu, 1 gelu). y may be x
 // exactly.
