@@ -13,6 +13,8 @@
 //! LANES_PARITY_DIR=DIR cargo test --release --test fusion_parity -- --ignored --nocapture
 //! ```
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::{BTreeMap, HashSet};
 
 use lanes::compile;

@@ -277,6 +277,7 @@ fn drop_dead(nodes: Vec<Node>, outputs: &HashSet<String>) -> (Graph, usize) {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use crate::graph::GraphBuilder;
