@@ -19,6 +19,7 @@ the lanes package:
     lanes serve --device cuda --endpoint tcp://127.0.0.1:5555 &
     python3 benches/python_client.py --endpoint tcp://127.0.0.1:5555 [--runs 50] [--no-tf32]
     # lowest latency: `lanes serve --busy-poll 10 ...` and --busy-poll 10 here
+    # the client's wait as before the adaptive default: --no-adaptive-wait
 """
 import argparse
 import json
@@ -205,6 +206,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--busy-poll", type=float, default=0.0, metavar="MS",
                     help="the client spins this long for each reply (start the service with --busy-poll too)")
+    ap.add_argument("--no-adaptive-wait", action="store_true",
+                    help="the client sleeps through every wait (without --busy-poll it otherwise polls "
+                         "the reply slot for a bounded window around the expected reply)")
     ap.add_argument("--keep", metavar="DIR",
                     help="write the exported .onnx files here, with their inputs and PyTorch's FP32 "
                          "outputs (CPU) as .npy for `lanes import --check DIR` (default: a temporary folder)")
@@ -232,7 +236,9 @@ def main(argv=None):
         "models": {},
     }
     result["busy_poll_ms"] = args.busy_poll
-    with lanes.Client(args.endpoint, timeout=600.0, busy_poll=args.busy_poll / 1000.0) as client:
+    result["adaptive_wait"] = not args.no_adaptive_wait
+    with lanes.Client(args.endpoint, timeout=600.0, busy_poll=args.busy_poll / 1000.0,
+                      adaptive_wait=not args.no_adaptive_wait) as client:
         result["service"] = {k: v for k, v in client.status().items() if not isinstance(v, list)}
         with tempfile.TemporaryDirectory() as scratch:
             tmp = args.keep or scratch

@@ -31,6 +31,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod wait;
+
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -161,22 +163,26 @@ pub struct ClientOptions {
     /// Busy polling: wait for each reply this long by polling the socket
     /// without sleeping before blocking on it (a core is busy meanwhile;
     /// a reply that arrives then is taken tens of microseconds sooner).
-    /// Zero, the default, blocks at once. A Run from feed buffers whose
-    /// last Run took longer than this window (a training step, say) first
-    /// sleeps until [`SPIN_FROM`] of that time has passed and polls from
-    /// there, so that the window covers the reply's arrival.
+    /// Zero, the default, leaves the wait to [`ClientOptions::adaptive_wait`].
+    /// A Run from feed buffers whose last Run took longer than this window
+    /// (a training step, say) first sleeps until [`SPIN_FROM`] of that time
+    /// has passed and polls from there, so that the window covers the
+    /// reply's arrival.
     pub busy_poll: Duration,
+    /// Without `busy_poll`: a Run from feed buffers sleeps until shortly
+    /// before its reply is expected (from the buffers' recent Runs), polls
+    /// the reply slot for a bounded window around then (a quarter of the
+    /// expected time, 0.1 to 0.5 ms), and sleeps again after (see
+    /// [`wait`]). On by default; off, every wait sleeps until its reply.
+    /// Other requests always sleep.
+    pub adaptive_wait: bool,
     /// While busy polling, also leave each Run from feed buffers in their
     /// doorbell (see [`crate::wire::shm::Doorbell`]), where a service that
     /// polls takes it without waiting for the socket. On by default.
     pub doorbell: bool,
 }
 
-/// Where, as a fraction of the last Run's round trip, a busy-polling wait
-/// for a longer Run from the same feed buffers starts to spin (it sleeps on
-/// the socket before): early enough for the step-to-step jitter of a GPU
-/// iteration (about 1 %) and a sleeping thread's wake-up.
-pub const SPIN_FROM: f64 = 0.9;
+pub use wait::SPIN_FROM;
 
 /// The environment variable naming the key file a client uses when its
 /// options give no key.
@@ -192,6 +198,7 @@ impl Default for ClientOptions {
             shared_memory: true,
             auth_key: None,
             busy_poll: Duration::ZERO,
+            adaptive_wait: true,
             doorbell: true,
         }
     }
@@ -931,7 +938,7 @@ impl Client {
             slot,
             bell,
             wanted: None,
-            last_round_trip: None,
+            trips: wait::RoundTrips::default(),
         })
     }
 
@@ -977,34 +984,27 @@ impl Client {
         };
         // Its socket reply, when taken while polling the slot.
         let mut socket_reply = None;
-        let busy = self.options.busy_poll;
         let deadline = sent.sent + self.options.timeout;
-        if !busy.is_zero() && !self.early.contains_key(&sent.id) {
-            // A Run longer than the window: sleep on the socket until
-            // shortly before its reply is due.
-            if let Some(last) = buffers.last_round_trip.filter(|&t| t > busy) {
-                let wake = (sent.sent + last.mul_f64(SPIN_FROM)).min(deadline);
-                loop {
-                    let left = wake.saturating_duration_since(Instant::now());
-                    let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
-                    if ms == 0 || self.conn.socket.poll(zmq::POLLIN, ms)? == 0 {
-                        break;
-                    }
-                    if let Some(r) = self.take_reply(sent, None)? {
-                        socket_reply = Some(r);
-                        break;
-                    }
-                }
-            }
+        let how = wait::plan(
+            self.options.busy_poll,
+            self.options.adaptive_wait,
+            &buffers.trips,
+        );
+        // With other requests under way their replies come first: sleep.
+        let spin = how.spins() && !self.early.contains_key(&sent.id);
+        if spin && !how.spin_from.is_zero() {
+            // Sleep on the socket until shortly before the reply is due.
+            let wake = (sent.sent + how.spin_from).min(deadline);
+            socket_reply = self.sleep_until(sent, wake)?;
         }
-        if socket_reply.is_none() && !busy.is_zero() && !self.early.contains_key(&sent.id) {
-            let until = (Instant::now() + busy).min(deadline);
+        if socket_reply.is_none() && spin {
+            let until = (Instant::now() + how.spin).min(deadline);
             loop {
                 match read(buffers)? {
                     SlotRead::Here(outputs) if outputs.len() == fetches => {
                         // Its socket reply, when it comes, is dropped.
                         self.ahead.remove(&sent.id);
-                        buffers.last_round_trip = Some(sent.sent.elapsed());
+                        buffers.trips.record(sent.sent.elapsed());
                         return Ok(outputs);
                     }
                     SlotRead::Here(_) | SlotRead::OnSocket { .. } => break,
@@ -1033,7 +1033,7 @@ impl Client {
             Reply::RunDone { outputs } => outputs,
             other => return Err(unexpected("run", &other)),
         };
-        buffers.last_round_trip = Some(sent.sent.elapsed());
+        buffers.trips.record(sent.sent.elapsed());
         // Read after the reply (also to learn whether the slot was too
         // small): what the service wrote before replying is visible.
         match read(buffers) {
@@ -1046,6 +1046,34 @@ impl Client {
                     outputs.len()
                 ),
             }),
+        }
+    }
+
+    /// Sleeps until `wake` on the socket, taking (and dropping) the
+    /// replies of earlier Runs that arrive meanwhile: `Some` with `sent`'s
+    /// reply if it came. ZeroMQ's poll counts milliseconds; the rest, under
+    /// one, is a plain sleep (a reply then waits for its end, which comes
+    /// before the reply is expected).
+    fn sleep_until(
+        &mut self,
+        sent: &Sent,
+        wake: Instant,
+    ) -> Result<Option<Result<Reply, ClientError>>, ClientError> {
+        loop {
+            let left = wake.saturating_duration_since(Instant::now());
+            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX);
+            if ms == 0 {
+                if !left.is_zero() {
+                    std::thread::sleep(left);
+                }
+                return Ok(None);
+            }
+            if self.conn.socket.poll(zmq::POLLIN, ms)? == 0 {
+                continue;
+            }
+            if let Some(r) = self.take_reply(sent, None)? {
+                return Ok(Some(r));
+            }
         }
     }
 
@@ -1446,10 +1474,9 @@ pub struct FeedBuffers {
     bell: Option<(usize, usize)>,
     /// The slot's bytes a Run's outputs needed, when they did not fit.
     wanted: Option<usize>,
-    /// How long the last Run from these buffers took, send to outputs:
-    /// where that is longer than the busy-poll window, the next wait sleeps
-    /// until shortly before then and spins from there.
-    last_round_trip: Option<Duration>,
+    /// How long the last Runs from these buffers took, send to outputs:
+    /// what the next wait expects (see [`wait::plan`]).
+    trips: wait::RoundTrips,
 }
 
 impl std::fmt::Debug for FeedBuffers {

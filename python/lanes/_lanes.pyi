@@ -139,6 +139,7 @@ class Client:
         name: Optional[str] = None,
         shared_memory: bool = True,
         busy_poll: float = 0.0,
+        adaptive_wait: bool = True,
     ) -> None: ...
     @staticmethod
     def connect_best(

@@ -54,7 +54,7 @@ pub struct Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, connect_timeout=5.0, name=None, shared_memory=true, busy_poll=0.0))]
+    #[pyo3(signature = (endpoint="tcp://127.0.0.1:5555", *, timeout=300.0, connect_timeout=5.0, name=None, shared_memory=true, busy_poll=0.0, adaptive_wait=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -64,6 +64,7 @@ impl Client {
         name: Option<String>,
         shared_memory: bool,
         busy_poll: f64,
+        adaptive_wait: bool,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(
@@ -86,6 +87,7 @@ impl Client {
             name: name.unwrap_or_else(|| format!("python/{}", env!("CARGO_PKG_VERSION"))),
             shared_memory,
             busy_poll: Duration::from_secs_f64(busy_poll),
+            adaptive_wait,
             ..ClientOptions::default()
         };
         let ep = endpoint.to_string();

@@ -114,7 +114,8 @@ def test_outputs_larger_than_the_reply_slot(endpoint):
     """Outputs larger than the feed buffers' 1 MiB reply slot come through
     the socket once; the buffers are then made again with a slot that holds
     them. Every `run` gives the answer a client without shared memory gets,
-    with and without busy polling."""
+    with busy polling, with the adaptive wait (the default) and sleeping
+    throughout."""
     # 512 x 1024 float32 outputs: 2 MiB.
     shape = dict(batch=512, inputs=16, hidden=[32], classes=1024)
     x = np.random.default_rng(3).standard_normal((512, 16), dtype=np.float32)
@@ -123,8 +124,8 @@ def test_outputs_larger_than_the_reply_slot(endpoint):
             s.load_zoo("mlp", seed=5, **shape)
             name = s.inputs[0][0]
             want = s.run({name: x})
-    for busy in (0.0, 0.05):
-        with lanes.Client(endpoint, busy_poll=busy) as c:
+    for busy, adaptive in ((0.0, True), (0.0, False), (0.05, True)):
+        with lanes.Client(endpoint, busy_poll=busy, adaptive_wait=adaptive) as c:
             with c.session("large-outputs") as s:
                 s.load_zoo("mlp", seed=5, **shape)
                 for i in range(4):
@@ -132,4 +133,4 @@ def test_outputs_larger_than_the_reply_slot(endpoint):
                     assert got.keys() == want.keys()
                     for k, v in want.items():
                         assert v.nbytes > 1 << 20
-                        np.testing.assert_array_equal(got[k], v, err_msg=f"run {i}, busy {busy}")
+                        np.testing.assert_array_equal(got[k], v, err_msg=f"run {i}, busy {busy}, adaptive {adaptive}")

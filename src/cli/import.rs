@@ -139,6 +139,11 @@ fn summary(path: &Path, batch: usize, m: &OnnxModel) -> Result<()> {
         "ONNX nodes: {} ({} folded at import)",
         m.onnx_nodes, m.folded
     );
+    let c = m.simplified;
+    println!(
+        "simplified: {} repeated nodes merged, {} scaled products, {} dead nodes dropped",
+        c.merged, c.scales, c.dead
+    );
     println!("inputs:");
     for (n, t) in &m.inputs {
         println!("  {n}  {t}");

@@ -14,14 +14,18 @@
 //!
 //! Forward, in execution order: `[Scale] [Add mask] [Cast f32] Softmax
 //! [Cast half]` (attention scores: scaled, masked, widened for the softmax,
-//! its probabilities narrowed again for the next product). Gradient:
+//! its probabilities narrowed again for the next product), or, in f32,
+//! `… Softmax IsNan Where(isnan, 0, y)` (PyTorch's scaled-dot-product
+//! attention as exported to ONNX: a row masked throughout gives zeros, not
+//! NaNs; the kernel writes the Where's output, each NaN replaced by 0). Gradient:
 //! `[Cast f32] SoftmaxGrad [Cast half] [Scale]`. The kernel reads the first
 //! op's input in its own dtype and writes the last op's output (and the
 //! softmax's f32 output when something else reads it); the ops between
 //! launch nothing. Each op's arithmetic and rounding stay as the unfused
 //! kernels do them, so fusing changes no result.
 //!
-//! A chain fuses only when its nodes run at consecutive positions, every
+//! A chain fuses only when its nodes run at consecutive positions (but for
+//! constants between the NaN cleanup's nodes, which launch nothing), every
 //! intermediate it no longer writes has exactly one use (the chain's next
 //! node) and is not fetchable, the softmax is over the last axis of a
 //! tensor of rank ≤ 4, the mask broadcasts over leading axes only, and
@@ -61,6 +65,9 @@ pub struct SoftmaxChain {
     pub half: Option<Outlet>,
     /// Gradient: the Scale after it (and its Cast).
     pub post_scale: Option<f32>,
+    /// Forward, f32: the output of `Where(IsNan(y), 0, y)` after the
+    /// softmax, which the kernel writes (NaNs as 0) instead of y.
+    pub nan_zero: Option<Outlet>,
     /// Every node of the chain in order; the kernel runs at the last one's
     /// position.
     pub nodes: Vec<NodeId>,
@@ -96,6 +103,7 @@ impl SoftmaxChain {
             w.push(Outlet::new(self.softmax, 0));
         }
         w.extend(self.half);
+        w.extend(self.nan_zero);
         w
     }
 }
@@ -232,6 +240,7 @@ impl<'a> Matcher<'a> {
             own: true,
             half: None,
             post_scale: None,
+            nan_zero: None,
             nodes: Vec::new(),
         };
         if grad {
@@ -296,6 +305,10 @@ impl<'a> Matcher<'a> {
                 after.push(h.node);
                 chain.half = Some(h);
                 chain.own = !self.private(out);
+            } else if let Some((isnan, w)) = self.nan_cleanup(pos, out, dims) {
+                after.extend([isnan, w.node]);
+                chain.nan_zero = Some(w);
+                chain.own = false;
             }
         }
         if before.is_empty() && after.is_empty() {
@@ -309,6 +322,47 @@ impl<'a> Matcher<'a> {
             return None;
         }
         Some(chain)
+    }
+
+    /// The first node after position `pos` that is not a constant (which
+    /// launches nothing and lives outside the arena), and its position.
+    fn next_op(&self, pos: usize) -> Option<(usize, NodeId)> {
+        (pos + 1..self.order.len())
+            .map(|p| (p, self.order[p]))
+            .find(|(_, id)| !matches!(self.graph.nodes[id.index()].op, Op::Constant(_)))
+    }
+
+    /// `IsNan(y)` and `Where(it, 0, y)` right after the softmax at `pos`
+    /// (constants aside), `y` its output (of `dims`) read by those two alone
+    /// and not fetchable, the IsNan's output private, the 0 a one-element
+    /// f32 constant (+0.0): the IsNan node and the Where's output.
+    fn nan_cleanup(&self, pos: usize, y: Outlet, dims: &[usize]) -> Option<(NodeId, Outlet)> {
+        if self.uses.get(&y).copied() != Some(2) || self.fetchable.contains(&y) {
+            return None;
+        }
+        let (npos, nid) = self.next_op(pos)?;
+        let n = &self.graph.nodes[nid.index()];
+        if !matches!(n.op, Op::IsNan) || n.inputs.as_slice() != [y] {
+            return None;
+        }
+        let isnan = Outlet::new(nid, 0);
+        let (_, wid) = self.next_op(npos)?;
+        let w = &self.graph.nodes[wid.index()];
+        let (Op::Where, &[c, zero, v]) = (&w.op, w.inputs.as_slice()) else {
+            return None;
+        };
+        if c != isnan || v != y || !self.private(isnan) {
+            return None;
+        }
+        let is_zero = match &self.graph.nodes.get(zero.node.index())?.op {
+            Op::Constant(t) if t.dtype() == DType::F32 && t.numel() == 1 => {
+                t.f32s().ok()?.first().map(|v| v.to_bits()) == Some(0)
+            }
+            _ => false,
+        };
+        let out = Outlet::new(wid, 0);
+        let ty = self.ty(out)?;
+        (is_zero && ty.dtype == DType::F32 && ty.shape.dims() == dims).then_some((nid, out))
     }
 
     /// The Add at `pos` producing `sum` (of `dims`, f32 or half): the

@@ -217,3 +217,121 @@ fn softmax_chains_change_no_result() {
         println!("ok {what}");
     }
 }
+
+/// PyTorch's scaled-dot-product attention as exported to ONNX: scores
+/// scaled and masked (-∞, a row of the first batch element masked
+/// throughout), softmax in f32, then `Where(IsNan(p), 0, p)`, · v. Fetches
+/// the cleaned probabilities and the product.
+fn sdpa_nan_cleanup() -> (lanes_adaptor::Graph, Vec<String>, BTreeMap<String, Tensor>) {
+    let (b, h, s, d) = (2, 3, 40, 16);
+    let mut g = GraphBuilder::new();
+    let q = g.placeholder("q", TensorType::f32([b, h, s, d]));
+    let k = g.placeholder("k", TensorType::f32([b, h, s, d]));
+    let v = g.placeholder("v", TensorType::f32([b, h, s, d]));
+    let m = g.placeholder("mask", TensorType::f32([b, 1, s, s]));
+    let x = g.matmul_t(q, k, false, true);
+    let x = g.scale(x, 0.25);
+    let x = g.add(x, m);
+    let p = g.softmax(x, 3);
+    let n = g.op(Op::IsNan, &[p])[0];
+    let zero = g.constant(Tensor::from_f32([1], vec![0.0]).unwrap());
+    let c = g.op(Op::Where, &[n, zero, p])[0];
+    g.set_name(c, "probs");
+    let o = g.matmul(c, v);
+    g.set_name(o, "o");
+    let (graph, _) = g.finish().unwrap();
+    let mut rng = StdRng::seed_from_u64(43);
+    let mut f = feeds(&mut rng, false);
+    f.remove("dp");
+    let mut mask = Vec::with_capacity(b * s * s);
+    for bi in 0..b {
+        for i in 0..s {
+            for j in 0..s {
+                mask.push(if (bi == 0 && i == 3) || j > i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                });
+            }
+        }
+    }
+    f.insert(
+        "mask".into(),
+        Tensor::from_f32(vec![b, 1, s, s], mask).unwrap(),
+    );
+    (graph, vec!["probs".into(), "o".into()], f)
+}
+
+/// Without a GPU: the NaN cleanup after a softmax joins its chain (which
+/// then writes the Where's output), unless the softmax's output is
+/// fetched.
+#[test]
+fn softmax_chains_take_in_the_nan_cleanup() {
+    let (graph, fetches, _) = sdpa_nan_cleanup();
+    let vg = validate(graph, &GraphLimits::default()).unwrap();
+    let f = matched_on_plan(&vg, &fetches);
+    assert_eq!(f.softmax.len(), 1, "{:?}", f.softmax);
+    let c = &f.softmax[0];
+    let probs = vg.graph().resolve("probs").unwrap();
+    assert_eq!(c.nan_zero, Some(probs), "{c:?}");
+    assert!(!c.own && c.half.is_none() && c.scale == Some(0.25) && c.mask.is_some());
+    assert_eq!(c.last(), probs.node);
+    // Scale, Add, Softmax, IsNan before the Where launch nothing.
+    assert_eq!(f.skipped(), 4);
+
+    let softmax = vg
+        .graph()
+        .nodes
+        .iter()
+        .position(|n| matches!(n.op, Op::Softmax { .. }))
+        .unwrap();
+    let mut more = fetches.clone();
+    more.push(vg.graph().nodes[softmax].name.clone());
+    let f = matched_on_plan(&vg, &more);
+    assert!(
+        f.softmax.iter().all(|c| c.nan_zero.is_none()),
+        "{:?}",
+        f.softmax
+    );
+}
+
+/// On the GPU: with the cleanup fused, a row masked throughout comes out
+/// as zeros, bit for bit as the unfused kernels give it, and the rest
+/// within f32 tolerance of the CPU's.
+#[test]
+#[ignore = "needs a GPU"]
+fn softmax_nan_cleanup_changes_no_result() {
+    let (graph, fetches, f) = sdpa_nan_cleanup();
+    let vg = validate(graph, &GraphLimits::default()).unwrap();
+    let opts = |fuse: bool| CudaOptions {
+        conv_tf32: false,
+        matmul_tf32: false,
+        cuda_graph: true,
+        urgency: 0,
+        fuse,
+        cudnn_batch_norm: true,
+    };
+    let vars = VarValues::new();
+    let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), opts(true)).unwrap();
+    let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), opts(false)).unwrap();
+    let mut cpu = CpuProgram::new(vg, vars).unwrap();
+    let want = cpu.run(&f, &fetches).unwrap();
+    let tol = Tol {
+        rtol: 1e-4,
+        atol: 1e-5,
+    };
+    for it in 0..3 {
+        let a = fused.run(&f, &fetches).unwrap();
+        let b = plain.run(&f, &fetches).unwrap();
+        for ((x, y), key) in a.iter().zip(&b).zip(&fetches) {
+            assert_eq!(x, y, "iteration {it}: {key} fused differs from unfused");
+        }
+        for ((c, g), key) in want.iter().zip(&a).zip(&fetches) {
+            compare(&format!("iteration {it}: {key}"), c, g, tol).unwrap();
+        }
+        // Batch 0, head 0, row 3: masked throughout, zeros.
+        let p = a[0].f32s().unwrap();
+        assert!(p[3 * 40..4 * 40].iter().all(|&v| v.to_bits() == 0));
+    }
+    assert_eq!(fused.fused_chains().0, 1);
+}

@@ -12,6 +12,9 @@
 //!   one `gelu` (`fuse.rs`).
 //! - The rest is lowered to Lanes ops (`lower.rs`). Booleans computed at run
 //!   time travel as 0/1 f32 masks.
+//! - The graph is then put in canonical forms (`canon.rs`): repeated
+//!   subexpressions merged, scaled attention products written as the zoo
+//!   writes them, dead nodes dropped.
 //! - Anything else is an [`OnnxError`] naming the node and the op: a file
 //!   that does not decode, an op or attribute the importer does not handle,
 //!   an inconsistent graph. Nothing in a file can make the importer panic.
@@ -21,6 +24,7 @@
 //! `onnx` package); `adaptor/proto/gen` regenerates them.
 
 mod attrs;
+pub mod canon;
 mod fold;
 mod fuse;
 mod lower;
@@ -88,6 +92,8 @@ pub struct OnnxModel {
     pub onnx_nodes: usize,
     /// ONNX nodes evaluated at import (constant folding).
     pub folded: usize,
+    /// What the canonical forms after import changed ([`canon`]).
+    pub simplified: canon::Simplified,
 }
 
 /// Why a model could not be imported.
@@ -365,6 +371,8 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
         outputs.push((name, ty));
     }
     let (graph_out, vars) = imp.g.finish()?;
+    let fetched = outputs.iter().map(|(n, _)| n.clone()).collect();
+    let (graph_out, simplified) = canon::simplify(graph_out, &fetched);
     let producer = format!(
         "{} {}",
         model.producer_name.clone().unwrap_or_default(),
@@ -381,6 +389,7 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<OnnxModel, OnnxError
         producer,
         onnx_nodes: graph.node.len(),
         folded,
+        simplified,
     })
 }
 

@@ -230,8 +230,11 @@ impl CudaProgram {
         };
         // Every tensor holds at most i32::MAX elements (checked at load).
         let (rows32, d32) = (rows as i32, d as i32);
+        // The softmax's own f32 output, or the NaN cleanup's after it.
         let own = if c.own {
             self.addr(Outlet::new(c.softmax, 0))
+        } else if let Some(w) = c.nan_zero {
+            self.addr(w)
         } else {
             0
         };
@@ -269,12 +272,13 @@ impl CudaProgram {
         };
         let has_scale = i32::from(c.scale.is_some());
         let scale = c.scale.unwrap_or(1.0);
+        let nan_zero = i32::from(c.nan_zero.is_some());
         self.k(
             "softmax_mixed",
             warps(rows),
             &[
                 &own, &half, &hdt, &x, &xdt, &mask, &has_scale, &scale, &l1, &l2, &m0, &m1, &m2,
-                &rows32, &d32,
+                &rows32, &d32, &nan_zero,
             ],
         )
     }

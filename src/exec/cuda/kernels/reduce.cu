@@ -234,10 +234,12 @@ __device__ __forceinline__ float smx_in(const void* x, int xdt, const void* mask
 // l0 x l1 x l2, the last fastest, times the mask's row strides m0..m2),
 // then widened to f32 (the Cast: exact). The f32 result goes to y32 when
 // it is non-null and, rounded, to yh of type hdt (the Cast after it) when
-// that is non-null. Every step is the unfused ops' arithmetic.
+// that is non-null; with nan_zero, y32 is the output of Where(IsNan(y), 0,
+// y) after it and every NaN is written as 0. Every step is the unfused ops'
+// arithmetic.
 extern "C" __global__ void softmax_mixed(float* y32, void* yh, int hdt, const void* x, int xdt, const void* mask,
                                          int has_scale, float scale, int l1, int l2, int m0, int m1, int m2,
-                                         int rows, int D) {
+                                         int rows, int D, int nan_zero) {
     int q = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (q >= rows) return;
@@ -257,6 +259,7 @@ extern "C" __global__ void softmax_mixed(float* y32, void* yh, int hdt, const vo
     float inv = 1.0f / s;
     for (int j = lane; j < D; j += 32) {
         float v = expf(smx_in(x, xdt, mask, b, mb, j, has_scale, scale) - mx) * inv;
+        if (nan_zero && isnan(v)) v = 0.0f;
         if (y32) y32[b + j] = v;
         if (yh) store_dt(yh, b + j, v, hdt);
     }
