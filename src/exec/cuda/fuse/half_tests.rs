@@ -2,35 +2,15 @@
 //! chain spanning casts takes in fp16 and bf16, how each stage rounds, and
 //! what it must refuse.
 
+use super::tests::{matched, ranges};
 use super::*;
-use crate::compile::{self, MemoryPlan};
+use crate::compile;
 use lanes_adaptor::{
     amp, validate, Arch, Conv2dAttrs, DType, GraphBuilder, GraphLimits, Op, Precision, Tensor,
     TensorData, TensorType, ValidGraph,
 };
 
 const HALVES: [DType; 2] = [DType::F16, DType::BF16];
-
-fn ranges(plan: &MemoryPlan) -> impl Fn(Outlet) -> Option<(usize, usize)> + '_ {
-    move |o| {
-        plan.slot(o)
-            .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
-    }
-}
-
-/// Validates `g`, plans it for its sinks plus `fetch`, and matches on the
-/// plan's layout.
-fn matched(g: GraphBuilder, fetch: &[&str]) -> (ValidGraph, Fusion) {
-    let (graph, _) = g.finish().unwrap();
-    let vg = validate(graph, &GraphLimits::default()).unwrap();
-    let mut fetchable = compile::sinks(&vg);
-    for k in fetch {
-        fetchable.insert(vg.graph().resolve(k).unwrap());
-    }
-    let plan = compile::plan_outlets(&vg, fetchable.clone(), Default::default()).unwrap();
-    let f = find_chains(vg.graph(), vg.order(), &fetchable, &ranges(&plan));
-    (vg, f)
-}
 
 fn var(g: &mut GraphBuilder, name: &str, dims: &[usize], v: f32, dt: DType) -> Outlet {
     let n: usize = dims.iter().product();

@@ -7,7 +7,7 @@ use lanes_adaptor::{
 };
 
 /// Ranges of `plan`'s ephemeral tensors.
-fn ranges(plan: &MemoryPlan) -> impl Fn(Outlet) -> Option<(usize, usize)> + '_ {
+pub(super) fn ranges(plan: &MemoryPlan) -> impl Fn(Outlet) -> Option<(usize, usize)> + '_ {
     move |o| {
         plan.slot(o)
             .map(|s| (s.offset as usize, (s.offset + s.bytes) as usize))
@@ -15,7 +15,7 @@ fn ranges(plan: &MemoryPlan) -> impl Fn(Outlet) -> Option<(usize, usize)> + '_ {
 }
 
 /// Validates `g`, plans it for its sinks plus `fetch`, and matches.
-fn matched(g: GraphBuilder, fetch: &[&str]) -> (ValidGraph, Fusion) {
+pub(super) fn matched(g: GraphBuilder, fetch: &[&str]) -> (ValidGraph, Fusion) {
     let (graph, _) = g.finish().unwrap();
     let vg = validate(graph, &GraphLimits::default()).unwrap();
     let mut fetchable = compile::sinks(&vg);
