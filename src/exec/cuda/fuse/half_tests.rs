@@ -7,7 +7,7 @@ use super::*;
 use crate::compile;
 use lanes_adaptor::{
     amp, validate, Arch, Conv2dAttrs, DType, GraphBuilder, GraphLimits, Op, Precision, Tensor,
-    TensorData, TensorType, ValidGraph,
+    TensorData, TensorType,
 };
 
 const HALVES: [DType; 2] = [DType::F16, DType::BF16];
