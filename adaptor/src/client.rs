@@ -1005,6 +1005,7 @@ impl Client {
                         // Its socket reply, when it comes, is dropped.
                         self.ahead.remove(&sent.id);
                         buffers.trips.record(sent.sent.elapsed());
+                        self.drain_replies(sent);
                         return Ok(outputs);
                     }
                     SlotRead::Here(_) | SlotRead::OnSocket { .. } => break,
@@ -1046,6 +1047,21 @@ impl Client {
                     outputs.len()
                 ),
             }),
+        }
+    }
+
+    /// Takes the replies already on the socket without waiting: earlier
+    /// Runs' that their reply slots answered (dropped; their shared areas
+    /// released) and those of Runs submitted ahead (kept for their waits).
+    /// A client whose Runs are all answered from their slots would never
+    /// read the socket otherwise: its queue fills, and the service drops
+    /// the replies after it (`a client does not read its replies`), among
+    /// them one a later wait needs.
+    fn drain_replies(&mut self, sent: &Sent) {
+        while matches!(self.conn.socket.poll(zmq::POLLIN, 0), Ok(n) if n > 0) {
+            if self.take_reply(sent, None).is_err() {
+                break;
+            }
         }
     }
 
