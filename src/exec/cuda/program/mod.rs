@@ -162,8 +162,6 @@ struct Residency {
     profile: Option<Profile>,
     /// Measured host → device bandwidth (bytes/s) and per-copy overhead (s).
     link: Option<(f64, f64)>,
-    /// This program measured the link (no other of its size class had).
-    link_measured: bool,
     /// Iterations launched so far (the first warms up, the second is profiled).
     iterations: u64,
     /// GPU time of one replay of the recorded iteration, seconds: the
@@ -358,7 +356,6 @@ impl CudaProgram {
                 dirty: true,
                 profile: None,
                 link: None,
-                link_measured: false,
                 iterations: 0,
                 graph_secs: None,
                 segments: std::collections::HashMap::new(),

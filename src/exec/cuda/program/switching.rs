@@ -4,6 +4,14 @@
 use super::*;
 use crate::exec::StandbyTimes;
 
+/// What bringing the host image up to date did.
+pub(super) struct Refreshed {
+    /// Bytes copied from the device.
+    pub copied: u64,
+    /// This call measured the link (no program of its size class had).
+    pub link_measured: bool,
+}
+
 /// `LANES_ARENA_FILL`: `zero` or `poison` (0xFF bytes: NaN) fills the
 /// ephemeral part of an arena allocated by a switch; unset leaves it as is.
 pub(super) fn arena_fill() -> Option<u8> {
@@ -104,7 +112,7 @@ impl CudaProgram {
             return Ok(0);
         }
         let t0 = std::time::Instant::now();
-        let copied = self.refresh_host_image()?;
+        let copied = self.refresh_host_image()?.copied;
         let t1 = std::time::Instant::now();
         self.arena.unmap()?;
         self.res.resident = false;
@@ -118,8 +126,8 @@ impl CudaProgram {
     }
 
     /// Brings the pinned host image up to date (copying only when stale),
-    /// measures the link once and caches the plans. Returns bytes copied.
-    pub(super) fn refresh_host_image(&mut self) -> Result<u64, ExecError> {
+    /// measures the link once and caches the plans.
+    pub(super) fn refresh_host_image(&mut self) -> Result<Refreshed, ExecError> {
         self.gpu
             .ctx
             .bind_to_thread()
@@ -127,6 +135,7 @@ impl CudaProgram {
         self.sync()?;
         let bytes = self.res.bytes;
         let mut copied = 0u64;
+        let mut link_measured = false;
         if self.res.dirty || self.res.host.is_none() {
             if self.res.host.is_none() && bytes > 0 {
                 // Written whole by the copy below before any read.
@@ -155,12 +164,15 @@ impl CudaProgram {
         if self.res.link.is_none() {
             let (link, measured) = self.link()?;
             self.res.link = Some(link);
-            self.res.link_measured = measured;
+            link_measured = measured;
             self.res.plans.invalidate();
         }
         let costs = self.costs();
         self.res.plans.fill(&costs);
-        Ok(copied)
+        Ok(Refreshed {
+            copied,
+            link_measured,
+        })
     }
 
     /// Standby for an inference program (no in-place updates): runs it with
@@ -200,9 +212,8 @@ impl CudaProgram {
             self.run(&feeds, &[])?;
         }
         times.runs = lap();
-        self.refresh_host_image()?;
+        times.link_measured = self.refresh_host_image()?.link_measured;
         times.host_image = lap();
-        times.link_measured = self.res.link_measured;
         if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
             let plan = self.plan(Strategy::Pipelined);
             let sg = self.record_segments(&plan)?;
