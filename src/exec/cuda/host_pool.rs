@@ -18,7 +18,7 @@ use super::program::dev_err;
 use crate::exec::ExecError;
 
 /// Most bytes of unused page-locked images kept.
-pub const KEEP_BYTES: usize = 4 << 30;
+const KEEP_BYTES: usize = 4 << 30;
 
 #[derive(Default)]
 struct Pool {

@@ -28,7 +28,7 @@ mod vm;
 /// (hits, misses) of the cuDNN algorithm choices kept by convolution shape.
 pub use algos::stats as conv_algorithm_stats;
 
-pub use host_pool::{kept_bytes as kept_host_image_bytes, KEEP_BYTES as HOST_IMAGES_KEPT_BYTES};
+pub use host_pool::kept_bytes as kept_host_image_bytes;
 pub use pin::{pin_host, HostPin};
 pub use program::{
     ephemeral_need, set_conv_tf32, set_matmul_tf32, set_wait_spin, ArenaParts, CudaOptions,
