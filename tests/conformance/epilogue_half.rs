@@ -117,17 +117,6 @@ fn unit(dt: DType) -> f32 {
     }
 }
 
-fn opts(fuse: bool) -> CudaOptions {
-    CudaOptions {
-        conv_tf32: false,
-        matmul_tf32: false,
-        cuda_graph: true,
-        urgency: 0,
-        fuse,
-        cudnn_batch_norm: true,
-    }
-}
-
 /// Without a GPU: on the planner's layout the matcher finds the four
 /// chains of [`net`] at every size, in both dtypes, casts included.
 #[test]
@@ -168,9 +157,9 @@ fn half_epilogue_chains_change_no_result() {
                 [("x".to_string(), rnd(&mut rng, &[2, 8, s, s], -1.0, 1.0))].into();
             let fetches = FETCHES.map(String::from).to_vec();
             let mut fused =
-                CudaProgram::with_options(vg.clone(), vars.clone(), opts(true)).unwrap();
+                CudaProgram::with_options(vg.clone(), vars.clone(), exact(true)).unwrap();
             let mut plain =
-                CudaProgram::with_options(vg.clone(), vars.clone(), opts(false)).unwrap();
+                CudaProgram::with_options(vg.clone(), vars.clone(), exact(false)).unwrap();
             let mut cpu = CpuProgram::new(vg, vars).unwrap();
             let want = cpu.run(&feeds, &fetches).unwrap();
             // Five convolutions of 72 products each, each within the
@@ -235,8 +224,8 @@ fn resnet50_half_fused_matches_unfused() {
             .map(|(n, ty)| (n.clone(), rnd(&mut rng, ty.shape.dims(), -1.0, 1.0)))
             .collect();
         let fetches = vec![b.output.clone()];
-        let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), opts(true)).unwrap();
-        let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), opts(false)).unwrap();
+        let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), exact(true)).unwrap();
+        let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), exact(false)).unwrap();
         for it in 0..3 {
             let a = fused.run(&feeds, &fetches).unwrap();
             let u = plain.run(&feeds, &fetches).unwrap();

@@ -53,6 +53,20 @@ mod overhead;
 /// Half epilogue chains (casts around a batch norm) as one kernel.
 mod epilogue_half;
 
+/// The suite's CUDA options: TF32 off for convolutions and matrix
+/// products, CUDA graphs and cuDNN's batch norm on, fusion as `fuse` says
+/// (a fused run is compared with the unfused one built from these).
+fn exact(fuse: bool) -> CudaOptions {
+    CudaOptions {
+        conv_tf32: false,
+        matmul_tf32: false,
+        cuda_graph: true,
+        urgency: 0,
+        fuse,
+        cudnn_batch_norm: true,
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Tol {
     rtol: f32,
@@ -127,14 +141,7 @@ impl Case {
             fetches: Vec::new(),
             tol: FP32,
             runs: 1,
-            opts: CudaOptions {
-                conv_tf32: false,
-                matmul_tf32: false,
-                cuda_graph: true,
-                urgency: 0,
-                fuse: true,
-                cudnn_batch_norm: true,
-            },
+            opts: exact(true),
             prebuilt: None,
             chains: None,
             opt_state_tol: None,

@@ -176,16 +176,8 @@ fn softmax_chains_change_no_result() {
         let (graph, vars, fetches) = attention(dt, mask, scale);
         let vg = validate(graph, &GraphLimits::default()).unwrap();
         let f = feeds(&mut rng, mask);
-        let opts = |fuse: bool| CudaOptions {
-            conv_tf32: false,
-            matmul_tf32: false,
-            cuda_graph: true,
-            urgency: 0,
-            fuse,
-            cudnn_batch_norm: true,
-        };
-        let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), opts(true)).unwrap();
-        let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), opts(false)).unwrap();
+        let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), exact(true)).unwrap();
+        let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), exact(false)).unwrap();
         let mut cpu = CpuProgram::new(vg, vars).unwrap();
         let want = cpu.run(&f, &fetches).unwrap();
         // A bf16 product may differ from the CPU's by an ulp of its
@@ -303,17 +295,9 @@ fn softmax_chains_take_in_the_nan_cleanup() {
 fn softmax_nan_cleanup_changes_no_result() {
     let (graph, fetches, f) = sdpa_nan_cleanup();
     let vg = validate(graph, &GraphLimits::default()).unwrap();
-    let opts = |fuse: bool| CudaOptions {
-        conv_tf32: false,
-        matmul_tf32: false,
-        cuda_graph: true,
-        urgency: 0,
-        fuse,
-        cudnn_batch_norm: true,
-    };
     let vars = VarValues::new();
-    let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), opts(true)).unwrap();
-    let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), opts(false)).unwrap();
+    let mut fused = CudaProgram::with_options(vg.clone(), vars.clone(), exact(true)).unwrap();
+    let mut plain = CudaProgram::with_options(vg.clone(), vars.clone(), exact(false)).unwrap();
     let mut cpu = CpuProgram::new(vg, vars).unwrap();
     let want = cpu.run(&f, &fetches).unwrap();
     let tol = Tol {
