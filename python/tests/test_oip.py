@@ -438,6 +438,7 @@ def half_model(elem):
 def test_half_tensors_on_the_wire(triton, triton_grpc, dt):
     grpcclient, c = triton_grpc
     ml_dtypes = pytest.importorskip("ml_dtypes")
+    pytest.importorskip("onnx")
     from onnx import TensorProto
     elem, np_dt, rtol = {
         "FP16": (TensorProto.FLOAT16, np.float16, 1e-3),

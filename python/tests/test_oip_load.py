@@ -14,6 +14,7 @@ from conftest import REPO, device_args, start_http_service, stop_service
 
 pytest.importorskip("torch")
 pytest.importorskip("torchvision")  # the export's onnx_fixtures imports it
+pytest.importorskip("onnx")  # torch.onnx.export needs it
 
 BENCH = REPO / "benches" / "oip_load.py"
 
