@@ -181,9 +181,11 @@ unsafe impl Send for ConvPlan {}
 
 impl ConvPlan {
     /// The plan of `pass` with the process's cuDNN handle `h` (its
-    /// heuristics and workspace sizes; nothing is launched).
+    /// heuristics and workspace sizes; nothing is launched). The shapes are
+    /// the forward convolution's: x [N,C,H,W], w [O,C/g,kh,kw], y
+    /// [N,O,OH,OW], in `elem`, whatever the pass.
     #[allow(clippy::too_many_arguments)]
-    fn new(
+    pub(in crate::exec::cuda) fn new(
         h: cudnnHandle_t,
         pass: algos::Pass,
         elem: Elem,
@@ -254,45 +256,6 @@ impl ConvPlan {
             algo,
             workspace_bytes,
         })
-    }
-
-    /// y = conv(x, w), x [N,C,H,W], w [O,C/g,kh,kw], y [N,O,OH,OW] in `elem`.
-    pub fn forward(
-        h: cudnnHandle_t,
-        elem: Elem,
-        a: &Conv2dAttrs,
-        x: &[usize],
-        w: &[usize],
-        y: &[usize],
-        tf32: bool,
-    ) -> Result<Self, CudnnError> {
-        Self::new(h, algos::Pass::Forward, elem, a, x, w, y, tf32)
-    }
-
-    /// dx from dy and w (shapes as [`ConvPlan::forward`]'s x, w, y).
-    pub fn backward_data(
-        h: cudnnHandle_t,
-        elem: Elem,
-        a: &Conv2dAttrs,
-        x: &[usize],
-        w: &[usize],
-        y: &[usize],
-        tf32: bool,
-    ) -> Result<Self, CudnnError> {
-        Self::new(h, algos::Pass::BackwardData, elem, a, x, w, y, tf32)
-    }
-
-    /// dw from x and dy (shapes as [`ConvPlan::forward`]'s x, w, y).
-    pub fn backward_filter(
-        h: cudnnHandle_t,
-        elem: Elem,
-        a: &Conv2dAttrs,
-        x: &[usize],
-        w: &[usize],
-        y: &[usize],
-        tf32: bool,
-    ) -> Result<Self, CudnnError> {
-        Self::new(h, algos::Pass::BackwardFilter, elem, a, x, w, y, tf32)
     }
 
     /// Runs the convolution with handle `h` (bound to the program's

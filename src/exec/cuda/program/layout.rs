@@ -3,6 +3,7 @@
 //! it holds, and what a program needs of its lane (`ephemeral_need`).
 
 use super::*;
+use crate::exec::cuda::algos::Pass;
 use crate::exec::cuda::elem::Elem;
 
 impl ArenaLayout {
@@ -94,6 +95,13 @@ impl ArenaLayout {
     }
 }
 
+/// A tensor of a node: its `i`th input or its output.
+#[derive(Clone, Copy)]
+enum At {
+    In(usize),
+    Out,
+}
+
 /// The cuDNN plan of every convolution node (forward, data and filter
 /// gradients) and the largest workspace they ask for, from the process's
 /// cuDNN handle (nothing launched).
@@ -134,38 +142,28 @@ fn plan_convs_with(
         let elem = || -> Result<Elem, ExecError> {
             Elem::of(out()?.dtype).ok_or_else(|| op_err(id, node, "an integer convolution".into()))
         };
-        let plan = match &node.op {
-            Op::Conv2d(a) => Some(ConvPlan::forward(
-                h,
-                elem()?,
-                a,
-                in_ty(0)?.shape.dims(),
-                in_ty(1)?.shape.dims(),
-                out()?.shape.dims(),
-                options.conv_tf32,
-            )),
-            Op::Conv2dGradInput { attrs, .. } => Some(ConvPlan::backward_data(
-                h,
-                elem()?,
-                attrs,
-                out()?.shape.dims(),
-                in_ty(1)?.shape.dims(),
-                in_ty(0)?.shape.dims(),
-                options.conv_tf32,
-            )),
-            Op::Conv2dGradFilter { attrs, .. } => Some(ConvPlan::backward_filter(
-                h,
-                elem()?,
-                attrs,
-                in_ty(0)?.shape.dims(),
-                out()?.shape.dims(),
-                in_ty(1)?.shape.dims(),
-                options.conv_tf32,
-            )),
+        // Where the forward convolution's x, w and y are among the node's
+        // inputs and output, for each pass.
+        let pass = match &node.op {
+            Op::Conv2d(a) => Some((Pass::Forward, a, [At::In(0), At::In(1), At::Out])),
+            Op::Conv2dGradInput { attrs, .. } => {
+                Some((Pass::BackwardData, attrs, [At::Out, At::In(1), At::In(0)]))
+            }
+            Op::Conv2dGradFilter { attrs, .. } => {
+                Some((Pass::BackwardFilter, attrs, [At::In(0), At::Out, At::In(1)]))
+            }
             _ => None,
         };
-        if let Some(p) = plan {
-            let p = p.map_err(|e| op_err(id, node, format!("cuDNN: {e:?}")))?;
+        if let Some((pass, a, [x, w, y])) = pass {
+            let dims = |at: At| -> Result<&[usize], ExecError> {
+                Ok(match at {
+                    At::In(i) => in_ty(i)?.shape.dims(),
+                    At::Out => out()?.shape.dims(),
+                })
+            };
+            let (x, w, y) = (dims(x)?, dims(w)?, dims(y)?);
+            let p = ConvPlan::new(h, pass, elem()?, a, x, w, y, options.conv_tf32)
+                .map_err(|e| op_err(id, node, format!("cuDNN: {e:?}")))?;
             ws_bytes = ws_bytes.max(p.workspace_bytes);
             convs.insert(id.index(), p);
         }
