@@ -131,3 +131,41 @@ fn a_reused_host_image_holds_the_new_programs_weights() {
         "the two programs' weights did not differ"
     );
 }
+
+/// The shared handles outlive every program's stream: a program runs
+/// (binding both handles to its stream), another stream is made so that
+/// the next program's stream cannot take the first one's address, the
+/// first program goes, and the next program plans its convolutions and
+/// runs, matching the first one's output. Before `handles::release`, the
+/// handles stayed bound to the destroyed stream and the service crashed
+/// inside libcuda (an inference load beside a running training job).
+#[test]
+#[ignore = "needs a GPU"]
+fn the_handles_outlive_a_dropped_programs_stream() {
+    let built = models::resnet(&[1, 1, 1, 1], 2, 32).unwrap();
+    let vg = validate(built.graph, &large_limits()).unwrap();
+    let mut rng = StdRng::seed_from_u64(6);
+    let (name, ty) = &built.inputs[0];
+    let feeds: BTreeMap<String, Tensor> =
+        [(name.clone(), rnd(&mut rng, &ty.shape.0, -1.0, 1.0))].into();
+    let fetches = vec![built.output.clone()];
+    let mut first = CudaProgram::new(vg.clone(), built.vars.clone()).unwrap();
+    let want = first.run(&feeds, &fetches).unwrap();
+    let ctx = cudarc::driver::CudaContext::new(lanes::exec::cuda::selected_device()).unwrap();
+    let mut plugs = Vec::new();
+    drop(first);
+    // Streams that take the freed one's place.
+    for _ in 0..4 {
+        plugs.push(ctx.new_stream().unwrap());
+    }
+    for round in 0..3 {
+        let mut next = CudaProgram::new(vg.clone(), built.vars.clone()).unwrap();
+        for _ in 0..3 {
+            let got = next.run(&feeds, &fetches).unwrap();
+            assert_eq!(got, want, "round {round}");
+        }
+        drop(next);
+        plugs.push(ctx.new_stream().unwrap());
+    }
+    println!("ok   programs after a dropped one's stream: outputs equal");
+}

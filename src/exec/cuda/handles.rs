@@ -58,9 +58,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+static BLAS: OnceLock<Result<Blas, ExecError>> = OnceLock::new();
+static DNN: OnceLock<Result<Dnn, ExecError>> = OnceLock::new();
+
 /// The shared cuBLAS handle, made on first use.
 pub(super) fn blas() -> Result<&'static Blas, ExecError> {
-    static BLAS: OnceLock<Result<Blas, ExecError>> = OnceLock::new();
     BLAS.get_or_init(|| {
         let gpu = gpu()?;
         gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
@@ -78,7 +80,6 @@ pub(super) fn blas() -> Result<&'static Blas, ExecError> {
 
 /// The shared cuDNN handle, made on first use.
 pub(super) fn dnn() -> Result<&'static Dnn, ExecError> {
-    static DNN: OnceLock<Result<Dnn, ExecError>> = OnceLock::new();
     DNN.get_or_init(|| {
         let gpu = gpu()?;
         gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
@@ -88,6 +89,81 @@ pub(super) fn dnn() -> Result<&'static Dnn, ExecError> {
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+/// The stream a handle is bound to while no program holds it: a stream of
+/// its own, which no program captures or destroys (made on first use).
+fn idle_stream() -> Result<&'static CudaStream, ExecError> {
+    static IDLE: OnceLock<Result<std::sync::Arc<CudaStream>, ExecError>> = OnceLock::new();
+    IDLE.get_or_init(|| {
+        let gpu = gpu()?;
+        gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        gpu.ctx.new_stream().map_err(|e| dev_err("stream", e))
+    })
+    .as_ref()
+    .map(|s| &**s)
+    .map_err(Clone::clone)
+}
+
+/// Called before `stream` is destroyed (a program's drop): a handle still
+/// bound to it is bound to the idle stream instead, and cuBLAS back to its
+/// own workspace pool (the program's arena, where its workspace was, goes
+/// too). A handle left bound to a destroyed stream is used at the next
+/// call of another program before that call binds it (cuDNN's heuristics
+/// for a new program's convolutions bind nothing): a training job's
+/// recorded iterations call neither library, so such a binding could
+/// outlive its program for as long as training ran.
+pub(super) fn release(stream: &CudaStream) {
+    let cu = stream.cu_stream() as usize;
+    let bound = |now: usize| now == cu;
+    let Ok(idle) = idle_stream() else {
+        return;
+    };
+    if let Some(Ok(b)) = BLAS.get() {
+        let mut s = lock(&b.0);
+        if bound(s.stream) {
+            if let Err(e) = s.bind(idle) {
+                tracing::warn!(error = %e, "cuBLAS: unbinding a stream that goes");
+            }
+        }
+    }
+    if let Some(Ok(d)) = DNN.get() {
+        let mut s = lock(&d.0);
+        if bound(s.stream) {
+            if let Err(e) = s.bind(idle) {
+                tracing::warn!(error = %e, "cuDNN: unbinding a stream that goes");
+            }
+        }
+    }
+}
+
+impl BlasState {
+    /// Binds the handle to `stream` (which puts cuBLAS's own workspace
+    /// pool back).
+    fn bind(&mut self, stream: &CudaStream) -> Result<(), ExecError> {
+        let h = *self.blas.handle();
+        // SAFETY: the handle is live and ours while the lock is held; the
+        // stream outlives the calls made on it (the caller's, or the idle
+        // stream, which lives as long as the process).
+        unsafe { cudarc::cublas::sys::cublasSetStream_v2(h, stream.cu_stream() as _) }
+            .result()
+            .map_err(|e| dev_err("cuBLAS stream", e))?;
+        self.stream = stream.cu_stream() as usize;
+        self.workspace = (0, 0);
+        Ok(())
+    }
+}
+
+impl DnnState {
+    /// Binds the handle to `stream`.
+    fn bind(&mut self, stream: &CudaStream) -> Result<(), ExecError> {
+        // SAFETY: the handle is live and ours while the lock is held; the
+        // stream outlives the calls made on it (as for cuBLAS).
+        unsafe { dnn::set_stream(self.handle, stream.cu_stream() as _) }
+            .map_err(|e| dev_err("cuDNN stream", e))?;
+        self.stream = stream.cu_stream() as usize;
+        Ok(())
+    }
 }
 
 impl Blas {
@@ -102,16 +178,8 @@ impl Blas {
     ) -> Result<R, ExecError> {
         let mut s = lock(&self.0);
         let h = *s.blas.handle();
-        let cu = stream.cu_stream() as usize;
-        if s.stream != cu {
-            // SAFETY: the handle is live and ours while the lock is held;
-            // the stream outlives the calls made on it below (the caller's).
-            unsafe { cudarc::cublas::sys::cublasSetStream_v2(h, stream.cu_stream() as _) }
-                .result()
-                .map_err(|e| dev_err("cuBLAS stream", e))?;
-            s.stream = cu;
-            // Setting the stream put cuBLAS's own pool back.
-            s.workspace = (0, 0);
+        if s.stream != stream.cu_stream() as usize {
+            s.bind(stream)?;
         }
         if s.workspace != workspace {
             // SAFETY: the caller's workspace is device memory of that many
@@ -152,19 +220,17 @@ impl Dnn {
         f: impl FnOnce(cudnnHandle_t) -> R,
     ) -> Result<R, ExecError> {
         let mut s = lock(&self.0);
-        let cu = stream.cu_stream() as usize;
-        if s.stream != cu {
-            // SAFETY: the handle is live and ours while the lock is held.
-            unsafe { dnn::set_stream(s.handle, stream.cu_stream() as _) }
-                .map_err(|e| dev_err("cuDNN stream", e))?;
-            s.stream = cu;
+        if s.stream != stream.cu_stream() as usize {
+            s.bind(stream)?;
         }
         Ok(f(s.handle))
     }
 
-    /// Runs `f` with the handle, for calls that launch nothing (descriptor
-    /// queries, algorithm heuristics, workspace sizes).
-    pub fn planning<R>(&self, f: impl FnOnce(cudnnHandle_t) -> R) -> R {
-        f(lock(&self.0).handle)
+    /// Runs `f` with the handle bound to the idle stream, for calls that
+    /// should launch nothing (descriptor queries, algorithm heuristics,
+    /// workspace sizes): whatever they might enqueue stays off every
+    /// program's stream, one of which may be recording a CUDA graph.
+    pub fn planning<R>(&self, f: impl FnOnce(cudnnHandle_t) -> R) -> Result<R, ExecError> {
+        self.with(idle_stream()?, f)
     }
 }

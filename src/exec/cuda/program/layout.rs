@@ -109,7 +109,7 @@ pub(super) fn plan_convs(
     graph: &ValidGraph,
     options: CudaOptions,
 ) -> Result<(HashMap<usize, ConvPlan>, usize), ExecError> {
-    crate::exec::cuda::handles::dnn()?.planning(|h| plan_convs_with(h, graph, options))
+    crate::exec::cuda::handles::dnn()?.planning(|h| plan_convs_with(h, graph, options))?
 }
 
 fn plan_convs_with(

@@ -186,6 +186,14 @@ impl Drop for Residency {
     }
 }
 
+impl Drop for CudaProgram {
+    /// The shared library handles may still be bound to this program's
+    /// stream and workspace, both about to go (`handles::release`).
+    fn drop(&mut self) {
+        crate::exec::cuda::handles::release(&self.stream);
+    }
+}
+
 /// Failed recordings of the iteration before a program stops trying.
 const CAPTURE_TRIES: u32 = 3;
 
