@@ -53,6 +53,9 @@ mod overhead;
 /// Half epilogue chains (casts around a batch norm) as one kernel.
 mod epilogue_half;
 
+/// Partial eviction: the first units kept on the device.
+mod keep;
+
 /// The suite's CUDA options: TF32 off for convolutions and matrix
 /// products, CUDA graphs and cuDNN's batch norm on, fusion as `fuse` says
 /// (a fused run is compared with the unfused one built from these).
