@@ -387,16 +387,18 @@ impl VmArena {
         Ok(round_up(bytes, gran)?.min(self.split))
     }
 
-    /// Cuts the own memory at `keep` (a multiple of the granularity, at
-    /// most its size; 0: one block): from the next [`VmArena::map`] on,
+    /// Cuts the own memory at `keep` (a multiple of the granularity, or
+    /// its size; 0: one block): from the next [`VmArena::map`] on,
     /// `[0, keep)` and `[keep, split)` are blocks of their own. Only while
     /// the own memory is unmapped (its contents are gone anyway).
     pub fn set_keep(&mut self, keep: usize) -> Result<(), ExecError> {
         if self.parts[KEPT].is_some() || self.parts[OWN].is_some() {
             return Err(dev_err("cutting the arena", "its own memory is mapped"));
         }
+        // All of the own memory is one cut whatever the granularity now
+        // (a program made before a reservation has pieces of another).
         let gran = granularity(&self.ctx)?;
-        if keep > self.split || keep % gran != 0 {
+        if keep > self.split || (keep % gran != 0 && keep != self.split) {
             return Err(dev_err(
                 "cutting the arena",
                 format!(
