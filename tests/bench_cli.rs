@@ -268,6 +268,48 @@ fn switch_reports_every_strategy_with_identical_outputs() {
     assert!(v["lower_bound_ms"].as_f64().unwrap() > 0.0);
 }
 
+/// `bench switch --keep`: the partially evicted model (its first units
+/// kept) switches back bit-identical too; the report says what was kept and
+/// what was copied, and its ratios against both bounds. `--keep none`
+/// leaves the row out.
+#[test]
+fn switch_with_a_kept_prefix_reports_it() {
+    let keep = |k: &str| {
+        bench(&[
+            "switch", "--model", "lenet", "--batch", "2", "--iters", "2", "--keep", k,
+        ])
+        .0
+    };
+    let v = keep("1");
+    assert_eq!(v["outputs_identical_to_resident"], Value::Bool(true), "{v}");
+    let row = &v["strategies"]["pipelined_keep"];
+    let p = v["persistent_bytes"].as_u64().unwrap();
+    let kept = row["kept_persistent_bytes"].as_u64().unwrap();
+    assert!(kept > 0, "{v}");
+    assert_eq!(kept + row["copied_bytes"].as_u64().unwrap(), p, "{v}");
+    assert!(row["kept_units"].as_u64().unwrap() >= 1, "{v}");
+    assert!(row["kept_bytes"].as_u64().unwrap() >= kept, "{v}");
+    assert!(row["kept_percent_of_p"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(row["median_ms"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(
+        v["pipelined_keep_over_bound"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
+    assert!(
+        v["pipelined_keep_over_rest_bound"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
+    // The default is auto: a row, whatever it kept.
+    let v = bench(&["switch", "--model", "lenet", "--batch", "2", "--iters", "2"]).0;
+    assert!(
+        v["strategies"]["pipelined_keep"]["kept_bytes"].is_u64(),
+        "{v}"
+    );
+    let v = keep("none");
+    assert!(v["strategies"].get("pipelined_keep").is_none(), "{v}");
+    assert!(v["pipelined_keep_over_bound"].is_null(), "{v}");
+}
+
 /// `bench switch --precision bf16`: the weights stored in bf16 switch back
 /// with outputs bit-identical to the resident run under every strategy, as
 /// in fp32, and the bytes a switch copies (P) are at most 0.55× fp32's.

@@ -203,3 +203,170 @@ fn plans_cover_every_unit_in_order() {
     assert!(p.plan(Strategy::Pipelined).predicted <= p.plan(Strategy::Single).predicted);
     assert!(p.plan(Strategy::Pipelined).predicted <= p.plan(Strategy::PerLayer).predicted);
 }
+
+/// The bytes of a program's first `n` units.
+fn units_bytes(p: &Program, n: usize) -> u64 {
+    p.layout().units[..n].iter().map(|u| u.bytes).sum()
+}
+
+/// Partial eviction: the program keeps its first units (at least the
+/// bytes asked, whole units; on the GPU whole pieces of the mapping
+/// granularity), the switch copies only the rest, the plan's first group is
+/// the kept units, and the output is bit-identical to the resident run for
+/// every strategy and size kept; evicting whole afterwards gives the kept
+/// prefix up.
+#[test]
+fn partial_eviction_switches_back_bit_identical() {
+    for arch in models() {
+        let m = arch.inference(2, 7).unwrap();
+        let feeds = feeds_for(&m.inputs, 3, 4);
+        let fetch = [m.output.clone()];
+        let mut p = program(m.graph, m.vars);
+        let (want, _) = p
+            .run_switching(&feeds, &fetch, Strategy::Pipelined)
+            .unwrap();
+        let want = bits(&want[0]);
+        let total = p.persistent_bytes();
+        let units = p.layout().units.len();
+        // The first (whole) eviction measures the copy costs.
+        p.evict().unwrap();
+        p.run(&feeds, &fetch).unwrap();
+        let auto = p.auto_keep_bytes().expect("the costs are measured");
+        // Whole units: none, or at least the first.
+        assert!(auto == 0 || auto >= units_bytes(&p, 1), "{auto}");
+        let half = units_bytes(&p, units / 2).max(1);
+        for keep in [1, half, auto, u64::MAX] {
+            for s in Strategy::ALL {
+                p.evict_keeping(keep).unwrap();
+                assert!(!p.is_resident());
+                let (kept, ku) = (p.kept_bytes(), p.kept_units());
+                if keep > 0 {
+                    assert!(ku >= 1, "{} keep {keep}: nothing kept", arch.name());
+                    assert!(kept >= units_bytes(&p, ku), "{kept} bytes for {ku} units");
+                } else {
+                    assert_eq!((kept, ku), (0, 0));
+                }
+                if keep == u64::MAX {
+                    assert_eq!(ku, units, "keeping P or more keeps every unit");
+                }
+                // A CUDA program's kept block is device memory it holds.
+                if let Some(own) = p.own_device_bytes() {
+                    assert_eq!(own, kept, "an evicted program holds its kept block only");
+                }
+                let plan = p.plan(s);
+                assert_eq!(plan.kept, ku, "{s}");
+                if ku > 0 {
+                    assert_eq!(plan.starts[0], 0);
+                    assert_eq!(plan.starts.get(1).copied().unwrap_or(units), ku);
+                    assert!(!plan.copies(0));
+                }
+                let (got, rep) = p.run_switching(&feeds, &fetch, s).unwrap();
+                let rep = rep.expect("a partially evicted program switches");
+                assert_eq!(rep.kept_bytes, units_bytes(&p, ku), "{s}");
+                assert_eq!(rep.kept_bytes + rep.bytes, total, "{s}");
+                assert_eq!(rep.groups, plan.groups());
+                assert!(p.is_resident());
+                assert_eq!((p.kept_bytes(), p.kept_units()), (0, 0));
+                assert_eq!(
+                    bits(&got[0]),
+                    want,
+                    "{} {s} keeping {keep} bytes ({ku} units)",
+                    arch.name()
+                );
+            }
+        }
+        // Evicted partially, then whole: the kept prefix goes too, and the
+        // next switch copies every unit.
+        p.evict_keeping(half).unwrap();
+        assert!(p.kept_bytes() > 0);
+        assert_eq!(p.evict().unwrap(), 0, "the host copy is current");
+        assert_eq!((p.kept_bytes(), p.kept_units()), (0, 0));
+        assert_eq!(p.plan(Strategy::Pipelined).kept, 0);
+        if let Some(own) = p.own_device_bytes() {
+            assert_eq!(own, 0);
+        }
+        let (got, rep) = p
+            .run_switching(&feeds, &fetch, Strategy::Pipelined)
+            .unwrap();
+        let rep = rep.unwrap();
+        assert_eq!((rep.kept_bytes, rep.bytes), (0, total));
+        assert_eq!(
+            bits(&got[0]),
+            want,
+            "{} after a whole eviction",
+            arch.name()
+        );
+    }
+}
+
+/// A variable of the kept prefix written while the program is evicted
+/// partially is what the switched iteration uses (the kept units are not
+/// copied back from the host image, so the write must reach them).
+#[test]
+fn writes_while_evicted_partially_reach_the_kept_units() {
+    let arch = Arch::Mlp {
+        inputs: 8,
+        hidden: vec![4],
+        classes: 3,
+    };
+    let m = arch.inference(1, 1).unwrap();
+    let feeds = feeds_for(&m.inputs, 9, 3);
+    let fetch = [m.output.clone()];
+    let mut p = program(m.graph.clone(), m.vars.clone());
+    p.run(&feeds, &fetch).unwrap();
+    let before = p.read_variables(&[]).unwrap();
+    p.evict_keeping(u64::MAX).unwrap();
+    assert_eq!(p.kept_units(), p.layout().units.len());
+    assert_eq!(p.read_variables(&[]).unwrap(), before);
+    let zeroed: VarValues = before
+        .iter()
+        .map(|(n, t)| {
+            let z = vec![0.0; t.shape().numel()];
+            (n.clone(), Tensor::from_f32(t.shape().clone(), z).unwrap())
+        })
+        .collect();
+    p.write_variables(zeroed.clone()).unwrap();
+    let (out, rep) = p
+        .run_switching(&feeds, &fetch, Strategy::Pipelined)
+        .unwrap();
+    assert_eq!(rep.unwrap().bytes, 0, "every unit was kept");
+    assert!(out[0].f32s().unwrap().iter().all(|&x| x == 0.0));
+    assert_eq!(p.read_variables(&[]).unwrap(), zeroed);
+}
+
+/// The service evicts whole: a CPU program whose variables live in memory
+/// handed in (the lanes' reservation) refuses a partial eviction, which
+/// the lanes' accounting (a job's P all or nothing) could not count.
+#[test]
+fn memory_handed_in_is_only_evicted_whole() {
+    use lanes::exec::cpu::CpuMemory;
+    let m = Arch::Mlp {
+        inputs: 8,
+        hidden: vec![4],
+        classes: 3,
+    }
+    .inference(1, 1)
+    .unwrap();
+    let v = validate(m.graph, &GraphLimits::default()).unwrap();
+    let mut p = CpuProgram::new(v, m.vars).unwrap();
+    let feeds = feeds_for(&m.inputs, 9, 3);
+    let fetch = [m.output.clone()];
+    let words = p.persistent_buffer_bytes() as usize / 8;
+    let mut region = vec![0u64; words];
+    let mut arena = vec![0u64; (p.ephemeral_bytes() as usize).div_ceil(8)];
+    let mem = CpuMemory {
+        persistent: &mut region,
+        arena: &mut arena,
+    };
+    p.run_in(Some(mem), &feeds, &fetch, Strategy::Pipelined)
+        .unwrap();
+    assert!(p.is_given());
+    assert!(p.evict_keeping(1).is_err());
+    assert!(
+        p.is_given(),
+        "a refused eviction leaves the program as it was"
+    );
+    p.evict_in(Some(&region)).unwrap();
+    assert!(!p.is_resident());
+    assert_eq!(p.kept_bytes(), 0);
+}

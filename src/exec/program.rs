@@ -214,6 +214,51 @@ impl Program {
         }
     }
 
+    /// [`Program::evict`] that keeps the persistent memory's first units
+    /// on the device, at least `bytes` of it (whole units; on the GPU whole
+    /// pieces of the mapping granularity; 0: evict whole): the next switch
+    /// copies only the rest while the kept units compute (partial
+    /// eviction, docs/switching.md). The kept bytes stay held
+    /// ([`Program::kept_bytes`]). A CPU program whose memory the service
+    /// hands in is only evicted whole (an error otherwise): the service's
+    /// lanes count a job's memory as all or nothing, so the service never
+    /// evicts partially.
+    pub fn evict_keeping(&mut self, bytes: u64) -> Result<u64, ExecError> {
+        match self {
+            Program::Cpu(p) => p.evict_keeping(bytes),
+            Program::Cuda(p) => p.evict_keeping(bytes),
+        }
+    }
+
+    /// Persistent bytes a partial eviction kept on the device (host
+    /// memory on the CPU); 0 while resident or evicted whole.
+    pub fn kept_bytes(&self) -> u64 {
+        match self {
+            Program::Cpu(p) => p.kept_bytes(),
+            Program::Cuda(p) => p.kept_bytes(),
+        }
+    }
+
+    /// Units a partial eviction kept (0 while resident or evicted whole).
+    pub fn kept_units(&self) -> usize {
+        match self {
+            Program::Cpu(p) => p.kept_units(),
+            Program::Cuda(p) => p.kept_units(),
+        }
+    }
+
+    /// The bytes to keep at an eviction by the `auto` rule
+    /// ([`crate::residency::auto_keep`]: the smallest prefix with which the
+    /// predicted pipelined switch is within 2 % of max(copy of the rest,
+    /// compute)); `None` until the costs are measured (a profiled resident
+    /// run and an eviction, or `prepare_standby` on the GPU).
+    pub fn auto_keep_bytes(&self) -> Option<u64> {
+        match self {
+            Program::Cpu(p) => p.auto_keep_bytes(),
+            Program::Cuda(p) => p.auto_keep_bytes(),
+        }
+    }
+
     pub fn read_variables(&self, names: &[String]) -> Result<VarValues, ExecError> {
         match self {
             Program::Cpu(p) => p.read_variables(names),

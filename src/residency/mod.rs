@@ -13,7 +13,9 @@
 //! - [`plan_groups`] cuts the units into contiguous groups for a
 //!   [`Strategy`]; for [`Strategy::Pipelined`] it minimises the predicted
 //!   time of the first iteration with an exact dynamic program (see
-//!   `docs/switching.md`).
+//!   `docs/switching.md`). [`plan_groups_keeping`] does the same for a
+//!   program evicted *partially*: its first units stayed on the device and
+//!   cost no copy; [`auto_keep`] picks how many to keep from the costs.
 //!
 //! The executors (`exec::cpu`, `exec::cuda`) carry out a plan: copy group k
 //! on a copy stream (a copier thread on the CPU backend) while the compute
@@ -189,6 +191,10 @@ pub struct GroupPlan {
     pub starts: Vec<usize>,
     /// Predicted time of the first iteration under [`Costs`], seconds.
     pub predicted: f64,
+    /// Units at the start that stayed on the device (a partial eviction):
+    /// they are the first group, which copies nothing (so `starts[1]`, when
+    /// there is one, is `kept`). 0 for a program evicted whole.
+    pub kept: usize,
 }
 
 impl GroupPlan {
@@ -202,12 +208,28 @@ impl GroupPlan {
         let end = self.starts.get(k + 1).copied().unwrap_or(units);
         self.starts[k]..end
     }
+
+    /// Whether group `k` is copied (not the kept prefix).
+    pub fn copies(&self, k: usize) -> bool {
+        !(k == 0 && self.kept > 0)
+    }
+
+    /// Groups that are copied.
+    pub fn copied_groups(&self) -> usize {
+        self.starts.len() - usize::from(self.kept > 0 && !self.starts.is_empty())
+    }
 }
 
 /// Predicted time of the first iteration when the units are copied in the
 /// groups starting at `starts` (copies back to back on one stream, each
 /// group's compute waiting for its copy and for the previous compute).
 pub fn predict(costs: &Costs, starts: &[usize]) -> f64 {
+    predict_keeping(costs, starts, 0)
+}
+
+/// [`predict`] when the first `kept` units stayed on the device: they copy
+/// nothing and their compute waits for no copy.
+pub fn predict_keeping(costs: &Costs, starts: &[usize], kept: usize) -> f64 {
     let n = costs.copy.len().min(costs.compute.len());
     let mut copy_end = 0.0;
     let mut compute_end = costs.prefix;
@@ -216,8 +238,12 @@ pub fn predict(costs: &Costs, starts: &[usize]) -> f64 {
         if s >= e {
             continue;
         }
-        copy_end += costs.copy[s..e].iter().sum::<f64>() + costs.copy_overhead;
         let work: f64 = costs.compute[s..e].iter().sum();
+        if e <= kept {
+            compute_end += work;
+            continue;
+        }
+        copy_end += costs.copy[s.max(kept)..e].iter().sum::<f64>() + costs.copy_overhead;
         compute_end = f64::max(compute_end, copy_end) + work + costs.compute_overhead;
     }
     compute_end
@@ -234,65 +260,80 @@ pub fn predict(costs: &Costs, starts: &[usize]) -> f64 {
 /// (a few hundred for the zoo's largest models: milliseconds, once per
 /// profile).
 pub fn plan_groups(costs: &Costs, strategy: Strategy) -> GroupPlan {
+    plan_groups_keeping(costs, strategy, 0)
+}
+
+/// [`plan_groups`] for a program whose first `kept` units stayed on the
+/// device (a partial eviction; capped at the number of units): they are
+/// the first group and copy nothing; the rest is cut as `strategy` says,
+/// [`Strategy::Pipelined`] by the same dynamic program started at
+/// `E(kept, 0) = prefix + X(0..kept)` with copies counted from unit `kept`.
+pub fn plan_groups_keeping(costs: &Costs, strategy: Strategy, kept: usize) -> GroupPlan {
     let n = costs.copy.len().min(costs.compute.len());
-    let starts: Vec<usize> = match strategy {
-        _ if n == 0 => Vec::new(),
-        Strategy::Single => vec![0],
-        Strategy::PerLayer => (0..n).collect(),
-        Strategy::Pipelined => optimal(costs, n),
+    let kept = kept.min(n);
+    let rest: Vec<usize> = match strategy {
+        _ if n == kept => Vec::new(),
+        Strategy::Single => vec![kept],
+        Strategy::PerLayer => (kept..n).collect(),
+        Strategy::Pipelined => optimal(costs, n, kept),
     };
+    let starts: Vec<usize> = (kept > 0).then_some(0).into_iter().chain(rest).collect();
     GroupPlan {
         strategy,
-        predicted: predict(costs, &starts),
+        predicted: predict_keeping(costs, &starts, kept),
         starts,
+        kept,
     }
 }
 
-fn optimal(costs: &Costs, n: usize) -> Vec<usize> {
-    let mut c = vec![0.0; n + 1];
-    let mut x = vec![0.0; n + 1];
-    for j in 0..n {
-        c[j + 1] = c[j] + costs.copy[j];
-        x[j + 1] = x[j] + costs.compute[j];
+/// The pipelined cut of units `kept..n` (their group starts), the first
+/// `kept` units' compute running before without a copy.
+fn optimal(costs: &Costs, n: usize, kept: usize) -> Vec<usize> {
+    let m = n - kept;
+    let mut c = vec![0.0; m + 1];
+    let mut x = vec![0.0; m + 1];
+    for j in 0..m {
+        c[j + 1] = c[j] + costs.copy[kept + j];
+        x[j + 1] = x[j] + costs.compute[kept + j];
     }
     const INF: f64 = f64::INFINITY;
-    // e[g][j]: best compute end covering units 0..j in g groups;
-    // from[g][j]: the start of the last group.
-    let mut e = vec![vec![INF; n + 1]; n + 1];
-    let mut from = vec![vec![0usize; n + 1]; n + 1];
-    e[0][0] = costs.prefix;
+    // e[g][j]: best compute end covering the copied units 0..j (from
+    // `kept`) in g groups; from[g][j]: the start of the last group.
+    let mut e = vec![vec![INF; m + 1]; m + 1];
+    let mut from = vec![vec![0usize; m + 1]; m + 1];
+    e[0][0] = costs.prefix + costs.compute[..kept].iter().sum::<f64>();
     let mut best = (INF, 0usize);
-    for g in 1..=n {
+    for g in 1..=m {
         let copy_over = g as f64 * costs.copy_overhead;
         let (prev, cur) = e.split_at_mut(g);
         let prev = &prev[g - 1];
         let cur = &mut cur[0];
-        for j in g..=n {
+        for j in g..=m {
             let copy_end = c[j] + copy_over;
-            let mut m = INF;
+            let mut v_min = INF;
             let mut arg = 0;
             for i in (g - 1)..j {
                 if prev[i] == INF {
                     continue;
                 }
                 let v = f64::max(prev[i], copy_end) + (x[j] - x[i]) + costs.compute_overhead;
-                if v < m {
-                    m = v;
+                if v < v_min {
+                    v_min = v;
                     arg = i;
                 }
             }
-            cur[j] = m;
+            cur[j] = v_min;
             from[g][j] = arg;
         }
-        if e[g][n] < best.0 {
-            best = (e[g][n], g);
+        if e[g][m] < best.0 {
+            best = (e[g][m], g);
         }
     }
     let mut starts = Vec::with_capacity(best.1);
-    let (mut g, mut j) = (best.1, n);
+    let (mut g, mut j) = (best.1, m);
     while g > 0 {
         let i = from[g][j];
-        starts.push(i);
+        starts.push(kept + i);
         j = i;
         g -= 1;
     }
@@ -300,30 +341,70 @@ fn optimal(costs: &Costs, n: usize) -> Vec<usize> {
     starts
 }
 
-/// The plans of every strategy for one set of costs, kept until a cost
-/// changes: the dynamic program is O(n³) in units (milliseconds for the
-/// largest models), which must not land on a switch.
+/// The target of [`auto_keep`] that the executors use: the predicted
+/// pipelined switch within 2 % of its bound.
+pub const AUTO_KEEP_SLACK: f64 = 1.02;
+
+/// How many leading units to keep on the device at an eviction (`auto`):
+/// the smallest prefix with which the predicted pipelined switch is at
+/// most `slack` × max(copy of the rest, compute) (its bound with that
+/// prefix resident). Keeping every unit always meets it (the switch is
+/// then the compute alone), so there is one. Found by bisection over the
+/// prefix: the prediction's excess over the bound falls as the prefix
+/// grows (a longer head start for the compute, less to copy), though not
+/// strictly, so on costs where it does not the prefix found meets the
+/// target but may not be the smallest. Each step is one dynamic program
+/// (O(n³)): about ten of them.
+pub fn auto_keep(costs: &Costs, slack: f64) -> usize {
+    let n = costs.copy.len().min(costs.compute.len());
+    let compute = costs.prefix + costs.compute[..n].iter().sum::<f64>();
+    let meets = |kept: usize| {
+        let rest: f64 = costs.copy[kept..n].iter().sum();
+        let p = plan_groups_keeping(costs, Strategy::Pipelined, kept);
+        p.predicted <= slack * f64::max(rest, compute) + 1e-12
+    };
+    if meets(0) {
+        return 0;
+    }
+    // meets(hi) holds, meets(lo) does not.
+    let (mut lo, mut hi) = (0, n);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if meets(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
+/// The plans of every strategy for one set of costs and kept prefix,
+/// kept until a cost or the prefix changes: the dynamic program is O(n³)
+/// in units (milliseconds for the largest models), which must not land on
+/// a switch.
 #[derive(Debug, Default)]
 pub struct PlanCache {
-    plans: std::collections::HashMap<Strategy, GroupPlan>,
+    plans: std::collections::HashMap<(Strategy, usize), GroupPlan>,
 }
 
 impl PlanCache {
-    /// The kept plan for `strategy`, or one cut now from `costs` (not kept).
-    pub fn get(&self, strategy: Strategy, costs: impl FnOnce() -> Costs) -> GroupPlan {
-        match self.plans.get(&strategy) {
+    /// The kept plan for `strategy` with `kept` units on the device, or
+    /// one cut now from `costs` (not kept).
+    pub fn get(&self, strategy: Strategy, kept: usize, costs: impl FnOnce() -> Costs) -> GroupPlan {
+        match self.plans.get(&(strategy, kept)) {
             Some(p) => p.clone(),
-            None => plan_groups(&costs(), strategy),
+            None => plan_groups_keeping(&costs(), strategy, kept),
         }
     }
 
-    /// Cuts and keeps every strategy's plan, unless kept already.
-    pub fn fill(&mut self, costs: &Costs) {
-        if self.plans.is_empty() {
-            self.plans = Strategy::ALL
-                .iter()
-                .map(|&s| (s, plan_groups(costs, s)))
-                .collect();
+    /// Cuts and keeps every strategy's plan for `kept` units on the
+    /// device, unless kept already.
+    pub fn fill(&mut self, costs: &Costs, kept: usize) {
+        for &s in &Strategy::ALL {
+            self.plans
+                .entry((s, kept))
+                .or_insert_with(|| plan_groups_keeping(costs, s, kept));
         }
     }
 
@@ -403,6 +484,9 @@ pub struct SwitchReport {
     pub groups: usize,
     /// Persistent bytes copied in.
     pub bytes: u64,
+    /// Persistent bytes that stayed on the device (a partial eviction's
+    /// prefix: not copied).
+    pub kept_bytes: u64,
     /// The plan's prediction, seconds.
     pub predicted: f64,
     /// Where the switch's time went, when asked for (`LANES_SWITCH_TRACE=1`,
@@ -501,6 +585,94 @@ mod tests {
             let copy: f64 = c.copy.iter().sum();
             let work: f64 = c.compute.iter().sum();
             prop_assert!(p.predicted + 1e-9 >= f64::max(copy, prefix + work));
+        }
+    }
+
+    /// Partial eviction: the kept units are the first group, copy nothing
+    /// and wait for no copy, however costly their copy would be.
+    #[test]
+    fn kept_units_cost_no_copy() {
+        // Copies 100,2,2; computes 1,1,1; no overheads.
+        let c = costs(vec![100.0, 2.0, 2.0], vec![1.0; 3], 0.0);
+        for s in Strategy::ALL {
+            let p = plan_groups_keeping(&c, s, 1);
+            assert_eq!(p.kept, 1);
+            assert_eq!(&p.starts[..2], &[0, 1], "{s}");
+            assert!(!p.copies(0) && p.copies(1));
+            assert_eq!(p.copied_groups(), p.groups() - 1);
+            assert!(p.predicted < 10.0, "{s}: {}", p.predicted);
+        }
+        // Unit 0 computes (0..1) while unit 1 copies (0..2); 1 computes
+        // (2..3) while 2 copies (2..4); 2 computes (4..5).
+        assert_eq!(
+            plan_groups_keeping(&c, Strategy::PerLayer, 1).predicted,
+            5.0
+        );
+        // Single: units 1..3 copy in one group (0..4), then compute 2.
+        assert_eq!(plan_groups_keeping(&c, Strategy::Single, 1).predicted, 6.0);
+        // Kept whole: the compute alone.
+        let all = plan_groups_keeping(&c, Strategy::Pipelined, 3);
+        assert_eq!((all.starts.clone(), all.predicted), (vec![0], 3.0));
+        // Nothing kept is the ordinary plan.
+        assert_eq!(
+            plan_groups_keeping(&c, Strategy::Pipelined, 0),
+            plan_groups(&c, Strategy::Pipelined)
+        );
+    }
+
+    /// `auto`: copy and compute equal, so the pipeline's fill is the loss;
+    /// the smallest prefix that brings the prediction within 2 % of the
+    /// bound with it resident.
+    #[test]
+    fn auto_keep_is_the_smallest_prefix_that_meets_the_target() {
+        let c = costs(vec![1.0; 10], vec![1.0; 10], 0.0);
+        let k = auto_keep(&c, 1.02);
+        let meets = |kept: usize| {
+            let rest: f64 = c.copy[kept..].iter().sum();
+            plan_groups_keeping(&c, Strategy::Pipelined, kept).predicted
+                <= 1.02 * f64::max(rest, 10.0) + 1e-12
+        };
+        assert!(k > 0 && meets(k), "{k}");
+        assert!((0..k).all(|j| !meets(j)), "{k}");
+        // Copy far below compute: no fill worth keeping anything for.
+        let c = costs(vec![0.0; 10], vec![1.0; 10], 0.0);
+        assert_eq!(auto_keep(&c, 1.02), 0);
+    }
+
+    proptest! {
+        #[test]
+        fn kept_plans_match_exhaustive_search(
+            units in proptest::collection::vec((0.0f64..5.0, 0.0f64..5.0), 2..8),
+            o in 0.0f64..2.0,
+            kept_at in 0.0f64..1.0,
+        ) {
+            let c = costs(
+                units.iter().map(|u| u.0).collect(),
+                units.iter().map(|u| u.1).collect(),
+                o,
+            );
+            let n = units.len();
+            let kept = ((n as f64 * kept_at) as usize).min(n - 1);
+            // Every cut of the rest, the kept prefix its own group.
+            let best = all_cuts(n - kept)
+                .iter()
+                .map(|s| {
+                    let starts: Vec<usize> = (kept > 0)
+                        .then_some(0)
+                        .into_iter()
+                        .chain(s.iter().map(|i| i + kept))
+                        .collect();
+                    predict_keeping(&c, &starts, kept)
+                })
+                .fold(f64::INFINITY, f64::min);
+            let p = plan_groups_keeping(&c, Strategy::Pipelined, kept);
+            prop_assert!((p.predicted - best).abs() < 1e-9, "dp {} vs {}", p.predicted, best);
+            // Never below the compute, nor the rest's copy.
+            let rest: f64 = c.copy[kept..].iter().sum();
+            let work: f64 = c.compute.iter().sum();
+            prop_assert!(p.predicted + 1e-9 >= f64::max(rest, work));
+            // Keeping more never predicts a slower switch than keeping none.
+            prop_assert!(p.predicted <= plan_groups(&c, Strategy::Pipelined).predicted + 1e-9);
         }
     }
 

@@ -53,6 +53,9 @@ mod overhead;
 /// Half epilogue chains (casts around a batch norm) as one kernel.
 mod epilogue_half;
 
+/// Partial eviction: the first units kept on the device.
+mod keep;
+
 /// Fused epilogues against the CPU and the unfused kernels (`fused.rs`).
 mod fused;
 

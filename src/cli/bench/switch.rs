@@ -10,6 +10,11 @@
 //! bit-identical to the resident run. `--precision bf16` (or `fp16`) stores
 //! the weights in half (`lanes_adaptor::amp`), so a switch copies about half
 //! the bytes (docs/switching.md).
+//!
+//! `--keep auto|BYTES` (default `auto`) adds the row `pipelined_keep`: the
+//! pipelined switch of a program evicted *partially*, its first units kept
+//! on the device (`Program::evict_keeping`), with the bytes kept and its
+//! ratio to both bounds; `--keep none` leaves it out.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -47,6 +52,40 @@ pub struct SwitchArgs {
     /// job's registered shared segment).
     #[arg(long)]
     pageable_feeds: bool,
+    /// Partial eviction for the `pipelined_keep` row: `auto` (the bytes
+    /// `Program::auto_keep_bytes` picks from the measured costs), a byte
+    /// count (`16MiB`), or `none` (no such row).
+    #[arg(long, default_value = "auto", value_parser = parse_keep)]
+    keep: Keep,
+}
+
+/// What `--keep` asks a partial eviction to keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    None,
+    Auto,
+    Bytes(u64),
+}
+
+fn parse_keep(s: &str) -> Result<Keep, String> {
+    match s {
+        "none" => Ok(Keep::None),
+        "auto" => Ok(Keep::Auto),
+        _ => lanes::size::parse_size(s)
+            .map(Keep::Bytes)
+            .map_err(|e| format!("{e} (or auto, none)")),
+    }
+}
+
+/// One strategy's timed switches.
+struct Timed {
+    times: Vec<f64>,
+    groups: usize,
+    replayed: bool,
+    identical: bool,
+    traces: Vec<Option<lanes::residency::SwitchTrace>>,
+    kept_bytes: u64,
+    copied_bytes: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -120,51 +159,61 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     let mut identical = true;
     for s in Strategy::ALL {
         eprintln!("switching with {s} …");
-        // One untimed switch records this cut's segments (CUDA).
-        prog.evict()?;
-        prog.run_switching(&feeds, &fetch, s)?;
-        let mut times = Vec::with_capacity(a.iters);
-        let mut groups = 0;
-        let mut replayed = true;
-        let mut traces = Vec::with_capacity(a.iters);
-        let bar = crate::cli::bar(a.iters, &format!("switches with {s}"));
-        for _ in 0..a.iters {
-            prog.evict()?;
-            let t = Instant::now();
-            let (out, rep) = prog.run_switching(&feeds, &fetch, s)?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-            groups = rep.as_ref().map_or(0, |r| r.groups);
-            traces.push(rep.as_ref().and_then(|r| r.trace.clone()));
-            replayed &= rep.is_some_and(|r| r.replayed);
-            identical &= bits(&out)? == want;
-            bar.inc(1);
-        }
-        bar.finish_and_clear();
-        let m = median(times.clone());
-        // The trace of the switch whose time is the median
-        // (LANES_SWITCH_TRACE=1).
-        let mut by_time: Vec<usize> = (0..times.len()).collect();
-        by_time.sort_by(|&i, &j| times[i].total_cmp(&times[j]));
-        let trace = by_time
-            .get(by_time.len() / 2)
-            .and_then(|&i| traces.get(i).cloned().flatten());
-        medians.insert(s.name(), m);
+        let t = timed(&mut prog, &feeds, &fetch, &want, s, 0, a.iters)?;
+        identical &= t.identical;
         let plan = prog.plan(s);
-        rows.insert(
-            s.name().into(),
-            serde_json::json!({
-                "median_ms": m,
-                "min_ms": times.iter().copied().fold(f64::INFINITY, f64::min),
-                "groups": groups,
-                "replayed_segments": replayed,
-                "predicted_ms": plan.predicted * 1e3,
-                "trace": trace,
-            }),
-        );
+        medians.insert(s.name(), median(t.times.clone()));
+        rows.insert(s.name().into(), row(&t, plan.predicted));
+    }
+    // A partial eviction: the first units stay, the rest is switched in
+    // pipelined.
+    let keep = match a.keep {
+        Keep::None => None,
+        Keep::Auto => Some(prog.auto_keep_bytes().unwrap_or(0)),
+        Keep::Bytes(b) => Some(b),
+    };
+    let mut kept = None;
+    if let Some(keep) = keep {
+        eprintln!("switching with pipelined, keeping {keep} bytes …");
+        let t = timed(
+            &mut prog,
+            &feeds,
+            &fetch,
+            &want,
+            Strategy::Pipelined,
+            keep,
+            a.iters,
+        )?;
+        identical &= t.identical;
+        prog.evict_keeping(keep)?;
+        let plan = prog.plan(Strategy::Pipelined);
+        let units = prog.kept_units();
+        let kept_device = prog.kept_bytes();
+        prog.evict()?;
+        let mut r = row(&t, plan.predicted);
+        if let Some(o) = r.as_object_mut() {
+            o.insert("keep_requested_bytes".into(), keep.into());
+            o.insert("kept_bytes".into(), kept_device.into());
+            o.insert("kept_units".into(), units.into());
+            o.insert("kept_persistent_bytes".into(), t.kept_bytes.into());
+            o.insert("copied_bytes".into(), t.copied_bytes.into());
+            o.insert(
+                "kept_percent_of_p".into(),
+                (100.0 * kept_device as f64 / bytes.max(1) as f64).into(),
+            );
+        }
+        medians.insert("pipelined_keep", median(t.times.clone()));
+        rows.insert("pipelined_keep".into(), r);
+        kept = Some(t.copied_bytes);
     }
     let copy_ms = bandwidth.map(|bw| bytes as f64 / bw * 1e3);
     let bound_ms = copy_ms.map_or(resident_ms, |c| c.max(resident_ms));
     let pipelined = medians["pipelined"];
+    // With the kept prefix resident the bound is max(copy of the rest,
+    // compute).
+    let copy_rest_ms = kept.and_then(|c| bandwidth.map(|bw| c as f64 / bw * 1e3));
+    let rest_bound_ms = kept.map(|_| copy_rest_ms.map_or(resident_ms, |c| c.max(resident_ms)));
+    let keep_ratio = |b: f64| medians.get("pipelined_keep").map(|m| m / b);
     let json = serde_json::json!({
         "bench": "switch",
         "model": a.model,
@@ -182,6 +231,10 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "lower_bound_ms": bound_ms,
         "strategies": rows,
         "pipelined_over_bound": pipelined / bound_ms,
+        "copy_rest_ms": copy_rest_ms,
+        "rest_bound_ms": rest_bound_ms,
+        "pipelined_keep_over_bound": keep_ratio(bound_ms),
+        "pipelined_keep_over_rest_bound": rest_bound_ms.and_then(keep_ratio),
         "load_then_run_over_pipelined": medians["single"] / pipelined,
         "per_layer_over_pipelined": medians["per_layer"] / pipelined,
         "outputs_identical_to_resident": identical,
@@ -194,4 +247,66 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         bail!("a switched run's output differs from the resident run");
     }
     Ok(())
+}
+
+/// `iters` timed switches with `strategy` after one untimed one (which
+/// records its segments on CUDA), each after an eviction keeping `keep`
+/// bytes (0: whole); outputs compared with `want`.
+fn timed(
+    prog: &mut Program,
+    feeds: &BTreeMap<String, Tensor>,
+    fetch: &[String],
+    want: &[u32],
+    strategy: Strategy,
+    keep: u64,
+    iters: usize,
+) -> anyhow::Result<Timed> {
+    prog.evict_keeping(keep)?;
+    prog.run_switching(feeds, fetch, strategy)?;
+    let mut t = Timed {
+        times: Vec::with_capacity(iters),
+        groups: 0,
+        replayed: true,
+        identical: true,
+        traces: Vec::with_capacity(iters),
+        kept_bytes: 0,
+        copied_bytes: 0,
+    };
+    let bar = crate::cli::bar(iters, &format!("switches with {strategy}"));
+    for _ in 0..iters {
+        prog.evict_keeping(keep)?;
+        let t0 = Instant::now();
+        let (out, rep) = prog.run_switching(feeds, fetch, strategy)?;
+        t.times.push(t0.elapsed().as_secs_f64() * 1e3);
+        if let Some(r) = &rep {
+            t.groups = r.groups;
+            t.kept_bytes = r.kept_bytes;
+            t.copied_bytes = r.bytes;
+        }
+        t.traces.push(rep.as_ref().and_then(|r| r.trace.clone()));
+        t.replayed &= rep.is_some_and(|r| r.replayed);
+        t.identical &= bits(&out)? == want;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(t)
+}
+
+/// A strategy's row of the report.
+fn row(t: &Timed, predicted: f64) -> serde_json::Value {
+    // The trace of the switch whose time is the median
+    // (LANES_SWITCH_TRACE=1).
+    let mut by_time: Vec<usize> = (0..t.times.len()).collect();
+    by_time.sort_by(|&i, &j| t.times[i].total_cmp(&t.times[j]));
+    let trace = by_time
+        .get(by_time.len() / 2)
+        .and_then(|&i| t.traces.get(i).cloned().flatten());
+    serde_json::json!({
+        "median_ms": median(t.times.clone()),
+        "min_ms": t.times.iter().copied().fold(f64::INFINITY, f64::min),
+        "groups": t.groups,
+        "replayed_segments": t.replayed,
+        "predicted_ms": predicted * 1e3,
+        "trace": trace,
+    })
 }

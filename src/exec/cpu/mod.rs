@@ -50,6 +50,9 @@ use crate::residency::{
 /// next run brings it back in groups on a copier thread while the
 /// iteration already computes ([`CpuProgram::run_switching`]). Eviction
 /// also gives up the ephemeral arena; the next run takes it again.
+/// [`CpuProgram::evict_keeping`] keeps the buffer's first units (the
+/// stand-in for the device memory a partially evicted CUDA program keeps
+/// mapped): the switch copies only the rest.
 #[derive(Debug)]
 pub struct CpuProgram {
     graph: ValidGraph,
@@ -97,6 +100,10 @@ struct Residency {
     updates: bool,
     /// Per-unit copy seconds, measured when the host copy was taken.
     copy: Option<Vec<f64>>,
+    /// While evicted partially: the persistent buffer's first words (the
+    /// first `kept_units` units), still held; empty otherwise.
+    kept: Vec<u64>,
+    kept_units: usize,
     profile: Option<Profile>,
     plans: PlanCache,
 }
@@ -210,6 +217,8 @@ impl CpuProgram {
                 dirty: true,
                 updates,
                 copy: None,
+                kept: Vec::new(),
+                kept_units: 0,
                 profile: None,
                 plans: PlanCache::default(),
             }),
@@ -271,12 +280,46 @@ impl CpuProgram {
     }
 
     /// Bytes of persistent memory the program holds of its own now (P
-    /// while resident in its own buffer; 0 while evicted or given memory).
+    /// while resident in its own buffer; the kept prefix while evicted
+    /// partially; 0 while evicted whole or given memory).
     pub fn own_persistent_bytes(&self) -> u64 {
         match &self.persist {
             Persist::Own(v) => (v.len() * 8) as u64,
-            Persist::Given | Persist::Evicted => 0,
+            Persist::Evicted => self.kept_bytes(),
+            Persist::Given => 0,
         }
+    }
+
+    /// Bytes of the persistent buffer still held while evicted partially
+    /// ([`CpuProgram::evict_keeping`]); 0 while resident or evicted whole.
+    pub fn kept_bytes(&self) -> u64 {
+        (self.res.kept.len() * 8) as u64
+    }
+
+    /// Units kept while evicted partially (0 otherwise).
+    pub fn kept_units(&self) -> usize {
+        self.res.kept_units
+    }
+
+    /// The units and words a partial eviction asked to keep `bytes` holds:
+    /// the fewest whole units whose words cover `bytes` (all of them when
+    /// `bytes` is P or more).
+    fn keep_for(&self, bytes: u64) -> (usize, usize) {
+        let n = self.res.layout.units.len();
+        let units = (0..=n)
+            .find(|&u| (self.places.unit_range(0..u).end * 8) as u64 >= bytes)
+            .unwrap_or(n);
+        (units, self.places.unit_range(0..units).end)
+    }
+
+    /// The bytes `auto` keeps ([`crate::residency::auto_keep`] on the
+    /// measured costs, as whole units); `None` until the program has been
+    /// profiled (a resident run) and evicted once (the copy costs).
+    pub fn auto_keep_bytes(&self) -> Option<u64> {
+        self.res.copy.as_ref()?;
+        self.res.profile.as_ref()?;
+        let units = crate::residency::auto_keep(&self.costs(), crate::residency::AUTO_KEEP_SLACK);
+        Some((self.places.unit_range(0..units).end * 8) as u64)
     }
 
     /// Host copy bandwidth in bytes/s, measured when the host copy was taken.
@@ -300,7 +343,39 @@ impl CpuProgram {
     /// [`CpuProgram::evict`] of a program whose variables live in
     /// `persistent` (handed in: see [`CpuMemory`]).
     pub fn evict_in(&mut self, persistent: Option<&[u64]>) -> Result<u64, ExecError> {
+        self.evict_keeping_in(persistent, 0)
+    }
+
+    /// [`CpuProgram::evict`] that keeps the persistent buffer's first
+    /// units, at least `bytes` of it (whole units; 0: evict whole): the
+    /// next switch copies only the rest while the kept units already
+    /// compute. Evicting a partially evicted program whole (`bytes` 0)
+    /// gives the kept prefix up too; otherwise a program already evicted
+    /// is left as it is. Only for a program in its own memory: one whose
+    /// variables live in memory the service hands in is evicted whole.
+    pub fn evict_keeping(&mut self, bytes: u64) -> Result<u64, ExecError> {
+        if bytes > 0 && self.is_given() {
+            return Err(ExecError::Op {
+                node: String::new(),
+                op: "evict",
+                reason: "a program whose memory the service hands in is evicted whole".into(),
+            });
+        }
+        self.evict_keeping_in(None, bytes)
+    }
+
+    fn evict_keeping_in(
+        &mut self,
+        persistent: Option<&[u64]>,
+        bytes: u64,
+    ) -> Result<u64, ExecError> {
         if !self.is_resident() {
+            if bytes == 0 && self.res.kept_units > 0 {
+                self.res.kept = Vec::new();
+                self.res.kept_units = 0;
+                let costs = self.costs();
+                self.res.plans.fill(&costs, 0);
+            }
             return Ok(0);
         }
         let n = self.places.words();
@@ -328,17 +403,35 @@ impl CpuProgram {
             res.plans.invalidate();
             res.dirty = false;
         }
-        self.persist = Persist::Evicted;
+        let (units, words) = if bytes > 0 {
+            self.keep_for(bytes)
+        } else {
+            (0, 0)
+        };
+        self.res.kept = match std::mem::replace(&mut self.persist, Persist::Evicted) {
+            Persist::Own(mut v) if units > 0 => {
+                v.truncate(words);
+                v.shrink_to_fit();
+                v
+            }
+            _ => Vec::new(),
+        };
+        self.res.kept_units = if self.res.kept.is_empty() { 0 } else { units };
         self.arena.release();
         let costs = self.costs();
-        self.res.plans.fill(&costs);
+        self.res.plans.fill(&costs, self.res.kept_units);
         Ok(copied)
     }
 
     /// The group plan `strategy` would use now (copy costs are known once
     /// the program was evicted; compute costs once it ran resident).
     pub fn plan(&self, strategy: Strategy) -> GroupPlan {
-        self.res.plans.get(strategy, || self.costs())
+        let kept = if self.is_resident() {
+            0
+        } else {
+            self.res.kept_units
+        };
+        self.res.plans.get(strategy, kept, || self.costs())
     }
 
     /// The measured costs (zeros where nothing was measured yet).
@@ -427,7 +520,11 @@ impl CpuProgram {
             return out.map(|o| (o, None));
         }
         // Evicted: back into the memory handed in, or a new own buffer.
-        let plan = res.plans.get(strategy, || res.costs());
+        let plan = res.plans.get(strategy, res.kept_units, || res.costs());
+        // The kept prefix (a partial eviction) is already in place below.
+        let kept = std::mem::take(&mut res.kept);
+        res.kept_units = 0;
+        let kw = kept.len();
         let host = res
             .host
             .as_deref()
@@ -437,18 +534,29 @@ impl CpuProgram {
         let to_own = region.is_none();
         let mut own: Vec<u64> = Vec::new();
         let target: &mut [u64] = match region {
-            Some(r) => r,
+            Some(r) => {
+                r.get_mut(..kw)
+                    .ok_or_else(no_memory)?
+                    .copy_from_slice(&kept);
+                r
+            }
             None => {
-                own.try_reserve_exact(n).map_err(|e| ExecError::Op {
-                    node: String::new(),
-                    op: "restore",
-                    reason: format!("cannot allocate {} bytes: {e}", n * 8),
-                })?;
+                own = kept;
+                own.try_reserve_exact(n.saturating_sub(kw))
+                    .map_err(|e| ExecError::Op {
+                        node: String::new(),
+                        op: "restore",
+                        reason: format!("cannot allocate {} bytes: {e}", n * 8),
+                    })?;
                 own.resize(n, 0);
                 &mut own
             }
         };
         let units = &res.layout.units;
+        let kept_bytes: u64 = units[..plan.kept.min(units.len())]
+            .iter()
+            .map(|u| u.bytes)
+            .sum();
         // Per group: where the iteration first needs it, and its words.
         let groups: Vec<(usize, std::ops::Range<usize>)> = (0..plan.groups())
             .map(|k| {
@@ -458,8 +566,12 @@ impl CpuProgram {
             })
             .collect();
         let out = if groups.len() <= 1 {
-            // One group: copy, then run (no copier thread to start).
-            target.copy_from_slice(host.get(..n).ok_or_else(no_memory)?);
+            // One group: copy (all but the kept prefix), then run (no
+            // copier thread to start).
+            target
+                .get_mut(kw..)
+                .ok_or_else(no_memory)?
+                .copy_from_slice(host.get(kw..n).ok_or_else(no_memory)?);
             let mut vars = Vars::whole(target);
             let mem = program::Memory {
                 places,
@@ -483,11 +595,13 @@ impl CpuProgram {
             }
             let starts: Vec<usize> = groups.iter().map(|(_, r)| r.start).collect();
             let copier_groups = &groups;
+            let copier_plan = &plan;
             std::thread::scope(|s| {
                 let (tx, rx) = crossbeam_channel::unbounded::<(usize, &mut [u64])>();
                 s.spawn(move || {
                     for (k, (piece, (_, r))) in pieces.into_iter().zip(copier_groups).enumerate() {
-                        if let Some(src) = host.get(r.clone()) {
+                        // The kept group is in place already.
+                        if let (true, Some(src)) = (copier_plan.copies(k), host.get(r.clone())) {
                             piece.copy_from_slice(src);
                         }
                         if tx.send((k, piece)).is_err() {
@@ -518,7 +632,8 @@ impl CpuProgram {
             strategy,
             replayed: false,
             groups: plan.groups(),
-            bytes: res.layout.bytes(),
+            bytes: res.layout.bytes() - kept_bytes,
+            kept_bytes,
             predicted: plan.predicted,
             trace: None,
         };
@@ -611,7 +726,16 @@ impl CpuProgram {
                 given(p, n)?
             }
             (Persist::Given, None) => return Err(no_memory()),
-            (Persist::Evicted, _) => self.res.host.as_deref_mut().ok_or_else(no_memory)?,
+            (Persist::Evicted, _) => {
+                // The kept prefix (a partial eviction) gets its values too.
+                let kept = &mut self.res.kept;
+                for ((_, t), span) in values.iter().zip(&spans) {
+                    if span.start + span.len <= kept.len() {
+                        vars::write(kept, *span, t)?;
+                    }
+                }
+                self.res.host.as_deref_mut().ok_or_else(no_memory)?
+            }
         };
         for ((_, t), span) in values.iter().zip(spans) {
             vars::write(words, span, t)?;

@@ -185,9 +185,22 @@ impl CudaProgram {
             let bytes = host
                 .as_mut_slice()
                 .map_err(|e| dev_err("pinned memory", e))?;
-            for ((_, t), off) in todo.iter().zip(offs) {
+            for ((_, t), off) in todo.iter().zip(&offs) {
                 let src: &[u8] = t.data().ne_bytes();
-                bytes[off..off + src.len()].copy_from_slice(src);
+                bytes[*off..*off + src.len()].copy_from_slice(src);
+            }
+            // The kept block of a partial eviction gets them too (it is
+            // not copied back at the switch).
+            let kept = self.arena.kept_bytes();
+            let mut uploaded = false;
+            for ((o, t), off) in todo.iter().zip(offs) {
+                if off + t.data().ne_bytes().len() <= kept {
+                    self.upload(*o, *t)?;
+                    uploaded = true;
+                }
+            }
+            if uploaded {
+                self.sync()?;
             }
             return Ok(());
         }

@@ -96,7 +96,7 @@ pub struct CudaProgram {
     /// fetch re-plans it).
     pub(super) fusion: Fusion,
     /// The recorded iteration (valid for the program's lifetime: the arena
-    /// keeps its address across evictions, see `vm.rs`).
+    /// keeps its address across evictions, see `vm/`).
     captured: Option<CudaGraph>,
     /// Captures that failed; after [`CAPTURE_TRIES`] launch op by op.
     capture_failures: u32,
@@ -156,6 +156,9 @@ struct Residency {
     /// Pinned host image of the persistent region; current unless `dirty`.
     host: Option<PinnedHostSlice<u8>>,
     resident: bool,
+    /// While evicted partially: the units whose bytes stayed mapped (the
+    /// arena's kept block, `VmArena::kept_bytes`); 0 otherwise.
+    kept_units: usize,
     dirty: bool,
     /// Iterations change variables (in-place ops).
     updates: bool,
@@ -167,9 +170,10 @@ struct Residency {
     /// GPU time of one replay of the recorded iteration, seconds: the
     /// op-by-op profile is scaled to it.
     graph_secs: Option<f64>,
-    /// Per-strategy recorded segments (one CUDA graph per group's nodes,
-    /// after the prefix), valid for the cut they were recorded for.
-    segments: std::collections::HashMap<Strategy, Segments>,
+    /// Recorded segments by strategy and kept units (one CUDA graph per
+    /// group's nodes, after the prefix), valid for the cut they were
+    /// recorded for.
+    segments: std::collections::HashMap<(Strategy, usize), Segments>,
     plans: PlanCache,
 }
 
@@ -361,6 +365,7 @@ impl CudaProgram {
                 copy: copy_stream,
                 host: None,
                 resident: true,
+                kept_units: 0,
                 dirty: true,
                 profile: None,
                 link: None,

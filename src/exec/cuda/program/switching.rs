@@ -66,9 +66,46 @@ impl CudaProgram {
         self.res.link.map(|(bw, _)| bw)
     }
 
-    /// The group plan `strategy` would use now.
+    /// The group plan `strategy` would use now (for the units a partial
+    /// eviction kept, when evicted so).
     pub fn plan(&self, strategy: Strategy) -> GroupPlan {
-        self.res.plans.get(strategy, || self.costs())
+        let kept = if self.res.resident {
+            0
+        } else {
+            self.res.kept_units
+        };
+        self.res.plans.get(strategy, kept, || self.costs())
+    }
+
+    /// Device bytes of the persistent region still mapped while evicted
+    /// partially ([`CudaProgram::evict_keeping`]); 0 while resident or
+    /// evicted whole.
+    pub fn kept_bytes(&self) -> u64 {
+        if self.res.resident {
+            0
+        } else {
+            self.arena.kept_bytes() as u64
+        }
+    }
+
+    /// Units kept on the device while evicted partially (0 otherwise).
+    pub fn kept_units(&self) -> usize {
+        if self.res.resident {
+            0
+        } else {
+            self.res.kept_units
+        }
+    }
+
+    /// The bytes `auto` keeps ([`crate::residency::auto_keep`] on the
+    /// measured costs: the end of the last kept unit in the persistent
+    /// region); `None` until the link was measured and the program
+    /// profiled (`prepare_standby`, or a resident run and an eviction).
+    pub fn auto_keep_bytes(&self) -> Option<u64> {
+        self.res.link?;
+        self.res.profile.as_ref()?;
+        let units = crate::residency::auto_keep(&self.costs(), crate::residency::AUTO_KEEP_SLACK);
+        Some(units.checked_sub(1).map_or(0, |u| self.res.ranges[u].1) as u64)
     }
 
     /// The measured costs (zeros where nothing was measured yet).
@@ -108,21 +145,130 @@ impl CudaProgram {
     /// image is stale (always for training state; once for an inference
     /// graph) and releases the device arena. Returns the bytes copied.
     pub fn evict(&mut self) -> Result<u64, ExecError> {
+        self.evict_keeping(0)
+    }
+
+    /// [`CudaProgram::evict`] that keeps the persistent region's first
+    /// units mapped, at least `bytes` of it (whole units, then whole
+    /// pieces of the mapping granularity: the kept block is
+    /// [`CudaProgram::kept_bytes`]; 0: evict whole). The next switch copies
+    /// only the units beyond the kept block while the kept ones already
+    /// compute. The arena's own memory is cut in two blocks at the kept
+    /// size (`VmArena::set_keep`); when that cut changes, this eviction
+    /// maps the kept block anew and fills it from the host image (a copy
+    /// of the kept bytes, once per change). Evicting a partially evicted
+    /// program whole (`bytes` 0) gives the kept block up too; otherwise a
+    /// program already evicted is left as it is.
+    pub fn evict_keeping(&mut self, bytes: u64) -> Result<u64, ExecError> {
         if !self.res.resident {
+            if bytes == 0 && self.arena.kept_bytes() > 0 {
+                self.gpu
+                    .ctx
+                    .bind_to_thread()
+                    .map_err(|e| dev_err("bind", e))?;
+                self.sync()?;
+                self.arena.unmap()?;
+                self.res.kept_units = 0;
+                let costs = self.costs();
+                self.res.plans.fill(&costs, 0);
+            }
             return Ok(0);
         }
         let t0 = std::time::Instant::now();
         let copied = self.refresh_host_image()?.copied;
         let t1 = std::time::Instant::now();
-        self.arena.unmap()?;
+        // The fewest whole units holding `bytes`, then the block holding
+        // them, and every unit inside that block.
+        let ranges = &self.res.ranges;
+        let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+        let want = match ranges.iter().position(|r| r.1 >= bytes) {
+            _ if bytes == 0 => 0,
+            Some(u) => ranges[u].1,
+            None => self.res.bytes,
+        };
+        let keep = self.arena.keep_for(want)?;
+        let kept_units = ranges.iter().take_while(|r| r.1 <= keep).count();
+        let costs = self.costs();
+        self.res.plans.fill(&costs, kept_units);
+        if kept_units > 0 {
+            self.record_kept_segments(kept_units);
+        }
+        if keep == self.arena.keep() && (keep == 0 || self.arena.kept_bytes() > 0) {
+            self.arena.unmap_keeping()?;
+        } else {
+            self.arena.unmap()?;
+            self.arena.set_keep(keep)?;
+            if keep > 0 {
+                self.fill_kept()?;
+            }
+        }
         self.res.resident = false;
+        self.res.kept_units = kept_units;
         tracing::debug!(
             copied,
+            kept = keep,
             host_ms = (t1 - t0).as_secs_f64() * 1e3,
             unmap_ms = t1.elapsed().as_secs_f64() * 1e3,
             "evicted"
         );
         Ok(copied)
+    }
+
+    /// Maps the kept block (just cut) and fills it from the host image
+    /// (current: `refresh_host_image` ran).
+    fn fill_kept(&mut self) -> Result<(), ExecError> {
+        self.arena.map_kept()?;
+        let n = self.arena.kept_bytes().min(self.res.bytes);
+        let host = self
+            .res
+            .host
+            .as_ref()
+            .ok_or_else(|| dev_err("evict", "the program has no host image"))?;
+        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let src = src
+            .get(..n)
+            .ok_or_else(|| dev_err("evict", "the host image is short"))?;
+        // SAFETY: [base, base + n) is the kept block, mapped just above;
+        // the pinned source lives in `self` and the copy stream is
+        // synchronised below.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.base, src, self.res.copy.cu_stream())
+        }
+        .map_err(|e| dev_err("host to device copy", e))?;
+        wait_idle(&self.res.copy)
+    }
+
+    /// Records the segments of the pipelined plan with `kept` units on the
+    /// device (while resident, before a partial eviction), unless recorded:
+    /// the first partial switch then replays too. Recording launches
+    /// nothing; a failure only means that switch launches op by op.
+    fn record_kept_segments(&mut self, kept: usize) {
+        if !self.options.cuda_graph
+            || self.capture_failures >= CAPTURE_TRIES
+            || self.res.graph_secs.is_none()
+            || self.res.link.is_none()
+        {
+            return;
+        }
+        let plan = self
+            .res
+            .plans
+            .get(Strategy::Pipelined, kept, || self.costs());
+        let key = (Strategy::Pipelined, kept);
+        if self
+            .res
+            .segments
+            .get(&key)
+            .is_some_and(|sg| sg.starts == plan.starts)
+        {
+            return;
+        }
+        match self.record_segments(&plan) {
+            Ok(sg) => {
+                self.res.segments.insert(key, sg);
+            }
+            Err(e) => tracing::debug!(error = %e, "segments not recorded"),
+        }
     }
 
     /// Brings the pinned host image up to date (copying only when stale),
@@ -168,7 +314,7 @@ impl CudaProgram {
             self.res.plans.invalidate();
         }
         let costs = self.costs();
-        self.res.plans.fill(&costs);
+        self.res.plans.fill(&costs, 0);
         Ok(Refreshed {
             copied,
             link_measured,
@@ -217,7 +363,7 @@ impl CudaProgram {
         if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
             let plan = self.plan(Strategy::Pipelined);
             let sg = self.record_segments(&plan)?;
-            self.res.segments.insert(Strategy::Pipelined, sg);
+            self.res.segments.insert((Strategy::Pipelined, 0), sg);
         }
         times.segments = lap();
         Ok(times)
@@ -328,9 +474,12 @@ impl CudaProgram {
         // are mapped while the earlier groups copy (below); a fill touches
         // it all at once.
         let units = &self.res.layout.units;
+        // The first copied group's end (a partial eviction's kept group is
+        // mapped already).
+        let copied_from = usize::from(!plan.copies(0));
         let first = match plan.groups() {
-            0 => 0,
-            _ => self.res.ranges[plan.range(0, units.len()).end - 1].1,
+            g if g <= copied_from => 0,
+            _ => self.res.ranges[plan.range(copied_from, units.len()).end - 1].1,
         };
         if fill.is_some() {
             self.arena.map()?;
@@ -397,9 +546,15 @@ impl CudaProgram {
             .ok_or_else(|| dev_err("restore", "the evicted program has no host image"))?;
         let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
         let units = &self.res.layout.units;
-        let mut groups: Vec<(usize, CudaEvent)> = Vec::with_capacity(plan.groups());
+        // Each group's first consumer and its copy's event (none for the
+        // kept group: its bytes stayed on the device).
+        let mut groups: Vec<(usize, Option<CudaEvent>)> = Vec::with_capacity(plan.groups());
         for k in 0..plan.groups() {
             let r = plan.range(k, units.len());
+            if !plan.copies(k) {
+                groups.push((units[r.start].first_use, None));
+                continue;
+            }
             let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
             self.arena.map_through(hi)?;
             // SAFETY: [lo, hi) lies in the persistent region of the new arena
@@ -413,7 +568,7 @@ impl CudaProgram {
                 )
             }
             .map_err(|e| dev_err("host to device copy", e))?;
-            groups.push((units[r.start].first_use, self.event(copy, traced)?));
+            groups.push((units[r.start].first_use, Some(self.event(copy, traced)?)));
             if traced {
                 trace.host_enqueued_ms.push(ms(std::time::Instant::now()));
             }
@@ -424,7 +579,7 @@ impl CudaProgram {
         let recorded = self
             .res
             .segments
-            .get(&strategy)
+            .get(&(strategy, plan.kept))
             .filter(|sg| sg.starts == plan.starts);
         let replayed = recorded.is_some();
         let mut done: Vec<CudaEvent> = Vec::new();
@@ -432,9 +587,9 @@ impl CudaProgram {
             // Prefix, then each group's segment after its copy event.
             let mut r = Ok(());
             for (k, g) in sg.graphs.iter().enumerate() {
-                if k > 0 {
+                if let Some((_, Some(ev))) = k.checked_sub(1).and_then(|g| groups.get(g)) {
                     self.stream
-                        .wait(&groups[k - 1].1)
+                        .wait(ev)
                         .map_err(|e| dev_err("stream wait", e))?;
                 }
                 if let Some(g) = g {
@@ -447,7 +602,7 @@ impl CudaProgram {
                     done.push(self.event(&self.stream, true)?);
                 }
             }
-            for (_, ev) in &groups {
+            for ev in groups.iter().filter_map(|(_, e)| e.as_ref()) {
                 self.stream
                     .wait(ev)
                     .map_err(|e| dev_err("stream wait", e))?;
@@ -457,9 +612,11 @@ impl CudaProgram {
             let mut next = 0;
             let mut wait_until = |pos: usize| -> Result<(), ExecError> {
                 while next < groups.len() && groups[next].0 <= pos {
-                    self.stream
-                        .wait(&groups[next].1)
-                        .map_err(|e| dev_err("stream wait", e))?;
+                    if let Some(ev) = &groups[next].1 {
+                        self.stream
+                            .wait(ev)
+                            .map_err(|e| dev_err("stream wait", e))?;
+                    }
                     next += 1;
                 }
                 Ok(())
@@ -478,7 +635,7 @@ impl CudaProgram {
         trace.host_done_ms = ms(std::time::Instant::now());
         if let Some(e0) = &start {
             trace.feeds_in_ms = between(e0, &feeds_in)?;
-            for (_, e) in &groups {
+            for e in groups.iter().filter_map(|(_, e)| e.as_ref()) {
                 trace.copy_done_ms.push(between(e0, e)?);
             }
             for e in &done {
@@ -486,6 +643,7 @@ impl CudaProgram {
             }
         }
         self.res.resident = true;
+        self.res.kept_units = 0;
         self.res.dirty = self.res.updates;
         if !replayed
             && r.is_ok()
@@ -496,16 +654,21 @@ impl CudaProgram {
             // Recording launches nothing: the switch's result is unchanged.
             match self.record_segments(&plan) {
                 Ok(sg) => {
-                    self.res.segments.insert(strategy, sg);
+                    self.res.segments.insert((strategy, plan.kept), sg);
                 }
                 Err(e) => tracing::debug!(error = %e, "segments not recorded"),
             }
         }
+        let kept_bytes: u64 = units[..plan.kept.min(units.len())]
+            .iter()
+            .map(|u| u.bytes)
+            .sum();
         let report = SwitchReport {
             strategy,
             replayed,
             groups: plan.groups(),
-            bytes: self.res.layout.bytes(),
+            bytes: self.res.layout.bytes() - kept_bytes,
+            kept_bytes,
             predicted: plan.predicted,
             trace: traced.then_some(trace),
         };

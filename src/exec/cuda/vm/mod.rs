@@ -14,10 +14,19 @@
 //! needs) and run one iteration at a time, so a lane holds
 //! `sum P + max T` bytes, not `sum (P + T)` ([`VmArena::bind_lane`]).
 //!
+//! The own part may be cut in two blocks, `[0, keep)` and `[keep, split)`
+//! ([`VmArena::set_keep`]), so that an eviction can give up the second
+//! and keep the first mapped ([`VmArena::unmap_keeping`]: a partial
+//! eviction, docs/switching.md). A block of one allocation maps only
+//! whole (the driver maps an allocation from its start), so the cut is
+//! made while the own part is unmapped.
+//!
 //! Physical blocks given up go to a process-wide free list keyed by size
 //! (the next block of the same size is mapped without asking the driver for
 //! new memory). The list keeps at most [`FREE_KEPT_BYTES`]; more is released
 //! to the driver. A block is given up when no arena maps it any more.
+//! The device reservation whose chunks every block is made of while one is
+//! held is in `reservation.rs`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -27,6 +36,11 @@ use cudarc::driver::CudaContext;
 
 use super::program::dev_err;
 use crate::exec::ExecError;
+
+mod reservation;
+
+use reservation::POOL;
+pub use reservation::{DeviceReservation, RESERVE_CHUNK};
 
 /// Bytes of given-up physical memory kept for reuse, process-wide.
 const FREE_KEPT_BYTES: usize = 8 << 30;
@@ -48,7 +62,7 @@ fn location(device: sys::CUdevice) -> sys::CUmemLocation {
     }
 }
 
-fn prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+pub(super) fn prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     // SAFETY: a plain C struct for which all-zero bytes are valid (null
     // pointer, zero enums and flags); the fields that matter are set below.
     let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
@@ -97,135 +111,10 @@ fn unmap_pieces(at: u64, bytes: usize, piece: usize) {
     }
 }
 
-fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
+pub(super) fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
     bytes
         .checked_next_multiple_of(gran)
         .ok_or_else(|| dev_err("arena size", "overflows"))
-}
-
-/// Smallest chunk of a device reservation: larger chunks waste more (a
-/// block is whole chunks), smaller ones cost more map calls per switch
-/// (2 MiB chunks doubled a ResNet-50 switch on the H100).
-pub const RESERVE_CHUNK: u64 = 16 << 20;
-
-/// Most chunks a reservation is cut into before its chunks grow (each is
-/// one `cuMemCreate` at start-up; 8192 × 16 MiB = 128 GiB).
-pub const MAX_RESERVE_CHUNKS: usize = 8192;
-
-/// The chunk of a reservation of `bytes`: [`RESERVE_CHUNK`], or the power
-/// of two that keeps it within [`MAX_RESERVE_CHUNKS`] chunks.
-pub fn reserve_chunk(bytes: usize) -> usize {
-    (bytes.div_ceil(MAX_RESERVE_CHUNKS))
-        .max(RESERVE_CHUNK as usize)
-        .checked_next_power_of_two()
-        .unwrap_or(RESERVE_CHUNK as usize)
-}
-
-/// The chunks of the device reservation (see [`DeviceReservation`]).
-struct Pool {
-    device: sys::CUdevice,
-    chunk: usize,
-    free: Vec<sys::CUmemGenericAllocationHandle>,
-}
-
-/// The device reservation's chunks while one is held (one per process).
-static POOL: Mutex<Option<Pool>> = Mutex::new(None);
-
-/// The service's device memory (`--memory`), taken at start-up as equal
-/// chunks: while it is held every block a program maps (persistent region,
-/// lane block) is made of its chunks, mapped side by side under the
-/// program's fixed address. Dropping it releases the free chunks; chunks
-/// still mapped go back to the driver when their program lets go.
-#[derive(Debug)]
-pub struct DeviceReservation {
-    ctx: Arc<CudaContext>,
-    chunk: usize,
-    chunks: usize,
-}
-
-impl DeviceReservation {
-    /// Takes `bytes` of device memory now, in chunks of
-    /// [`RESERVE_CHUNK`] (a larger power of two above
-    /// [`MAX_RESERVE_CHUNKS`] chunks; the lanes align to the chunk, which
-    /// must be a power of two), rounded down to whole chunks. One
-    /// reservation per process.
-    pub fn new(bytes: u64) -> Result<Self, ExecError> {
-        let gpu = super::device::gpu()?;
-        let ctx = gpu.ctx.clone();
-        ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        let gran = min_granularity(&ctx)?;
-        let bytes = usize::try_from(bytes).map_err(|_| dev_err("reservation", "too large"))?;
-        let chunk = round_up(reserve_chunk(bytes), gran)?;
-        let n = bytes / chunk;
-        if n == 0 {
-            return Err(dev_err(
-                "reservation",
-                format!(
-                    "{bytes} bytes is less than one reservation chunk ({chunk} bytes): \
-                     give --memory at least that"
-                ),
-            ));
-        }
-        let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-        if pool.is_some() {
-            return Err(dev_err("reservation", "this process already holds one"));
-        }
-        let device = ctx.cu_device();
-        let p = prop(device);
-        let mut free = Vec::with_capacity(n);
-        for _ in 0..n {
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: valid out-pointer and property struct.
-            if let Err(e) = unsafe { sys::cuMemCreate(&mut h, chunk, &p, 0) }.result() {
-                for h in free {
-                    // SAFETY: ours, mapped nowhere.
-                    let _ = unsafe { sys::cuMemRelease(h) };
-                }
-                return Err(dev_err(&format!("reserving {} bytes", n * chunk), e));
-            }
-            free.push(h);
-        }
-        *pool = Some(Pool {
-            device,
-            chunk,
-            free,
-        });
-        Ok(DeviceReservation {
-            ctx,
-            chunk,
-            chunks: n,
-        })
-    }
-
-    /// Bytes reserved.
-    pub fn size(&self) -> u64 {
-        (self.chunk * self.chunks) as u64
-    }
-
-    /// Blocks are whole chunks of this size.
-    pub fn chunk(&self) -> u64 {
-        self.chunk as u64
-    }
-
-    /// Bytes of it not mapped by any program now.
-    pub fn free_bytes(&self) -> u64 {
-        POOL.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map_or(0, |p| (p.free.len() * p.chunk) as u64)
-    }
-}
-
-impl Drop for DeviceReservation {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        if let Some(p) = POOL.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            for h in p.free {
-                // SAFETY: free chunks are mapped nowhere.
-                let _ = unsafe { sys::cuMemRelease(h) };
-            }
-        }
-    }
 }
 
 /// Physical memory of one arena part: one allocation, or chunks of the
@@ -375,23 +264,33 @@ pub fn lane_block_bytes() -> u64 {
     })
 }
 
+/// The kept prefix of the own memory (`[0, keep)`), the rest of it
+/// (`[keep, split)`) and the ephemeral part (`[split, size)`).
+const KEPT: usize = 0;
+const OWN: usize = 1;
+const EPH: usize = 2;
+
 /// A reserved virtual range: `[0, split)` mapped to the program's own
-/// block, `[split, size)` to its own or its lane's, while resident.
+/// blocks (`[0, keep)` and `[keep, split)`), `[split, size)` to its own or
+/// its lane's, while resident.
 pub(super) struct VmArena {
     ctx: Arc<CudaContext>,
     device: sys::CUdevice,
     va: u64,
     size: usize,
     split: usize,
+    /// Where the own memory is cut (0: one block for all of it).
+    keep: usize,
     /// The lane whose block the ephemeral part maps (`None`: its own).
     /// While the part is mapped, it maps that lane's block exactly when
     /// this is `Some`.
     lane: Option<u64>,
-    parts: [Option<Arc<Block>>; 2],
+    /// Blocks of [`KEPT`], [`OWN`] and [`EPH`].
+    parts: [Option<Arc<Block>>; 3],
     /// Bytes of each part mapped now (from its start; whole pieces). A part
     /// made of several chunks may be mapped a prefix at a time (see
     /// [`VmArena::map_through`]).
-    mapped: [usize; 2],
+    mapped: [usize; 3],
 }
 
 // SAFETY: the range is a plain driver identifier owned by this value; every
@@ -420,16 +319,17 @@ impl VmArena {
             va,
             size,
             split,
+            keep: 0,
             lane: None,
-            parts: [None, None],
-            mapped: [0, 0],
+            parts: [None, None, None],
+            mapped: [0, 0, 0],
         };
         // The persistent part now (variables are uploaded into it); the
         // ephemeral part at the first `map`, by then perhaps bound to its
         // lane's block (so a program in a lane never holds both).
         if split > 0 {
             let b = Block::take(ctx, split)?;
-            a.map_part(0, b)?;
+            a.map_part(OWN, b)?;
         }
         Ok(a)
     }
@@ -452,16 +352,74 @@ impl VmArena {
     /// Bytes mapped to the program's own memory now (a lane's shared
     /// block is not counted).
     pub fn own_bytes(&self) -> usize {
-        let own = if self.parts[0].is_some() {
-            self.split
-        } else {
-            0
+        let held = |part: usize| match &self.parts[part] {
+            Some(_) => self.range(part).1,
+            None => 0,
         };
-        let eph = match (&self.parts[1], self.lane) {
-            (Some(_), None) => self.size - self.split,
-            _ => 0,
+        let eph = match self.lane {
+            None => held(EPH),
+            Some(_) => 0,
         };
-        own + eph
+        held(KEPT) + held(OWN) + eph
+    }
+
+    /// Bytes of the own memory's kept block mapped now (the prefix a
+    /// partial eviction keeps; 0 when the own memory is one block).
+    pub fn kept_bytes(&self) -> usize {
+        match &self.parts[KEPT] {
+            Some(_) => self.keep,
+            None => 0,
+        }
+    }
+
+    /// Where the own memory is cut (see [`VmArena::set_keep`]).
+    pub fn keep(&self) -> usize {
+        self.keep
+    }
+
+    /// The cut of the own memory that holds its first `bytes`: rounded up
+    /// to the granularity, at most the own memory's size (0 for 0).
+    pub fn keep_for(&self, bytes: usize) -> Result<usize, ExecError> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let gran = granularity(&self.ctx)?;
+        Ok(round_up(bytes, gran)?.min(self.split))
+    }
+
+    /// Cuts the own memory at `keep` (a multiple of the granularity, or
+    /// its size; 0: one block): from the next [`VmArena::map`] on,
+    /// `[0, keep)` and `[keep, split)` are blocks of their own. Only while
+    /// the own memory is unmapped (its contents are gone anyway).
+    pub fn set_keep(&mut self, keep: usize) -> Result<(), ExecError> {
+        if self.parts[KEPT].is_some() || self.parts[OWN].is_some() {
+            return Err(dev_err("cutting the arena", "its own memory is mapped"));
+        }
+        // All of the own memory is one cut whatever the granularity now
+        // (a program made before a reservation has pieces of another).
+        let gran = granularity(&self.ctx)?;
+        if keep > self.split || (keep % gran != 0 && keep != self.split) {
+            return Err(dev_err(
+                "cutting the arena",
+                format!(
+                    "{keep} bytes is not whole pieces of {gran} within {}",
+                    self.split
+                ),
+            ));
+        }
+        self.keep = keep;
+        Ok(())
+    }
+
+    /// Maps the kept block (`[0, keep)`) when it is not: a kept block of
+    /// its size or new memory, contents undefined.
+    pub fn map_kept(&mut self) -> Result<(), ExecError> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        if self.parts[KEPT].is_none() && self.keep > 0 {
+            let b = Block::take(&self.ctx, self.keep)?;
+            self.map_part(KEPT, b)?;
+        }
+        Ok(())
     }
 
     /// The ephemeral part from now on maps the shared block of `lane` (a
@@ -470,7 +428,7 @@ impl VmArena {
     /// lane one at a time and has synchronised every stream that used the
     /// ephemeral part.
     pub fn bind_lane(&mut self, lane: Option<u64>) -> Result<(), ExecError> {
-        let Some(have) = self.parts[1].clone() else {
+        let Some(have) = self.parts[EPH].clone() else {
             // Not mapped: `map` binds.
             self.lane = lane;
             return Ok(());
@@ -486,16 +444,16 @@ impl VmArena {
             return Ok(());
         }
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        self.unmap_part(1)?;
+        self.unmap_part(EPH)?;
         self.lane = lane;
-        self.map_part(1, want)
+        self.map_part(EPH, want)
     }
 
     fn range(&self, part: usize) -> (u64, usize) {
-        if part == 0 {
-            (self.va, self.split)
-        } else {
-            (self.va + self.split as u64, self.size - self.split)
+        match part {
+            KEPT => (self.va, self.keep),
+            OWN => (self.va + self.keep as u64, self.split - self.keep),
+            _ => (self.va + self.split as u64, self.size - self.split),
         }
     }
 
@@ -610,12 +568,13 @@ impl VmArena {
     /// The contents are undefined.
     pub fn map(&mut self) -> Result<(), ExecError> {
         let t0 = std::time::Instant::now();
-        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        if self.parts[0].is_none() && self.split > 0 {
-            let b = Block::take(&self.ctx, self.split)?;
-            self.map_part(0, b)?;
-        } else if self.parts[0].is_some() {
-            self.extend_part(0, self.split)?;
+        self.map_kept()?;
+        let own = self.split - self.keep;
+        if self.parts[OWN].is_none() && own > 0 {
+            let b = Block::take(&self.ctx, own)?;
+            self.map_part(OWN, b)?;
+        } else if self.parts[OWN].is_some() {
+            self.extend_part(OWN, own)?;
         }
         self.map_ephemeral()?;
         tracing::trace!(
@@ -630,7 +589,7 @@ impl VmArena {
     /// Maps the ephemeral part (the lane's block or an own one) when it is
     /// not.
     fn map_ephemeral(&mut self) -> Result<(), ExecError> {
-        if self.parts[1].is_none() {
+        if self.parts[EPH].is_none() {
             let bytes = self.size - self.split;
             let b = match self.lane {
                 // A lane's block of one allocation maps only whole: the
@@ -644,34 +603,37 @@ impl VmArena {
                 },
                 None => Block::take(&self.ctx, bytes)?,
             };
-            self.map_part(1, b)?;
+            self.map_part(EPH, b)?;
         }
         Ok(())
     }
 
     /// [`VmArena::map`], but of the own part only the pieces covering its
-    /// first `first` bytes: the rest is mapped by [`VmArena::map_through`]
-    /// while earlier pieces are being filled (a switched-back program maps
-    /// one chunk per call inside a device reservation; this takes those
-    /// calls off the path to its first copy). A part that is one
-    /// allocation is mapped whole.
+    /// first `first` bytes (from the arena's base; the kept block is mapped
+    /// whole): the rest is mapped by [`VmArena::map_through`] while earlier
+    /// pieces are being filled (a switched-back program maps one chunk per
+    /// call inside a device reservation; this takes those calls off the
+    /// path to its first copy). A part that is one allocation is mapped
+    /// whole.
     pub fn map_deferred(&mut self, first: usize) -> Result<(), ExecError> {
-        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        if self.parts[0].is_none() && self.split > 0 {
-            let b = Block::take(&self.ctx, self.split)?;
-            self.map_part_upto(0, b, first)?;
+        self.map_kept()?;
+        let own = self.split - self.keep;
+        if self.parts[OWN].is_none() && own > 0 {
+            let b = Block::take(&self.ctx, own)?;
+            self.map_part_upto(OWN, b, first.saturating_sub(self.keep))?;
         }
         self.map_ephemeral()
     }
 
-    /// Maps the own part's pieces up to `upto` bytes (after
-    /// [`VmArena::map_deferred`]); nothing when they are mapped. Every byte
-    /// a copy or kernel touches must be mapped through first.
+    /// Maps the own part's pieces up to `upto` bytes from the arena's base
+    /// (after [`VmArena::map_deferred`]); nothing when they are mapped.
+    /// Every byte a copy or kernel touches must be mapped through first.
     pub fn map_through(&mut self, upto: usize) -> Result<(), ExecError> {
-        if self.parts[0].is_none() || upto <= self.mapped[0] {
+        let upto = upto.saturating_sub(self.keep);
+        if self.parts[OWN].is_none() || upto <= self.mapped[OWN] {
             return Ok(());
         }
-        self.extend_part(0, upto)
+        self.extend_part(OWN, upto)
     }
 
     /// Gives the physical memory up (the own blocks to the free list; a
@@ -679,15 +641,24 @@ impl VmArena {
     /// synchronised every stream that used the range.
     pub fn unmap(&mut self) -> Result<(), ExecError> {
         self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
-        self.unmap_part(0)?;
-        self.unmap_part(1)
+        self.unmap_part(KEPT)?;
+        self.unmap_part(OWN)?;
+        self.unmap_part(EPH)
+    }
+
+    /// [`VmArena::unmap`] but for the kept block (`[0, keep)`), which
+    /// stays mapped with its contents: a partial eviction.
+    pub fn unmap_keeping(&mut self) -> Result<(), ExecError> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        self.unmap_part(OWN)?;
+        self.unmap_part(EPH)
     }
 }
 
 impl Drop for VmArena {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        for part in 0..2 {
+        for part in [KEPT, OWN, EPH] {
             // The program owning the range is gone; the block goes back
             // when no other arena maps it.
             let _ = self.unmap_part(part);
@@ -695,25 +666,5 @@ impl Drop for VmArena {
         }
         // SAFETY: the range was reserved by `new` and is unmapped now.
         let _ = unsafe { sys::cuMemAddressFree(self.va, self.size) };
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reservation_chunks_are_powers_of_two_and_few_enough() {
-        const GIB: usize = 1 << 30;
-        // `--memory auto` on the H100 (69.80 GiB): SIZE/512 was 140 MiB.
-        assert_eq!(reserve_chunk(74_943_823_872), RESERVE_CHUNK as usize);
-        assert_eq!(reserve_chunk(GIB), RESERVE_CHUNK as usize);
-        assert_eq!(reserve_chunk(128 * GIB), RESERVE_CHUNK as usize);
-        assert_eq!(reserve_chunk(128 * GIB + 1), 32 << 20);
-        for bytes in [1, 3 * GIB, 500 * GIB, 1 << 50] {
-            let c = reserve_chunk(bytes);
-            assert!(c.is_power_of_two() && c >= RESERVE_CHUNK as usize);
-            assert!(bytes / c <= MAX_RESERVE_CHUNKS, "{bytes}: {c}");
-        }
     }
 }
