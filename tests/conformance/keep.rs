@@ -37,6 +37,8 @@ fn keep_is_bit_identical(lane: Option<u64>) {
         "auto keeps {auto} of {total} bytes ({:.1} %)",
         100.0 * auto as f64 / total as f64
     );
+    // Resident again: a program already evicted is left as it is.
+    assert_eq!(bits(&p.run(&feeds, &fetch).unwrap()[0]), want);
     for keep in [auto, total / 2, 1, u64::MAX] {
         for s in Strategy::ALL {
             p.evict_keeping(keep).unwrap();

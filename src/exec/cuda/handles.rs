@@ -52,6 +52,48 @@ unsafe impl Send for DnnState {}
 /// The process's cuDNN handle.
 pub(super) struct Dnn(Mutex<DnnState>);
 
+/// Held by a thread while it records a CUDA graph: no other thread uses
+/// or rebinds the handles until the recording ends, so a handle is never
+/// moved off a stream in the middle of its capture. Without it, lanes
+/// serve crashed inside libcuda when an inference job's load (which runs
+/// and records its iteration) met a training job cutting and recording
+/// its gated segments, and never did with the gate off.
+static RECORDING: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// Whether this thread holds [`RECORDING`].
+    static HOLDS_RECORDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, a recording of a CUDA graph on this thread, with the handles
+/// kept from every other thread (see [`RECORDING`]).
+pub(super) fn recording<R>(f: impl FnOnce() -> R) -> R {
+    if HOLDS_RECORDING.with(std::cell::Cell::get) {
+        return f();
+    }
+    let _held = lock(&RECORDING);
+    HOLDS_RECORDING.with(|h| h.set(true));
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            HOLDS_RECORDING.with(|h| h.set(false));
+        }
+    }
+    let _reset = Reset;
+    f()
+}
+
+/// Waits for another thread's recording to end (nothing when this thread
+/// is the one recording). Taken before a handle's own lock, never while
+/// holding one.
+fn no_recording_elsewhere() -> Option<MutexGuard<'static, ()>> {
+    if HOLDS_RECORDING.with(std::cell::Cell::get) {
+        None
+    } else {
+        Some(lock(&RECORDING))
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while the lock was held left the binding as it was: the
     // next caller binds again if it differs.
@@ -119,6 +161,7 @@ pub(super) fn release(stream: &CudaStream) {
     let Ok(idle) = idle_stream() else {
         return;
     };
+    let _recording = no_recording_elsewhere();
     if let Some(Ok(b)) = BLAS.get() {
         let mut s = lock(&b.0);
         if bound(s.stream) {
@@ -176,6 +219,7 @@ impl Blas {
         tf32: bool,
         f: impl FnOnce(cublasHandle_t) -> R,
     ) -> Result<R, ExecError> {
+        let _recording = no_recording_elsewhere();
         let mut s = lock(&self.0);
         let h = *s.blas.handle();
         if s.stream != stream.cu_stream() as usize {
@@ -219,6 +263,7 @@ impl Dnn {
         stream: &CudaStream,
         f: impl FnOnce(cudnnHandle_t) -> R,
     ) -> Result<R, ExecError> {
+        let _recording = no_recording_elsewhere();
         let mut s = lock(&self.0);
         if s.stream != stream.cu_stream() as usize {
             s.bind(stream)?;

@@ -142,11 +142,16 @@ impl CudaProgram {
         if a >= b {
             return Ok(None);
         }
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(|e| dev_err("begin capture", e))?;
-        let launched = order[a..b].iter().try_for_each(|&id| self.step(id));
-        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let (launched, ended) = crate::exec::cuda::handles::recording(|| {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .map_err(|e| dev_err("begin capture", e))?;
+            let launched = order[a..b].iter().try_for_each(|&id| self.step(id));
+            Ok::<_, ExecError>((
+                launched,
+                self.stream.end_capture(CUgraphInstantiate_flags(0)),
+            ))
+        })?;
         match (launched, ended) {
             (Ok(()), Ok(g)) => Ok(g),
             (Err(e), _) => Err(e),

@@ -627,11 +627,16 @@ impl CudaProgram {
             return self.launch_gated();
         }
         if self.captured.is_none() {
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .map_err(|e| dev_err("begin capture", e))?;
-            let launched = self.launch_nodes();
-            let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            let (launched, ended) = crate::exec::cuda::handles::recording(|| {
+                self.stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                    .map_err(|e| dev_err("begin capture", e))?;
+                let launched = self.launch_nodes();
+                Ok::<_, ExecError>((
+                    launched,
+                    self.stream.end_capture(CUgraphInstantiate_flags(0)),
+                ))
+            })?;
             match (launched, ended) {
                 (Ok(()), Ok(Some(g))) => self.captured = Some(g),
                 (launched, ended) => {
