@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 mod buffers;
 pub mod wait;
 
-pub use buffers::{FeedBuffers, PendingBufferRun};
+pub use buffers::{BufferOutputs, FeedBuffers, PendingBufferRun};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use super::{
 };
 use crate::tensor::{DType, Tensor, TensorType};
 use crate::wire::shm::OwnedSegment;
-use crate::wire::{self, Reply, SessionId, SlotRead};
+use crate::wire::{self, Reply, SessionId, SlotFind};
 use std::time::Instant;
 
 impl Client {
@@ -120,6 +120,21 @@ impl Client {
         fetches: &[&str],
     ) -> Result<Vec<Tensor>, ClientError> {
         let sent = self.send_buffers(buffers, fetches)?;
+        let outputs = self.receive_buffers(&sent, buffers, fetches.len())?;
+        buffers.take(outputs)
+    }
+
+    /// [`Client::run_buffers_in`] leaving the outputs where they came: in
+    /// the buffers' reply slot ([`BufferOutputs::InSlot`], read them with
+    /// [`FeedBuffers::output_bytes`] until the next Run from these buffers
+    /// overwrites them) or, when they did not fit it, as tensors from the
+    /// socket reply.
+    pub fn run_buffers_in_place(
+        &mut self,
+        buffers: &mut FeedBuffers,
+        fetches: &[&str],
+    ) -> Result<BufferOutputs, ClientError> {
+        let sent = self.send_buffers(buffers, fetches)?;
         self.receive_buffers(&sent, buffers, fetches.len())
     }
 
@@ -131,23 +146,23 @@ impl Client {
         sent: &Sent,
         buffers: &mut FeedBuffers,
         fetches: usize,
-    ) -> Result<Vec<Tensor>, ClientError> {
+    ) -> Result<BufferOutputs, ClientError> {
         let Some((at, len)) = buffers.slot else {
             self.ahead.remove(&sent.id);
             return match self.receive(sent, None)? {
-                Reply::RunDone { outputs } => Ok(outputs),
+                Reply::RunDone { outputs } => Ok(BufferOutputs::Sent(outputs)),
                 other => Err(unexpected("run", &other)),
             };
         };
         let limits = self.options.limits;
-        let read = |buffers: &mut FeedBuffers| -> Result<SlotRead, ClientError> {
+        let read = |buffers: &mut FeedBuffers| -> Result<SlotFind, ClientError> {
             let read = buffers
                 .seg
-                .read_slot(at, len, sent.id, &limits)
+                .find_in_slot(at, len, sent.id, &limits)
                 .map_err(|e| ClientError::FeedBuffer {
                     reason: format!("the reply slot: {e}"),
                 })?;
-            if let SlotRead::OnSocket { need } = read {
+            if let SlotFind::OnSocket { need } = read {
                 buffers.wanted = Some(usize::try_from(need).unwrap_or(usize::MAX));
             }
             Ok(read)
@@ -171,15 +186,15 @@ impl Client {
             let until = (Instant::now() + how.spin).min(deadline);
             loop {
                 match read(buffers)? {
-                    SlotRead::Here(outputs) if outputs.len() == fetches => {
+                    SlotFind::Here(places) if places.len() == fetches => {
                         // Its socket reply, when it comes, is dropped.
                         self.ahead.remove(&sent.id);
                         buffers.trips.record(sent.sent.elapsed());
                         self.drain_replies(sent);
-                        return Ok(outputs);
+                        return Ok(BufferOutputs::InSlot(places));
                     }
-                    SlotRead::Here(_) | SlotRead::OnSocket { .. } => break,
-                    SlotRead::NotYet => {}
+                    SlotFind::Here(_) | SlotFind::OnSocket { .. } => break,
+                    SlotFind::NotYet => {}
                 }
                 if Instant::now() >= until {
                     break;
@@ -208,8 +223,8 @@ impl Client {
         // Read after the reply (also to learn whether the slot was too
         // small): what the service wrote before replying is visible.
         match read(buffers) {
-            _ if outputs.len() == fetches => Ok(outputs),
-            Ok(SlotRead::Here(here)) if here.len() == fetches => Ok(here),
+            _ if outputs.len() == fetches => Ok(BufferOutputs::Sent(outputs)),
+            Ok(SlotFind::Here(here)) if here.len() == fetches => Ok(BufferOutputs::InSlot(here)),
             Err(e) => Err(e),
             _ => Err(ClientError::FeedBuffer {
                 reason: format!(
@@ -286,7 +301,8 @@ impl Client {
         &mut self,
         run: PendingBufferRun<'_>,
     ) -> Result<Vec<Tensor>, ClientError> {
-        self.receive_buffers(&run.run.sent, run.buffers, run.fetches)
+        let outputs = self.receive_buffers(&run.run.sent, run.buffers, run.fetches)?;
+        run.buffers.take(outputs)
     }
 
     fn send_buffers(
@@ -425,6 +441,46 @@ impl FeedBuffers {
         })
     }
 
+    /// Where feed `name`'s values lie in the segment (bytes from its
+    /// start) and its type.
+    pub fn feed_place(&self, name: &str) -> Option<(usize, &TensorType)> {
+        let (_, ty, at) = self.feeds.iter().find(|f| f.0 == name)?;
+        Some((usize::try_from(*at).ok()?, ty))
+    }
+
+    /// The values of an output a Run left in the reply slot (one of
+    /// [`BufferOutputs::InSlot`]'s ranges): valid until the next Run from
+    /// these buffers is sent.
+    pub fn output_bytes(&self, range: std::ops::Range<usize>) -> Option<&[u8]> {
+        self.seg.bytes().get(range)
+    }
+
+    /// Bytes of the whole segment (feeds, reply slot, doorbell).
+    pub fn segment_len(&self) -> usize {
+        self.seg.len()
+    }
+
+    /// Another descriptor of the segment's memory, to map it again (see
+    /// [`OwnedSegment::file`]): a mapping of it stays valid after these
+    /// buffers are dropped.
+    pub fn segment_file(&self) -> Result<std::fs::File, ClientError> {
+        self.seg.file().map_err(|e| ClientError::NoSharedMemory {
+            reason: e.to_string(),
+        })
+    }
+
+    /// `outputs` as tensors (those in the reply slot copied out of it).
+    pub fn take(&self, outputs: BufferOutputs) -> Result<Vec<Tensor>, ClientError> {
+        match outputs {
+            BufferOutputs::Sent(t) => Ok(t),
+            BufferOutputs::InSlot(places) => {
+                wire::slot_outputs(self.seg.bytes(), &places).map_err(|e| ClientError::FeedBuffer {
+                    reason: format!("the reply slot: {e}"),
+                })
+            }
+        }
+    }
+
     /// Copies `value` into feed `name`'s buffer (types must match).
     pub fn write(&mut self, name: &str, value: &Tensor) -> Result<(), ClientError> {
         let (bytes, ty) = self.bytes_mut(name)?;
@@ -436,6 +492,17 @@ impl FeedBuffers {
         bytes.copy_from_slice(value.data().ne_bytes());
         Ok(())
     }
+}
+
+/// Where a Run from feed buffers left its outputs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BufferOutputs {
+    /// In the socket reply (no reply slot, or they did not fit it).
+    Sent(Vec<Tensor>),
+    /// In the buffers' reply slot: each output's type and the range of
+    /// its values (little-endian, row-major) in the segment, read with
+    /// [`FeedBuffers::output_bytes`] or [`FeedBuffers::take`].
+    InSlot(Vec<(TensorType, std::ops::Range<usize>)>),
 }
 
 /// A Run sent from feed buffers and not yet waited for: the buffers stay
