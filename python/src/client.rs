@@ -5,12 +5,8 @@
 //! (`Python::detach`), so other Python threads run meanwhile; calls on one
 //! client from several threads take turns on its connection.
 
-use crate::convert::{
-    feed_type, tensor_from_numpy, tensor_to_numpy, values_from_dict, values_to_dict, write_feed,
-};
-use crate::errors::{
-    client_error, local, onnx_error, zoo_error, FeedError, ModelError, SessionClosedError,
-};
+use crate::convert::{feed_type, tensor_from_numpy, values_from_dict, values_to_dict, write_feed};
+use crate::errors::{client_error, local, onnx_error, zoo_error, ModelError, SessionClosedError};
 use crate::precision::{parse_loss_scale, parse_precision};
 use crate::{graph, optim, zoo};
 use lanes_adaptor::onnx::{import_file, ImportOptions};
@@ -21,10 +17,16 @@ use lanes_adaptor::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyDict, PyString};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+mod buffers;
+mod fetch;
+
+pub use buffers::Buffers;
+use fetch::Fetch;
 
 /// The connection; `None` once `Client.close` dropped it.
 type Shared = Arc<Mutex<Option<Conn>>>;
@@ -291,57 +293,6 @@ pub struct Session {
     state: Mutex<State>,
 }
 
-/// How a Run's results come back: one array, a list, or a dict by name.
-#[derive(Debug, Clone)]
-enum Fetch {
-    One(String),
-    List(Vec<String>),
-    Dict(Vec<String>),
-}
-
-impl Fetch {
-    fn names(&self) -> Vec<String> {
-        match self {
-            Fetch::One(n) => vec![n.clone()],
-            Fetch::List(v) | Fetch::Dict(v) => v.clone(),
-        }
-    }
-
-    fn build<'py>(&self, py: Python<'py>, outs: Vec<Tensor>) -> PyResult<Bound<'py, PyAny>> {
-        let names = self.names();
-        if outs.len() != names.len() {
-            return Err(local(
-                py,
-                FeedError::new_err(format!(
-                    "asked for {} fetches, the service returned {}",
-                    names.len(),
-                    outs.len()
-                )),
-            ));
-        }
-        Ok(match self {
-            Fetch::One(_) => match outs.into_iter().next() {
-                Some(t) => tensor_to_numpy(py, t)?,
-                None => py.None().into_bound(py),
-            },
-            Fetch::List(_) => {
-                let arrays = outs
-                    .into_iter()
-                    .map(|t| tensor_to_numpy(py, t))
-                    .collect::<PyResult<Vec<_>>>()?;
-                PyList::new(py, arrays)?.into_any()
-            }
-            Fetch::Dict(names) => {
-                let d = PyDict::new(py);
-                for (n, t) in names.iter().zip(outs) {
-                    d.set_item(n, tensor_to_numpy(py, t)?)?;
-                }
-                d.into_any()
-            }
-        })
-    }
-}
-
 impl Session {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -368,11 +319,17 @@ impl Session {
     ) -> PyResult<()> {
         self.live(py)?;
         let (conn, id) = (self.conn.clone(), self.id);
+        let hint = reply_hint(&graph, &outputs);
         py.detach(move || with(&conn, |c| c.load_in(id, &graph, vars)))
             .map_err(client_error)?;
         let mut st = self.state();
         st.inputs = inputs;
         st.outputs = outputs;
+        // Buffers made from now on have a reply slot the outputs fit.
+        st.reply_bytes = hint;
+        if hint.is_some() {
+            st.buffers = None;
+        }
         Ok(())
     }
 
@@ -699,6 +656,21 @@ impl Session {
         Ok((t.params, t.state))
     }
 
+    /// Feed buffers of this session's own, with a writable NumPy array
+    /// in them for each input (`bufs[name]`, `bufs.inputs`): write the
+    /// inputs there and `bufs.run()` runs without copying them (see
+    /// docs/python.md). `shapes` gives some inputs another shape than the
+    /// model's; `reply_bytes` sizes the slot the outputs come back
+    /// through (default: what the model's outputs need, when known).
+    #[pyo3(signature = (shapes=None, reply_bytes=None))]
+    fn buffers(
+        slf: &Bound<'_, Self>,
+        shapes: Option<BTreeMap<String, Vec<usize>>>,
+        reply_bytes: Option<usize>,
+    ) -> PyResult<Buffers> {
+        buffers::make(slf, shapes, reply_bytes)
+    }
+
     /// Runs one iteration. `feeds` maps placeholder names to float32/int64
     /// arrays. `fetch`: None → a dict of the model's outputs; a name → that
     /// array; a list of names → a list of arrays.
@@ -895,6 +867,23 @@ fn save_job(
     };
     py.detach(|| lanes_adaptor::saved::save(dir, &job))
         .map_err(|e| local(py, ModelError::new_err(e.to_string())))
+}
+
+/// Bytes of a reply slot that holds the outputs `outputs` of `g`, when
+/// they need more than the default slot; `None` when they fit it or a
+/// name does not resolve.
+fn reply_hint(g: &Graph, outputs: &[String]) -> Option<usize> {
+    use lanes_adaptor::wire::shm::{FEED_ALIGN, REPLY_HEADER};
+    // The slot's table (bincode of the types) is smaller than this.
+    let mut need = REPLY_HEADER.checked_add(64)?;
+    for name in outputs {
+        let ty = g.outlet_type(g.resolve(name)?)?;
+        need = need
+            .checked_add(24 + 8 * ty.shape.rank())?
+            .checked_add(ty.checked_bytes()?.checked_next_multiple_of(FEED_ALIGN)?)?
+            .checked_add(FEED_ALIGN)?;
+    }
+    (need > lanes_adaptor::client::DEFAULT_REPLY_BYTES).then_some(need)
 }
 
 /// The placeholders of `g`, in graph order.
