@@ -395,13 +395,12 @@ class InferenceJob:
                         f"captured at {list(shape)} (capture another job for another batch size)"
                     )
                 dst = bufs[name]
-                if isinstance(a, torch.Tensor) and dst.dtype.kind in "fi" and dst.dtype.itemsize > 1:
-                    if dst.dtype.name == "bfloat16":
-                        torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).copy_(a.detach())
-                    else:
-                        torch.from_numpy(dst).copy_(a.detach())
+                if not isinstance(a, torch.Tensor):
+                    dst[...] = a
+                elif dst.dtype.name == "bfloat16":  # ml_dtypes', unknown to torch
+                    torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).copy_(a.detach())
                 else:
-                    dst[...] = np.asarray(a)
+                    torch.from_numpy(dst).copy_(a.detach())
             if self._dropout:
                 bufs[DROPOUT_SEED][...] = _new_seed()
             return [np.asarray(o) for o in bufs.run(self.outputs)]
