@@ -17,7 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 /// A session's feed buffers, with an array viewing each input's place.
 #[pyclass(frozen, module = "lanes._lanes")]
@@ -27,6 +28,10 @@ pub struct Buffers {
     /// The buffers; `None` once closed. Held for the whole of a Run, so
     /// Runs from one `Buffers` on several threads take turns.
     inner: Mutex<Option<FeedBuffers>>,
+    /// Set by `close` (read without waiting for a Run that holds `inner`).
+    closed: AtomicBool,
+    /// Bytes of the reply slot.
+    reply_bytes: usize,
     /// Python's own mapping of the segment (an `mmap.mmap`).
     map: Py<PyAny>,
     /// `{input name: array}`, in the model's order.
@@ -141,7 +146,9 @@ pub(super) fn make(
     }
     Ok(Buffers {
         session: session.clone().unbind(),
+        reply_bytes: made.reply_bytes(),
         inner: Mutex::new(Some(made)),
+        closed: AtomicBool::new(false),
         map: map.unbind(),
         inputs: inputs.unbind(),
         names,
@@ -160,15 +167,11 @@ fn no_input(name: &str, names: &[String]) -> PyErr {
 }
 
 impl Buffers {
-    fn lock(&self) -> MutexGuard<'_, Option<FeedBuffers>> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// `SessionClosedError` when the session or these buffers are closed.
     fn live(&self, py: Python<'_>) -> PyResult<()> {
         let s = self.session.get();
         s.live(py)?;
-        if self.lock().is_none() {
+        if self.closed.load(Ordering::Acquire) {
             return Err(local(
                 py,
                 SessionClosedError::new_err(format!(
@@ -221,7 +224,7 @@ impl Buffers {
     /// Bytes of the reply slot: outputs that fit come back through it.
     #[getter]
     fn reply_bytes(&self) -> usize {
-        self.lock().as_ref().map_or(0, FeedBuffers::reply_bytes)
+        self.reply_bytes
     }
 
     /// Runs one iteration with what the input arrays hold now (nothing is
@@ -284,6 +287,7 @@ impl Buffers {
     /// Stops Runs from these buffers (arrays already taken stay readable:
     /// their memory is theirs). Closing twice is harmless.
     fn close(&self, py: Python<'_>) {
+        self.closed.store(true, Ordering::Release);
         let inner = &self.inner;
         let old = py.detach(|| inner.lock().unwrap_or_else(|e| e.into_inner()).take());
         drop(old);
@@ -291,7 +295,7 @@ impl Buffers {
 
     #[getter]
     fn closed(&self) -> bool {
-        self.lock().is_none() || self.session.get().state().closed
+        self.closed.load(Ordering::Acquire) || self.session.get().state().closed
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
