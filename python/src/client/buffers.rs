@@ -8,10 +8,14 @@
 //! `mmap`) lives, whatever becomes of the buffers or the session. So a
 //! view never dangles and no code here is unsafe. Closing the buffers (or
 //! the session) only stops Runs from them.
+//!
+//! Also `Session.run`'s own feed buffers (each array copied into them) and
+//! the size of the reply slot a model's outputs need.
 
 use super::{with, Fetch, Session};
+use crate::convert::{feed_type, write_feed};
 use crate::errors::{client_error, local, FeedError, SessionClosedError};
-use lanes_adaptor::{BufferOutputs, ClientError, DType, FeedBuffers, Tensor, TensorType};
+use lanes_adaptor::{BufferOutputs, ClientError, DType, FeedBuffers, Graph, Tensor, TensorType};
 use pyo3::exceptions::{PyKeyError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -320,4 +324,115 @@ impl Buffers {
             self.names
         )
     }
+}
+
+impl Session {
+    /// `run` through feed buffers in shared memory: each array is copied
+    /// once, straight into the segment the service reads it from (on the
+    /// GPU: one DMA from there), and the request carries only a header.
+    /// `None` when that path does not apply (shared memory unavailable,
+    /// another thread's `run` holds the buffers, an array that is not
+    /// float32/int64): the caller sends the feeds in the request, which
+    /// also gives the usual errors.
+    pub(super) fn run_buffered<'py>(
+        &self,
+        py: Python<'py>,
+        feeds: &Bound<'py, PyDict>,
+        fetch: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let mut types = Vec::with_capacity(feeds.len());
+        for (k, v) in feeds.iter() {
+            let (Ok(name), Some(ty)) = (k.extract::<String>(), feed_type(&v)) else {
+                return Ok(None);
+            };
+            types.push((name, ty));
+        }
+        let buffers = {
+            let mut st = self.state();
+            if st.no_buffers || st.buffers_out {
+                return Ok(None);
+            }
+            st.buffers_out = true;
+            st.buffers.take()
+        };
+        // Whatever way this returns, the buffers are back (or gone) after.
+        let _back = BuffersOut(self);
+        let same = |b: &FeedBuffers| {
+            b.feeds().count() == types.len()
+                && b.feeds()
+                    .zip(&types)
+                    .all(|((n, t), (m, u))| n == m && t == u)
+        };
+        let mut buffers = match buffers {
+            Some(b) if same(&b) => b,
+            _ => {
+                let (conn, id, want) = (self.conn.clone(), self.id, types.clone());
+                let reply = self
+                    .state()
+                    .reply_bytes
+                    .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
+                let made = py.detach(move || {
+                    let refs: Vec<(&str, TensorType)> =
+                        want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+                    with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
+                });
+                match made {
+                    Ok(b) => b,
+                    Err(ClientError::NoSharedMemory { .. }) => {
+                        self.state().no_buffers = true;
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(client_error(e)),
+                }
+            }
+        };
+        for (k, v) in feeds.iter() {
+            let name: String = k.extract()?;
+            write_feed(&mut buffers, &name, &v)?;
+        }
+        let fetch = self.fetch_of(fetch)?;
+        let names = fetch.names();
+        let conn = self.conn.clone();
+        let (buffers, outs) = py.detach(move || {
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let outs = with(&conn, |c| c.run_buffers_in(&mut buffers, &refs));
+            (buffers, outs)
+        });
+        {
+            let mut st = self.state();
+            match buffers.reply_wanted() {
+                // Outputs larger than the slot: the next `run` makes
+                // buffers whose slot holds them.
+                Some(n) if n > buffers.reply_bytes() => st.reply_bytes = Some(n),
+                _ => st.buffers = Some(buffers),
+            }
+        }
+        fetch.build(py, outs.map_err(client_error)?).map(Some)
+    }
+}
+
+/// Marks a session's feed buffers as no longer out when dropped.
+struct BuffersOut<'a>(&'a Session);
+
+impl Drop for BuffersOut<'_> {
+    fn drop(&mut self) {
+        self.0.state().buffers_out = false;
+    }
+}
+
+/// Bytes of a reply slot that holds the outputs `outputs` of `g`, when
+/// they need more than the default slot; `None` when they fit it or a
+/// name does not resolve.
+pub(super) fn reply_hint(g: &Graph, outputs: &[String]) -> Option<usize> {
+    use lanes_adaptor::wire::shm::{FEED_ALIGN, REPLY_HEADER};
+    // The slot's table (bincode of the types) is smaller than this.
+    let mut need = REPLY_HEADER.checked_add(64)?;
+    for name in outputs {
+        let ty = g.outlet_type(g.resolve(name)?)?;
+        need = need
+            .checked_add(24 + 8 * ty.shape.rank())?
+            .checked_add(ty.checked_bytes()?.checked_next_multiple_of(FEED_ALIGN)?)?
+            .checked_add(FEED_ALIGN)?;
+    }
+    (need > lanes_adaptor::client::DEFAULT_REPLY_BYTES).then_some(need)
 }
