@@ -185,3 +185,18 @@ def test_threads_take_turns(client):
             t.join()
         assert bad == []
         bufs.close()
+
+
+def test_a_busy_polling_client_takes_outputs_from_the_slot(endpoint):
+    """With `busy_poll` the client takes each Run's outputs from the reply
+    slot as soon as they are written (the socket reply dropped): copied or
+    viewed, each Run's own, beside `s.run`'s."""
+    with lanes.Client(endpoint, busy_poll=0.01) as c, c.session("bufs-poll") as s:
+        s.load_graph(linear(), ["y"])
+        with s.buffers() as bufs:
+            for k in range(40):
+                x = values("float32", k)
+                bufs["x"] = x
+                y = bufs.run("y", copy=bool(k % 2))
+                np.testing.assert_array_equal(y, x @ W)
+                np.testing.assert_array_equal(s.run({"x": x}, fetch="y"), x @ W)
