@@ -8,6 +8,12 @@ into a running `lanes serve` through `lanes.Client`, runs batch 8, compares
 the outputs with PyTorch's and times the median of N runs:
 
 - lanes:            s.run from host NumPy arrays to host NumPy arrays
+- lanes_buffers:    (--lanes-buffers) bufs.run: the input written once,
+                    outside the timed loop, into the arrays of
+                    `s.buffers()` (as the CUDA graph's pinned tensor is
+                    filled once); outputs copied out into new arrays
+- lanes_buffers_views: the same with copy=False: outputs as read-only
+                    views of the reply slot, nothing copied
 - torch_eager:      model(x.cuda()) and the output copied back to the host
 - torch_resident:   model(x_gpu), input already on the GPU, synchronised
 - torch_cuda_graph: a captured CUDA graph replayed, input copied in from
@@ -17,7 +23,7 @@ Prints one JSON object. Needs torch, torchvision, transformers, numpy and
 the lanes package:
 
     lanes serve --device cuda --endpoint tcp://127.0.0.1:5555 &
-    python3 benches/python_client.py --endpoint tcp://127.0.0.1:5555 [--runs 50] [--no-tf32]
+    python3 benches/python_client.py --endpoint tcp://127.0.0.1:5555 [--runs 50] [--no-tf32] [--lanes-buffers]
     # lowest latency: `lanes serve --busy-poll 10 ...` and --busy-poll 10 here
     # the client's wait as before the adaptive default: --no-adaptive-wait
 """
@@ -134,7 +140,23 @@ def calibrate_batch_norm(torch, model, inputs, batches=4):
     model.eval()
 
 
-def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
+def bench_buffers(s, feeds, outputs, ref, runs):
+    """`s.buffers()`: inputs written once into its arrays, then timed Runs
+    with the outputs copied out (`lanes_buffers`) and viewed in the reply
+    slot (`lanes_buffers_views`)."""
+    row = {}
+    with s.buffers() as bufs:
+        for n, a in feeds.items():
+            bufs[n] = a
+        got = bufs.run(outputs)
+        row["buffers_agreement"] = {o: agreement(g, r) for o, g, r in zip(outputs, got, ref)}
+        row["lanes_buffers"] = median_ms(lambda: bufs.run(outputs), runs)
+        row["lanes_buffers_views"] = median_ms(lambda: bufs.run(outputs, copy=False), runs)
+        row["lanes_buffers_reply_bytes"] = bufs.reply_bytes
+    return row
+
+
+def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp, buffers=False):
     model = build()
     calibrate_batch_norm(torch, model, inputs)
     model = model.eval()
@@ -173,6 +195,8 @@ def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
         got = s.run(feeds, fetch=outputs)
         row["agreement"] = {o: agreement(g, r) for o, g, r in zip(outputs, got, ref)}
         row["lanes"] = median_ms(lambda: s.run(feeds, fetch=outputs), runs)
+        if buffers:
+            row.update(bench_buffers(s, feeds, outputs, ref, runs))
 
     with torch.no_grad():
         def eager():
@@ -191,6 +215,11 @@ def bench_model(torch, lanes, client, name, build, inputs, outputs, runs, tmp):
             row.update(cuda_graph(torch, model, inputs, outputs, ref, runs, dev, as_tuple))
         except RuntimeError as e:  # a model whose forward cannot be captured
             row["torch_cuda_graph"] = {"error": str(e).splitlines()[0]}
+    graph = row.get("torch_cuda_graph", {}).get("median_ms")
+    if graph:
+        for k in ("lanes", "lanes_buffers", "lanes_buffers_views"):
+            if k in row:
+                row[f"{k}_over_cuda_graph"] = round(row[k]["median_ms"] / graph, 3)
     torch.cuda.empty_cache()
     return row
 
@@ -209,6 +238,9 @@ def main(argv=None):
     ap.add_argument("--no-adaptive-wait", action="store_true",
                     help="the client sleeps through every wait (without --busy-poll it otherwise polls "
                          "the reply slot for a bounded window around the expected reply)")
+    ap.add_argument("--lanes-buffers", action="store_true",
+                    help="also time Runs from s.buffers(): the input written once into the session's "
+                         "feed buffers, outputs copied out (lanes_buffers) or viewed (lanes_buffers_views)")
     ap.add_argument("--keep", metavar="DIR",
                     help="write the exported .onnx files here, with their inputs and PyTorch's FP32 "
                          "outputs (CPU) as .npy for `lanes import --check DIR` (default: a temporary folder)")
@@ -237,6 +269,7 @@ def main(argv=None):
     }
     result["busy_poll_ms"] = args.busy_poll
     result["adaptive_wait"] = not args.no_adaptive_wait
+    result["lanes_buffers"] = args.lanes_buffers
     with lanes.Client(args.endpoint, timeout=600.0, busy_poll=args.busy_poll / 1000.0,
                       adaptive_wait=not args.no_adaptive_wait) as client:
         result["service"] = {k: v for k, v in client.status().items() if not isinstance(v, list)}
@@ -248,7 +281,8 @@ def main(argv=None):
                     continue
                 try:
                     result["models"][name] = bench_model(
-                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp)
+                        torch, lanes, client, name, build, inputs, outputs, args.runs, tmp,
+                        buffers=args.lanes_buffers)
                 except lanes.LanesError as e:
                     result["models"][name] = {"error": str(e), "code_name": e.code_name}
                 print(f"{name}: done", file=sys.stderr, flush=True)

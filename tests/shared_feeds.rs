@@ -377,6 +377,19 @@ fn reply_slots_carry_the_outputs_or_say_what_they_need() {
             SlotRead::Here(want.clone()),
             "Run {id}"
         );
+        // Found in place: ranges inside the slot, whose bytes are the
+        // same outputs (what a Python view of the slot shows).
+        match seg.find_in_slot(at, bytes, id, &limits).unwrap() {
+            wire::SlotFind::Here(places) => {
+                assert_eq!(places.len(), want.len());
+                for ((ty, r), t) in places.iter().zip(&want) {
+                    assert_eq!(*ty, t.ty());
+                    assert!(r.start >= at && r.end <= at + bytes, "{r:?}");
+                }
+                assert_eq!(wire::slot_outputs(seg.bytes(), &places).unwrap(), want);
+            }
+            other => panic!("{other:?}"),
+        }
     }
     // Too small: the outputs travel in the reply; the slot says how much
     // room they need (a table, then 512 KiB of values).

@@ -22,7 +22,7 @@ pub use amp::{AmpError, Precision};
 pub use autodiff::{gradients, trainable_variables, AutodiffError};
 pub use checkpoint::CheckpointError;
 pub use client::{
-    check_endpoint, Client, ClientError, ClientOptions, EndpointError, FeedBuffers,
+    check_endpoint, BufferOutputs, Client, ClientError, ClientOptions, EndpointError, FeedBuffers,
     PendingBufferRun, PendingRun, Session,
 };
 pub use graph::{

@@ -5,12 +5,8 @@
 //! (`Python::detach`), so other Python threads run meanwhile; calls on one
 //! client from several threads take turns on its connection.
 
-use crate::convert::{
-    feed_type, tensor_from_numpy, tensor_to_numpy, values_from_dict, values_to_dict, write_feed,
-};
-use crate::errors::{
-    client_error, local, onnx_error, zoo_error, FeedError, ModelError, SessionClosedError,
-};
+use crate::convert::{tensor_from_numpy, values_from_dict, values_to_dict};
+use crate::errors::{client_error, local, onnx_error, zoo_error, ModelError, SessionClosedError};
 use crate::precision::{parse_loss_scale, parse_precision};
 use crate::{graph, optim, zoo};
 use lanes_adaptor::onnx::{import_file, ImportOptions};
@@ -21,10 +17,17 @@ use lanes_adaptor::{
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyDict, PyString};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+
+mod buffers;
+mod fetch;
+
+use buffers::reply_hint;
+pub use buffers::Buffers;
+use fetch::Fetch;
 
 /// The connection; `None` once `Client.close` dropped it.
 type Shared = Arc<Mutex<Option<Conn>>>;
@@ -291,57 +294,6 @@ pub struct Session {
     state: Mutex<State>,
 }
 
-/// How a Run's results come back: one array, a list, or a dict by name.
-#[derive(Debug, Clone)]
-enum Fetch {
-    One(String),
-    List(Vec<String>),
-    Dict(Vec<String>),
-}
-
-impl Fetch {
-    fn names(&self) -> Vec<String> {
-        match self {
-            Fetch::One(n) => vec![n.clone()],
-            Fetch::List(v) | Fetch::Dict(v) => v.clone(),
-        }
-    }
-
-    fn build<'py>(&self, py: Python<'py>, outs: Vec<Tensor>) -> PyResult<Bound<'py, PyAny>> {
-        let names = self.names();
-        if outs.len() != names.len() {
-            return Err(local(
-                py,
-                FeedError::new_err(format!(
-                    "asked for {} fetches, the service returned {}",
-                    names.len(),
-                    outs.len()
-                )),
-            ));
-        }
-        Ok(match self {
-            Fetch::One(_) => match outs.into_iter().next() {
-                Some(t) => tensor_to_numpy(py, t)?,
-                None => py.None().into_bound(py),
-            },
-            Fetch::List(_) => {
-                let arrays = outs
-                    .into_iter()
-                    .map(|t| tensor_to_numpy(py, t))
-                    .collect::<PyResult<Vec<_>>>()?;
-                PyList::new(py, arrays)?.into_any()
-            }
-            Fetch::Dict(names) => {
-                let d = PyDict::new(py);
-                for (n, t) in names.iter().zip(outs) {
-                    d.set_item(n, tensor_to_numpy(py, t)?)?;
-                }
-                d.into_any()
-            }
-        })
-    }
-}
-
 impl Session {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -368,11 +320,17 @@ impl Session {
     ) -> PyResult<()> {
         self.live(py)?;
         let (conn, id) = (self.conn.clone(), self.id);
+        let hint = reply_hint(&graph, &outputs);
         py.detach(move || with(&conn, |c| c.load_in(id, &graph, vars)))
             .map_err(client_error)?;
         let mut st = self.state();
         st.inputs = inputs;
         st.outputs = outputs;
+        // Buffers made from now on have a reply slot the outputs fit.
+        st.reply_bytes = hint;
+        if hint.is_some() {
+            st.buffers = None;
+        }
         Ok(())
     }
 
@@ -408,98 +366,6 @@ impl Session {
                     })?,
             ),
         })
-    }
-
-    /// `run` through feed buffers in shared memory: each array is copied
-    /// once, straight into the segment the service reads it from (on the
-    /// GPU: one DMA from there), and the request carries only a header.
-    /// `None` when that path does not apply (shared memory unavailable,
-    /// another thread's `run` holds the buffers, an array that is not
-    /// float32/int64): the caller sends the feeds in the request, which
-    /// also gives the usual errors.
-    fn run_buffered<'py>(
-        &self,
-        py: Python<'py>,
-        feeds: &Bound<'py, PyDict>,
-        fetch: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let mut types = Vec::with_capacity(feeds.len());
-        for (k, v) in feeds.iter() {
-            let (Ok(name), Some(ty)) = (k.extract::<String>(), feed_type(&v)) else {
-                return Ok(None);
-            };
-            types.push((name, ty));
-        }
-        let buffers = {
-            let mut st = self.state();
-            if st.no_buffers || st.buffers_out {
-                return Ok(None);
-            }
-            st.buffers_out = true;
-            st.buffers.take()
-        };
-        // Whatever way this returns, the buffers are back (or gone) after.
-        let _back = BuffersOut(self);
-        let same = |b: &FeedBuffers| {
-            b.feeds().count() == types.len()
-                && b.feeds()
-                    .zip(&types)
-                    .all(|((n, t), (m, u))| n == m && t == u)
-        };
-        let mut buffers = match buffers {
-            Some(b) if same(&b) => b,
-            _ => {
-                let (conn, id, want) = (self.conn.clone(), self.id, types.clone());
-                let reply = self
-                    .state()
-                    .reply_bytes
-                    .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
-                let made = py.detach(move || {
-                    let refs: Vec<(&str, TensorType)> =
-                        want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
-                    with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
-                });
-                match made {
-                    Ok(b) => b,
-                    Err(ClientError::NoSharedMemory { .. }) => {
-                        self.state().no_buffers = true;
-                        return Ok(None);
-                    }
-                    Err(e) => return Err(client_error(e)),
-                }
-            }
-        };
-        for (k, v) in feeds.iter() {
-            let name: String = k.extract()?;
-            write_feed(&mut buffers, &name, &v)?;
-        }
-        let fetch = self.fetch_of(fetch)?;
-        let names = fetch.names();
-        let conn = self.conn.clone();
-        let (buffers, outs) = py.detach(move || {
-            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-            let outs = with(&conn, |c| c.run_buffers_in(&mut buffers, &refs));
-            (buffers, outs)
-        });
-        {
-            let mut st = self.state();
-            match buffers.reply_wanted() {
-                // Outputs larger than the slot: the next `run` makes
-                // buffers whose slot holds them.
-                Some(n) if n > buffers.reply_bytes() => st.reply_bytes = Some(n),
-                _ => st.buffers = Some(buffers),
-            }
-        }
-        fetch.build(py, outs.map_err(client_error)?).map(Some)
-    }
-}
-
-/// Marks a session's feed buffers as no longer out when dropped.
-struct BuffersOut<'a>(&'a Session);
-
-impl Drop for BuffersOut<'_> {
-    fn drop(&mut self) {
-        self.0.state().buffers_out = false;
     }
 }
 
@@ -697,6 +563,21 @@ impl Session {
             .unwrap_or_else(|| vec![t.loss.clone()]);
         self.load(py, t.graph, t.vars, inputs, outputs)?;
         Ok((t.params, t.state))
+    }
+
+    /// Feed buffers of this session's own, with a writable NumPy array
+    /// in them for each input (`bufs[name]`, `bufs.inputs`): write the
+    /// inputs there and `bufs.run()` runs without copying them (see
+    /// docs/python.md). `shapes` gives some inputs another shape than the
+    /// model's; `reply_bytes` sizes the slot the outputs come back
+    /// through (default: what the model's outputs need, when known).
+    #[pyo3(signature = (shapes=None, reply_bytes=None))]
+    fn buffers(
+        slf: &Bound<'_, Self>,
+        shapes: Option<BTreeMap<String, Vec<usize>>>,
+        reply_bytes: Option<usize>,
+    ) -> PyResult<Buffers> {
+        buffers::make(slf, shapes, reply_bytes)
     }
 
     /// Runs one iteration. `feeds` maps placeholder names to float32/int64

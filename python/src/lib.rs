@@ -20,6 +20,7 @@ fn _lanes(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::Client>()?;
     m.add_class::<client::Session>()?;
     m.add_class::<client::RunHandle>()?;
+    m.add_class::<client::Buffers>()?;
     m.add_class::<graph::GraphBuilder>()?;
     m.add_class::<optim::Sgd>()?;
     m.add_class::<optim::Adam>()?;

@@ -42,7 +42,7 @@ pub use message::{
     SessionStatus, SloAttainment, SpecError, StatusReport, MAX_SLO_MS, SLO_WINDOW,
 };
 pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
-pub use slots::{post_outputs, read_slot, SlotRead};
+pub use slots::{find_in_slot, post_outputs, read_slot, slot_outputs, SlotFind, SlotRead};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};

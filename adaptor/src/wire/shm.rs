@@ -298,6 +298,52 @@ impl OwnedSegment {
         super::read_slot(slot, word, seq, limits)
     }
 
+    /// [`OwnedSegment::read_slot`] without copying the outputs: where
+    /// each lies, as ranges of the whole segment.
+    pub fn find_in_slot(
+        &self,
+        offset: usize,
+        bytes: usize,
+        seq: u64,
+        limits: &super::Limits,
+    ) -> Result<super::SlotFind, super::WireError> {
+        let word = self.slot_seq(offset).unwrap_or(SLOT_EMPTY);
+        let slot = offset
+            .checked_add(bytes)
+            .and_then(|end| self.map.get(offset..end))
+            .unwrap_or(&[]);
+        Ok(match super::find_in_slot(slot, word, seq, limits)? {
+            super::SlotFind::Here(places) => super::SlotFind::Here(
+                places
+                    .into_iter()
+                    .map(|(ty, r)| (ty, r.start + offset..r.end + offset))
+                    .collect(),
+            ),
+            other => other,
+        })
+    }
+
+    /// The whole segment, header included.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// Another descriptor of the segment's memory (a job that maps it
+    /// itself, as a Python client's NumPy arrays do, keeps the memory for
+    /// as long as its mapping lives, whatever becomes of this segment).
+    #[cfg(target_os = "linux")]
+    pub fn file(&self) -> Result<std::fs::File, SharedMemoryError> {
+        self.memfd
+            .as_file()
+            .try_clone()
+            .map_err(io("duplicating the segment's descriptor"))
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn file(&self) -> Result<std::fs::File, SharedMemoryError> {
+        Err(SharedMemoryError::Unsupported)
+    }
+
     /// Leaves request `id`'s one frame `frame` in the doorbell of `bytes`
     /// bytes at `offset` and rings it (see [`Doorbell`]); `false` (nothing
     /// written) when the frame does not fit or `offset` is not a doorbell's

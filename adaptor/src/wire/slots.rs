@@ -218,12 +218,56 @@ pub enum SlotRead {
     OnSocket { need: u64 },
 }
 
+/// Where a reply slot's outputs lie (see [`find_in_slot`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SlotFind {
+    /// Not answered here (yet): the sequence word names another Run.
+    NotYet,
+    /// Each output's type and the range of its values in the slot.
+    Here(Vec<(TensorType, std::ops::Range<usize>)>),
+    /// Its outputs travel in the socket reply; the slot would need `need`
+    /// bytes.
+    OnSocket { need: u64 },
+}
+
 /// Reads Run `seq`'s answer from the slot whose bytes are `slot` (header
 /// included), given its sequence word `word` as read with acquire ordering.
 /// The table and every range are checked against the slot and `limits`.
 pub fn read_slot(slot: &[u8], word: u64, seq: u64, limits: &Limits) -> Result<SlotRead, WireError> {
+    Ok(match find_in_slot(slot, word, seq, limits)? {
+        SlotFind::NotYet => SlotRead::NotYet,
+        SlotFind::OnSocket { need } => SlotRead::OnSocket { need },
+        SlotFind::Here(places) => SlotRead::Here(slot_outputs(slot, &places)?),
+    })
+}
+
+/// The outputs at `places` (as [`find_in_slot`] found them, offsets from
+/// the start of `bytes`) copied out of `bytes`.
+pub fn slot_outputs(
+    bytes: &[u8],
+    places: &[(TensorType, std::ops::Range<usize>)],
+) -> Result<Vec<Tensor>, WireError> {
+    let bad = |reason: String| WireError::SharedMemory { reason };
+    places
+        .iter()
+        .map(|(ty, range)| {
+            let values = bytes
+                .get(range.clone())
+                .ok_or_else(|| bad(format!("output {ty} lies outside the reply slot")))?;
+            tensor_from_frame_in(ty, values, None).map_err(|e| bad(e.to_string()))
+        })
+        .collect()
+}
+
+/// [`read_slot`] without copying the outputs: where each lies in `slot`.
+pub fn find_in_slot(
+    slot: &[u8],
+    word: u64,
+    seq: u64,
+    limits: &Limits,
+) -> Result<SlotFind, WireError> {
     if word != seq {
-        return Ok(SlotRead::NotYet);
+        return Ok(SlotFind::NotYet);
     }
     let bad = |reason: String| WireError::SharedMemory { reason };
     let header = slot
@@ -236,7 +280,7 @@ pub fn read_slot(slot: &[u8], word: u64, seq: u64, limits: &Limits) -> Result<Sl
     let need = u64::from_le_bytes(need);
     match u32_at(8) {
         shm::SLOT_HERE => {}
-        shm::SLOT_ON_SOCKET => return Ok(SlotRead::OnSocket { need }),
+        shm::SLOT_ON_SOCKET => return Ok(SlotFind::OnSocket { need }),
         other => return Err(bad(format!("the reply slot's status is {other}"))),
     }
     let table_len = u32_at(12) as usize;
@@ -273,13 +317,14 @@ pub fn read_slot(slot: &[u8], word: u64, seq: u64, limits: &Limits) -> Result<Sl
         .zip(offsets.into_iter().zip(sizes))
         .map(|(ty, (at, len))| {
             let at = usize::try_from(at).unwrap_or(usize::MAX);
-            let bytes = slot
-                .get(at..at.saturating_add(len))
+            let end = at
+                .checked_add(len)
+                .filter(|&e| e <= slot.len())
                 .ok_or_else(|| bad(format!("output {ty} lies outside the reply slot")))?;
-            tensor_from_frame_in(&ty, bytes, None).map_err(|e| bad(e.to_string()))
+            Ok((ty, at..end))
         })
         .collect::<Result<Vec<_>, _>>()
-        .map(SlotRead::Here)
+        .map(SlotFind::Here)
 }
 
 #[cfg(test)]

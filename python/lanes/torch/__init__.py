@@ -18,6 +18,7 @@ supported, and what not yet: docs/torch.md in the repository.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -350,15 +351,65 @@ class InferenceJob:
         self._dtypes = t.output_dtypes
         #: The captured batch when calls may bring another (None: only it).
         self.batch: Optional[int] = t.inputs[0][1][0] if dynamic_batch else None
+        self._bufs: Optional[_lanes.Buffers] = None
+        self._no_bufs = False
+        #: Calls from several threads take turns on the buffers.
+        self._lock = threading.Lock()
 
     def _run(self, feeds: Dict[str, np.ndarray]) -> List[np.ndarray]:
         if self._dropout:  # a model captured in training mode
             feeds[DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
         return [np.asarray(o) for o in self.session.run(feeds, fetch=self.outputs)]
 
+    @property
+    def buffers(self) -> Optional[_lanes.Buffers]:
+        """The session's feed buffers that calls write their inputs into
+        (`lanes.Buffers`, docs/python.md): made at the first use; None
+        where the service cannot share memory (calls then send their
+        inputs with each Run)."""
+        if self._bufs is None and not self._no_bufs:
+            try:
+                self._bufs = self.session.buffers()
+            except _lanes.SessionClosedError:
+                raise
+            except _lanes.LanesError:
+                self._no_bufs = True
+        return self._bufs
+
+    def _run_buffered(self, args: Sequence[Any]) -> Optional[List[np.ndarray]]:
+        """One Run from the feed buffers, each input copied once from the
+        caller's tensor (any device, dtype converted) straight into its
+        buffer; None where there are no buffers."""
+        if len(args) != len(self.inputs):
+            raise TypeError(f"the model takes {len(self.inputs)} tensors (as in the example), got {len(args)}")
+        with self._lock:
+            bufs = self.buffers
+            if bufs is None:
+                return None
+            for (name, shape, _), a in zip(self.inputs, args):
+                if not isinstance(a, torch.Tensor):
+                    a = _to_numpy(a, name)
+                if tuple(a.shape) != tuple(shape):
+                    raise _lanes.FeedError(
+                        f"the model: input {name[len('input_'):]} has shape {list(a.shape)}; the job was "
+                        f"captured at {list(shape)} (capture another job for another batch size)"
+                    )
+                dst = bufs[name]
+                if not isinstance(a, torch.Tensor):
+                    dst[...] = a
+                elif dst.dtype.name == "bfloat16":  # ml_dtypes', unknown to torch
+                    torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16).copy_(a.detach())
+                else:
+                    torch.from_numpy(dst).copy_(a.detach())
+            if self._dropout:
+                bufs[DROPOUT_SEED][...] = _new_seed()
+            return [np.asarray(o) for o in bufs.run(self.outputs)]
+
     def __call__(self, *args: Any) -> Any:
         if self.batch is None:
-            outs = self._run(_feeds(self.inputs, args, "the model"))
+            outs = self._run_buffered(args)
+            if outs is None:
+                outs = self._run(_feeds(self.inputs, args, "the model"))
         else:
             outs = self._run_any_batch(args)
         ts = [torch.from_numpy(o) for o in outs]
@@ -402,6 +453,8 @@ class InferenceJob:
         return [np.concatenate([p[k] for p in parts]) for k in range(len(self.outputs))]
 
     def close(self) -> None:
+        if self._bufs is not None:
+            self._bufs.close()
         self.session.close()
 
     def __enter__(self) -> "InferenceJob":
