@@ -97,6 +97,10 @@ def test_metadata_and_config(triton):
     assert not triton.is_model_ready("garbage")
     meta = triton.get_server_metadata()
     assert "binary_tensor_data" in meta["extensions"]
+    # Off unless --system-shared-memory (test_oip_shm.py), and refused.
+    assert "system_shared_memory" not in meta["extensions"]
+    with pytest.raises(InferenceServerException, match="--system-shared-memory"):
+        triton.register_system_shared_memory("r", "/lanes_test_off", 16)
     m = triton.get_model_metadata("resnet18")
     assert m["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 32, 32]}]
     assert m["outputs"][0]["shape"] == [-1, 10]

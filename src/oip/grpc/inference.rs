@@ -372,6 +372,57 @@ pub struct RepositoryModelUnloadRequest {
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RepositoryModelUnloadResponse {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryStatusRequest {
+    /// Empty: every region.
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct SystemSharedMemoryStatusResponse {
+    /// By region name.
+    #[prost(map = "string, message", tag = "1")]
+    pub regions: ::std::collections::HashMap<
+        ::prost::alloc::string::String,
+        system_shared_memory_status_response::RegionStatus,
+    >,
+}
+/// Nested message and enum types in `SystemSharedMemoryStatusResponse`.
+pub mod system_shared_memory_status_response {
+    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+    pub struct RegionStatus {
+        #[prost(string, tag = "1")]
+        pub name: ::prost::alloc::string::String,
+        /// The shared memory object's name, as registered (`/NAME`).
+        #[prost(string, tag = "2")]
+        pub key: ::prost::alloc::string::String,
+        #[prost(uint64, tag = "3")]
+        pub offset: u64,
+        #[prost(uint64, tag = "4")]
+        pub byte_size: u64,
+    }
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryRegisterRequest {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub key: ::prost::alloc::string::String,
+    #[prost(uint64, tag = "3")]
+    pub offset: u64,
+    #[prost(uint64, tag = "4")]
+    pub byte_size: u64,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryRegisterResponse {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryUnregisterRequest {
+    /// Empty: every region.
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryUnregisterResponse {}
 /// Generated client implementations.
 pub mod grpc_inference_service_client {
     #![allow(
@@ -723,6 +774,97 @@ pub mod grpc_inference_service_client {
                 );
             self.inner.unary(req, path, codec).await
         }
+        /// Triton's system shared memory extension (`lanes serve  --system-shared-memory`): the regions registered, or one of them.
+        pub async fn system_shared_memory_status(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SystemSharedMemoryStatusRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryStatusResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/SystemSharedMemoryStatus",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "SystemSharedMemoryStatus",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
+        /// Registers a POSIX shared memory object (a part of it) as a region
+        /// that inference requests may name for inputs and outputs.
+        pub async fn system_shared_memory_register(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SystemSharedMemoryRegisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryRegisterResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/SystemSharedMemoryRegister",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "SystemSharedMemoryRegister",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
+        /// Unregisters a region (every region when no name is given).
+        pub async fn system_shared_memory_unregister(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SystemSharedMemoryUnregisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryUnregisterResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/SystemSharedMemoryUnregister",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "SystemSharedMemoryUnregister",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -817,6 +959,31 @@ pub mod grpc_inference_service_server {
             request: tonic::Request<super::RepositoryModelUnloadRequest>,
         ) -> std::result::Result<
             tonic::Response<super::RepositoryModelUnloadResponse>,
+            tonic::Status,
+        >;
+        /// Triton's system shared memory extension (`lanes serve  --system-shared-memory`): the regions registered, or one of them.
+        async fn system_shared_memory_status(
+            &self,
+            request: tonic::Request<super::SystemSharedMemoryStatusRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryStatusResponse>,
+            tonic::Status,
+        >;
+        /// Registers a POSIX shared memory object (a part of it) as a region
+        /// that inference requests may name for inputs and outputs.
+        async fn system_shared_memory_register(
+            &self,
+            request: tonic::Request<super::SystemSharedMemoryRegisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryRegisterResponse>,
+            tonic::Status,
+        >;
+        /// Unregisters a region (every region when no name is given).
+        async fn system_shared_memory_unregister(
+            &self,
+            request: tonic::Request<super::SystemSharedMemoryUnregisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryUnregisterResponse>,
             tonic::Status,
         >;
     }
@@ -1357,6 +1524,167 @@ pub mod grpc_inference_service_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = RepositoryModelUnloadSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/SystemSharedMemoryStatus" => {
+                    #[allow(non_camel_case_types)]
+                    struct SystemSharedMemoryStatusSvc<T: GrpcInferenceService>(
+                        pub Arc<T>,
+                    );
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<super::SystemSharedMemoryStatusRequest>
+                    for SystemSharedMemoryStatusSvc<T> {
+                        type Response = super::SystemSharedMemoryStatusResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                super::SystemSharedMemoryStatusRequest,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::system_shared_memory_status(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SystemSharedMemoryStatusSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/SystemSharedMemoryRegister" => {
+                    #[allow(non_camel_case_types)]
+                    struct SystemSharedMemoryRegisterSvc<T: GrpcInferenceService>(
+                        pub Arc<T>,
+                    );
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<
+                        super::SystemSharedMemoryRegisterRequest,
+                    > for SystemSharedMemoryRegisterSvc<T> {
+                        type Response = super::SystemSharedMemoryRegisterResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                super::SystemSharedMemoryRegisterRequest,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::system_shared_memory_register(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SystemSharedMemoryRegisterSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/SystemSharedMemoryUnregister" => {
+                    #[allow(non_camel_case_types)]
+                    struct SystemSharedMemoryUnregisterSvc<T: GrpcInferenceService>(
+                        pub Arc<T>,
+                    );
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<
+                        super::SystemSharedMemoryUnregisterRequest,
+                    > for SystemSharedMemoryUnregisterSvc<T> {
+                        type Response = super::SystemSharedMemoryUnregisterResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                super::SystemSharedMemoryUnregisterRequest,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::system_shared_memory_unregister(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SystemSharedMemoryUnregisterSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(
