@@ -52,6 +52,8 @@
 //! - `grpc/`: the gRPC service (`inference.proto`, its generated code
 //!   checked in as `inference.rs`);
 //! - `infer.rs`: what the two share, and running a checked request;
+//! - `config.rs`: the model configuration extension, which both doors
+//!   serve;
 //! - `control.rs`: the repository extension's index, load and unload,
 //!   which both doors serve;
 //! - `repository.rs`: the model repository (Triton's layout) and the
@@ -69,6 +71,7 @@
 
 mod batch;
 mod body;
+mod config;
 mod control;
 mod encoding;
 mod error;
@@ -130,8 +133,8 @@ const SERVER_NAME: &str = "lanes";
 /// The platform models' metadata names.
 const PLATFORM: &str = "lanes_onnx";
 
-/// The protocol extensions served over HTTP (gRPC serves the statistics
-/// and the model repository, [`GRPC_EXTENSIONS`]), and
+/// The protocol extensions served over HTTP (gRPC serves all but binary
+/// tensor data, [`GRPC_EXTENSIONS`]), and
 /// [`SHM_EXTENSION`] when it is on.
 const EXTENSIONS: [&str; 4] = [
     "binary_tensor_data",
@@ -141,7 +144,7 @@ const EXTENSIONS: [&str; 4] = [
 ];
 
 /// The protocol extensions served over gRPC.
-const GRPC_EXTENSIONS: [&str; 2] = ["model_repository", "statistics"];
+const GRPC_EXTENSIONS: [&str; 3] = ["model_repository", "model_configuration", "statistics"];
 
 /// Triton's system shared memory extension, served over both when on.
 const SHM_EXTENSION: &str = "system_shared_memory";

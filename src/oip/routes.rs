@@ -18,7 +18,7 @@ use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::Model;
 use super::response;
-use super::tensors::{self, config_type, datatype};
+use super::tensors::{self, datatype};
 
 /// The protocol's header naming the JSON part's length.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -123,29 +123,7 @@ async fn model_ready(St(s): St<S>, Path(p): Names) -> Result<StatusCode> {
 async fn config(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
     let (name, version) = names(&p);
     let m = s.models.get(&name, version.as_deref())?;
-    let list = |specs: &[super::model::TensorSpec]| -> Vec<Value> {
-        specs
-            .iter()
-            .map(|t| json!({ "name": t.name, "data_type": config_type(t.dtype), "dims": t.dims }))
-            .collect()
-    };
-    let mut c = json!({
-        "name": m.info.name,
-        "platform": super::PLATFORM,
-        "backend": "lanes",
-        "version_policy": { "latest": { "num_versions": 1 } },
-        "max_batch_size": m.info.max_batch_size,
-        "input": list(&m.info.inputs),
-        "output": list(&m.info.outputs),
-        "instance_group": [{ "name": m.info.name, "kind": "KIND_MODEL", "count": 1 }],
-    });
-    if let Some(b) = &m.info.batching {
-        c["dynamic_batching"] = json!({
-            "max_queue_delay_microseconds": b.max_queue_delay_us,
-            "preferred_batch_size": b.preferred_batch_sizes,
-        });
-    }
-    Ok(Json(c))
+    Ok(Json(super::config::of(&m).json()))
 }
 
 async fn all_stats(St(s): St<S>) -> Json<Value> {

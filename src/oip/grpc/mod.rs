@@ -34,6 +34,7 @@ use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 
 use super::body::Chunks;
+use super::config;
 use super::control::{self, Param};
 use super::error::ApiError;
 use super::infer::{self, State};
@@ -331,6 +332,55 @@ fn params(
     Ok(out)
 }
 
+/// A model's configuration as the protocol's message.
+fn config_message(c: &config::ModelConfig) -> ModelConfig {
+    let data_type = |t: &config::TensorConfig| {
+        DataType::from_str_name(t.data_type()).unwrap_or(DataType::TypeInvalid) as i32
+    };
+    let int = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
+    ModelConfig {
+        name: c.name.clone(),
+        platform: c.platform.into(),
+        backend: c.backend.into(),
+        version_policy: Some(ModelVersionPolicy {
+            policy_choice: Some(model_version_policy::PolicyChoice::Latest(
+                model_version_policy::Latest {
+                    num_versions: c.latest_versions,
+                },
+            )),
+        }),
+        max_batch_size: int(c.max_batch_size),
+        input: c
+            .inputs
+            .iter()
+            .map(|t| ModelInput {
+                name: t.name.clone(),
+                data_type: data_type(t),
+                dims: t.dims.clone(),
+            })
+            .collect(),
+        output: c
+            .outputs
+            .iter()
+            .map(|t| ModelOutput {
+                name: t.name.clone(),
+                data_type: data_type(t),
+                dims: t.dims.clone(),
+            })
+            .collect(),
+        instance_group: vec![ModelInstanceGroup {
+            name: c.name.clone(),
+            count: i32::try_from(c.instances).unwrap_or(i32::MAX),
+            kind: model_instance_group::Kind::from_str_name(config::INSTANCE_KIND)
+                .unwrap_or_default() as i32,
+        }],
+        dynamic_batching: c.dynamic_batching.as_ref().map(|b| ModelDynamicBatching {
+            preferred_batch_size: b.preferred_batch_sizes.iter().map(|&n| int(n)).collect(),
+            max_queue_delay_microseconds: b.max_queue_delay_us,
+        }),
+    }
+}
+
 type Answer<T> = Result<Response<T>, Status>;
 
 #[tonic::async_trait]
@@ -389,6 +439,14 @@ impl GrpcInferenceService for Service {
             platform: super::PLATFORM.into(),
             inputs: list(&m.info.inputs),
             outputs: list(&m.info.outputs),
+        }))
+    }
+
+    async fn model_config(&self, req: Request<ModelConfigRequest>) -> Answer<ModelConfigResponse> {
+        let r = req.get_ref();
+        let m = self.state.models.get(&r.name, version(&r.version))?;
+        Ok(Response::new(ModelConfigResponse {
+            config: Some(config_message(&config::of(&m))),
         }))
     }
 
