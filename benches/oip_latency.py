@@ -29,6 +29,18 @@ input is [BATCH, 3, SIZE, SIZE] (--size, default 224): 384 bytes at batch
 224, ResNet-50 b8's input. Several sizes go in one repository under
 different --name, and `bench --model NAME` picks one.
 
+`bench --shm` times a third path as well (and a fourth with --grpc-url
+and tritonclient[grpc] installed): Triton's system shared memory extension
+(`lanes serve --system-shared-memory`). The bench makes two POSIX shared
+memory objects with the standard library (`multiprocessing.shared_memory`,
+in /dev/shm), registers them, and each request copies the batch's input
+into the input region, sends an infer request that names the regions
+(over HTTP the JSON alone, over gRPC tritonclient's message) and copies
+the output out of the output region: one copy of the input on the client,
+as `lanes.Session.run` makes into its shared segment, so the difference
+to the Python client is what the front door adds. The regions are
+unregistered and removed at the end.
+
 `floor` needs no service: the time to move a request of --bytes (default
 4,816,896, ResNet-50 b8's input) over loopback TCP to a plain socket
 server thread that only reads it and answers a few bytes, the least any
@@ -184,6 +196,95 @@ class Http:
         return np.frombuffer(data[n:], np.float32).reshape(out["shape"])
 
 
+class ShmPath:
+    """Infer requests whose input and output are in POSIX shared memory
+    regions registered with the service (Triton's system shared memory
+    extension), over HTTP (`http.client`, the JSON alone) or gRPC
+    (tritonclient). Each request copies the input into its region and the
+    output out of its region."""
+
+    def __init__(self, url, model, x, grpc_url=None):
+        from multiprocessing import shared_memory
+
+        host, _, port = url.rpartition(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        meta = self._call("GET", f"/v2/models/{model}")
+        out_shape = [x.shape[0] if d == -1 else d for d in meta["outputs"][0]["shape"]]
+        self.x, self.model, self.out_shape = x, model, out_shape
+        out_bytes = int(np.prod(out_shape)) * 4
+        tag = f"{os.getpid()}_{model}"
+        self.regions = []
+        for name, size in [(f"lanes_bench_in_{tag}", x.nbytes), (f"lanes_bench_out_{tag}", out_bytes)]:
+            m = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self.regions.append((name, m))
+            self._call("POST", f"/v2/systemsharedmemory/region/{name}/register",
+                       {"key": "/" + name, "offset": 0, "byte_size": size})
+        (in_name, in_mem), (out_name, out_mem) = self.regions
+        self.x_view = np.ndarray(x.shape, np.float32, buffer=in_mem.buf)
+        self.y_view = np.ndarray(out_shape, np.float32, buffer=out_mem.buf)
+        self.body = json.dumps({
+            "inputs": [{
+                "name": "input", "shape": list(x.shape), "datatype": "FP32",
+                "parameters": {"shared_memory_region": in_name,
+                               "shared_memory_byte_size": x.nbytes},
+            }],
+            "outputs": [{"name": "output", "parameters": {
+                "shared_memory_region": out_name, "shared_memory_byte_size": out_bytes}}],
+        }).encode()
+        self.grpc = None
+        if grpc_url:
+            import tritonclient.grpc as grpcclient
+
+            self.grpc = grpcclient.InferenceServerClient(url=grpc_url)
+            i = grpcclient.InferInput("input", list(x.shape), "FP32")
+            i.set_shared_memory(in_name, x.nbytes)
+            o = grpcclient.InferRequestedOutput("output")
+            o.set_shared_memory(out_name, out_bytes)
+            self.grpc_args = ([i], [o])
+
+    def _call(self, method, path, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        self.conn.request(method, path, body=data,
+                          headers={"Content-Type": "application/json"} if data else {})
+        r = self.conn.getresponse()
+        answer = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{method} {path}: HTTP {r.status}: {answer[:300]!r}")
+        return json.loads(answer) if answer else None
+
+    def infer_http(self):
+        np.copyto(self.x_view, self.x)
+        c = self.conn
+        if c.sock is None:
+            c.connect()
+            c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.request("POST", f"/v2/models/{self.model}/infer", body=self.body,
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+        return self.y_view.copy()
+
+    def infer_grpc(self):
+        np.copyto(self.x_view, self.x)
+        self.grpc.infer(self.model, self.grpc_args[0], outputs=self.grpc_args[1])
+        return self.y_view.copy()
+
+    def close(self):
+        self._call("POST", "/v2/systemsharedmemory/unregister")
+        if self.grpc:
+            self.grpc.close()
+        del self.x_view, self.y_view
+        for _, m in self.regions:
+            m.close()
+            m.unlink()
+
+
+def max_abs_diff(a, b):
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+
+
 def bench(a):
     import lanes
 
@@ -194,18 +295,35 @@ def bench(a):
     row = {"model": a.model, "batch": int(x.shape[0]), "input_bytes": int(x.nbytes),
            "runs": a.runs}
     row["http_binary"] = timed(h.infer, a.runs, a.warmup, a.service_pid)
+    shm_outputs = {}
+    if a.shm:
+        sp = ShmPath(a.url, a.model, x, a.grpc_url)
+        try:
+            paths = [("http_shm", sp.infer_http)]
+            if a.grpc_url:
+                paths.append(("grpc_shm", sp.infer_grpc))
+            for key, fn in paths:
+                shm_outputs[key] = fn()
+                row[key] = timed(fn, a.runs, a.warmup, a.service_pid)
+        finally:
+            sp.close()
     with lanes.Client(a.endpoint) as client:
         with client.session(f"oip-ref-{a.model}", kind="inference", priority=1) as s:
             s.load_onnx(path, batch=int(x.shape[0]))
             via_client = s.run({"input": x}, fetch=["output"])[0]
             row["lanes_client"] = timed(lambda: s.run({"input": x}, fetch=["output"]), a.runs,
                                         a.warmup, a.service_pid)
-    diff = np.abs(via_http.astype(np.float64) - via_client.astype(np.float64))
-    row["outputs_max_abs_diff"] = float(diff.max())
+    row["outputs_max_abs_diff"] = max_abs_diff(via_http, via_client)
     row["http_adds_ms"] = row["http_binary"]["median_ms"] - row["lanes_client"]["median_ms"]
     if a.service_pid:
         row["http_adds_service_cpu_ms"] = (row["http_binary"]["service_cpu_ms"]
                                            - row["lanes_client"]["service_cpu_ms"])
+    for key, y in shm_outputs.items():
+        row[f"{key}_outputs_max_abs_diff"] = max_abs_diff(y, via_client)
+        row[f"{key}_adds_ms"] = row[key]["median_ms"] - row["lanes_client"]["median_ms"]
+        if a.service_pid:
+            row[f"{key}_adds_service_cpu_ms"] = (row[key]["service_cpu_ms"]
+                                                 - row["lanes_client"]["service_cpu_ms"])
     print(json.dumps(row))
 
 
@@ -290,6 +408,11 @@ def main():
     b.add_argument("--service-pid", type=int,
                    help="the lanes serve process: also report its CPU time and minor page "
                         "faults per request (Linux), for each path")
+    b.add_argument("--shm", action="store_true",
+                   help="also time inputs and outputs in shared memory regions (the service "
+                        "needs --system-shared-memory): over HTTP, and over gRPC with --grpc-url")
+    b.add_argument("--grpc-url", help="HOST:PORT of --grpc, for --shm over gRPC (needs "
+                                      "tritonclient[grpc])")
     f = sub.add_parser("floor", help="time moving a request's bytes over loopback TCP, nothing "
                                      "else (what any HTTP front door pays)")
     f.add_argument("--bytes", type=int, default=4816896,
@@ -310,6 +433,8 @@ def main():
     else:
         if a.runs < 1 or a.warmup < 0:
             ap.error("--runs must be positive, --warmup not negative")
+        if a.grpc_url and not a.shm:
+            ap.error("--grpc-url times the shared memory path over gRPC: give --shm too")
         bench(a)
 
 

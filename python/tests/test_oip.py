@@ -97,6 +97,10 @@ def test_metadata_and_config(triton):
     assert not triton.is_model_ready("garbage")
     meta = triton.get_server_metadata()
     assert "binary_tensor_data" in meta["extensions"]
+    # Off unless --system-shared-memory (test_oip_shm.py), and refused.
+    assert "system_shared_memory" not in meta["extensions"]
+    with pytest.raises(InferenceServerException, match="--system-shared-memory"):
+        triton.register_system_shared_memory("r", "/lanes_test_off", 16)
     m = triton.get_model_metadata("resnet18")
     assert m["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 32, 32]}]
     assert m["outputs"][0]["shape"] == [-1, 10]
@@ -189,6 +193,39 @@ def test_grpc_health_and_metadata(triton_grpc):
     assert [(t.name, t.datatype, list(t.shape)) for t in m.inputs] == [
         ("input", "FP32", [-1, 3, 32, 32])]
     assert list(m.outputs[0].shape) == [-1, 10]
+
+
+def test_grpc_model_config_is_the_http_one(triton_grpc, triton):
+    grpcclient, c = triton_grpc
+    assert "model_configuration" in c.get_server_metadata().extensions
+    for name in ["resnet18", "batched", "conv"]:
+        want = triton.get_model_config(name)
+        got = c.get_model_config(name).config
+        assert (got.name, got.platform, got.backend, got.max_batch_size) == (
+            want["name"], want["platform"], want["backend"], want["max_batch_size"])
+        assert got.version_policy.latest.num_versions == 1
+        for mine, theirs in [(got.input, want["input"]), (got.output, want["output"])]:
+            assert [(t.name, grpcclient.model_config_pb2.DataType.Name(t.data_type), list(t.dims))
+                    for t in mine] == [(t["name"], t["data_type"], t["dims"]) for t in theirs]
+        group = got.instance_group[0]
+        assert (group.name, group.count) == (name, 1)
+        assert grpcclient.model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_MODEL"
+        if "dynamic_batching" in want:
+            b = want["dynamic_batching"]
+            assert got.dynamic_batching.max_queue_delay_microseconds == b[
+                "max_queue_delay_microseconds"]
+            assert list(got.dynamic_batching.preferred_batch_size) == b["preferred_batch_size"]
+        else:
+            assert not got.HasField("dynamic_batching")
+    assert c.get_model_config("batched").config.dynamic_batching.max_queue_delay_microseconds \
+        == 5000000
+    # as_json, the form tritonclient's tools read.
+    j = c.get_model_config("resnet18", as_json=True)["config"]
+    assert j["input"][0]["data_type"] == "TYPE_FP32" and j["max_batch_size"] == 4
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        c.get_model_config("absent")
+    with pytest.raises(InferenceServerException, match="StatusCode.NOT_FOUND"):
+        c.get_model_config("absent")
 
 
 def test_grpc_infer_matches_http_pytorch_and_statistics(triton_grpc, triton, served):

@@ -223,6 +223,14 @@ pub struct HttpArgs {
     /// once.
     #[arg(long, default_value_t = lanes::oip::DEFAULT_MAX_IN_FLIGHT, value_name = "N")]
     pub http_max_in_flight: usize,
+    /// Serve Triton's system shared memory extension over --http and
+    /// --grpc: clients on this host register POSIX shared memory objects
+    /// (by name, in /dev/shm) and infer requests name them for inputs and
+    /// outputs, so no tensor crosses a socket. Off by default: any caller
+    /// of the ports can then have the server read and write any object in
+    /// /dev/shm that this server's user can open (docs/serving.md).
+    #[arg(long)]
+    pub system_shared_memory: bool,
 }
 
 /// Bounds on what the service accepts from the network.
@@ -418,6 +426,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .context("--http-max-body does not fit this machine")?,
             max_in_flight: args.http.http_max_in_flight,
             run_timeout: Duration::from_secs(300),
+            system_shared_memory: args.http.system_shared_memory,
+            shm_limits: lanes::oip::ShmLimits::default(),
             stopping: Some(handle.stop_flag()),
         })
         .context("starting the inference protocol's front end")?;
@@ -429,6 +439,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         Some(oip)
     } else {
+        if args.http.system_shared_memory {
+            anyhow::bail!(
+                "--system-shared-memory is an extension of --http and --grpc: give one of them"
+            );
+        }
         if args.http.model_repository.is_some() {
             anyhow::bail!(
                 "--model-repository serves models over --http or --grpc: give one of them"

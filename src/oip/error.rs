@@ -28,13 +28,18 @@ pub enum ApiError {
     /// 500: the service failed the request.
     #[error("{0}")]
     Internal(String),
+    /// 400 (UNIMPLEMENTED over gRPC): an extension that is turned off.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::BadRequest(_) | ApiError::Unavailable(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::Unavailable(_) | ApiError::Unsupported(_) => {
+                StatusCode::BAD_REQUEST
+            }
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -49,6 +54,7 @@ impl ApiError {
             ApiError::Unavailable(_) => tonic::Code::Unavailable,
             ApiError::TooLarge(_) | ApiError::Overloaded(_) => tonic::Code::ResourceExhausted,
             ApiError::Internal(_) => tonic::Code::Internal,
+            ApiError::Unsupported(_) => tonic::Code::Unimplemented,
         }
     }
 

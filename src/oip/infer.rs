@@ -11,6 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::ApiError;
 use super::model::{Job, Model, Models};
+use super::shm::Regions;
 use super::tensors::Feed;
 use super::OipConfig;
 
@@ -18,6 +19,9 @@ use super::OipConfig;
 #[derive(Debug)]
 pub struct State {
     pub models: Models,
+    /// The shared memory regions registered (Triton's system shared
+    /// memory extension; refusing all when it is off).
+    pub shm: Regions,
     /// Largest request (an HTTP body, a gRPC message).
     pub max_body: usize,
     in_flight: Arc<Semaphore>,
@@ -29,6 +33,7 @@ impl State {
     pub fn new(models: Models, config: &OipConfig) -> State {
         State {
             models,
+            shm: Regions::new(config.system_shared_memory, config.shm_limits),
             max_body: config.max_body_bytes,
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             max_in_flight: config.max_in_flight,

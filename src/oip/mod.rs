@@ -42,26 +42,36 @@
 //! copy) and travel in the Run. A binary output is copied once, behind
 //! the JSON header in the response body. A compressed request body is
 //! inflated into one buffer first, and a response compressed for a
-//! caller that asks (`encoding.rs`).
+//! caller that asks (`encoding.rs`). With Triton's system shared memory
+//! extension (`shm.rs`) no tensor crosses a socket: the model's thread
+//! copies an input once from the client's registered region into the
+//! feed buffers (`tensors::Feed::Shm`), and an output is copied once into
+//! its region instead of the response.
 //!
 //! - `routes.rs`: the REST routes;
 //! - `grpc/`: the gRPC service (`inference.proto`, its generated code
 //!   checked in as `inference.rs`);
 //! - `infer.rs`: what the two share, and running a checked request;
+//! - `config.rs`: the model configuration extension, which both doors
+//!   serve;
 //! - `control.rs`: the repository extension's index, load and unload,
 //!   which both doors serve;
 //! - `repository.rs`: the model repository (Triton's layout) and the
 //!   little of `config.pbtxt` that is read;
 //! - `body.rs`: a request body in the pieces it arrived in;
 //! - `encoding.rs`: gzip and deflate request and response bodies;
-//! - `tensors.rs`: request and response bodies, JSON tensors and the
-//!   binary tensor data extension;
+//! - `tensors.rs`: request bodies, JSON tensors and the binary tensor
+//!   data extension;
+//! - `response.rs`: response bodies;
 //! - `batch.rs`: dynamic batching (requests gathered into one Run);
 //! - `stats.rs`: per-model statistics (Triton's statistics extension);
+//! - `shm.rs`: Triton's system shared memory extension (registered
+//!   regions, which both doors serve);
 //! - `error.rs`: the protocol's error responses.
 
 mod batch;
 mod body;
+mod config;
 mod control;
 mod encoding;
 mod error;
@@ -69,7 +79,9 @@ pub mod grpc;
 mod infer;
 mod model;
 mod repository;
+mod response;
 mod routes;
+mod shm;
 mod stats;
 mod tensors;
 
@@ -80,6 +92,7 @@ use std::thread::JoinHandle;
 
 pub use error::ApiError;
 pub use repository::{RepositoryError, DEFAULT_MAX_BATCH};
+pub use shm::{Limits as ShmLimits, DEFAULT_MAX_BYTES as DEFAULT_SHM_MAX_BYTES};
 
 /// How to serve the protocol.
 #[derive(Debug, Clone)]
@@ -104,6 +117,11 @@ pub struct OipConfig {
     pub max_in_flight: usize,
     /// How long a model's thread waits for the service's reply to one Run.
     pub run_timeout: std::time::Duration,
+    /// Whether Triton's system shared memory extension is served
+    /// (`--system-shared-memory`; off by default: docs/serving.md).
+    pub system_shared_memory: bool,
+    /// Bounds on the shared memory regions registered at once.
+    pub shm_limits: ShmLimits,
     /// The service's stop flag ([`crate::server::ServerHandle::stop_flag`]):
     /// once set, `v2/health/ready` answers 503.
     pub stopping: Option<Arc<std::sync::atomic::AtomicBool>>,
@@ -115,8 +133,9 @@ const SERVER_NAME: &str = "lanes";
 /// The platform models' metadata names.
 const PLATFORM: &str = "lanes_onnx";
 
-/// The protocol extensions served over HTTP (gRPC serves the statistics
-/// and the model repository, [`GRPC_EXTENSIONS`]).
+/// The protocol extensions served over HTTP (gRPC serves all but binary
+/// tensor data, [`GRPC_EXTENSIONS`]), and
+/// [`SHM_EXTENSION`] when it is on.
 const EXTENSIONS: [&str; 4] = [
     "binary_tensor_data",
     "model_repository",
@@ -125,7 +144,20 @@ const EXTENSIONS: [&str; 4] = [
 ];
 
 /// The protocol extensions served over gRPC.
-const GRPC_EXTENSIONS: [&str; 2] = ["model_repository", "statistics"];
+const GRPC_EXTENSIONS: [&str; 3] = ["model_repository", "model_configuration", "statistics"];
+
+/// Triton's system shared memory extension, served over both when on.
+const SHM_EXTENSION: &str = "system_shared_memory";
+
+/// The extensions a server's metadata lists: `base`, and the shared
+/// memory extension when `shm` is on.
+fn extensions(base: &[&'static str], shm: bool) -> Vec<&'static str> {
+    let mut v = base.to_vec();
+    if shm {
+        v.push(SHM_EXTENSION);
+    }
+    v
+}
 
 /// Default of [`OipConfig::max_body_bytes`].
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
@@ -186,6 +218,8 @@ impl Drop for OipHandle {
             let _ = t.join();
         }
         self.state.models.unload_all();
+        // Unmapped now, not when the last Arc of the state goes.
+        self.state.shm.clear();
     }
 }
 

@@ -17,7 +17,8 @@ use super::encoding;
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::Model;
-use super::tensors::{self, config_type, datatype};
+use super::response;
+use super::tensors::{self, datatype};
 
 /// The protocol's header naming the JSON part's length.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -47,7 +48,24 @@ pub fn router(state: S) -> Router {
         .route("/v2/models/stats", get(all_stats))
         .route("/v2/repository/index", post(index))
         .route("/v2/repository/models/{name}/load", post(load))
-        .route("/v2/repository/models/{name}/unload", post(unload));
+        .route("/v2/repository/models/{name}/unload", post(unload))
+        .route("/v2/systemsharedmemory/status", get(shm_status_all))
+        .route(
+            "/v2/systemsharedmemory/unregister",
+            post(shm_unregister_all),
+        )
+        .route(
+            "/v2/systemsharedmemory/region/{name}/status",
+            get(shm_status),
+        )
+        .route(
+            "/v2/systemsharedmemory/region/{name}/register",
+            post(shm_register),
+        )
+        .route(
+            "/v2/systemsharedmemory/region/{name}/unregister",
+            post(shm_unregister),
+        );
     for base in ["/v2/models/{name}", "/v2/models/{name}/versions/{version}"] {
         r = r
             .route(base, get(metadata))
@@ -68,11 +86,11 @@ async fn ready(St(s): St<S>) -> StatusCode {
     }
 }
 
-async fn server_metadata() -> Json<Value> {
+async fn server_metadata(St(s): St<S>) -> Json<Value> {
     Json(json!({
         "name": super::SERVER_NAME,
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": super::EXTENSIONS,
+        "extensions": super::extensions(&super::EXTENSIONS, s.shm.enabled()),
     }))
 }
 
@@ -105,29 +123,7 @@ async fn model_ready(St(s): St<S>, Path(p): Names) -> Result<StatusCode> {
 async fn config(St(s): St<S>, Path(p): Names) -> Result<Json<Value>> {
     let (name, version) = names(&p);
     let m = s.models.get(&name, version.as_deref())?;
-    let list = |specs: &[super::model::TensorSpec]| -> Vec<Value> {
-        specs
-            .iter()
-            .map(|t| json!({ "name": t.name, "data_type": config_type(t.dtype), "dims": t.dims }))
-            .collect()
-    };
-    let mut c = json!({
-        "name": m.info.name,
-        "platform": super::PLATFORM,
-        "backend": "lanes",
-        "version_policy": { "latest": { "num_versions": 1 } },
-        "max_batch_size": m.info.max_batch_size,
-        "input": list(&m.info.inputs),
-        "output": list(&m.info.outputs),
-        "instance_group": [{ "name": m.info.name, "kind": "KIND_MODEL", "count": 1 }],
-    });
-    if let Some(b) = &m.info.batching {
-        c["dynamic_batching"] = json!({
-            "max_queue_delay_microseconds": b.max_queue_delay_us,
-            "preferred_batch_size": b.preferred_batch_sizes,
-        });
-    }
-    Ok(Json(c))
+    Ok(Json(super::config::of(&m).json()))
 }
 
 async fn all_stats(St(s): St<S>) -> Json<Value> {
@@ -244,6 +240,7 @@ async fn infer_inner(
     };
     let json_len = tensors::json_len(bytes.len(), header_len)?;
     let m = Arc::clone(&model);
+    let regions = Arc::clone(&s);
     let decode = move || {
         let json_part = bytes
             .prefix(json_len)
@@ -251,7 +248,7 @@ async fn infer_inner(
         let binary = bytes
             .slice(json_len, bytes.len() - json_len)
             .ok_or_else(|| ApiError::Internal("the body is shorter than its header".into()))?;
-        tensors::decode(&m.info, &json_part, binary)
+        tensors::decode(&m.info, &json_part, binary, &regions.shm)
     };
     // Parsing a large JSON body takes milliseconds: off the runtime's
     // threads, which serve every connection.
@@ -276,11 +273,21 @@ async fn infer_inner(
         .outputs
         .iter()
         .zip(&picked)
-        .filter(|((_, binary), _)| !binary)
+        .filter(|((_, out), _)| matches!(out, response::Out::Json))
         .map(|(_, t)| t.numel())
         .sum();
+    response::write_shm_outputs(
+        decoded.outputs.iter().map(|(n, o)| {
+            let slice = match o {
+                response::Out::Shm(s) => Some(s),
+                _ => None,
+            };
+            (n.as_str(), slice)
+        }),
+        &picked,
+    )?;
     let (id, wanted) = (decoded.id, decoded.outputs);
-    let encode = move || tensors::encode(&model.info, id, &wanted, &picked);
+    let encode = move || response::encode(&model.info, id, &wanted, &picked);
     let enc = if json_elements * 8 > LARGE_JSON {
         tokio::task::spawn_blocking(encode)
             .await
@@ -418,5 +425,48 @@ async fn unload(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<
     let body = control_body(req).await?;
     params(&body)?;
     control::unload(&s, name).await?;
+    Ok(StatusCode::OK)
+}
+
+/// A registration's body (Triton's system shared memory extension).
+#[derive(Debug, serde::Deserialize)]
+struct RegisterBody {
+    key: String,
+    #[serde(default)]
+    offset: u64,
+    byte_size: u64,
+}
+
+fn shm_status_json(list: Vec<super::shm::RegionStatus>) -> Json<Value> {
+    let list: Vec<Value> = list
+        .into_iter()
+        .map(|r| json!({ "name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size }))
+        .collect();
+    Json(Value::Array(list))
+}
+
+async fn shm_status_all(St(s): St<S>) -> Result<Json<Value>> {
+    Ok(shm_status_json(s.shm.status(None)?))
+}
+
+async fn shm_status(St(s): St<S>, Path(name): Path<String>) -> Result<Json<Value>> {
+    Ok(shm_status_json(s.shm.status(Some(&name))?))
+}
+
+async fn shm_register(St(s): St<S>, Path(name): Path<String>, req: Request) -> Result<StatusCode> {
+    let (_, bytes) = body(req, CONTROL_BODY).await?;
+    let b: RegisterBody = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::BadRequest(format!("malformed registration: {e}")))?;
+    s.shm.register(&name, &b.key, b.offset, b.byte_size)?;
+    Ok(StatusCode::OK)
+}
+
+async fn shm_unregister(St(s): St<S>, Path(name): Path<String>) -> Result<StatusCode> {
+    s.shm.unregister(Some(&name))?;
+    Ok(StatusCode::OK)
+}
+
+async fn shm_unregister_all(St(s): St<S>) -> Result<StatusCode> {
+    s.shm.unregister(None)?;
     Ok(StatusCode::OK)
 }

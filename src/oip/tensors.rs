@@ -1,8 +1,8 @@
-//! Inference request and response bodies: JSON tensors, and Triton's
-//! binary tensor data extension (a JSON header of
-//! `Inference-Header-Content-Length` bytes followed by the tensors' raw
-//! little-endian row-major bytes, each tensor's length in its
-//! `parameters.binary_data_size`).
+//! Inference requests: JSON tensors, Triton's binary tensor data
+//! extension (a JSON header of `Inference-Header-Content-Length` bytes
+//! followed by the tensors' raw little-endian row-major bytes, each
+//! tensor's length in its `parameters.binary_data_size`) and tensors in
+//! shared memory regions. Responses are written by `response.rs`.
 
 use lanes_adaptor::{DType, Tensor, TensorData, TensorType};
 use serde::Deserialize;
@@ -11,6 +11,8 @@ use serde_json::{Map, Value};
 use super::body::Chunks;
 use super::error::ApiError;
 use super::model::{ModelInfo, TensorSpec};
+use super::response::Out;
+use super::shm::{self, ParamValue, Regions, ShmSlice};
 
 /// The protocol's name of a Lanes element type.
 pub fn datatype(d: DType) -> &'static str {
@@ -70,8 +72,8 @@ pub struct Decoded {
     /// One feed per model input, in the model's order.
     pub feeds: Vec<(String, Feed)>,
     /// The outputs asked for (all, in the model's order, when none named),
-    /// and whether each is wanted as binary data.
-    pub outputs: Vec<(String, bool)>,
+    /// and how each is wanted.
+    pub outputs: Vec<(String, Out)>,
 }
 
 /// An input's values as the request brought them.
@@ -82,12 +84,15 @@ pub enum Feed {
     Raw { ty: TensorType, bytes: Chunks },
     /// Values read from JSON or from typed gRPC contents.
     Tensor(Tensor),
+    /// Little-endian bytes in a registered shared memory region, not
+    /// copied yet (written once where the service reads them).
+    Shm { ty: TensorType, slice: ShmSlice },
 }
 
 impl Feed {
     pub fn ty(&self) -> TensorType {
         match self {
-            Feed::Raw { ty, .. } => ty.clone(),
+            Feed::Raw { ty, .. } | Feed::Shm { ty, .. } => ty.clone(),
             Feed::Tensor(t) => t.ty(),
         }
     }
@@ -107,21 +112,34 @@ impl Feed {
             Feed::Tensor(t) => from_tensor(t, dst),
             #[cfg(target_endian = "little")]
             Feed::Raw { bytes, .. } => bytes.copy_to(dst),
+            #[cfg(target_endian = "little")]
+            Feed::Shm { slice, .. } => slice.read_into(dst),
             #[cfg(not(target_endian = "little"))]
-            Feed::Raw { .. } => self
+            Feed::Raw { .. } | Feed::Shm { .. } => self
                 .clone()
                 .into_tensor()
                 .is_ok_and(|t| from_tensor(&t, dst)),
         }
     }
 
-    /// The values as a tensor of their own (one copy of binary data).
-    pub fn into_tensor(self) -> Result<Tensor, lanes_adaptor::TensorError> {
+    /// The values as a tensor of their own (one copy of binary data);
+    /// why not.
+    pub fn into_tensor(self) -> Result<Tensor, String> {
         match self {
             Feed::Tensor(t) => Ok(t),
             Feed::Raw { ty, bytes } => {
                 let parts: Vec<&[u8]> = bytes.parts().collect();
-                lanes_adaptor::wire::tensor_from_chunks(&ty, &parts)
+                lanes_adaptor::wire::tensor_from_chunks(&ty, &parts).map_err(|e| e.to_string())
+            }
+            Feed::Shm { ty, slice } => {
+                let mut v = vec![0u8; slice.len()];
+                if !slice.read_into(&mut v) {
+                    return Err(format!(
+                        "the shared memory object of region `{}` shrank below the region",
+                        slice.region()
+                    ));
+                }
+                lanes_adaptor::wire::tensor_from_chunks(&ty, &[&v]).map_err(|e| e.to_string())
             }
         }
     }
@@ -357,6 +375,21 @@ pub fn raw_feed(name: &str, slot: &InputSlot, bytes: Chunks) -> Result<Feed, Api
     Ok(Feed::Raw { ty, bytes })
 }
 
+/// A checked input's feed from a registered shared memory region: the
+/// part named must take exactly the bytes of the input's shape and
+/// datatype; they are not copied here.
+pub fn shm_feed(
+    regions: &Regions,
+    name: &str,
+    slot: &InputSlot,
+    p: &shm::ShmParams,
+) -> Result<Feed, ApiError> {
+    let want = slot.dims.iter().product::<usize>() * slot.dtype.size();
+    let slice = regions.slice("input", name, p, Some(want))?;
+    let ty = TensorType::new(slot.dtype, slot.dims.clone());
+    Ok(Feed::Shm { ty, slice })
+}
+
 /// A checked input's tensor from its elements.
 pub fn typed_tensor(name: &str, slot: &InputSlot, data: TensorData) -> Result<Tensor, ApiError> {
     let n = slot.dims.iter().product::<usize>();
@@ -389,8 +422,38 @@ pub fn check_output<'a>(
     Ok(())
 }
 
-/// Decodes and checks a request's JSON header and binary part.
-pub fn decode(model: &ModelInfo, json: &[u8], binary: Chunks) -> Result<Decoded, ApiError> {
+/// A JSON parameter as [`shm::params`] reads it.
+fn json_param(v: &Value) -> ParamValue<'_> {
+    match v {
+        Value::String(s) => ParamValue::Text(s),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => ParamValue::UInt(u),
+            (None, Some(i)) => ParamValue::Int(i),
+            _ => ParamValue::Other,
+        },
+        _ => ParamValue::Other,
+    }
+}
+
+/// The shared memory parameters of a tensor's JSON `parameters`.
+fn json_shm(
+    what: &str,
+    tensor: &str,
+    params: &Option<Map<String, Value>>,
+) -> Result<Option<shm::ShmParams>, ApiError> {
+    shm::params(what, tensor, |k| {
+        params.as_ref().and_then(|p| p.get(k)).map(json_param)
+    })
+}
+
+/// Decodes and checks a request's JSON header and binary part; inputs
+/// and outputs in shared memory are looked up in `regions`.
+pub fn decode(
+    model: &ModelInfo,
+    json: &[u8],
+    binary: Chunks,
+    regions: &Regions,
+) -> Result<Decoded, ApiError> {
     let req: RequestBody = serde_json::from_slice(json)
         .map_err(|e| bad(format!("malformed inference request: {e}")))?;
     let mut feeds = Feeds::new(model);
@@ -415,6 +478,18 @@ pub fn decode(model: &ModelInfo, json: &[u8], binary: Chunks) -> Result<Decoded,
                     })?,
             ),
         };
+        let in_shm = json_shm("input", &input.name, &input.parameters)?;
+        if let Some(p) = in_shm {
+            if binary_size.is_some() || input.data.is_some() {
+                return Err(bad(format!(
+                    "input `{}` names a shared memory region and also carries data",
+                    input.name
+                )));
+            }
+            let feed = shm_feed(regions, &input.name, &slot, &p)?;
+            feeds.put(slot, feed);
+            continue;
+        }
         let tensor = match (binary_size, &input.data) {
             (Some(_), Some(_)) => {
                 return Err(bad(format!(
@@ -455,18 +530,29 @@ pub fn decode(model: &ModelInfo, json: &[u8], binary: Chunks) -> Result<Decoded,
     }
     let (rows, out) = feeds.finish()?;
     let all_binary = flag(&req.parameters, "binary_data_output")?.unwrap_or(false);
+    let as_flag = |b: bool| if b { Out::Binary } else { Out::Json };
     let outputs = match &req.outputs {
         None => model
             .outputs
             .iter()
-            .map(|s| (s.name.clone(), all_binary))
+            .map(|s| (s.name.clone(), as_flag(all_binary)))
             .collect(),
         Some(list) => {
-            let mut v: Vec<(String, bool)> = Vec::with_capacity(list.len());
+            let mut v: Vec<(String, Out)> = Vec::with_capacity(list.len());
             for o in list {
                 check_output(model, &o.name, v.iter().map(|(n, _)| n.as_str()))?;
-                let b = flag(&o.parameters, "binary_data")?.unwrap_or(all_binary);
-                v.push((o.name.clone(), b));
+                let b = flag(&o.parameters, "binary_data")?;
+                let out = match json_shm("output", &o.name, &o.parameters)? {
+                    Some(p) if b == Some(true) => {
+                        return Err(bad(format!(
+                        "output `{}` is asked for in shared memory region `{}` and as binary data",
+                        o.name, p.region
+                    )))
+                    }
+                    Some(p) => Out::Shm(regions.slice("output", &o.name, &p, None)?),
+                    None => as_flag(b.unwrap_or(all_binary)),
+                };
+                v.push((o.name.clone(), out));
             }
             v
         }
@@ -477,91 +563,6 @@ pub fn decode(model: &ModelInfo, json: &[u8], binary: Chunks) -> Result<Decoded,
         feeds: out,
         outputs,
     })
-}
-
-/// An encoded response: the body, and the JSON header's length when
-/// binary data follows it.
-#[derive(Debug)]
-pub struct Encoded {
-    pub body: Vec<u8>,
-    pub header_len: Option<usize>,
-}
-
-fn json_data(t: &Tensor) -> Value {
-    match t.data() {
-        TensorData::F32(v) => Value::Array(v.iter().map(|&x| Value::from(x as f64)).collect()),
-        TensorData::I64(v) => Value::Array(v.iter().map(|&x| Value::from(x)).collect()),
-        TensorData::F16(v) => Value::Array(v.iter().map(|&x| Value::from(x.to_f64())).collect()),
-        TensorData::BF16(v) => Value::Array(v.iter().map(|&x| Value::from(x.to_f64())).collect()),
-    }
-}
-
-/// A tensor's values as little-endian bytes: its own storage on a
-/// little-endian host (no copy).
-pub fn le_bytes(t: &Tensor) -> std::borrow::Cow<'_, [u8]> {
-    #[cfg(target_endian = "little")]
-    {
-        std::borrow::Cow::Borrowed(t.data().ne_bytes())
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
-        std::borrow::Cow::Owned(t.to_le_bytes())
-    }
-}
-
-/// The response to a request: `outputs` are the fetched tensors, in the
-/// order of `wanted`. Binary outputs are copied once, straight after the
-/// JSON header in the body.
-pub fn encode(
-    model: &ModelInfo,
-    id: Option<String>,
-    wanted: &[(String, bool)],
-    outputs: &[Tensor],
-) -> Encoded {
-    let mut binary = 0usize;
-    let mut list = Vec::with_capacity(outputs.len());
-    for ((name, as_binary), t) in wanted.iter().zip(outputs) {
-        let shape: Vec<usize> = t.shape().dims().to_vec();
-        let mut o = serde_json::json!({
-            "name": name,
-            "datatype": datatype(t.dtype()),
-            "shape": shape,
-        });
-        if *as_binary {
-            let n = t.data().ne_bytes().len();
-            o["parameters"] = serde_json::json!({ "binary_data_size": n });
-            binary += n;
-        } else {
-            o["data"] = json_data(t);
-        }
-        list.push(o);
-    }
-    let mut head = serde_json::json!({
-        "model_name": model.name,
-        "model_version": model.version,
-        "outputs": list,
-    });
-    if let Some(id) = id {
-        head["id"] = Value::from(id);
-    }
-    let head = head.to_string();
-    if !wanted.iter().any(|(_, b)| *b) {
-        return Encoded {
-            body: head.into_bytes(),
-            header_len: None,
-        };
-    }
-    let mut body = Vec::with_capacity(head.len() + binary);
-    body.extend_from_slice(head.as_bytes());
-    for ((_, as_binary), t) in wanted.iter().zip(outputs) {
-        if *as_binary {
-            body.extend_from_slice(&le_bytes(t));
-        }
-    }
-    Encoded {
-        body,
-        header_len: Some(head.len()),
-    }
 }
 
 #[cfg(test)]
@@ -588,12 +589,17 @@ mod tests {
         }
     }
 
+    /// Regions with the extension off.
+    fn off() -> Regions {
+        Regions::new(false, shm::Limits::default())
+    }
+
     fn chunks(b: &[u8]) -> Chunks {
         Chunks::one(axum::body::Bytes::copy_from_slice(b))
     }
 
     fn err(m: &ModelInfo, json: &str, bin: &[u8]) -> String {
-        match decode(m, json.as_bytes(), chunks(bin)) {
+        match decode(m, json.as_bytes(), chunks(bin), &off()) {
             Err(ApiError::BadRequest(s)) => s,
             other => panic!("{json}: {other:?}"),
         }
@@ -606,6 +612,7 @@ mod tests {
             &m,
             br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[[1,2],[3,4]]}]}"#,
             Chunks::default(),
+            &off(),
         )
         .unwrap();
         let bytes: Vec<u8> = [1f32, 2., 3., 4.]
@@ -617,6 +624,7 @@ mod tests {
             br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","parameters":{"binary_data_size":16}}],
                 "parameters":{"binary_data_output":true}}"#,
             chunks(&bytes),
+            &off(),
         )
         .unwrap();
         assert_eq!(a.rows, 2);
@@ -631,8 +639,8 @@ mod tests {
         assert!(a.feeds[0].1.write_to(&mut written));
         assert_eq!(&written[..], &bytes[..]);
         assert!(!b.feeds[0].1.write_to(&mut [0u8; 12]));
-        assert_eq!(a.outputs, vec![("y".to_string(), false)]);
-        assert_eq!(b.outputs, vec![("y".to_string(), true)]);
+        assert!(matches!(&a.outputs[..], [(y, Out::Json)] if y == "y"));
+        assert!(matches!(&b.outputs[..], [(y, Out::Binary)] if y == "y"));
     }
 
     #[test]
@@ -705,12 +713,78 @@ mod tests {
     }
 
     #[test]
+    fn inputs_and_outputs_in_shared_memory_name_their_regions() {
+        let name = format!("lanes-test-{}-tensors", std::process::id());
+        let path = std::path::Path::new("/dev/shm").join(&name);
+        let bytes: Vec<u8> = [1f32, 2., 3., 4.]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let mut object = bytes.clone();
+        object.resize(32, 0);
+        std::fs::write(&path, &object).unwrap();
+        let regions = Regions::new(true, shm::Limits::default());
+        let registered = regions.register("r", &format!("/{name}"), 0, 32);
+        let m = model(4);
+        let d = decode(
+            &m,
+            br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32",
+                  "parameters":{"shared_memory_region":"r","shared_memory_byte_size":16}}],
+                "outputs":[{"name":"y","parameters":{"shared_memory_region":"r",
+                  "shared_memory_offset":16,"shared_memory_byte_size":16}}]}"#,
+            Chunks::default(),
+            &regions,
+        );
+        let both = decode(
+            &m,
+            br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[1,2,3,4],
+                  "parameters":{"shared_memory_region":"r","shared_memory_byte_size":16}}]}"#,
+            Chunks::default(),
+            &regions,
+        );
+        let out_both = decode(
+            &m,
+            br#"{"inputs":[{"name":"x","shape":[2,2],"datatype":"FP32","data":[1,2,3,4]}],
+                "outputs":[{"name":"y","parameters":{"binary_data":true,
+                  "shared_memory_region":"r","shared_memory_byte_size":4}}]}"#,
+            Chunks::default(),
+            &regions,
+        );
+        let _ = std::fs::remove_file(&path);
+        registered.unwrap();
+        let d = d.unwrap();
+        assert_eq!(d.rows, 2);
+        assert!(matches!(d.feeds[0].1, Feed::Shm { .. }));
+        let mut written = [0u8; 16];
+        assert!(d.feeds[0].1.write_to(&mut written));
+        assert_eq!(&written[..], &bytes[..]);
+        assert_eq!(
+            d.feeds[0].1.clone().into_tensor().unwrap(),
+            Tensor::from_f32(vec![2, 2], vec![1., 2., 3., 4.]).unwrap()
+        );
+        match &d.outputs[..] {
+            [(y, Out::Shm(s))] => {
+                assert_eq!(
+                    (y.as_str(), s.region(), s.offset(), s.len()),
+                    ("y", "r", 16, 16)
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(both, Err(ApiError::BadRequest(e)) if e.contains("also carries data")));
+        assert!(
+            matches!(out_both, Err(ApiError::BadRequest(e)) if e.contains("and as binary data"))
+        );
+    }
+
+    #[test]
     fn a_model_that_does_not_batch_takes_its_exact_shape() {
         let m = model(0);
         let d = decode(
             &m,
             br#"{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,2]}]}"#,
             Chunks::default(),
+            &off(),
         )
         .unwrap();
         assert_eq!(d.rows, 1);
@@ -731,27 +805,5 @@ mod tests {
             (&b"abc"[..], &b"d"[..])
         );
         assert_eq!(split_body(b"abcd", None).unwrap(), (&b"abcd"[..], &b""[..]));
-    }
-
-    #[test]
-    fn binary_outputs_follow_the_header() {
-        let m = model(4);
-        let t = Tensor::from_f32(vec![1, 1], vec![2.5]).unwrap();
-        let e = encode(
-            &m,
-            Some("7".into()),
-            &[("y".into(), true)],
-            std::slice::from_ref(&t),
-        );
-        let n = e.header_len.unwrap();
-        let head: Value = serde_json::from_slice(&e.body[..n]).unwrap();
-        assert_eq!(head["id"], "7");
-        assert_eq!(head["outputs"][0]["parameters"]["binary_data_size"], 4);
-        assert_eq!(&e.body[n..], &2.5f32.to_le_bytes());
-        let e = encode(&m, None, &[("y".into(), false)], &[t]);
-        assert!(e.header_len.is_none());
-        let head: Value = serde_json::from_slice(&e.body).unwrap();
-        assert_eq!(head["outputs"][0]["data"][0], 2.5);
-        assert_eq!(head["outputs"][0]["shape"], serde_json::json!([1, 1]));
     }
 }

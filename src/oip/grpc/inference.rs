@@ -372,6 +372,257 @@ pub struct RepositoryModelUnloadRequest {
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct RepositoryModelUnloadResponse {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryStatusRequest {
+    /// Empty: every region.
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct SystemSharedMemoryStatusResponse {
+    /// By region name.
+    #[prost(map = "string, message", tag = "1")]
+    pub regions: ::std::collections::HashMap<
+        ::prost::alloc::string::String,
+        system_shared_memory_status_response::RegionStatus,
+    >,
+}
+/// Nested message and enum types in `SystemSharedMemoryStatusResponse`.
+pub mod system_shared_memory_status_response {
+    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+    pub struct RegionStatus {
+        #[prost(string, tag = "1")]
+        pub name: ::prost::alloc::string::String,
+        /// The shared memory object's name, as registered (`/NAME`).
+        #[prost(string, tag = "2")]
+        pub key: ::prost::alloc::string::String,
+        #[prost(uint64, tag = "3")]
+        pub offset: u64,
+        #[prost(uint64, tag = "4")]
+        pub byte_size: u64,
+    }
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryRegisterRequest {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub key: ::prost::alloc::string::String,
+    #[prost(uint64, tag = "3")]
+    pub offset: u64,
+    #[prost(uint64, tag = "4")]
+    pub byte_size: u64,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryRegisterResponse {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryUnregisterRequest {
+    /// Empty: every region.
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SystemSharedMemoryUnregisterResponse {}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelConfigRequest {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    /// Empty: whichever version is loaded.
+    #[prost(string, tag = "2")]
+    pub version: ::prost::alloc::string::String,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct ModelConfigResponse {
+    #[prost(message, optional, tag = "1")]
+    pub config: ::core::option::Option<ModelConfig>,
+}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelVersionPolicy {
+    #[prost(oneof = "model_version_policy::PolicyChoice", tags = "1")]
+    pub policy_choice: ::core::option::Option<model_version_policy::PolicyChoice>,
+}
+/// Nested message and enum types in `ModelVersionPolicy`.
+pub mod model_version_policy {
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+    pub struct Latest {
+        #[prost(uint32, tag = "1")]
+        pub num_versions: u32,
+    }
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Oneof)]
+    pub enum PolicyChoice {
+        #[prost(message, tag = "1")]
+        Latest(Latest),
+    }
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelInput {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(enumeration = "DataType", tag = "2")]
+    pub data_type: i32,
+    /// Without the batch dimension when max_batch_size > 0.
+    #[prost(int64, repeated, tag = "4")]
+    pub dims: ::prost::alloc::vec::Vec<i64>,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelOutput {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(enumeration = "DataType", tag = "2")]
+    pub data_type: i32,
+    #[prost(int64, repeated, tag = "3")]
+    pub dims: ::prost::alloc::vec::Vec<i64>,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelInstanceGroup {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(int32, tag = "2")]
+    pub count: i32,
+    #[prost(enumeration = "model_instance_group::Kind", tag = "4")]
+    pub kind: i32,
+}
+/// Nested message and enum types in `ModelInstanceGroup`.
+pub mod model_instance_group {
+    #[derive(
+        Clone,
+        Copy,
+        Debug,
+        PartialEq,
+        Eq,
+        Hash,
+        PartialOrd,
+        Ord,
+        ::prost::Enumeration
+    )]
+    #[repr(i32)]
+    pub enum Kind {
+        Auto = 0,
+        Gpu = 1,
+        Cpu = 2,
+        Model = 3,
+    }
+    impl Kind {
+        /// String value of the enum field names used in the ProtoBuf definition.
+        ///
+        /// The values are not transformed in any way and thus are considered stable
+        /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+        pub fn as_str_name(&self) -> &'static str {
+            match self {
+                Self::Auto => "KIND_AUTO",
+                Self::Gpu => "KIND_GPU",
+                Self::Cpu => "KIND_CPU",
+                Self::Model => "KIND_MODEL",
+            }
+        }
+        /// Creates an enum from field names used in the ProtoBuf definition.
+        pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+            match value {
+                "KIND_AUTO" => Some(Self::Auto),
+                "KIND_GPU" => Some(Self::Gpu),
+                "KIND_CPU" => Some(Self::Cpu),
+                "KIND_MODEL" => Some(Self::Model),
+                _ => None,
+            }
+        }
+    }
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct ModelDynamicBatching {
+    #[prost(int32, repeated, tag = "1")]
+    pub preferred_batch_size: ::prost::alloc::vec::Vec<i32>,
+    #[prost(uint64, tag = "2")]
+    pub max_queue_delay_microseconds: u64,
+}
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct ModelConfig {
+    #[prost(string, tag = "1")]
+    pub name: ::prost::alloc::string::String,
+    #[prost(string, tag = "2")]
+    pub platform: ::prost::alloc::string::String,
+    #[prost(message, optional, tag = "3")]
+    pub version_policy: ::core::option::Option<ModelVersionPolicy>,
+    #[prost(int32, tag = "4")]
+    pub max_batch_size: i32,
+    #[prost(message, repeated, tag = "5")]
+    pub input: ::prost::alloc::vec::Vec<ModelInput>,
+    #[prost(message, repeated, tag = "6")]
+    pub output: ::prost::alloc::vec::Vec<ModelOutput>,
+    #[prost(message, repeated, tag = "7")]
+    pub instance_group: ::prost::alloc::vec::Vec<ModelInstanceGroup>,
+    #[prost(message, optional, tag = "11")]
+    pub dynamic_batching: ::core::option::Option<ModelDynamicBatching>,
+    #[prost(string, tag = "17")]
+    pub backend: ::prost::alloc::string::String,
+}
+/// Triton's model configuration (its model_config.proto, in the same
+/// package): only the messages and fields that Lanes fills, with the
+/// protocol's numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum DataType {
+    TypeInvalid = 0,
+    TypeBool = 1,
+    TypeUint8 = 2,
+    TypeUint16 = 3,
+    TypeUint32 = 4,
+    TypeUint64 = 5,
+    TypeInt8 = 6,
+    TypeInt16 = 7,
+    TypeInt32 = 8,
+    TypeInt64 = 9,
+    TypeFp16 = 10,
+    TypeFp32 = 11,
+    TypeFp64 = 12,
+    TypeString = 13,
+    TypeBf16 = 14,
+}
+impl DataType {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::TypeInvalid => "TYPE_INVALID",
+            Self::TypeBool => "TYPE_BOOL",
+            Self::TypeUint8 => "TYPE_UINT8",
+            Self::TypeUint16 => "TYPE_UINT16",
+            Self::TypeUint32 => "TYPE_UINT32",
+            Self::TypeUint64 => "TYPE_UINT64",
+            Self::TypeInt8 => "TYPE_INT8",
+            Self::TypeInt16 => "TYPE_INT16",
+            Self::TypeInt32 => "TYPE_INT32",
+            Self::TypeInt64 => "TYPE_INT64",
+            Self::TypeFp16 => "TYPE_FP16",
+            Self::TypeFp32 => "TYPE_FP32",
+            Self::TypeFp64 => "TYPE_FP64",
+            Self::TypeString => "TYPE_STRING",
+            Self::TypeBf16 => "TYPE_BF16",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "TYPE_INVALID" => Some(Self::TypeInvalid),
+            "TYPE_BOOL" => Some(Self::TypeBool),
+            "TYPE_UINT8" => Some(Self::TypeUint8),
+            "TYPE_UINT16" => Some(Self::TypeUint16),
+            "TYPE_UINT32" => Some(Self::TypeUint32),
+            "TYPE_UINT64" => Some(Self::TypeUint64),
+            "TYPE_INT8" => Some(Self::TypeInt8),
+            "TYPE_INT16" => Some(Self::TypeInt16),
+            "TYPE_INT32" => Some(Self::TypeInt32),
+            "TYPE_INT64" => Some(Self::TypeInt64),
+            "TYPE_FP16" => Some(Self::TypeFp16),
+            "TYPE_FP32" => Some(Self::TypeFp32),
+            "TYPE_FP64" => Some(Self::TypeFp64),
+            "TYPE_STRING" => Some(Self::TypeString),
+            "TYPE_BF16" => Some(Self::TypeBf16),
+            _ => None,
+        }
+    }
+}
 /// Generated client implementations.
 pub mod grpc_inference_service_client {
     #![allow(
@@ -608,6 +859,33 @@ pub mod grpc_inference_service_client {
                 .insert(GrpcMethod::new("inference.GRPCInferenceService", "ModelInfer"));
             self.inner.unary(req, path, codec).await
         }
+        /// Triton's model configuration extension: the model's configuration.
+        pub async fn model_config(
+            &mut self,
+            request: impl tonic::IntoRequest<super::ModelConfigRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::ModelConfigResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/ModelConfig",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new("inference.GRPCInferenceService", "ModelConfig"),
+                );
+            self.inner.unary(req, path, codec).await
+        }
         /// Triton's statistics extension: counts and summed durations.
         pub async fn model_statistics(
             &mut self,
@@ -723,6 +1001,97 @@ pub mod grpc_inference_service_client {
                 );
             self.inner.unary(req, path, codec).await
         }
+        /// Triton's system shared memory extension (`lanes serve  --system-shared-memory`): the regions registered, or one of them.
+        pub async fn system_shared_memory_status(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SystemSharedMemoryStatusRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryStatusResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/SystemSharedMemoryStatus",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "SystemSharedMemoryStatus",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
+        /// Registers a POSIX shared memory object (a part of it) as a region
+        /// that inference requests may name for inputs and outputs.
+        pub async fn system_shared_memory_register(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SystemSharedMemoryRegisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryRegisterResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/SystemSharedMemoryRegister",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "SystemSharedMemoryRegister",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
+        /// Unregisters a region (every region when no name is given).
+        pub async fn system_shared_memory_unregister(
+            &mut self,
+            request: impl tonic::IntoRequest<super::SystemSharedMemoryUnregisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryUnregisterResponse>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/inference.GRPCInferenceService/SystemSharedMemoryUnregister",
+            );
+            let mut req = request.into_request();
+            req.extensions_mut()
+                .insert(
+                    GrpcMethod::new(
+                        "inference.GRPCInferenceService",
+                        "SystemSharedMemoryUnregister",
+                    ),
+                );
+            self.inner.unary(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -786,6 +1155,14 @@ pub mod grpc_inference_service_server {
             tonic::Response<super::ModelInferResponse>,
             tonic::Status,
         >;
+        /// Triton's model configuration extension: the model's configuration.
+        async fn model_config(
+            &self,
+            request: tonic::Request<super::ModelConfigRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::ModelConfigResponse>,
+            tonic::Status,
+        >;
         /// Triton's statistics extension: counts and summed durations.
         async fn model_statistics(
             &self,
@@ -817,6 +1194,31 @@ pub mod grpc_inference_service_server {
             request: tonic::Request<super::RepositoryModelUnloadRequest>,
         ) -> std::result::Result<
             tonic::Response<super::RepositoryModelUnloadResponse>,
+            tonic::Status,
+        >;
+        /// Triton's system shared memory extension (`lanes serve  --system-shared-memory`): the regions registered, or one of them.
+        async fn system_shared_memory_status(
+            &self,
+            request: tonic::Request<super::SystemSharedMemoryStatusRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryStatusResponse>,
+            tonic::Status,
+        >;
+        /// Registers a POSIX shared memory object (a part of it) as a region
+        /// that inference requests may name for inputs and outputs.
+        async fn system_shared_memory_register(
+            &self,
+            request: tonic::Request<super::SystemSharedMemoryRegisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryRegisterResponse>,
+            tonic::Status,
+        >;
+        /// Unregisters a region (every region when no name is given).
+        async fn system_shared_memory_unregister(
+            &self,
+            request: tonic::Request<super::SystemSharedMemoryUnregisterRequest>,
+        ) -> std::result::Result<
+            tonic::Response<super::SystemSharedMemoryUnregisterResponse>,
             tonic::Status,
         >;
     }
@@ -1176,6 +1578,52 @@ pub mod grpc_inference_service_server {
                     };
                     Box::pin(fut)
                 }
+                "/inference.GRPCInferenceService/ModelConfig" => {
+                    #[allow(non_camel_case_types)]
+                    struct ModelConfigSvc<T: GrpcInferenceService>(pub Arc<T>);
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<super::ModelConfigRequest>
+                    for ModelConfigSvc<T> {
+                        type Response = super::ModelConfigResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<super::ModelConfigRequest>,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::model_config(&inner, request)
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = ModelConfigSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
                 "/inference.GRPCInferenceService/ModelStatistics" => {
                     #[allow(non_camel_case_types)]
                     struct ModelStatisticsSvc<T: GrpcInferenceService>(pub Arc<T>);
@@ -1357,6 +1805,167 @@ pub mod grpc_inference_service_server {
                     let inner = self.inner.clone();
                     let fut = async move {
                         let method = RepositoryModelUnloadSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/SystemSharedMemoryStatus" => {
+                    #[allow(non_camel_case_types)]
+                    struct SystemSharedMemoryStatusSvc<T: GrpcInferenceService>(
+                        pub Arc<T>,
+                    );
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<super::SystemSharedMemoryStatusRequest>
+                    for SystemSharedMemoryStatusSvc<T> {
+                        type Response = super::SystemSharedMemoryStatusResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                super::SystemSharedMemoryStatusRequest,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::system_shared_memory_status(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SystemSharedMemoryStatusSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/SystemSharedMemoryRegister" => {
+                    #[allow(non_camel_case_types)]
+                    struct SystemSharedMemoryRegisterSvc<T: GrpcInferenceService>(
+                        pub Arc<T>,
+                    );
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<
+                        super::SystemSharedMemoryRegisterRequest,
+                    > for SystemSharedMemoryRegisterSvc<T> {
+                        type Response = super::SystemSharedMemoryRegisterResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                super::SystemSharedMemoryRegisterRequest,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::system_shared_memory_register(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SystemSharedMemoryRegisterSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/inference.GRPCInferenceService/SystemSharedMemoryUnregister" => {
+                    #[allow(non_camel_case_types)]
+                    struct SystemSharedMemoryUnregisterSvc<T: GrpcInferenceService>(
+                        pub Arc<T>,
+                    );
+                    impl<
+                        T: GrpcInferenceService,
+                    > tonic::server::UnaryService<
+                        super::SystemSharedMemoryUnregisterRequest,
+                    > for SystemSharedMemoryUnregisterSvc<T> {
+                        type Response = super::SystemSharedMemoryUnregisterResponse;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                super::SystemSharedMemoryUnregisterRequest,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as GrpcInferenceService>::system_shared_memory_unregister(
+                                        &inner,
+                                        request,
+                                    )
+                                    .await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = SystemSharedMemoryUnregisterSvc(inner);
                         let codec = tonic_prost::ProstCodec::default();
                         let mut grpc = tonic::server::Grpc::new(codec)
                             .apply_compression_config(

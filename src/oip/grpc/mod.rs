@@ -5,8 +5,9 @@
 //! protocol's messages and hands it to the same models' table, checks and
 //! batching (`super::infer`, `super::tensors`); only the reading and the
 //! writing are its own. Inputs come as `raw_input_contents` (what
-//! tritonclient sends) or as typed `contents`; outputs go back as
-//! `raw_output_contents`. Request messages may be gzip- or
+//! tritonclient sends), as typed `contents` or in a registered shared
+//! memory region (`super::shm`); outputs go back as `raw_output_contents`
+//! or into a region. Request messages may be gzip- or
 //! deflate-compressed. Errors are gRPC statuses
 //! ([`super::ApiError::grpc_code`]); a request message over
 //! `--http-max-body` is refused by tonic before it is read.
@@ -33,17 +34,22 @@ use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 
 use super::body::Chunks;
+use super::config;
 use super::control::{self, Param};
 use super::error::ApiError;
 use super::infer::{self, State};
 use super::model::ModelInfo;
+use super::response;
+use super::shm::{self, ParamValue, Regions, ShmSlice};
 use super::tensors::{self, datatype, Feeds};
 use proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use proto::infer_parameter::ParameterChoice as InferChoice;
 use proto::model_infer_request::InferInputTensor;
 use proto::model_infer_response::InferOutputTensor;
 use proto::model_metadata_response::TensorMetadata;
 use proto::model_repository_parameter::ParameterChoice;
 use proto::repository_index_response::ModelIndex;
+use proto::system_shared_memory_status_response::RegionStatus;
 use proto::*;
 
 /// Serves the protocol on `listener` until `shutdown` resolves.
@@ -111,8 +117,28 @@ fn bad(msg: impl Into<String>) -> ApiError {
 struct Decoded {
     rows: usize,
     feeds: Vec<(String, tensors::Feed)>,
-    /// The outputs asked for (all, in the model's order, when none named).
-    outputs: Vec<String>,
+    /// The outputs asked for (all, in the model's order, when none named),
+    /// and the shared memory each is to be written into, if any.
+    outputs: Vec<(String, Option<ShmSlice>)>,
+}
+
+/// A gRPC parameter as [`shm::params`] reads it.
+fn grpc_param(p: &InferParameter) -> ParamValue<'_> {
+    match &p.parameter_choice {
+        Some(InferChoice::StringParam(s)) => ParamValue::Text(s),
+        Some(InferChoice::Int64Param(i)) => ParamValue::Int(*i),
+        Some(InferChoice::Uint64Param(u)) => ParamValue::UInt(*u),
+        _ => ParamValue::Other,
+    }
+}
+
+/// The shared memory parameters of a tensor's `parameters`.
+fn grpc_shm(
+    what: &str,
+    tensor: &str,
+    params: &std::collections::HashMap<String, InferParameter>,
+) -> Result<Option<shm::ShmParams>, ApiError> {
+    shm::params(what, tensor, |k| params.get(k).map(grpc_param))
 }
 
 /// An input's typed contents: the list its datatype takes, and no other.
@@ -157,20 +183,44 @@ fn typed(
     tensors::typed_tensor(&input.name, slot, data)
 }
 
-/// Reads and checks an inference request's tensors.
-fn decode(model: &ModelInfo, req: ModelInferRequest) -> Result<Decoded, ApiError> {
+/// Reads and checks an inference request's tensors; inputs and outputs
+/// in shared memory are looked up in `regions`.
+fn decode(
+    model: &ModelInfo,
+    req: ModelInferRequest,
+    regions: &Regions,
+) -> Result<Decoded, ApiError> {
     let mut raw = req.raw_input_contents;
-    if !raw.is_empty() && raw.len() != req.inputs.len() {
+    // raw_input_contents are the inputs' not in shared memory, in order.
+    let mut in_shm = Vec::with_capacity(req.inputs.len());
+    for input in &req.inputs {
+        in_shm.push(grpc_shm("input", &input.name, &input.parameters)?);
+    }
+    let not_shm = in_shm.iter().filter(|p| p.is_none()).count();
+    if !raw.is_empty() && raw.len() != not_shm {
         return Err(bad(format!(
-            "{} raw_input_contents for {} inputs: give one per input, in the inputs' order",
+            "{} raw_input_contents for {not_shm} inputs not in shared memory: give one per input, in the inputs' order",
             raw.len(),
-            req.inputs.len()
         )));
     }
     let mut feeds = Feeds::new(model);
-    for (i, mut input) in req.inputs.into_iter().enumerate() {
+    let mut next_raw = 0usize;
+    for (mut input, shm_params) in req.inputs.into_iter().zip(in_shm) {
         let slot = feeds.check(&input.name, &input.datatype, &input.shape)?;
         let contents = input.contents.take();
+        if let Some(p) = shm_params {
+            if contents.is_some() {
+                return Err(bad(format!(
+                    "input `{}` names a shared memory region and also carries contents",
+                    input.name
+                )));
+            }
+            let feed = tensors::shm_feed(regions, &input.name, &slot, &p)?;
+            feeds.put(slot, feed);
+            continue;
+        }
+        let i = next_raw;
+        next_raw += 1;
         let feed = match (raw.get_mut(i), contents) {
             (Some(_), Some(_)) => {
                 return Err(bad(format!(
@@ -191,12 +241,19 @@ fn decode(model: &ModelInfo, req: ModelInferRequest) -> Result<Decoded, ApiError
     }
     let (rows, feeds) = feeds.finish()?;
     let outputs = if req.outputs.is_empty() {
-        model.outputs.iter().map(|s| s.name.clone()).collect()
+        model
+            .outputs
+            .iter()
+            .map(|s| (s.name.clone(), None))
+            .collect()
     } else {
-        let mut v: Vec<String> = Vec::with_capacity(req.outputs.len());
+        let mut v: Vec<(String, Option<ShmSlice>)> = Vec::with_capacity(req.outputs.len());
         for o in req.outputs {
-            tensors::check_output(model, &o.name, v.iter().map(String::as_str))?;
-            v.push(o.name);
+            tensors::check_output(model, &o.name, v.iter().map(|(n, _)| n.as_str()))?;
+            let slice = grpc_shm("output", &o.name, &o.parameters)?
+                .map(|p| regions.slice("output", &o.name, &p, None))
+                .transpose()?;
+            v.push((o.name, slice));
         }
         v
     };
@@ -275,6 +332,55 @@ fn params(
     Ok(out)
 }
 
+/// A model's configuration as the protocol's message.
+fn config_message(c: &config::ModelConfig) -> ModelConfig {
+    let data_type = |t: &config::TensorConfig| {
+        DataType::from_str_name(t.data_type()).unwrap_or(DataType::TypeInvalid) as i32
+    };
+    let int = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
+    ModelConfig {
+        name: c.name.clone(),
+        platform: c.platform.into(),
+        backend: c.backend.into(),
+        version_policy: Some(ModelVersionPolicy {
+            policy_choice: Some(model_version_policy::PolicyChoice::Latest(
+                model_version_policy::Latest {
+                    num_versions: c.latest_versions,
+                },
+            )),
+        }),
+        max_batch_size: int(c.max_batch_size),
+        input: c
+            .inputs
+            .iter()
+            .map(|t| ModelInput {
+                name: t.name.clone(),
+                data_type: data_type(t),
+                dims: t.dims.clone(),
+            })
+            .collect(),
+        output: c
+            .outputs
+            .iter()
+            .map(|t| ModelOutput {
+                name: t.name.clone(),
+                data_type: data_type(t),
+                dims: t.dims.clone(),
+            })
+            .collect(),
+        instance_group: vec![ModelInstanceGroup {
+            name: c.name.clone(),
+            count: i32::try_from(c.instances).unwrap_or(i32::MAX),
+            kind: model_instance_group::Kind::from_str_name(config::INSTANCE_KIND)
+                .unwrap_or_default() as i32,
+        }],
+        dynamic_batching: c.dynamic_batching.as_ref().map(|b| ModelDynamicBatching {
+            preferred_batch_size: b.preferred_batch_sizes.iter().map(|&n| int(n)).collect(),
+            max_queue_delay_microseconds: b.max_queue_delay_us,
+        }),
+    }
+}
+
 type Answer<T> = Result<Response<T>, Status>;
 
 #[tonic::async_trait]
@@ -304,7 +410,10 @@ impl GrpcInferenceService for Service {
         Ok(Response::new(ServerMetadataResponse {
             name: super::SERVER_NAME.into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            extensions: super::GRPC_EXTENSIONS.iter().map(|&e| e.into()).collect(),
+            extensions: super::extensions(&super::GRPC_EXTENSIONS, self.state.shm.enabled())
+                .into_iter()
+                .map(String::from)
+                .collect(),
         }))
     }
 
@@ -333,6 +442,14 @@ impl GrpcInferenceService for Service {
         }))
     }
 
+    async fn model_config(&self, req: Request<ModelConfigRequest>) -> Answer<ModelConfigResponse> {
+        let r = req.get_ref();
+        let m = self.state.models.get(&r.name, version(&r.version))?;
+        Ok(Response::new(ModelConfigResponse {
+            config: Some(config_message(&config::of(&m))),
+        }))
+    }
+
     async fn model_infer(&self, req: Request<ModelInferRequest>) -> Answer<ModelInferResponse> {
         let _permit = self.state.permit()?;
         let req = req.into_inner();
@@ -340,7 +457,7 @@ impl GrpcInferenceService for Service {
         let ver = version(&req.model_version).map(str::to_owned);
         let id = req.id.clone();
         let model = self.state.models.get(&name, ver.as_deref())?;
-        let d = decode(&model.info, req)?;
+        let d = decode(&model.info, req, &self.state.shm)?;
         let (model, picked) = infer::run(
             &self.state,
             model,
@@ -348,20 +465,52 @@ impl GrpcInferenceService for Service {
             ver.as_deref(),
             d.rows,
             d.feeds,
-            d.outputs.iter().map(String::as_str),
+            d.outputs.iter().map(|(n, _)| n.as_str()),
         )
         .await?;
+        response::write_shm_outputs(
+            d.outputs.iter().map(|(n, s)| (n.as_str(), s.as_ref())),
+            &picked,
+        )?;
+        // raw_output_contents are read by position among the outputs
+        // (tritonclient's as_numpy): an output in shared memory keeps its
+        // place with an empty entry, unless every output is in shared
+        // memory (then there are none).
+        let all_shm = d.outputs.iter().all(|(_, s)| s.is_some());
         let mut outputs = Vec::with_capacity(picked.len());
         let mut raw = Vec::with_capacity(picked.len());
-        for (o, t) in d.outputs.into_iter().zip(picked) {
+        for ((o, slice), t) in d.outputs.into_iter().zip(picked) {
+            let mut parameters = std::collections::HashMap::new();
+            if let Some(s) = &slice {
+                for (k, v) in response::shm_answer(s, &t) {
+                    let choice = match v {
+                        ParamValue::Text(x) => InferChoice::StringParam(x.to_string()),
+                        ParamValue::Int(i) => InferChoice::Int64Param(i),
+                        ParamValue::UInt(u) => {
+                            InferChoice::Int64Param(i64::try_from(u).unwrap_or(i64::MAX))
+                        }
+                        ParamValue::Other => continue,
+                    };
+                    parameters.insert(
+                        k.to_string(),
+                        InferParameter {
+                            parameter_choice: Some(choice),
+                        },
+                    );
+                }
+            }
             outputs.push(InferOutputTensor {
                 name: o,
                 datatype: datatype(t.dtype()).into(),
                 shape: shape_i64(t.shape().dims()),
-                parameters: Default::default(),
+                parameters,
                 contents: None,
             });
-            raw.push(tensors::le_bytes(&t).into_owned());
+            match slice {
+                Some(_) if all_shm => {}
+                Some(_) => raw.push(Vec::new()),
+                None => raw.push(response::le_bytes(&t).into_owned()),
+            }
         }
         Ok(Response::new(ModelInferResponse {
             model_name: model.info.name.clone(),
@@ -414,6 +563,52 @@ impl GrpcInferenceService for Service {
         let r = req.into_inner();
         control::load(&self.state, r.model_name, params(r.parameters)?).await?;
         Ok(Response::new(RepositoryModelLoadResponse {}))
+    }
+
+    async fn system_shared_memory_status(
+        &self,
+        req: Request<SystemSharedMemoryStatusRequest>,
+    ) -> Answer<SystemSharedMemoryStatusResponse> {
+        let name = &req.get_ref().name;
+        let list = self
+            .state
+            .shm
+            .status((!name.is_empty()).then_some(name.as_str()))?;
+        let regions = list
+            .into_iter()
+            .map(|r| {
+                let status = RegionStatus {
+                    name: r.name.clone(),
+                    key: r.key,
+                    offset: r.offset,
+                    byte_size: r.byte_size,
+                };
+                (r.name, status)
+            })
+            .collect();
+        Ok(Response::new(SystemSharedMemoryStatusResponse { regions }))
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        req: Request<SystemSharedMemoryRegisterRequest>,
+    ) -> Answer<SystemSharedMemoryRegisterResponse> {
+        let r = req.get_ref();
+        self.state
+            .shm
+            .register(&r.name, &r.key, r.offset, r.byte_size)?;
+        Ok(Response::new(SystemSharedMemoryRegisterResponse {}))
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        req: Request<SystemSharedMemoryUnregisterRequest>,
+    ) -> Answer<SystemSharedMemoryUnregisterResponse> {
+        let name = &req.get_ref().name;
+        self.state
+            .shm
+            .unregister((!name.is_empty()).then_some(name.as_str()))?;
+        Ok(Response::new(SystemSharedMemoryUnregisterResponse {}))
     }
 
     async fn repository_model_unload(
