@@ -51,10 +51,48 @@ pub struct Service {
 }
 
 impl Drop for Service {
+    /// Kills the child; one that had already died says how first (the
+    /// bench's own error, a lost connection, follows it).
     fn drop(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            if let Some(note) = exit_note(self.child.id(), status) {
+                eprintln!("lanes bench: {note}");
+            }
+            return;
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// What to say about a child service that ended on its own with `status`
+/// (`None` for a clean exit).
+fn exit_note(pid: u32, status: std::process::ExitStatus) -> Option<String> {
+    use std::os::unix::process::ExitStatusExt;
+    if status.success() {
+        return None;
+    }
+    let how = match (status.code(), status.signal()) {
+        (_, Some(sig)) => format!(
+            "was killed by signal {sig}{}{}",
+            match sig {
+                6 => " (SIGABRT)",
+                9 => " (SIGKILL: out of memory?)",
+                11 => " (SIGSEGV)",
+                _ => "",
+            },
+            if status.core_dumped() {
+                ", core dumped"
+            } else {
+                ""
+            }
+        ),
+        (Some(code), None) => format!("exited with status {code}"),
+        (None, None) => format!("ended: {status}"),
+    };
+    Some(format!(
+        "the lanes serve child (pid {pid}) {how} before the bench ended; its log (--serve-log) has what it said last"
+    ))
 }
 
 /// How long the child may take to answer its first Hello (the GPU service
@@ -179,5 +217,27 @@ pub fn open(client: &mut Client, spec: SessionSpec) -> anyhow::Result<SessionId>
     match client.request(&Request::OpenSession(spec))? {
         Reply::SessionOpened { session } => Ok(session),
         other => bail!("unexpected reply to OpenSession: {other:?}"),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A child that died of a signal or a failing status is described; a
+    /// clean exit is not.
+    #[test]
+    fn a_dead_childs_status_is_told() {
+        let run = |script: &str| {
+            let mut c = Command::new("sh").args(["-c", script]).spawn().unwrap();
+            let status = c.wait().unwrap();
+            exit_note(c.id(), status)
+        };
+        let segv = run("kill -SEGV $$").unwrap();
+        assert!(segv.contains("signal 11 (SIGSEGV)"), "{segv}");
+        let code = run("exit 3").unwrap();
+        assert!(code.contains("exited with status 3"), "{code}");
+        assert_eq!(run("exit 0"), None);
     }
 }
