@@ -282,6 +282,12 @@ struct State {
     /// Bytes of the reply slot the buffers are made with, when a Run's
     /// outputs did not fit the default one.
     reply_bytes: Option<usize>,
+    /// The feed buffers of the last closed `Buffers`, for the next
+    /// `buffers()` of the same inputs: the service keeps every segment a
+    /// session was given until the session closes, so buffers made anew
+    /// for each request would hold a segment each.
+    /// With the reply slot size they were asked for.
+    spare: Option<(usize, FeedBuffers)>,
 }
 
 /// A job's session on the service.
@@ -683,6 +689,7 @@ impl Session {
                 return Ok(());
             }
             st.closed = true;
+            st.spare = None;
         }
         let (conn, id) = (self.conn.clone(), self.id);
         py.detach(move || with(&conn, |c| c.close_in(id)))

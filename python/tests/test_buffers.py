@@ -140,6 +140,36 @@ def test_closed_buffers_and_sessions_raise_and_arrays_stay_valid(client):
     assert b.sum() == 6 and view.shape == (2, 4)
 
 
+def test_closed_buffers_give_their_segment_to_the_next(client):
+    """The service keeps a session's segments until the session closes, so
+    buffers made per request must not each take a new one: closed
+    buffers' segment is reused by the next `buffers()` of the same inputs
+    (their arrays then view the same memory), not by one of other
+    shapes."""
+    with client.session("bufs-reuse") as s:
+        s.load_graph(linear(), ["y"])
+        for k in range(50):
+            with s.buffers() as bufs:
+                bufs["x"][...] = values("float32", k)
+                np.testing.assert_array_equal(bufs.run("y"), values("float32", k) @ W)
+        first = s.buffers()
+        kept = first["x"]
+        first.close()
+        again = s.buffers()
+        kept[...] = 3
+        np.testing.assert_array_equal(again["x"], np.full((2, 3), 3, np.float32))
+        np.testing.assert_array_equal(again.run("y"), np.full((2, 3), 3, np.float32) @ W)
+        # Open buffers are never shared; other shapes get a segment of
+        # their own.
+        both = s.buffers()
+        both["x"][...] = 1
+        assert again["x"].sum() == 18
+        again.close()
+        wide = s.buffers(shapes={"x": [4, 3]})
+        wide["x"][...] = 2
+        assert kept.sum() == 18 and wide["x"].shape == (4, 3)
+
+
 def test_wrong_names_are_key_errors(client):
     with client.session("bufs-names") as s:
         with pytest.raises(lanes.FeedError, match="load one"):

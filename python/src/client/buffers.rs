@@ -36,6 +36,8 @@ pub struct Buffers {
     closed: AtomicBool,
     /// Bytes of the reply slot.
     reply_bytes: usize,
+    /// The reply slot's size as asked for (the key of its reuse).
+    asked_reply: usize,
     /// Python's own mapping of the segment (an `mmap.mmap`).
     map: Py<PyAny>,
     /// `{input name: array}`, in the model's order.
@@ -126,14 +128,27 @@ pub(super) fn make(
     let reply = reply_bytes
         .or(hint)
         .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
-    let (conn, id, want) = (s.conn.clone(), s.id, types.clone());
-    let made = py
-        .detach(move || {
-            let refs: Vec<(&str, TensorType)> =
-                want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
-            with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
-        })
-        .map_err(client_error)?;
+    // The last closed buffers' segment, when it has these inputs and room
+    // for the reply.
+    let spare = s.state().spare.take().filter(|(asked, b)| {
+        *asked == reply
+            && b.feeds().count() == types.len()
+            && b.feeds()
+                .zip(&types)
+                .all(|((n, t), (m, u))| n == m && t == u)
+    });
+    let made = match spare {
+        Some((_, b)) => b,
+        None => {
+            let (conn, id, want) = (s.conn.clone(), s.id, types.clone());
+            py.detach(move || {
+                let refs: Vec<(&str, TensorType)> =
+                    want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+                with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
+            })
+            .map_err(client_error)?
+        }
+    };
     let file = made.segment_file().map_err(client_error)?;
     let map = py
         .import("mmap")?
@@ -151,6 +166,7 @@ pub(super) fn make(
     Ok(Buffers {
         session: session.clone().unbind(),
         reply_bytes: made.reply_bytes(),
+        asked_reply: reply,
         inner: Mutex::new(Some(made)),
         closed: AtomicBool::new(false),
         map: map.unbind(),
@@ -289,12 +305,22 @@ impl Buffers {
     }
 
     /// Stops Runs from these buffers (arrays already taken stay readable:
-    /// their memory is theirs). Closing twice is harmless.
+    /// their memory is theirs). Their segment goes back to the session:
+    /// the next `buffers()` of the same inputs reuses it, so arrays kept
+    /// from these then view that one's inputs. Closing twice is harmless.
     fn close(&self, py: Python<'_>) {
         self.closed.store(true, Ordering::Release);
         let inner = &self.inner;
         let old = py.detach(|| inner.lock().unwrap_or_else(|e| e.into_inner()).take());
-        drop(old);
+        let s = self.session.get();
+        if let Some(b) = old {
+            let mut st = s.state();
+            if !st.closed {
+                // A spare of other inputs goes (its segment stays with the
+                // service until the session closes).
+                st.spare = Some((self.asked_reply, b));
+            }
+        }
     }
 
     #[getter]
