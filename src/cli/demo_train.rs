@@ -4,10 +4,9 @@
 //! service. Prints each configuration's loss at the start and the end, its
 //! held-out accuracy, and the best configuration.
 
-use std::io::Read;
 use std::time::Instant;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{Context, Result};
 use lanes_adaptor::zoo::Arch;
 use lanes_adaptor::{Client, Optimizer, SessionSpec, Tensor};
 
@@ -39,23 +38,11 @@ impl Digits {
 }
 
 fn load_digits() -> Result<Digits> {
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(DIGITS_GZ).read_to_string(&mut text)?;
-    let mut d = Digits {
-        x: Vec::new(),
-        y: Vec::new(),
-    };
-    for (i, line) in text.lines().enumerate() {
-        let v: Vec<f32> = line
-            .split(',')
-            .map(|s| s.trim().parse::<f32>())
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("digits line {}", i + 1))?;
-        ensure!(v.len() == 65, "digits line {}: {} values", i + 1, v.len());
-        d.x.extend(v[..64].iter().map(|p| p / 16.0));
-        d.y.push(v[64] as i64);
-    }
-    Ok(d)
+    let (x, y) = super::digits::parse(DIGITS_GZ)?;
+    Ok(Digits {
+        x: x.into_iter().flatten().collect(),
+        y,
+    })
 }
 
 fn permutation(n: usize, seed: u64) -> Vec<usize> {

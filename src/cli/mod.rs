@@ -25,6 +25,7 @@ mod macros {
 pub mod bench;
 pub mod demo;
 pub mod demo_train;
+pub mod digits;
 pub mod host;
 pub mod import;
 pub mod replay;

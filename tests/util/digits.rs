@@ -4,11 +4,12 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::Read;
-
 use anyhow::{ensure, Context, Result};
 use lanes_adaptor::zoo::Arch;
 use lanes_adaptor::Tensor;
+
+#[path = "../../src/cli/digits.rs"]
+mod csv;
 
 pub const BATCH: usize = 64;
 pub const EPOCHS: usize = 25;
@@ -30,28 +31,8 @@ pub fn load_digits() -> Result<Digits> {
         "tests/data/digits.csv.gz"
     };
     let f = std::fs::File::open(path).with_context(|| path.to_string())?;
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(f).read_to_string(&mut text)?;
-    let mut d = Digits {
-        x: Vec::new(),
-        y: Vec::new(),
-    };
-    for (i, line) in text.lines().enumerate() {
-        let v: Vec<f32> = line
-            .split(',')
-            .map(|s| s.trim().parse::<f32>())
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("line {}", i + 1))?;
-        ensure!(v.len() == 65, "line {}: {} values", i + 1, v.len());
-        let mut px = [0f32; 64];
-        for (p, &s) in px.iter_mut().zip(&v[..64]) {
-            *p = s / 16.0;
-        }
-        d.x.push(px);
-        d.y.push(v[64] as i64);
-    }
-    ensure!(d.x.len() == 1797, "expected 1797 rows, got {}", d.x.len());
-    Ok(d)
+    let (x, y) = csv::parse(f)?;
+    Ok(Digits { x, y })
 }
 
 /// Deterministic permutation (Fisher–Yates with an LCG).
