@@ -160,13 +160,7 @@ fn variables_are_readable_and_writable_while_evicted() {
         "read from the host copy"
     );
     // A write while evicted lands in the host copy and is used on return.
-    let zeroed: VarValues = before
-        .iter()
-        .map(|(n, t)| {
-            let z = vec![0.0; t.shape().numel()];
-            (n.clone(), Tensor::from_f32(t.shape().clone(), z).unwrap())
-        })
-        .collect();
+    let zeroed = zeros_like(&before);
     p.write_variables(zeroed.clone()).unwrap();
     assert!(!p.is_resident());
     let (out, _) = p
@@ -174,6 +168,16 @@ fn variables_are_readable_and_writable_while_evicted() {
         .unwrap();
     assert!(out[0].f32s().unwrap().iter().all(|&x| x == 0.0));
     assert_eq!(p.read_variables(&[]).unwrap(), zeroed);
+}
+
+/// Every variable of `vars` as f32 zeros of its shape.
+fn zeros_like(vars: &VarValues) -> VarValues {
+    vars.iter()
+        .map(|(n, t)| {
+            let z = vec![0.0; t.shape().numel()];
+            (n.clone(), Tensor::from_f32(t.shape().clone(), z).unwrap())
+        })
+        .collect()
 }
 
 #[test]
@@ -322,13 +326,7 @@ fn writes_while_evicted_partially_reach_the_kept_units() {
     p.evict_keeping(u64::MAX).unwrap();
     assert_eq!(p.kept_units(), p.layout().units.len());
     assert_eq!(p.read_variables(&[]).unwrap(), before);
-    let zeroed: VarValues = before
-        .iter()
-        .map(|(n, t)| {
-            let z = vec![0.0; t.shape().numel()];
-            (n.clone(), Tensor::from_f32(t.shape().clone(), z).unwrap())
-        })
-        .collect();
+    let zeroed = zeros_like(&before);
     p.write_variables(zeroed.clone()).unwrap();
     let (out, rep) = p
         .run_switching(&feeds, &fetch, Strategy::Pipelined)
