@@ -157,14 +157,13 @@ fn idle_stream() -> Result<&'static CudaStream, ExecError> {
 /// outlive its program for as long as training ran.
 pub(super) fn release(stream: &CudaStream) {
     let cu = stream.cu_stream() as usize;
-    let bound = |now: usize| now == cu;
     let Ok(idle) = idle_stream() else {
         return;
     };
     let _recording = no_recording_elsewhere();
     if let Some(Ok(b)) = BLAS.get() {
         let mut s = lock(&b.0);
-        if bound(s.stream) {
+        if s.stream == cu {
             if let Err(e) = s.bind(idle) {
                 tracing::warn!(error = %e, "cuBLAS: unbinding a stream that goes");
             }
@@ -172,7 +171,7 @@ pub(super) fn release(stream: &CudaStream) {
     }
     if let Some(Ok(d)) = DNN.get() {
         let mut s = lock(&d.0);
-        if bound(s.stream) {
+        if s.stream == cu {
             if let Err(e) = s.bind(idle) {
                 tracing::warn!(error = %e, "cuDNN: unbinding a stream that goes");
             }
