@@ -130,24 +130,14 @@ pub(super) fn make(
         .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
     // The last closed buffers' segment, when it has these inputs and room
     // for the reply.
-    let spare = s.state().spare.take().filter(|(asked, b)| {
-        *asked == reply
-            && b.feeds().count() == types.len()
-            && b.feeds()
-                .zip(&types)
-                .all(|((n, t), (m, u))| n == m && t == u)
-    });
+    let spare = s
+        .state()
+        .spare
+        .take()
+        .filter(|(asked, b)| *asked == reply && holds(b, &types));
     let made = match spare {
         Some((_, b)) => b,
-        None => {
-            let (conn, id, want) = (s.conn.clone(), s.id, types.clone());
-            py.detach(move || {
-                let refs: Vec<(&str, TensorType)> =
-                    want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
-                with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
-            })
-            .map_err(client_error)?
-        }
+        None => new_buffers(py, s, &types, reply).map_err(client_error)?,
     };
     let file = made.segment_file().map_err(client_error)?;
     let map = py
@@ -184,6 +174,30 @@ fn no_input(name: &str, names: &[String]) -> PyErr {
             .collect::<Vec<_>>()
             .join(", ")
     ))
+}
+
+/// Whether `b` holds feeds of exactly these names and types, in order.
+fn holds(b: &FeedBuffers, types: &[(String, TensorType)]) -> bool {
+    b.feeds().count() == types.len()
+        && b.feeds()
+            .zip(types)
+            .all(|((n, t), (m, u))| n == m && t == u)
+}
+
+/// New feed buffers in session `s` for `types`, with a reply slot of
+/// `reply` bytes (the GIL released while the service makes them).
+fn new_buffers(
+    py: Python<'_>,
+    s: &Session,
+    types: &[(String, TensorType)],
+    reply: usize,
+) -> Result<FeedBuffers, ClientError> {
+    let (conn, id, want) = (s.conn.clone(), s.id, types.to_vec());
+    py.detach(move || {
+        let refs: Vec<(&str, TensorType)> =
+            want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+        with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
+    })
 }
 
 impl Buffers {
@@ -383,26 +397,14 @@ impl Session {
         };
         // Whatever way this returns, the buffers are back (or gone) after.
         let _back = BuffersOut(self);
-        let same = |b: &FeedBuffers| {
-            b.feeds().count() == types.len()
-                && b.feeds()
-                    .zip(&types)
-                    .all(|((n, t), (m, u))| n == m && t == u)
-        };
         let mut buffers = match buffers {
-            Some(b) if same(&b) => b,
+            Some(b) if holds(&b, &types) => b,
             _ => {
-                let (conn, id, want) = (self.conn.clone(), self.id, types.clone());
                 let reply = self
                     .state()
                     .reply_bytes
                     .unwrap_or(lanes_adaptor::client::DEFAULT_REPLY_BYTES);
-                let made = py.detach(move || {
-                    let refs: Vec<(&str, TensorType)> =
-                        want.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
-                    with(&conn, |c| c.feed_buffers_with_reply_in(id, &refs, reply))
-                });
-                match made {
+                match new_buffers(py, self, &types, reply) {
                     Ok(b) => b,
                     Err(ClientError::NoSharedMemory { .. }) => {
                         self.state().no_buffers = true;
