@@ -466,6 +466,12 @@ mod tests {
         ) {
             let name = POLICY_NAMES[policy];
             let trace = generate(&GenConfig { jobs, seed, mean_interarrival_s: 2.0, ..GenConfig::default() });
+            // The property is about jobs that fit a lane: the generator's
+            // largest training job (P and T up to 8 GiB each) does not fit
+            // the 8 GiB lanes of two (a run then answers JobNeverFits, as
+            // `no_device_takes_a_job_larger_than_its_lanes` checks).
+            let lane = cfg(lanes).memory / lanes as u64;
+            prop_assume!(trace.iter().all(|j| j.persistent_bytes + j.ephemeral_bytes <= lane));
             let opts = SimOptions {
                 placement: if service { LanePlacement::Service } else { LanePlacement::Policy },
                 ..SimOptions::default()
