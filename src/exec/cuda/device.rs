@@ -68,6 +68,7 @@ const FUNCTIONS: [(&str, &[&str]); 3] = [
             "cast_bf16_f16",
             "cast_i64_f16",
             "cast_i64_bf16",
+            "hold_until",
         ],
     ),
     (

@@ -781,3 +781,18 @@ extern "C" __global__ void amp_scale_update(float* scale, float* tracker, const 
         tracker[0] = clean;
     }
 }
+
+// Holds its stream until the host sets `*flag` (host memory the device
+// reads through unified addressing) or `max_ns` of the device's clock pass:
+// a timed pass queues all its launches behind it, so that its events time
+// the kernels back to back rather than the host's launches. The time limit
+// keeps a host that blocks on a full launch queue from waiting on it forever.
+extern "C" __global__ void hold_until(const volatile int* flag, unsigned long long max_ns) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        if (*flag != 0) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < max_ns);
+}

@@ -4,7 +4,12 @@
 use std::collections::BTreeMap;
 
 use super::{dev_err, CudaEvent, CudaProgram, Profile, Strategy};
+use crate::exec::cuda::device::blocks;
 use crate::exec::{ExecError, HostFeed};
+
+/// The longest a timed pass holds its stream for the host's launches
+/// ([`CudaProgram::queued_behind_hold`]), nanoseconds of the device's clock.
+const HOLD_LIMIT_NS: u64 = 50_000_000;
 
 /// [`CudaProgram::profile_ops`]'s answer.
 #[derive(Debug, Clone)]
@@ -80,24 +85,70 @@ impl CudaProgram {
         })
     }
 
+    /// Queues what `queue` launches on the program's stream behind a kernel
+    /// (`hold_until`) that holds the stream until `queue` has returned, so
+    /// that timing events between the launches time the kernels back to
+    /// back, as a recorded replay runs them. Launched op by op without it,
+    /// short kernels waited for the host: ResNet-50's early units timed
+    /// slower and its last ones faster than in a replay, and the pipelined
+    /// switch planned on that ran its last group 0.3 ms past the plan's
+    /// prediction (bf16, H100). The hold gives up after [`HOLD_LIMIT_NS`]
+    /// (a host blocked on a full launch queue).
+    fn queued_behind_hold<R>(
+        &self,
+        queue: impl FnOnce() -> Result<R, ExecError>,
+    ) -> Result<R, ExecError> {
+        use cudarc::driver::sys;
+        // SAFETY: one i32, set to 0 below before the kernel is launched.
+        let mut flag = unsafe {
+            self.gpu.ctx.alloc_pinned_with_flags::<i32>(
+                1,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(|e| dev_err("pinned memory", e))?;
+        let host = flag.as_mut_ptr().map_err(|e| dev_err("pinned memory", e))?;
+        // SAFETY: `host` points at the one i32 of `flag`, alive to the end.
+        unsafe { std::ptr::write_volatile(host, 0) };
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` is page-locked memory this context mapped
+        // (DEVICEMAP); the call writes its device address into `device`.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) }
+            .result()
+            .map_err(|e| dev_err("pinned memory", e))?;
+        self.k("hold_until", blocks(1, 32), &[&device, &HOLD_LIMIT_NS])?;
+        let queued = queue();
+        // SAFETY: as above; the kernel only reads it.
+        unsafe { std::ptr::write_volatile(host, 1) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        // The kernel reads `flag` until it sees the 1: keep it alive until
+        // the stream has passed it.
+        let synced = self.sync();
+        let r = queued?;
+        synced?;
+        drop(flag);
+        Ok(r)
+    }
+
     /// Launches op by op with a timing event at each unit boundary and keeps
     /// the per-unit times.
     pub(super) fn launch_profiled(&mut self) -> Result<(), ExecError> {
         let unit_of = self.res.layout.unit_of_position();
-        let mut marks: Vec<(Option<usize>, CudaEvent)> =
-            vec![(None, self.event(&self.stream, true)?)];
-        let mut current = None;
-        let launched = self.launch_nodes_with(&mut |pos| {
-            let u = unit_of.get(pos).copied().flatten();
-            if u != current {
-                marks.push((current, self.event(&self.stream, true)?));
-                current = u;
-            }
-            Ok(())
-        });
-        launched?;
-        marks.push((current, self.event(&self.stream, true)?));
-        self.sync()?;
+        let marks = self.queued_behind_hold(|| {
+            let mut marks: Vec<(Option<usize>, CudaEvent)> =
+                vec![(None, self.event(&self.stream, true)?)];
+            let mut current = None;
+            self.launch_nodes_with(&mut |pos| {
+                let u = unit_of.get(pos).copied().flatten();
+                if u != current {
+                    marks.push((current, self.event(&self.stream, true)?));
+                    current = u;
+                }
+                Ok(())
+            })?;
+            marks.push((current, self.event(&self.stream, true)?));
+            Ok(marks)
+        })?;
         let mut profile = Profile::zeros(self.res.layout.units.len());
         for w in marks.windows(2) {
             let dt = f64::from(
@@ -119,13 +170,15 @@ impl CudaProgram {
     /// returns each position's GPU time (seconds). Waits for the stream.
     pub(super) fn launch_timed(&self) -> Result<Vec<f64>, ExecError> {
         let n = self.graph.order().len();
-        let mut marks = Vec::with_capacity(n + 1);
-        self.launch_nodes_with(&mut |_| {
+        let marks = self.queued_behind_hold(|| {
+            let mut marks = Vec::with_capacity(n + 1);
+            self.launch_nodes_with(&mut |_| {
+                marks.push(self.event(&self.stream, true)?);
+                Ok(())
+            })?;
             marks.push(self.event(&self.stream, true)?);
-            Ok(())
+            Ok(marks)
         })?;
-        marks.push(self.event(&self.stream, true)?);
-        self.sync()?;
         marks
             .windows(2)
             .map(|w| {
