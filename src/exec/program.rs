@@ -357,4 +357,13 @@ impl Program {
             Program::Cuda(p) => p.bandwidth(),
         }
     }
+
+    /// The iteration time the switching planner plans with, seconds (see
+    /// the backends' `planned_compute_secs`).
+    pub fn planned_compute_secs(&self) -> Option<f64> {
+        match self {
+            Program::Cpu(p) => p.planned_compute_secs(),
+            Program::Cuda(p) => p.planned_compute_secs(),
+        }
+    }
 }

@@ -228,6 +228,7 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "bandwidth_gb_s": bandwidth.map(|b| b / 1e9),
         "copy_all_ms": copy_ms,
         "resident_ms": resident_ms,
+        "planned_compute_ms": prog.planned_compute_secs().map(|s| s * 1e3),
         "lower_bound_ms": bound_ms,
         "strategies": rows,
         "pipelined_over_bound": pipelined / bound_ms,

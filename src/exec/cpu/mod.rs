@@ -439,6 +439,14 @@ impl CpuProgram {
         self.res.costs()
     }
 
+    /// The iteration time the switching planner plans with (its profile's
+    /// prefix and per-unit compute), seconds; `None` before a profile.
+    pub fn planned_compute_secs(&self) -> Option<f64> {
+        self.res.profile.as_ref()?;
+        let c = self.costs();
+        Some(c.prefix + c.compute.iter().sum::<f64>())
+    }
+
     /// Runs one iteration; when the program is not resident, its variables
     /// come back in the groups of `strategy` while the iteration computes.
     /// The report says how (`None` when it was resident).
