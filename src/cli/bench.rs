@@ -30,7 +30,7 @@ pub mod load;
 pub mod models;
 pub mod pack;
 pub mod parallel;
-mod paths;
+pub(crate) mod paths;
 pub mod preempt;
 pub mod sim;
 mod soak;

@@ -54,6 +54,11 @@ pub struct Args {
     /// `lanes serve --no-tf32`).
     #[arg(long)]
     pub no_tf32: bool,
+    /// On `cuda`, after the check (and the timing): one more run op by op,
+    /// GPU time per op kind and per signature on stderr (as `lanes bench
+    /// infer --op-profile`): where an imported graph's time goes.
+    #[arg(long)]
+    pub op_profile: bool,
 }
 
 fn pair(s: &str) -> Result<(String, String)> {
@@ -101,6 +106,9 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     };
     let device = resolve_device(a.device)?;
+    if a.op_profile && !device.starts_with("cuda") {
+        bail!("--op-profile times kernels on the GPU: give --device cuda");
+    }
     check(
         model,
         &feeds,
@@ -110,6 +118,7 @@ pub fn run(a: Args) -> Result<()> {
             atol: a.atol,
             device,
             time: a.time,
+            op_profile: a.op_profile,
         },
     )
 }
@@ -122,6 +131,8 @@ struct Check {
     device: String,
     /// Timed runs after the check (0: none).
     time: usize,
+    /// An op profile after the check (CUDA only).
+    op_profile: bool,
 }
 
 fn summary(path: &Path, batch: usize, m: &OnnxModel) -> Result<()> {
@@ -252,6 +263,18 @@ fn check(
             ms[0],
             ms.len()
         );
+    }
+    if how.op_profile {
+        let Program::Cuda(c) = &mut p else {
+            bail!("--op-profile needs --device cuda");
+        };
+        let prof = c.profile_ops(feeds, &fetches)?;
+        let total: f64 = prof.by_op.iter().map(|x| x.2).sum();
+        eprintln!(
+            "op profile on {}: {total:.3} ms of GPU time op by op",
+            how.device
+        );
+        super::bench::paths::print_op_profile(&prof.by_op, &prof.by_signature);
     }
     Ok(())
 }

@@ -138,6 +138,22 @@ impl Stats {
 }
 
 /// Progress on stderr (stdout carries only the JSON).
+/// Prints an op profile to stderr (`CudaProgram::profile_ops`'s answer):
+/// the 15 op kinds and the 40 signatures that took the most GPU time.
+pub fn print_op_profile(by_op: &[(String, usize, f64)], by_signature: &[(String, usize, f64)]) {
+    let total: f64 = by_op.iter().map(|x| x.2).sum();
+    for (op, n, ms) in by_op.iter().take(15) {
+        eprintln!(
+            "  {op:<32} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
+            100.0 * ms / total
+        );
+    }
+    eprintln!("  by signature (op, attributes, input shapes):");
+    for (sig, n, ms) in by_signature.iter().take(40) {
+        eprintln!("  {ms:>9.3} ms {n:>4}x  {sig}");
+    }
+}
+
 pub fn progress(what: &str, since: Instant) {
     eprintln!(
         "lanes bench [{:7.1} s] {what}",
@@ -327,16 +343,7 @@ pub fn executor(
             &format!("executor: op profile, {total:.3} ms of GPU time op by op"),
             since,
         );
-        for (op, n, ms) in prof.by_op.iter().take(15) {
-            eprintln!(
-                "  {op:<32} {n:>5} nodes {ms:>9.3} ms {:>5.1} %",
-                100.0 * ms / total
-            );
-        }
-        eprintln!("  by signature (op, attributes, input shapes):");
-        for (sig, n, ms) in prof.by_signature.iter().take(40) {
-            eprintln!("  {ms:>9.3} ms {n:>4}x  {sig}");
-        }
+        print_op_profile(&prof.by_op, &prof.by_signature);
         let rows: Vec<Value> = prof
             .by_op
             .iter()

@@ -63,8 +63,13 @@ impl CudaProgram {
                 .iter()
                 .map(|o| format!("{:?}", self.slot(*o).ty.shape.dims()))
                 .collect();
+            // A constant's signature is its type, not its values.
+            let op = match &node.op {
+                lanes_adaptor::Op::Constant(t) => format!("Constant({:?})", t.ty()),
+                op => format!("{op:?}"),
+            };
             let e = by_sig
-                .entry(format!("{name} {:?} <- {}", node.op, shapes.join(" ")))
+                .entry(format!("{name} {op} <- {}", shapes.join(" ")))
                 .or_default();
             e.0 += 1;
             e.1 += secs * 1e3;
