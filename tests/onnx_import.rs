@@ -291,7 +291,7 @@ fn cli_import_checks_on_the_chosen_device_and_times() {
         Ok("cuda") => "cuda",
         _ => "cpu",
     };
-    let out = lanes(&[
+    let mut args = vec![
         "import",
         model.to_str().unwrap(),
         "--batch",
@@ -302,7 +302,11 @@ fn cli_import_checks_on_the_chosen_device_and_times() {
         device,
         "--time",
         "4",
-    ]);
+    ];
+    if device == "cuda" {
+        args.push("--op-profile");
+    }
+    let out = lanes(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -315,4 +319,33 @@ fn cli_import_checks_on_the_chosen_device_and_times() {
         stdout.contains(&format!("time on {device}")) && stdout.contains("over 4 runs"),
         "{stdout}"
     );
+    if device == "cuda" {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("op profile on cuda") && stderr.contains("conv2d"),
+            "{stderr}"
+        );
+    }
+}
+
+/// `--op-profile` times kernels: asked for on the CPU it is refused before
+/// anything runs, with what to give instead.
+#[test]
+fn cli_import_op_profile_needs_the_gpu() {
+    let d = dir();
+    let out = lanes(&[
+        "import",
+        d.join("mobilenet_v2.onnx").to_str().unwrap(),
+        "--batch",
+        "2",
+        "--check",
+        d.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--op-profile",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--device cuda"), "{stderr}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("check on"));
 }
