@@ -177,6 +177,11 @@ pub struct Args {
     /// past `--gate-starve-ms` (0: none; training may starve).
     #[arg(long, default_value_t = 0.1, value_name = "SHARE", value_parser = parse_share)]
     pub gate_min_share: f64,
+    /// Under `--gate-mode trickle`, the most training segments let through
+    /// beside each burst of inference Runs (from the first Run to the
+    /// gate's opening again); 0: no limit.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub gate_trickle_segments: u32,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
     /// 127.0.0.1:9400): request latency and queueing per session,
     /// iterations, errors by code, lanes, reservation, evictions,
@@ -380,6 +385,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             segment: Duration::from_micros(args.gate_segment_us),
             starve_after: Duration::from_secs_f64(args.gate_starve_ms / 1e3),
             min_share: args.gate_min_share,
+            trickle_segments: args.gate_trickle_segments,
         }),
         auth_key,
         metrics: args

@@ -57,6 +57,10 @@ pub struct GateConfig {
     /// stays closed past `starve_after` (one segment every `segment /
     /// min_share`).
     pub min_share: f64,
+    /// Under [`GateMode::Trickle`], the most segments let through beside
+    /// urgent work in one closed period of the gate (from the first urgent
+    /// Run to the gate's opening again); 0: no limit.
+    pub trickle_segments: u32,
 }
 
 impl Default for GateConfig {
@@ -67,6 +71,7 @@ impl Default for GateConfig {
             segment: Duration::from_micros(300),
             starve_after: Duration::from_millis(50),
             min_share: 0.1,
+            trickle_segments: 0,
         }
     }
 }
@@ -95,6 +100,8 @@ struct State {
     closed_since: Option<Instant>,
     /// When a segment was last let through a gate closed too long.
     forced_at: Option<Instant>,
+    /// Segments trickled through in the gate's current closed period.
+    trickled: u32,
 }
 
 /// What the gate has seen (for `/metrics` and the GPU tests).
@@ -143,6 +150,7 @@ impl Gate {
                 launches: 0,
                 closed_since: None,
                 forced_at: None,
+                trickled: 0,
             }),
             armed: AtomicUsize::new(0),
             refusals: AtomicU64::new(0),
@@ -179,6 +187,10 @@ impl Gate {
     /// [`GateConfig::release`] after the last one).
     pub fn enter(self: &Arc<Self>) -> Inside {
         let mut s = self.state();
+        if open(&s, self.config.release, Instant::now()) {
+            // The gate closes anew: a new trickle allowance.
+            s.trickled = 0;
+        }
         s.active += 1;
         self.urgent_runs.fetch_add(1, Ordering::Relaxed);
         self.max_in_flight
@@ -209,7 +221,11 @@ impl Gate {
         let ok = if open(&s, self.config.release, now) {
             s.closed_since = None;
             true
-        } else if self.config.mode == GateMode::Trickle && s.in_flight == 0 {
+        } else if self.config.mode == GateMode::Trickle
+            && s.in_flight == 0
+            && (self.config.trickle_segments == 0 || s.trickled < self.config.trickle_segments)
+        {
+            s.trickled += 1;
             true
         } else {
             let since = *s.closed_since.get_or_insert(now);
@@ -414,6 +430,36 @@ mod tests {
         g.finished();
         assert!(g.try_launch_at(now));
         assert_eq!(g.stats().launched_beside_urgent, 2);
+    }
+
+    #[test]
+    fn trickle_stops_at_its_allowance_until_the_gate_opens_again() {
+        let g = Gate::new(GateConfig {
+            mode: GateMode::Trickle,
+            trickle_segments: 2,
+            ..GateConfig::default()
+        });
+        let inside = g.enter();
+        let now = Instant::now();
+        for _ in 0..2 {
+            assert!(g.try_launch_at(now));
+            g.finished();
+        }
+        assert!(!g.try_launch_at(now), "the allowance of 2 is spent");
+        // A second urgent Run in the same closed period: no new allowance.
+        let inside2 = g.enter();
+        assert!(!g.try_launch_at(now));
+        drop((inside, inside2));
+        let left = Instant::now();
+        assert!(!g.try_launch_at(left), "closed for the release time");
+        // Open: launches as usual, and the next closed period trickles again.
+        let later = left + Duration::from_micros(100);
+        assert!(g.try_launch_at(later));
+        g.finished();
+        std::thread::sleep(Duration::from_micros(150));
+        let _inside = g.enter();
+        assert!(g.try_launch_at(Instant::now()));
+        assert_eq!(g.stats().launched_beside_urgent, 3);
     }
 
     #[test]
