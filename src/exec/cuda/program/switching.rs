@@ -564,10 +564,10 @@ impl CudaProgram {
         let mut done: Vec<CudaEvent> = Vec::new();
         // Recorded segments launch as their group's copy is queued: segment
         // k + 1 (group k's consumers; segment 0 is the prefix) waits for
-        // group k's copy event on the compute stream. Queued after every
-        // copy instead, the compute began only once the host had mapped and
-        // queued the last group (ResNet-50 bf16 on the H100: 1.31× its
-        // bound, the compute its longer side).
+        // group k's copy event on the compute stream, so the compute may
+        // start before the host has mapped and queued the later groups.
+        // (Against launching them all after the last copy was queued, no
+        // difference showed on the H100: docs/switching.md.)
         let mut launched: Result<(), ExecError> = Ok(());
         let stream = &self.stream;
         let mut launch = |k: usize, wait: Option<&CudaEvent>| -> Result<(), ExecError> {
