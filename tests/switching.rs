@@ -13,7 +13,9 @@ use util::feeds_for;
 use lanes::exec::cpu::CpuProgram;
 use lanes::exec::{Backend, Program};
 use lanes::residency::Strategy;
-use lanes_adaptor::zoo::Arch;
+use std::collections::BTreeMap;
+
+use lanes_adaptor::zoo::{Arch, ModelGraph};
 use lanes_adaptor::{validate, GraphLimits, Optimizer, Tensor, VarValues};
 
 fn cuda() -> bool {
@@ -25,6 +27,21 @@ fn program(graph: lanes_adaptor::Graph, vars: VarValues) -> Program {
     let v = validate(graph, &GraphLimits::default()).unwrap();
     let backend = if cuda() { Backend::Cuda } else { Backend::Cpu };
     Program::new(backend, v, vars).unwrap()
+}
+
+/// A small MLP's inference graph (8 → 4 → 3, batch 1), feeds for it and
+/// its fetch.
+fn small_mlp() -> (ModelGraph, BTreeMap<String, Tensor>, [String; 1]) {
+    let m = Arch::Mlp {
+        inputs: 8,
+        hidden: vec![4],
+        classes: 3,
+    }
+    .inference(1, 1)
+    .unwrap();
+    let feeds = feeds_for(&m.inputs, 9, 3);
+    let fetch = [m.output.clone()];
+    (m, feeds, fetch)
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
@@ -143,14 +160,7 @@ fn training_with_evictions_matches_training_without() {
 
 #[test]
 fn variables_are_readable_and_writable_while_evicted() {
-    let arch = Arch::Mlp {
-        inputs: 8,
-        hidden: vec![4],
-        classes: 3,
-    };
-    let m = arch.inference(1, 1).unwrap();
-    let feeds = feeds_for(&m.inputs, 9, 3);
-    let fetch = [m.output.clone()];
+    let (m, feeds, fetch) = small_mlp();
     let mut p = program(m.graph.clone(), m.vars.clone());
     let before = p.read_variables(&[]).unwrap();
     p.evict().unwrap();
@@ -312,14 +322,7 @@ fn partial_eviction_switches_back_bit_identical() {
 /// copied back from the host image, so the write must reach them).
 #[test]
 fn writes_while_evicted_partially_reach_the_kept_units() {
-    let arch = Arch::Mlp {
-        inputs: 8,
-        hidden: vec![4],
-        classes: 3,
-    };
-    let m = arch.inference(1, 1).unwrap();
-    let feeds = feeds_for(&m.inputs, 9, 3);
-    let fetch = [m.output.clone()];
+    let (m, feeds, fetch) = small_mlp();
     let mut p = program(m.graph.clone(), m.vars.clone());
     p.run(&feeds, &fetch).unwrap();
     let before = p.read_variables(&[]).unwrap();
@@ -342,17 +345,9 @@ fn writes_while_evicted_partially_reach_the_kept_units() {
 #[test]
 fn memory_handed_in_is_only_evicted_whole() {
     use lanes::exec::cpu::CpuMemory;
-    let m = Arch::Mlp {
-        inputs: 8,
-        hidden: vec![4],
-        classes: 3,
-    }
-    .inference(1, 1)
-    .unwrap();
+    let (m, feeds, fetch) = small_mlp();
     let v = validate(m.graph, &GraphLimits::default()).unwrap();
     let mut p = CpuProgram::new(v, m.vars).unwrap();
-    let feeds = feeds_for(&m.inputs, 9, 3);
-    let fetch = [m.output.clone()];
     let words = p.persistent_buffer_bytes() as usize / 8;
     let mut region = vec![0u64; words];
     let mut arena = vec![0u64; (p.ephemeral_bytes() as usize).div_ceil(8)];

@@ -237,38 +237,12 @@ fn fusion_matches_unfused() {
         ),
         (
             "bert small b2 s16",
-            models::bert(
-                2,
-                16,
-                &models::BertConfig {
-                    vocab: 100,
-                    hidden: 64,
-                    layers: 2,
-                    heads: 4,
-                    intermediate: 128,
-                    max_positions: 32,
-                },
-            )
-            .unwrap(),
+            models::bert(2, 16, &small_bert()).unwrap(),
         ),
     ];
     let limits = large_limits();
     for (name, b) in built {
-        let mut rng = StdRng::seed_from_u64(5);
-        let feeds: BTreeMap<String, Tensor> = b
-            .inputs
-            .iter()
-            .map(|(n, ty)| {
-                let t = match ty.dtype {
-                    lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
-                    lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), b.vocab as i64),
-                    lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
-                        unreachable!("the models take f32 and i64 inputs")
-                    }
-                };
-                (n.clone(), t)
-            })
-            .collect();
+        let feeds = model_feeds(&b, 5);
         let fetches = vec![b.output.clone()];
         let vg = validate(b.graph.clone(), &limits).unwrap();
         let mut out = Vec::new();

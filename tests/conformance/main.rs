@@ -129,6 +129,38 @@ fn ints(rng: &mut StdRng, dims: &[usize], hi: i64) -> Tensor {
     .unwrap()
 }
 
+/// Random feeds for a zoo model's inputs (f32 in [-1, 1), token ids below
+/// its vocabulary), from `seed`, in input order.
+fn model_feeds(built: &models::Built, seed: u64) -> BTreeMap<String, Tensor> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    built
+        .inputs
+        .iter()
+        .map(|(n, ty)| {
+            let t = match ty.dtype {
+                lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
+                lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), built.vocab as i64),
+                lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
+                    unreachable!("the models take f32 and i64 inputs")
+                }
+            };
+            (n.clone(), t)
+        })
+        .collect()
+}
+
+/// The small BERT of the model tests (2 layers, hidden 64, 4 heads).
+fn small_bert() -> models::BertConfig {
+    models::BertConfig {
+        vocab: 100,
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        intermediate: 128,
+        max_positions: 32,
+    }
+}
+
 /// A case: a graph, its feeds, what to fetch, how often to run.
 struct Case {
     name: String,

@@ -4,18 +4,8 @@
 use super::*;
 
 fn model_case(name: &str, built: models::Built, seed: u64) -> Case {
-    let mut rng = StdRng::seed_from_u64(seed);
     let mut c = Case::new(name);
-    for (n, ty) in &built.inputs {
-        let t = match ty.dtype {
-            lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
-            lanes_adaptor::DType::I64 => ints(&mut rng, ty.shape.dims(), built.vocab as i64),
-            lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
-                unreachable!("the models take f32 and i64 inputs")
-            }
-        };
-        c.feeds.insert(n.clone(), t);
-    }
+    c.feeds = model_feeds(&built, seed);
     c.fetches.push(built.output.clone());
     c.prebuilt = Some((built.graph, built.vars));
     c.opts = CudaOptions::default();
@@ -27,14 +17,7 @@ fn model_case(name: &str, built: models::Built, seed: u64) -> Case {
 #[test]
 #[ignore = "needs a GPU"]
 fn models_inference() {
-    let small_bert = models::BertConfig {
-        vocab: 100,
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        intermediate: 128,
-        max_positions: 32,
-    };
+    let small_bert = small_bert();
     let cases = vec![
         model_case(
             "resnet50 b2 64x64",
@@ -166,35 +149,12 @@ fn cudnn_batch_norm_matches_ours_in_training() {
 #[test]
 #[ignore = "needs a GPU"]
 fn graph_replay_matches_op_by_op() {
-    let small_bert = models::BertConfig {
-        vocab: 100,
-        hidden: 64,
-        layers: 2,
-        heads: 4,
-        intermediate: 128,
-        max_positions: 32,
-    };
+    let small_bert = small_bert();
     for built in [
         models::resnet(&[3, 4, 6, 3], 2, 64).unwrap(),
         models::bert(2, 16, &small_bert).unwrap(),
     ] {
-        let mut rng = StdRng::seed_from_u64(9);
-        let feeds: BTreeMap<String, Tensor> = built
-            .inputs
-            .iter()
-            .map(|(n, ty)| {
-                let t = match ty.dtype {
-                    lanes_adaptor::DType::F32 => rnd(&mut rng, ty.shape.dims(), -1.0, 1.0),
-                    lanes_adaptor::DType::I64 => {
-                        ints(&mut rng, ty.shape.dims(), built.vocab as i64)
-                    }
-                    lanes_adaptor::DType::F16 | lanes_adaptor::DType::BF16 => {
-                        unreachable!("the models take f32 and i64 inputs")
-                    }
-                };
-                (n.clone(), t)
-            })
-            .collect();
+        let feeds = model_feeds(&built, 9);
         let limits = large_limits();
         let vg = validate(built.graph, &limits).unwrap();
         let fetch = vec![built.output.clone()];
