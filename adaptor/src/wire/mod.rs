@@ -42,7 +42,10 @@ pub use message::{
     SessionStatus, SloAttainment, SpecError, StatusReport, MAX_SLO_MS, SLO_WINDOW,
 };
 pub use pool::{keep_freed_blocks_mapped, BufferPool, MIN_POOLED_BYTES};
-pub use slots::{find_in_slot, post_outputs, read_slot, slot_outputs, SlotFind, SlotRead};
+pub use slots::{
+    find_in_slot, post_outputs, post_outputs_with, read_slot, slot_outputs, write_tensor, SlotFind,
+    SlotRead,
+};
 
 use crate::graph::GraphLimits;
 use serde::{Deserialize, Serialize};

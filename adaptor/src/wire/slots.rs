@@ -33,7 +33,7 @@ pub(super) fn write_shared(
 }
 
 /// Copies a tensor's values into `dst` (exactly its bytes) little-endian.
-pub(super) fn write_tensor(dst: &mut [u8], t: &Tensor) {
+pub fn write_tensor(dst: &mut [u8], t: &Tensor) {
     match t.data() {
         TensorData::F32(v) => write_le(dst, t.data().ne_bytes(), v, f32::to_le_bytes),
         TensorData::I64(v) => write_le(dst, t.data().ne_bytes(), v, i64::to_le_bytes),
@@ -193,6 +193,48 @@ pub fn post_outputs(slot: &shm::ReplySlot, seq: u64, outputs: &[Tensor]) -> bool
             let o = at(o as usize);
             write_tensor(&mut body[o..o + t.ty().bytes()], t);
         }
+    })
+}
+
+/// Writes outputs of `types` into `slot` as Run `seq`'s answer, their
+/// values by `write`, which gets one place per output, exactly its type's
+/// bytes, in order (a backend copies them there straight from the device).
+/// `Ok(true)`: they are in the slot. `Ok(false)`: nothing was written,
+/// `write` was not called (the slot is too small or the segment not
+/// writable; [`post_outputs`] then says so in the slot). `Err`: `write`'s
+/// error, and nothing posted (see [`shm::ReplySlot::try_post`]).
+pub fn post_outputs_with<E>(
+    slot: &shm::ReplySlot,
+    seq: u64,
+    types: &[TensorType],
+    write: impl FnOnce(&mut [&mut [u8]]) -> Result<(), E>,
+) -> Result<bool, E> {
+    let Ok(table) = options().serialize(types) else {
+        return Ok(false);
+    };
+    let Some((offsets, need)) = slot_layout(table.len(), types.iter().map(TensorType::bytes))
+    else {
+        return Ok(false);
+    };
+    if !slot.holds(need) {
+        return Ok(false);
+    }
+    slot.try_post(seq, need, table.len(), |body| {
+        // `body` starts at the slot's header end; offsets are the slot's.
+        let (head, mut rest) = body.split_at_mut(table.len());
+        head.copy_from_slice(&table);
+        let mut at = shm::REPLY_HEADER + table.len();
+        let mut places = Vec::with_capacity(types.len());
+        for (ty, o) in types.iter().zip(offsets) {
+            // Packed in order, each at or after the previous one's end.
+            let gap = o as usize - at;
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(gap);
+            let (place, tail) = tail.split_at_mut(ty.bytes());
+            places.push(place);
+            rest = tail;
+            at = o as usize + ty.bytes();
+        }
+        write(&mut places)
     })
 }
 
@@ -371,5 +413,52 @@ mod tests {
             let e = take_shared(metas, &offsets, 1, &seg, &l).unwrap_err();
             assert!(matches!(e, WireError::SharedMemory { .. }), "{e}");
         }
+    }
+
+    /// Outputs written in place by a backend read back as the same
+    /// tensors `post_outputs` would give; a slot too small is left
+    /// alone without asking for the values; a failed write posts nothing.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn outputs_written_in_place_read_back_as_posted() {
+        let bytes = 4096;
+        let (own, seg) = shm::attached_pair(1, shm::SEGMENT_HEADER + 2 * bytes);
+        let at = shm::SEGMENT_HEADER;
+        let slot = shm::ReplySlot::new(seg.clone(), 1, at, bytes).unwrap();
+        let outs = [
+            Tensor::from_f32([3], vec![1.0, -2.5, 3.25]).unwrap(),
+            Tensor::from_i64([2, 1], vec![-7, 9]).unwrap(),
+            Tensor::from_f32([0], vec![]).unwrap(),
+            Tensor::from_f32([5], vec![0.5; 5]).unwrap(),
+        ];
+        let types: Vec<TensorType> = outs.iter().map(Tensor::ty).collect();
+        let l = Limits::default();
+        let written = post_outputs_with(&slot, 7, &types, |places| {
+            assert_eq!(places.len(), outs.len());
+            for (p, t) in places.iter_mut().zip(&outs) {
+                write_tensor(p, t);
+            }
+            Ok::<(), ()>(())
+        });
+        assert_eq!(written, Ok(true));
+        assert_eq!(
+            own.read_slot(at, bytes, 7, &l).unwrap(),
+            SlotRead::Here(outs.to_vec())
+        );
+        // A failed write: the slot still answers Run 7 only.
+        let failed = post_outputs_with(&slot, 8, &types, |_| Err("device"));
+        assert_eq!(failed, Err("device"));
+        assert_eq!(own.read_slot(at, bytes, 8, &l).unwrap(), SlotRead::NotYet);
+        // Too small: not asked for the values, nothing posted.
+        let small = shm::ReplySlot::new(seg, 1, at + bytes, 128).unwrap();
+        let big = [TensorType::f32([64])];
+        let r = post_outputs_with(&small, 9, &big, |_| -> Result<(), ()> {
+            panic!("asked to write into a slot too small")
+        });
+        assert_eq!(r, Ok(false));
+        assert_eq!(
+            own.read_slot(at + bytes, 128, 9, &l).unwrap(),
+            SlotRead::NotYet
+        );
     }
 }
