@@ -496,6 +496,19 @@ fn feed_buffers_take_their_outputs_from_the_reply_slot() {
             assert_close(out[0].f32s().unwrap(), &want(13));
             assert_eq!(fits.reply_wanted(), None);
         }
+        // Several outputs, one of them the 2 MiB feed fetched back: each
+        // written in its place of the slot (on the GPU straight from the
+        // device), in order.
+        let mut both = session
+            .feed_buffers_with_reply(&[("x", ty.clone())], 4 << 20)
+            .unwrap();
+        for seed in [15, 16] {
+            both.write("x", &x_for(seed)).unwrap();
+            let out = session.run_buffers(&mut both, &["y", "x"]).unwrap();
+            assert_close(out[0].f32s().unwrap(), &want(seed));
+            assert_eq!(out[1], x_for(seed));
+            assert_eq!(both.reply_wanted(), None);
+        }
         // Socket runs and errors still go through the same connection.
         let out = session.run(vec![("x", x_for(14))], &["y"]).unwrap();
         assert_close(out[0].f32s().unwrap(), &want(14));

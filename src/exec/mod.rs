@@ -71,6 +71,64 @@ impl HostFeed for SharedFeed {
     }
 }
 
+/// What fills a Run's output places (one per output, in order), given to
+/// [`FetchInto::write`].
+pub type FillOutputs<'a> = dyn FnMut(&mut [&mut [u8]]) -> Result<(), ExecError> + 'a;
+
+/// Where a Run's fetched values may be written instead of returned: the
+/// reply slot in the job's segment, which the CUDA backend fills straight
+/// from the device (the segment's pages registered page-locked once).
+pub trait FetchInto {
+    /// The segment whose writable mapping holds the places, if any.
+    fn segment(&self) -> Option<&Arc<AttachedSegment>>;
+    /// Takes outputs of `types`: `write` fills one place per output,
+    /// exactly its type's bytes, in order. `Ok(false)`: not taken (`write`
+    /// not called), return them instead.
+    fn write(
+        &mut self,
+        types: &[TensorType],
+        write: &mut FillOutputs<'_>,
+    ) -> Result<bool, ExecError>;
+}
+
+/// A Run's fetched values: returned, or written where the caller asked
+/// ([`FetchInto`]).
+#[derive(Debug)]
+pub enum Fetched {
+    Tensors(Vec<Tensor>),
+    Written,
+}
+
+impl Fetched {
+    /// `values` written into `into` when it takes them (copied from the
+    /// host: the CPU backend's outputs), else returned.
+    pub fn give(values: Vec<Tensor>, into: Option<&mut dyn FetchInto>) -> Result<Self, ExecError> {
+        let Some(into) = into else {
+            return Ok(Fetched::Tensors(values));
+        };
+        let types: Vec<TensorType> = values.iter().map(Tensor::ty).collect();
+        let written = into.write(&types, &mut |places| {
+            for (place, t) in places.iter_mut().zip(&values) {
+                lanes_adaptor::wire::write_tensor(place, t);
+            }
+            Ok(())
+        })?;
+        Ok(if written {
+            Fetched::Written
+        } else {
+            Fetched::Tensors(values)
+        })
+    }
+
+    /// The values returned (none when they were written elsewhere).
+    pub fn into_tensors(self) -> Vec<Tensor> {
+        match self {
+            Fetched::Tensors(t) => t,
+            Fetched::Written => Vec::new(),
+        }
+    }
+}
+
 /// Read-only view of a tensor's values.
 #[derive(Debug, Clone, Copy)]
 pub enum DataRef<'a> {

@@ -9,7 +9,7 @@ use lanes_adaptor::{Tensor, ValidGraph, VarValues};
 use super::cpu::{CpuMemory, CpuProgram};
 use super::cuda::CudaProgram;
 use super::gate::Gate;
-use super::{ExecError, HostFeed};
+use super::{ExecError, FetchInto, Fetched, HostFeed};
 use crate::residency::{GroupPlan, Layout, Strategy, SwitchReport};
 
 /// Where an inference program's standby preparation went
@@ -156,17 +156,23 @@ impl Program {
 
     /// [`Program::run_switching`] in memory handed in by the service (CPU
     /// programs under lanes with a reservation: see `CpuMemory`; ignored
-    /// by the CUDA executor, whose memory is its own blocks).
+    /// by the CUDA executor, whose memory is its own blocks), the fetched
+    /// values written into `into` when it takes them (by the CUDA
+    /// executor, straight from the device; the CPU one returns them).
     pub fn run_in<F: HostFeed>(
         &mut self,
         mem: Option<CpuMemory<'_>>,
         feeds: &BTreeMap<String, F>,
         fetches: &[String],
         strategy: Strategy,
-    ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        into: Option<&mut dyn FetchInto>,
+    ) -> Result<(Fetched, Option<SwitchReport>), ExecError> {
         match self {
-            Program::Cpu(p) => p.run_in(mem, feeds, fetches, strategy),
-            Program::Cuda(p) => p.run_switching(feeds, fetches, strategy),
+            Program::Cpu(p) => {
+                let (out, report) = p.run_in(mem, feeds, fetches, strategy)?;
+                Ok((Fetched::give(out, into)?, report))
+            }
+            Program::Cuda(p) => p.run_switching_to(feeds, fetches, strategy, into),
         }
     }
 

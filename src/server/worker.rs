@@ -10,10 +10,12 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, PoisonError};
 
+use lanes_adaptor::wire::shm::{AttachedSegment, ReplySlot};
 use lanes_adaptor::wire::{self, ErrorCode, Reply};
-use lanes_adaptor::GraphLimits;
+use lanes_adaptor::{GraphLimits, TensorType};
 
 use super::dispatch::{Dispatcher, Work, WorkItem};
+use crate::exec::{ExecError, FetchInto, Fetched, FillOutputs};
 use crate::session::Session;
 
 /// Address of the socket thread's PULL socket for replies.
@@ -60,15 +62,26 @@ fn execute(session: &mut Session, work: Work, limits: &GraphLimits, request_id: 
             feeds,
             fetches,
             reply,
-        } => session.run(feeds, &fetches).map(|outputs| {
-            // Written into the slot, they need not travel again.
-            match reply {
-                Some(slot) if wire::post_outputs(&slot, request_id, &outputs) => {
-                    Reply::RunDone { outputs: vec![] }
+        } => {
+            let mut answer = reply.as_ref().map(|slot| SlotAnswer {
+                slot,
+                seq: request_id,
+            });
+            let into = answer.as_mut().map(|a| a as &mut dyn FetchInto);
+            session.run_to(feeds, &fetches, into).map(|fetched| {
+                // Written into the slot, they need not travel again.
+                match (fetched, &reply) {
+                    (Fetched::Written, _) => Reply::RunDone { outputs: vec![] },
+                    (Fetched::Tensors(outputs), Some(slot))
+                        if wire::post_outputs(slot, request_id, &outputs) =>
+                    {
+                        Reply::RunDone { outputs: vec![] }
+                    }
+                    // Too large for the slot (it says so), or no slot.
+                    (Fetched::Tensors(outputs), _) => Reply::RunDone { outputs },
                 }
-                _ => Reply::RunDone { outputs },
-            }
-        }),
+            })
+        }
         Work::ReadVariables { names } => session
             .read_variables(&names)
             .map(|variables| Reply::Variables { variables }),
@@ -80,6 +93,28 @@ fn execute(session: &mut Session, work: Work, limits: &GraphLimits, request_id: 
         tracing::debug!(session = %id, error = %e, "request failed");
         Reply::error(e.code(), e.to_string())
     })
+}
+
+/// A Run's reply slot as the place its outputs are written: the executor
+/// fills the values (the CUDA one straight from the device), then the
+/// slot is posted as Run `seq`'s answer.
+struct SlotAnswer<'a> {
+    slot: &'a ReplySlot,
+    seq: u64,
+}
+
+impl FetchInto for SlotAnswer<'_> {
+    fn segment(&self) -> Option<&Arc<AttachedSegment>> {
+        Some(self.slot.segment())
+    }
+
+    fn write(
+        &mut self,
+        types: &[TensorType],
+        write: &mut FillOutputs<'_>,
+    ) -> Result<bool, ExecError> {
+        wire::post_outputs_with(self.slot, self.seq, types, write)
+    }
 }
 
 fn ms(d: std::time::Duration) -> f64 {

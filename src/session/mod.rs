@@ -18,7 +18,7 @@ use crate::compile::{self, PlanError};
 use crate::exec::cpu::CpuMemory;
 use crate::exec::gate::{Armed, Gate};
 pub use crate::exec::Backend;
-use crate::exec::{ExecError, HostFeed};
+use crate::exec::{ExecError, FetchInto, Fetched, HostFeed};
 use crate::exec::{GpuShare, Program};
 use crate::lanes::{Admission, AdmitError, JobId, LaneTurn, Lease, SharedLanes};
 use crate::residency::Strategy;
@@ -508,10 +508,21 @@ impl Session {
         feeds: impl Into<RunFeeds>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, SessionError> {
+        self.run_to(feeds, fetches, None).map(Fetched::into_tensors)
+    }
+
+    /// [`Session::run`] whose fetched values are written into `into` when
+    /// it takes them (a reply slot: see [`FetchInto`]).
+    pub fn run_to(
+        &mut self,
+        feeds: impl Into<RunFeeds>,
+        fetches: &[String],
+        into: Option<&mut dyn FetchInto>,
+    ) -> Result<Fetched, SessionError> {
         match feeds.into() {
             RunFeeds::Frames(feeds) => {
                 let fed = self.check_feeds(feeds.into_iter().map(|f| (f.name, f.tensor)))?;
-                let out = self.run_fed(&fed, fetches);
+                let out = self.run_fed(&fed, fetches, into);
                 // The feeds' storage is decoded into again.
                 if let Some(pool) = &self.pool {
                     fed.into_values().for_each(|t| pool.give(t));
@@ -520,7 +531,7 @@ impl Session {
             }
             RunFeeds::Shared(feeds) => {
                 let fed = self.check_feeds(feeds.into_iter().map(|f| (f.name.clone(), f)))?;
-                self.run_fed(&fed, fetches)
+                self.run_fed(&fed, fetches, into)
             }
         }
     }
@@ -568,7 +579,8 @@ impl Session {
         &mut self,
         fed: &BTreeMap<String, F>,
         fetches: &[String],
-    ) -> Result<Vec<Tensor>, SessionError> {
+        into: Option<&mut dyn FetchInto>,
+    ) -> Result<Fetched, SessionError> {
         let loaded = self.loaded()?;
         let graph = loaded.program.graph().graph();
         if let Some(bad) = fetches.iter().find(|k| graph.resolve(k).is_none()) {
@@ -606,7 +618,7 @@ impl Session {
         let t0 = std::time::Instant::now();
         let (out, report) = loaded
             .program
-            .run_in(mem, fed, fetches, Strategy::Pipelined)?;
+            .run_in(mem, fed, fetches, Strategy::Pipelined, into)?;
         drop(inside);
         self.slo.record(t0.elapsed());
         drop(turn);

@@ -89,6 +89,39 @@ impl HostPin<'static> {
     }
 }
 
+impl HostPin<'static> {
+    /// Registers `addresses` of a job's segment's writable mapping (the
+    /// device writes into it: a reply slot), keeping the segment mapped
+    /// for as long as the pin lives.
+    pub fn segment_writable(
+        segment: &Arc<AttachedSegment>,
+        addresses: std::ops::Range<usize>,
+    ) -> Result<Self, ExecError> {
+        let gpu = gpu()?;
+        let inside = segment
+            .writable_addresses()
+            .is_some_and(|m| m.start <= addresses.start && addresses.end <= m.end);
+        if !inside || addresses.is_empty() {
+            return Err(ExecError::NoDevice {
+                reason: format!("{addresses:x?} is not inside the segment's writable mapping"),
+            });
+        }
+        let len = addresses.end - addresses.start;
+        // SAFETY: the range lies inside the writable mapping (checked
+        // above), which the pin keeps mapped by holding the segment until
+        // after it unregisters the range (Drop runs before the fields are
+        // dropped).
+        unsafe { register(&gpu.ctx, addresses.start as *const u8, len, 0)? };
+        Ok(HostPin {
+            ptr: addresses.start,
+            len,
+            ctx: gpu.ctx.clone(),
+            _segment: Some(segment.clone()),
+            _borrow: PhantomData,
+        })
+    }
+}
+
 /// Registers the caller's `bytes` page-locked for as long as the pin lives
 /// (it borrows them). Copies from them to the device then run as DMA on
 /// the stream, like copies from a PyTorch tensor in pinned memory.
@@ -131,22 +164,24 @@ impl Drop for HostPin<'_> {
     }
 }
 
-/// Most segments a program keeps registered; a client uses one per Run in
-/// flight, and replaces a segment that became too small under its id.
-const MAX_PINNED_SEGMENTS: usize = 8;
+/// Most ranges a program keeps registered: a client uses one segment per
+/// Run in flight (its feeds, and its reply slot in the writable mapping),
+/// and replaces a segment that became too small under its id.
+const MAX_PINNED_SEGMENTS: usize = 16;
 
 /// Registration granule: ranges are widened to whole pages.
 const PAGE: usize = 4096;
 
-/// The parts of a job's shared segments its Runs' feeds came from,
-/// registered the first time. Only the pages the feeds occupy are
-/// registered (their bytes are bounded by the graph's placeholders, which
-/// the service checked): registering a whole segment would make the service
-/// populate and lock pages a client never wrote. A segment the service no
-/// longer holds (its session replaced or detached it) is unregistered
-/// before another is registered. If registering fails, copies from that
-/// range stay pageable copies (correct, only slower), and it is not tried
-/// again.
+/// The parts of a job's shared segments its Runs' feeds came from, and
+/// the reply slots its Runs' outputs were written into (in the segment's
+/// writable mapping), registered the first time. Only the pages used are
+/// registered (the feeds' bytes are bounded by the graph's placeholders,
+/// which the service checked; a slot's by the outputs written):
+/// registering a whole segment would make the service populate and lock
+/// pages a client never wrote. A segment the service no longer holds (its
+/// session replaced or detached it) is unregistered before another is
+/// registered. If registering fails, copies to or from that range stay
+/// pageable copies (correct, only slower), and it is not tried again.
 #[derive(Debug, Default)]
 pub(super) struct SegmentPins {
     pinned: Vec<Pinned>,
@@ -155,6 +190,8 @@ pub(super) struct SegmentPins {
 #[derive(Debug)]
 struct Pinned {
     segment: Arc<AttachedSegment>,
+    /// The writable mapping's addresses, or the read-only one's offsets.
+    writable: bool,
     range: std::ops::Range<usize>,
     pin: Option<HostPin<'static>>,
 }
@@ -165,37 +202,83 @@ impl SegmentPins {
     pub fn pin(&mut self, segment: &Arc<AttachedSegment>, range: std::ops::Range<usize>) {
         let len = segment.bytes().len();
         let range = (range.start / PAGE * PAGE)..range.end.next_multiple_of(PAGE).min(len);
+        self.ensure(segment, false, range, HostPin::segment);
+    }
+
+    /// Makes sure the pages of `addresses` in `segment`'s writable mapping
+    /// are registered (or were tried).
+    pub fn pin_writable(
+        &mut self,
+        segment: &Arc<AttachedSegment>,
+        addresses: std::ops::Range<usize>,
+    ) {
+        let Some(map) = segment.writable_addresses() else {
+            return;
+        };
+        // The mapping starts on a page.
+        let range = (addresses.start / PAGE * PAGE).max(map.start)
+            ..addresses.end.next_multiple_of(PAGE).min(map.end);
+        self.ensure(segment, true, range, HostPin::segment_writable);
+    }
+
+    fn ensure(
+        &mut self,
+        segment: &Arc<AttachedSegment>,
+        writable: bool,
+        range: std::ops::Range<usize>,
+        register: impl FnOnce(
+            &Arc<AttachedSegment>,
+            std::ops::Range<usize>,
+        ) -> Result<HostPin<'static>, ExecError>,
+    ) {
         if let Some(i) = self
             .pinned
             .iter()
-            .position(|p| Arc::ptr_eq(&p.segment, segment))
+            .position(|p| p.writable == writable && Arc::ptr_eq(&p.segment, segment))
         {
             let p = &self.pinned[i];
             if p.range.start <= range.start && range.end <= p.range.end {
                 return;
             }
-            // Other feeds of the same segment: registered anew.
+            // Other feeds (or outputs) of the same segment: registered anew.
             self.pinned.remove(i);
         }
-        // Held by nobody but this table (its entry, and its pin): the
+        // Held by nobody but this table (its entries, and their pins): the
         // service let go of it.
-        self.pinned
-            .retain(|p| Arc::strong_count(&p.segment) > 1 + usize::from(p.pin.is_some()));
+        let held_here = |seg: &Arc<AttachedSegment>, pinned: &[Pinned]| {
+            pinned
+                .iter()
+                .filter(|p| Arc::ptr_eq(&p.segment, seg))
+                .map(|p| 1 + usize::from(p.pin.is_some()))
+                .sum::<usize>()
+        };
+        let gone: Vec<bool> = self
+            .pinned
+            .iter()
+            .map(|p| Arc::strong_count(&p.segment) <= held_here(&p.segment, &self.pinned))
+            .collect();
+        let mut gone = gone.into_iter();
+        self.pinned.retain(|_| !gone.next().unwrap_or(false));
         if self.pinned.len() >= MAX_PINNED_SEGMENTS {
             self.pinned.remove(0);
         }
-        let pin = match HostPin::segment(segment, range.clone()) {
+        let pin = match register(segment, range.clone()) {
             Ok(p) => {
-                tracing::debug!(bytes = p.len(), "shared segment registered page-locked");
+                tracing::debug!(
+                    bytes = p.len(),
+                    writable,
+                    "shared segment registered page-locked"
+                );
                 Some(p)
             }
             Err(e) => {
-                tracing::warn!(error = %e, "feeds from this shared segment are copied from pageable memory");
+                tracing::warn!(error = %e, writable, "copies with this shared segment use pageable memory");
                 None
             }
         };
         self.pinned.push(Pinned {
             segment: segment.clone(),
+            writable,
             range,
             pin,
         });

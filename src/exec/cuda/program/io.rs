@@ -66,6 +66,82 @@ impl CudaProgram {
         Tensor::new(s.ty.shape.clone(), data).map_err(|e| dev_err("result", e))
     }
 
+    /// The fetched outlets' values after the iteration (the stream idle):
+    /// copied straight from the device into `into`'s places when it takes
+    /// them, else downloaded as tensors.
+    pub(super) fn fetch(
+        &mut self,
+        outs: &[Outlet],
+        into: Option<&mut dyn FetchInto>,
+    ) -> Result<Fetched, ExecError> {
+        if let Some(into) = into {
+            let types: Vec<TensorType> = outs.iter().map(|&o| self.slot(o).ty.clone()).collect();
+            let segment = into.segment().cloned();
+            let written = into.write(&types, &mut |places| {
+                self.download_into(outs, places, segment.as_ref())
+            })?;
+            if written {
+                return Ok(Fetched::Written);
+            }
+        }
+        outs.iter()
+            .map(|&o| self.download(o))
+            .collect::<Result<_, _>>()
+            .map(Fetched::Tensors)
+    }
+
+    /// Copies each outlet's values into its place, one per outlet of
+    /// exactly its bytes, and waits for the copies. Places in `segment`'s
+    /// writable mapping are registered page-locked the first time, so the
+    /// copies are DMA into them.
+    fn download_into(
+        &mut self,
+        outs: &[Outlet],
+        places: &mut [&mut [u8]],
+        segment: Option<&Arc<AttachedSegment>>,
+    ) -> Result<(), ExecError> {
+        if places.len() != outs.len()
+            || outs
+                .iter()
+                .zip(places.iter())
+                .any(|(&o, p)| p.len() != self.slot(o).ty.bytes())
+        {
+            return Err(dev_err(
+                "device to host copy",
+                "the places given do not match the fetched values",
+            ));
+        }
+        let span = places
+            .iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| p.as_ptr() as usize..p.as_ptr() as usize + p.len())
+            .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end));
+        if let (Some(seg), Some(span)) = (segment, span) {
+            self.pins.pin_writable(seg, span);
+        }
+        let mut copied = Ok(());
+        for (&o, place) in outs.iter().zip(places.iter_mut()) {
+            if place.is_empty() {
+                continue;
+            }
+            let src = self.addr(o);
+            // SAFETY: the arena range holds the slot's `place.len()` bytes
+            // (checked above), and `place` is borrowed exclusively until
+            // this function returns, after the synchronize below has
+            // awaited every copy queued here.
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(place, src, self.stream.cu_stream())
+            };
+            if let Err(e) = r {
+                copied = Err(dev_err("device to host copy", e));
+                break;
+            }
+        }
+        // Await what was queued even when a later copy failed.
+        let synced = self.sync();
+        copied.and(synced)
+    }
+
     /// Feeds in placeholder order and fetch outlets, checked.
     #[allow(clippy::type_complexity)]
     pub(super) fn check_io<'t, F: HostFeed>(

@@ -25,7 +25,7 @@ use crate::exec::cuda::device::{gpu, Gpu};
 use crate::exec::cuda::fuse::{find_chains, Fusion};
 use crate::exec::cuda::pin::SegmentPins;
 use crate::exec::cuda::vm::{granularity, VmArena};
-use crate::exec::{ExecError, HostFeed};
+use crate::exec::{ExecError, FetchInto, Fetched, HostFeed};
 use crate::residency::{
     Costs, GroupPlan, Layout, PlanCache, Profile, Strategy, SwitchReport, SwitchTrace,
 };
@@ -483,6 +483,17 @@ impl CudaProgram {
         feeds: &BTreeMap<String, F>,
         fetches: &[String],
     ) -> Result<Vec<Tensor>, ExecError> {
+        self.run_to(feeds, fetches, None).map(Fetched::into_tensors)
+    }
+
+    /// [`CudaProgram::run`] whose fetched values go straight from the
+    /// device into `into` when it takes them.
+    pub fn run_to<F: HostFeed>(
+        &mut self,
+        feeds: &BTreeMap<String, F>,
+        fetches: &[String],
+        into: Option<&mut dyn FetchInto>,
+    ) -> Result<Fetched, ExecError> {
         self.gpu
             .ctx
             .bind_to_thread()
@@ -492,7 +503,7 @@ impl CudaProgram {
         self.cover_fetches(&outs)?;
         if !self.res.resident {
             return self
-                .run_switching(feeds, fetches, Strategy::Pipelined)
+                .run_switching_to(feeds, fetches, Strategy::Pipelined, into)
                 .map(|(o, _)| o);
         }
         // The ephemeral part (own, or the lane's block) from the first run.
@@ -507,7 +518,7 @@ impl CudaProgram {
         // Wait here, not inside the copies to pageable memory below (see
         // `wait_idle`).
         self.sync()?;
-        outs.iter().map(|&o| self.download(o)).collect()
+        self.fetch(&outs, into)
     }
 
     /// The ephemeral bytes (T with the workspaces, as admission counts

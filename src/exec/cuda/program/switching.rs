@@ -461,8 +461,21 @@ impl CudaProgram {
         fetches: &[String],
         strategy: Strategy,
     ) -> Result<(Vec<Tensor>, Option<SwitchReport>), ExecError> {
+        self.run_switching_to(feeds, fetches, strategy, None)
+            .map(|(o, r)| (o.into_tensors(), r))
+    }
+
+    /// [`CudaProgram::run_switching`] whose fetched values go straight
+    /// from the device into `into` when it takes them.
+    pub fn run_switching_to<F: HostFeed>(
+        &mut self,
+        feeds: &BTreeMap<String, F>,
+        fetches: &[String],
+        strategy: Strategy,
+        into: Option<&mut dyn FetchInto>,
+    ) -> Result<(Fetched, Option<SwitchReport>), ExecError> {
         if self.res.resident {
-            let out = self.run(feeds, fetches)?;
+            let out = self.run_to(feeds, fetches, into)?;
             return Ok((out, None));
         }
         self.gpu
@@ -533,7 +546,7 @@ impl CudaProgram {
             }
             at = at.max(hi);
         }
-        let copy = &self.res.copy;
+        let copy = &self.res.copy.clone();
         let start = traced.then(|| self.event(copy, true)).transpose()?;
         // The feeds first, on the copy stream: queued on the compute stream
         // behind the weights' copies instead, a feed from pageable memory
@@ -649,9 +662,9 @@ impl CudaProgram {
         };
         trace.host_launched_ms = ms(std::time::Instant::now());
         // Wait before copying to pageable memory (see `wait_idle`).
-        let r: Result<Vec<Tensor>, ExecError> = launched
+        let r: Result<Fetched, ExecError> = launched
             .and_then(|()| self.sync())
-            .and_then(|()| outs.iter().map(|&o| self.download(o)).collect());
+            .and_then(|()| self.fetch(&outs, into));
         self.sync()?;
         wait_idle(copy)?;
         trace.host_done_ms = ms(std::time::Instant::now());
@@ -681,6 +694,7 @@ impl CudaProgram {
                 Err(e) => tracing::debug!(error = %e, "segments not recorded"),
             }
         }
+        let units = &self.res.layout.units;
         let kept_bytes: u64 = units[..plan.kept.min(units.len())]
             .iter()
             .map(|u| u.bytes)
