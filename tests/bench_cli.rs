@@ -265,7 +265,16 @@ fn switch_reports_every_strategy_with_identical_outputs() {
     assert_eq!(v["strategies"]["single"]["groups"].as_u64(), Some(1));
     assert_eq!(v["strategies"]["per_layer"]["groups"].as_u64(), Some(units));
     assert!(v["persistent_bytes"].as_u64().unwrap() > 0);
-    assert!(v["lower_bound_ms"].as_f64().unwrap() > 0.0);
+    let bound = v["lower_bound_ms"].as_f64().unwrap();
+    assert!(bound > 0.0);
+    // lenet b2's input: 2 × 1 × 28 × 28 f32.
+    assert_eq!(v["feed_bytes"].as_u64(), Some(2 * 28 * 28 * 4), "{v}");
+    // The link carries the feeds too: that bound is never the lower one.
+    assert!(v["bound_with_feeds_ms"].as_f64().unwrap() >= bound, "{v}");
+    assert!(
+        v["pipelined_over_bound_with_feeds"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
 }
 
 /// `bench switch --keep`: the partially evicted model (its first units

@@ -208,6 +208,12 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     }
     let copy_ms = bandwidth.map(|bw| bytes as f64 / bw * 1e3);
     let bound_ms = copy_ms.map_or(resident_ms, |c| c.max(resident_ms));
+    // A switch also copies the Run's feeds over the same link before its
+    // first kernel (a resident Run copies them too, inside resident_ms):
+    // the bound when the link carries both.
+    let feed_bytes: usize = feeds.values().map(|t| t.ty().bytes()).sum();
+    let copy_with_feeds_ms = bandwidth.map(|bw| (bytes + feed_bytes as u64) as f64 / bw * 1e3);
+    let bound_with_feeds_ms = copy_with_feeds_ms.map_or(resident_ms, |c| c.max(resident_ms));
     let pipelined = medians["pipelined"];
     // With the kept prefix resident the bound is max(copy of the rest,
     // compute).
@@ -232,6 +238,9 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "lower_bound_ms": bound_ms,
         "strategies": rows,
         "pipelined_over_bound": pipelined / bound_ms,
+        "feed_bytes": feed_bytes,
+        "bound_with_feeds_ms": bound_with_feeds_ms,
+        "pipelined_over_bound_with_feeds": pipelined / bound_with_feeds_ms,
         "copy_rest_ms": copy_rest_ms,
         "rest_bound_ms": rest_bound_ms,
         "pipelined_keep_over_bound": keep_ratio(bound_ms),
