@@ -62,34 +62,16 @@ impl HostPin<'static> {
         segment: &Arc<AttachedSegment>,
         range: std::ops::Range<usize>,
     ) -> Result<Self, ExecError> {
-        let gpu = gpu()?;
         let bytes = segment
             .bytes()
             .get(range.clone())
             .ok_or_else(|| ExecError::NoDevice {
                 reason: format!("{range:?} is outside the segment"),
             })?;
-        // SAFETY: the pin holds the segment (its mapping) until after it
-        // unregisters it (Drop runs before the fields are dropped).
-        unsafe {
-            register(
-                &gpu.ctx,
-                bytes.as_ptr(),
-                bytes.len(),
-                sys::CU_MEMHOSTREGISTER_READ_ONLY,
-            )?
-        };
-        Ok(HostPin {
-            ptr: bytes.as_ptr() as usize,
-            len: bytes.len(),
-            ctx: gpu.ctx.clone(),
-            _segment: Some(segment.clone()),
-            _borrow: PhantomData,
-        })
+        let (ptr, len) = (bytes.as_ptr() as usize, bytes.len());
+        Self::in_segment(segment, ptr, len, sys::CU_MEMHOSTREGISTER_READ_ONLY)
     }
-}
 
-impl HostPin<'static> {
     /// Registers `addresses` of a job's segment's writable mapping (the
     /// device writes into it: a reply slot), keeping the segment mapped
     /// for as long as the pin lives.
@@ -97,7 +79,6 @@ impl HostPin<'static> {
         segment: &Arc<AttachedSegment>,
         addresses: std::ops::Range<usize>,
     ) -> Result<Self, ExecError> {
-        let gpu = gpu()?;
         let inside = segment
             .writable_addresses()
             .is_some_and(|m| m.start <= addresses.start && addresses.end <= m.end);
@@ -106,14 +87,25 @@ impl HostPin<'static> {
                 reason: format!("{addresses:x?} is not inside the segment's writable mapping"),
             });
         }
-        let len = addresses.end - addresses.start;
-        // SAFETY: the range lies inside the writable mapping (checked
-        // above), which the pin keeps mapped by holding the segment until
-        // after it unregisters the range (Drop runs before the fields are
-        // dropped).
-        unsafe { register(&gpu.ctx, addresses.start as *const u8, len, 0)? };
+        Self::in_segment(segment, addresses.start, addresses.len(), 0)
+    }
+
+    /// Registers `len` bytes at `ptr`, which the callers checked lie in
+    /// one of `segment`'s mappings, holding the segment.
+    fn in_segment(
+        segment: &Arc<AttachedSegment>,
+        ptr: usize,
+        len: usize,
+        flags: u32,
+    ) -> Result<Self, ExecError> {
+        let gpu = gpu()?;
+        // SAFETY: the range lies inside a mapping of `segment` (checked by
+        // the callers), which the pin keeps mapped by holding the segment
+        // until after it unregisters the range (Drop runs before the
+        // fields are dropped).
+        unsafe { register(&gpu.ctx, ptr as *const u8, len, flags)? };
         Ok(HostPin {
-            ptr: addresses.start,
+            ptr,
             len,
             ctx: gpu.ctx.clone(),
             _segment: Some(segment.clone()),
