@@ -535,6 +535,66 @@ def test_another_batch_size_is_refused_with_the_captured_shape(client):
         job.close()
 
 
+class _BnMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def test_other_batches_train_the_last_smaller_batch_like_pytorch(client):
+    # Two epochs of batches of 16, 16, 16 and a last one of 8, without
+    # drop_last: the 8-row steps run in a second job captured at 8, the
+    # state copied in and out; the loss curve, weights, BatchNorm's running
+    # statistics and AdamW's state follow PyTorch eager's. Tolerances as
+    # in _assert_trains_like_torch (float32 in both, summed in other orders).
+    torch.manual_seed(0)
+    m = _BnMlp()
+    ref = copy.deepcopy(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    sizes = [16, 16, 16, 8]
+    data = [(torch.randn(n, 8), torch.randint(0, 4, (n,))) for n in sizes]
+    loss = torch.nn.CrossEntropyLoss()
+    job = lt.training_job(client, m, example=data[0], loss=loss, optimizer=opt, other_batches=True)
+    ref.train()
+    try:
+        ours, theirs = [], []
+        for _ in range(2):
+            for x, y in data:
+                ours.append(job.step(x, y))
+                ref_opt.zero_grad()
+                rl = loss(ref(x), y)
+                rl.backward()
+                ref_opt.step()
+                theirs.append(rl.item())
+        assert job.steps == 8
+        for a, b in zip(ours, theirs):
+            assert abs(a - b) <= 1e-3 * max(1.0, abs(b)), (ours, theirs)
+        sd, rsd = job.state_dict(), ref.state_dict()
+        assert sd.keys() == rsd.keys()
+        # Adam moves a weight by about lr a step whatever its gradient's
+        # size, so one whose gradient is rounding noise (fc1's bias before
+        # the BatchNorm, which cancels it) may drift by up to lr × steps,
+        # as _assert_trains_like_torch allows for Adam.
+        wtol = max(1e-2, 0.01 * len(ours))
+        for k in rsd:
+            d = (sd[k].double() - rsd[k].double()).abs().max().item()
+            assert d <= wtol * max(1.0, rsd[k].double().abs().max().item()), (k, d)
+        # Another shape than the batch axis is still refused, naming the
+        # captured shape.
+        with pytest.raises(lanes.FeedError, match=r"\[16, 8\]"):
+            job.step(torch.randn(16, 9), torch.randint(0, 4, (16,)))
+    finally:
+        job.close()
+    with pytest.raises(ValueError, match="accumulate"):
+        lt.training_job(client, m, example=data[0], loss=loss, optimizer=opt, other_batches=True, accumulate=2)
+
+
 def test_a_dynamic_batch_inference_job_takes_any_batch_size(client):
     torch.manual_seed(0)
     m = torchvision.models.resnet18(num_classes=5).eval()

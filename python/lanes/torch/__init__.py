@@ -120,6 +120,9 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
     raise TypeError(f"input {name}: expected a tensor or array, got {type(x).__name__}")
 
 
+_OTHER_BATCH_HINT = {"step": "training_job(..., other_batches=True) takes other batch sizes"}
+
+
 def _feeds(inputs: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[Any], what: str) -> Dict[str, np.ndarray]:
     if len(args) != len(inputs):
         raise TypeError(f"{what} takes {len(inputs)} tensors (as in the example), got {len(args)}")
@@ -129,7 +132,7 @@ def _feeds(inputs: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[An
         if tuple(arr.shape) != tuple(shape):
             raise _lanes.FeedError(
                 f"{what}: input {name[len('input_'):]} has shape {list(arr.shape)}; the job was captured at "
-                f"{list(shape)} (capture another job for another batch size)"
+                f"{list(shape)} ({_OTHER_BATCH_HINT.get(what, 'capture another job for another batch size')})"
             )
         feeds[name] = arr
     return feeds
@@ -188,8 +191,12 @@ class TrainingJob:
 
     def __init__(self, session: Any, t: _Translator, model: torch.nn.Module,
                  optimizer: "torch.optim.Optimizer", groups: List[List[str]], accumulate: int = 1,
-                 scaled: bool = False):
+                 scaled: bool = False, other_batch: Optional[Callable[[Sequence[Any]], "TrainingJob"]] = None):
         self.session = session
+        #: Captures a job like this one at another batch size
+        #: (`training_job(..., other_batches=True)`); its jobs by batch size.
+        self._other_batch = other_batch
+        self._others: Dict[int, "TrainingJob"] = {}
         self._scaled = scaled
         self.accumulate = accumulate
         #: One micro-batch's feeds (the first walk's names).
@@ -239,6 +246,9 @@ class TrainingJob:
         uses their summed gradients, and returns their mean loss."""
         n = len(self.inputs)
         part = self._all_inputs[self._micro * n : (self._micro + 1) * n]
+        other = self._batch_of(part, args)
+        if other is not None:
+            return self._step_other_batch(other, args)
         self._pending.update(_feeds(part, args, "step"))
         self._micro += 1
         if self._micro < self.accumulate:
@@ -254,6 +264,38 @@ class TrainingJob:
         # step otherwise).
         self._optimizer._opt_called = True  # type: ignore[attr-defined]
         return float(np.asarray(loss).reshape(-1)[0])
+
+    def _batch_of(self, part: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[Any]) -> Optional[int]:
+        """The batch size of `args` when the job takes other batch sizes and
+        they differ from the captured one in their first axis only (all by
+        the same size); None otherwise (`_feeds` then checks them)."""
+        if self._other_batch is None or self.accumulate != 1 or len(args) != len(part) or not args:
+            return None
+        shapes = [tuple(np.shape(a)) for a in args]
+        captured = [tuple(shape) for _, shape, _ in part]
+        if shapes == captured or any(len(s) == 0 or len(s) != len(c) for s, c in zip(shapes, captured)):
+            return None
+        if any(s[1:] != c[1:] for s, c in zip(shapes, captured)):
+            return None
+        sizes = {s[0] for s in shapes}
+        if len(sizes) != 1 or 0 in sizes:
+            return None
+        return sizes.pop()
+
+    def _step_other_batch(self, batch: int, args: Sequence[Any]) -> Optional[float]:
+        # A job captured at this batch size (once, kept), given this job's
+        # current state (weights, buffers, optimizer state, learning
+        # rates), one step there, and its state back.
+        self._sync_lr()
+        other = self._others.get(batch)
+        if other is None:
+            other = self._other_batch(tuple(args))  # type: ignore[misc]
+            self._others[batch] = other
+        other.session.write_variables(self.session.read_variables())
+        loss = other.step(*args)
+        self.session.write_variables(other.session.read_variables())
+        self._steps += 1
+        return loss
 
     def set_lr(self, lr: float, group: Optional[int] = None) -> None:
         """Sets the learning rate of one parameter group (all when None), in
@@ -327,6 +369,9 @@ class TrainingJob:
             self.session.write_variables(values)
 
     def close(self) -> None:
+        for other in self._others.values():
+            other.close()
+        self._others.clear()
         self.session.close()
 
     def __enter__(self) -> "TrainingJob":
@@ -514,6 +559,7 @@ def training_job(
     accumulate: int = 1,
     precision: Optional[str] = None,
     scaler: Any = None,
+    other_batches: bool = False,
 ) -> TrainingJob:
     """Captures `loss(model(*inputs), *targets)` at the example's shapes and
     loads it as a training session: the example is the model's inputs
@@ -542,17 +588,38 @@ def training_job(
     growth interval and growth tracker) or a dict of any of `init_scale`,
     `growth_factor`, `backoff_factor` and `growth_interval`; a ValueError
     with another precision. A disabled GradScaler (`enabled=False`) trains
-    unscaled with fp32 or bf16-mixed, and is refused with fp16-mixed."""
+    unscaled with fp32 or bf16-mixed, and is refused with fp16-mixed.
+    `other_batches=True` lets `step` take a batch of another size (every
+    tensor's first axis, the rest as captured; e.g. an epoch's last, smaller
+    batch, without `drop_last`): the step runs in a second job captured at
+    that size the first time, kept for later ones, into which this job's
+    state (weights, buffers, optimizer state) is copied before the step and
+    from which it is copied back after. That job takes as much service
+    memory as this one while it lives, and each such step moves the state
+    both ways; not with `accumulate`. Without it another batch size is
+    refused (`lanes.FeedError` with the captured shape)."""
     loss_scale, tracker = _loss_scale(scaler)
     example = tuple(example)
     if targets < 0 or targets >= len(example):
         raise ValueError(f"example has {len(example)} tensors; targets={targets} leaves no model input")
-    n_inputs = len(example) - targets
-    _refuse_half_weights(model)
-    model.train()
-    ep = _export(_WithLoss(model, loss, n_inputs), example, "training step")
     if accumulate < 1:
         raise ValueError(f"accumulate must be at least 1, got {accumulate}")
+    if other_batches and accumulate != 1:
+        raise ValueError("other_batches does not go with accumulate (micro-batches are of the captured size)")
+    n_inputs = len(example) - targets
+    _refuse_half_weights(model)
+    job_name = name or f"torch-{type(model).__name__}"
+
+    def other(batch_example: Sequence[Any]) -> TrainingJob:
+        batch_example = tuple(a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+                              for a in batch_example)
+        n = batch_example[0].shape[0]
+        return training_job(client, model, batch_example, loss, optimizer, targets=targets,
+                            max_grad_norm=max_grad_norm, name=f"{job_name}-batch{n}", priority=priority,
+                            precision=precision, scaler=scaler)
+
+    model.train()
+    ep = _export(_WithLoss(model, loss, n_inputs), example, "training step")
     t = _Translator(ep, training=True, prefix="model.")
     if accumulate > 1:
         t.bn_updates = {}
@@ -583,7 +650,7 @@ def training_job(
         groups.append((names, _lanes_optimizer(optimizer, g)))
         group_names.append(names)
     session = client.session(
-        name or f"torch-{type(model).__name__}",
+        job_name,
         kind="training",
         priority=priority,
         expected_iterations=expected_iterations,
@@ -599,7 +666,7 @@ def training_job(
         session.close()
         raise
     return TrainingJob(session, t, model, optimizer, group_names, accumulate,
-                       scaled=_SCALE in state)
+                       scaled=_SCALE in state, other_batch=other if other_batches else None)
 
 
 def inference_job(
