@@ -5,9 +5,11 @@
 //!   Run while training goes on, within a bound of its own load time and
 //!   the training's iterations (on the GPU a load once waited for the
 //!   training to end: a driver lock starved by the training lane's waits).
-//! - Under `priority`, with both jobs in one lane (they take turns), no
-//!   inference Run waits behind more than one training iteration; under
-//!   `fifo` the same inference job waits for the training job's queue.
+//! - Under `priority`, even with `--max-lanes 1`, the inference job has a
+//!   lane of its own (lanes of its class), so no inference Run waits
+//!   behind more than one training iteration; under `fifo` the two share
+//!   the one lane and the same inference job waits for the training job's
+//!   queue.
 //!
 //! CPU backend in CI; `LANES_TEST_DEVICE=cuda` runs it on the GPU machine.
 
@@ -185,10 +187,29 @@ fn paced_runs(c: &mut Client, id: SessionId, job: &Job, n: usize, gap: Duration)
         .collect()
 }
 
+/// The lanes in the service's Status: each lane's class and its jobs.
+fn lanes_of(c: &mut Client) -> Vec<(u64, Vec<u64>)> {
+    let status = c.status().unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(status.lanes_json.as_deref().expect("lanes view")).unwrap();
+    v["lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            let jobs = l["jobs"].as_array().unwrap();
+            let ids = jobs.iter().map(|j| j["job"].as_u64().unwrap()).collect();
+            (l["class"].as_u64().unwrap(), ids)
+        })
+        .collect()
+}
+
 #[test]
-fn under_priority_inference_waits_behind_at_most_one_training_iteration() {
-    // One lane: the two jobs take turns, so a Run of one waits for the
-    // other's iteration in progress, and the policy decides who goes next.
+fn under_priority_inference_has_a_lane_of_its_own_and_waits_behind_at_most_one_iteration() {
+    // `--max-lanes 1`: under fifo the two jobs would share the one lane and
+    // take turns; under priority the inference job opens a lane of its
+    // class, so its Runs never wait for a training iteration of their lane
+    // (on the GPU the device's gate decides what runs beside them).
     let server = serve(PolicyChoice::Priority, 1);
     let job = inference_job();
     let mut c = client(server.endpoint());
@@ -199,6 +220,15 @@ fn under_priority_inference_waits_behind_at_most_one_training_iteration() {
 
     let trainer = Trainer::start(server.endpoint());
     trainer.wait_for_steps(3);
+    let mut lanes = lanes_of(&mut c);
+    lanes.sort();
+    assert_eq!(lanes.len(), 2, "{lanes:?}");
+    assert_eq!(
+        (lanes[0].0, lanes[0].1.len()),
+        (0, 1),
+        "training: {lanes:?}"
+    );
+    assert_eq!(lanes[1], (1, vec![id.0]), "inference: {lanes:?}");
     let beside = paced_runs(&mut c, id, &job, 20, Duration::from_millis(3));
     let step = trainer.longest_step();
     trainer.finish();

@@ -8,12 +8,15 @@
 //! - a waiting job never fits, even after re-partitioning (so every job
 //!   that could fit is admitted), and once everyone leaves, every waiting
 //!   job has been admitted;
-//! - a job larger than the reservation is refused at once.
+//! - a job larger than the reservation is refused at once;
+//! - jobs of two classes (`Ask::class`) never share a lane, and each class
+//!   has at most `max_lanes` lanes.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use lanes::lanes::{
-    Admission, AdmitError, JobId, LaneManager, LanesConfig, LanesSnapshot, Placement, Reservation,
+    Admission, AdmitError, Ask, JobId, LaneClass, LaneManager, LanesConfig, LanesSnapshot,
+    Placement, Reservation,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,15 +25,17 @@ const ALIGN: u64 = 256;
 
 #[derive(Debug, Clone)]
 enum Step {
-    /// P and T in bytes (not aligned: the manager rounds up).
-    Arrive { p: u64, t: u64 },
+    /// P and T in bytes (not aligned: the manager rounds up), and the
+    /// job's class of lanes.
+    Arrive { p: u64, t: u64, class: LaneClass },
     /// Index into the jobs currently known (admitted or waiting).
     Depart { pick: usize },
 }
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => (0u64..24 * ALIGN, 0u64..40 * ALIGN).prop_map(|(p, t)| Step::Arrive { p, t }),
+        3 => (0u64..24 * ALIGN, 0u64..40 * ALIGN, prop_oneof![3 => Just(0), 1 => Just(1)])
+            .prop_map(|(p, t, class)| Step::Arrive { p, t, class }),
         2 => any::<usize>().prop_map(|pick| Step::Depart { pick }),
     ]
 }
@@ -49,6 +54,8 @@ struct Model {
     mem: Reservation,
     /// Known jobs: aligned (P, T).
     jobs: BTreeMap<JobId, (u64, u64)>,
+    /// Their classes.
+    classes: BTreeMap<JobId, LaneClass>,
     /// Jobs that waited and have not been admitted or cancelled yet.
     waiting: BTreeSet<JobId>,
     waited_then_admitted: usize,
@@ -62,12 +69,17 @@ impl Model {
             .fill(pattern(p.job));
     }
 
-    fn arrive(&mut self, job: JobId, p: u64, t: u64) {
+    fn arrive(&mut self, job: JobId, p: u64, t: u64, class: LaneClass) {
         let (ap, mut at) = (align(p), align(t));
         if ap == 0 && at == 0 {
             at = ALIGN;
         }
-        match self.mgr.admit(job, p, t) {
+        self.classes.insert(job, class);
+        let ask = Ask {
+            rank: Default::default(),
+            class,
+        };
+        match self.mgr.admit_asking(job, p, t, ask) {
             Err(AdmitError::TooLarge {
                 needed, available, ..
             }) => {
@@ -115,7 +127,15 @@ impl Model {
         let mut seen = BTreeSet::new();
         let mut prev_end = 0;
         let mut used_total = 0;
+        let mut lane_class = Vec::new();
         for l in &s.lanes {
+            let class = self.classes[&l.jobs[0].job];
+            assert_eq!(l.class, class, "the lane shows another class: {s}");
+            assert!(
+                l.jobs.iter().all(|j| self.classes[&j.job] == class),
+                "a lane holds jobs of two classes: {s}"
+            );
+            lane_class.push(class);
             assert!(l.start >= prev_end, "lanes overlap or are unsorted: {s}");
             assert!(l.start % ALIGN == 0 && l.capacity % ALIGN == 0);
             prev_end = l.start + l.capacity;
@@ -142,16 +162,27 @@ impl Model {
                 );
             }
         }
+        for class in [0, 1] {
+            let n = lane_class.iter().filter(|&&c| c == class).count();
+            assert!(n <= self.cfg.max_lanes, "{n} lanes of class {class}: {s}");
+        }
         let free = cap - used_total;
         for q in &s.queue {
+            let class = self.classes[&q.job];
+            let of_class = lane_class.iter().filter(|&&c| c == class).count();
             assert!(seen.insert(q.job), "job in two places");
             assert!(self.waiting.contains(&q.job));
             assert_eq!(self.jobs.get(&q.job), Some(&(q.p, q.t)));
-            let new_lane = s.lanes.len() < self.cfg.max_lanes && q.p + q.t <= free;
-            let join = s.lanes.iter().any(|l| {
-                let max_t = l.jobs.iter().map(|j| j.t).max().unwrap_or(0);
-                q.p + max_t.max(q.t) - max_t <= free
-            });
+            let new_lane = of_class < self.cfg.max_lanes && q.p + q.t <= free;
+            let join = s
+                .lanes
+                .iter()
+                .zip(&lane_class)
+                .filter(|(_, &c)| c == class)
+                .any(|(l, _)| {
+                    let max_t = l.jobs.iter().map(|j| j.t).max().unwrap_or(0);
+                    q.p + max_t.max(q.t) - max_t <= free
+                });
             assert!(
                 !new_lane && !join,
                 "{:?} waits but fits after re-partitioning: {s}",
@@ -182,15 +213,16 @@ proptest! {
             mgr: LaneManager::new(cfg).unwrap(),
             mem: Reservation::new(cfg.capacity).unwrap(),
             jobs: BTreeMap::new(),
+            classes: BTreeMap::new(),
             waiting: BTreeSet::new(),
             waited_then_admitted: 0,
         };
         let mut next = 0u64;
         for s in steps {
             match s {
-                Step::Arrive { p, t } => {
+                Step::Arrive { p, t, class } => {
                     next += 1;
-                    m.arrive(JobId(next), p, t);
+                    m.arrive(JobId(next), p, t, class);
                 }
                 Step::Depart { pick } => {
                     if !m.jobs.is_empty() {
@@ -232,11 +264,12 @@ fn some_sequences_do_wait() {
         mgr: LaneManager::new(cfg).unwrap(),
         mem: Reservation::new(cfg.capacity).unwrap(),
         jobs: BTreeMap::new(),
+        classes: BTreeMap::new(),
         waiting: BTreeSet::new(),
         waited_then_admitted: 0,
     };
     for j in 1..=6 {
-        m.arrive(JobId(j), 2 * ALIGN, 2 * ALIGN);
+        m.arrive(JobId(j), 2 * ALIGN, 2 * ALIGN, 0);
         m.check();
     }
     assert_eq!(m.waiting.len(), 4);

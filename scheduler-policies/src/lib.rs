@@ -73,6 +73,15 @@ pub trait Policy: std::fmt::Debug + Send {
         AdmissionRank::default()
     }
 
+    /// Which jobs may share a lane: jobs of different classes never do, and
+    /// a service's `--max-lanes` bounds each class's lanes on its own. A
+    /// job waits for the iteration of every job in its lane, so a policy
+    /// that must not keep one kind of job behind another gives them
+    /// classes of their own. Defaults to one class for all jobs.
+    fn lane_class(&self, _job: &JobSpec) -> LaneClass {
+        0
+    }
+
     /// How this policy's `pick` evolves while a lane runs, so that a
     /// simulator may skip the decisions whose answer is known in advance
     /// (see [`PickDynamics`]). Defaults to
@@ -107,6 +116,9 @@ pub enum PickDynamics {
 /// A waiting job's place in the admission queue (see
 /// [`Policy::admission_rank`]): compared as a tuple, smaller first.
 pub type AdmissionRank = (u128, u64);
+
+/// A job's class of lanes (see [`Policy::lane_class`]).
+pub type LaneClass = u8;
 
 /// Names accepted by [`by_name`], in the order `--policy all` reports them.
 pub const POLICY_NAMES: [&str; 5] = ["fifo", "srtf", "fair", "pack", "priority"];

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::job::{JobId, JobKind, JobSpec, JobView, LaneId};
 use crate::placement::{best_fit, LaneView};
-use crate::{AdmissionRank, PickDynamics, Policy};
+use crate::{AdmissionRank, LaneClass, PickDynamics, Policy};
 
 /// The waiting job of `lane` with the smallest key.
 fn pick_min<K: Ord>(lane: LaneId, jobs: &[JobView], key: impl Fn(&JobView) -> K) -> Option<JobId> {
@@ -137,6 +137,11 @@ impl Policy for PriorityPolicy {
             u128::from(job.kind != JobKind::Inference),
             u64::try_from(below).unwrap_or(0),
         )
+    }
+    /// Inference jobs in lanes of their own: an inference Run never waits
+    /// for a training iteration of its lane.
+    fn lane_class(&self, job: &JobSpec) -> LaneClass {
+        LaneClass::from(job.kind == JobKind::Inference)
     }
 }
 

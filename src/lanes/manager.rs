@@ -19,6 +19,14 @@
 //!    from offset 0, so all free space is one range; then 2 or 3;
 //! 5. otherwise the job waits in the admission queue, with the reason.
 //!
+//! **Classes.** Every job comes with a [`LaneClass`] (the policy's
+//! `lane_class`: under `priority`, inference jobs are one class and the
+//! rest another; every other policy puts all jobs in one). Jobs of
+//! different classes never share a lane (steps 1, 3 and 4 only consider
+//! lanes of the job's class), and `max_lanes` bounds the lanes of each
+//! class on its own, so an urgent job never waits for a lower-urgency
+//! job's iteration in its own lane, however many of those are open.
+//!
 //! A job needing more than the whole reservation is refused at once.
 //!
 //! **Release** takes a job out of its lane; the persistent regions after
@@ -40,7 +48,7 @@ use std::collections::VecDeque;
 use std::fmt;
 
 use crate::size::ByteSize;
-pub use lanes_policies::AdmissionRank;
+pub use lanes_policies::{AdmissionRank, LaneClass};
 
 /// Largest reservation the manager accepts: sums of sizes it forms (at
 /// most twice the capacity) then never overflow.
@@ -85,6 +93,14 @@ impl LanesConfig {
             max_lanes: 8,
         }
     }
+}
+
+/// How a job asks for memory: its place in the admission queue if it has
+/// to wait, and the class of lanes it may share (see the module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ask {
+    pub rank: AdmissionRank,
+    pub class: LaneClass,
 }
 
 /// Why a request to the manager is refused.
@@ -154,7 +170,8 @@ pub struct QueueReason {
     /// Cheapest way in: the least extra bytes over that free space any
     /// lane (or a new lane) would need.
     pub cheapest: u64,
-    /// Whether a new lane was ruled out by `max_lanes`.
+    /// Whether a new lane was ruled out by `max_lanes` (the lanes of the
+    /// job's class).
     pub lanes_full: bool,
 }
 
@@ -214,6 +231,8 @@ pub(super) struct Lane {
     pub(super) id: LaneId,
     pub(super) start: u64,
     pub(super) capacity: u64,
+    /// The class of every job in it.
+    pub(super) class: LaneClass,
     pub(super) jobs: Vec<Resident>,
 }
 
@@ -253,6 +272,7 @@ pub(super) struct Waiting {
     pub(super) t: u64,
     /// Its place in the queue (smaller first, then arrival).
     pub(super) rank: AdmissionRank,
+    pub(super) class: LaneClass,
 }
 
 /// Lanes inside one reservation, and the admission queue.
@@ -268,7 +288,7 @@ pub struct LaneManager {
 /// Where to put a job once space is found.
 enum Target {
     Lane(usize),
-    NewLane(u64),
+    NewLane(u64, LaneClass),
 }
 
 impl LaneManager {
@@ -352,16 +372,38 @@ impl LaneManager {
         t: u64,
         rank: AdmissionRank,
     ) -> Result<Admission, AdmitError> {
+        self.admit_asking(job, p, t, Ask { rank, class: 0 })
+    }
+
+    /// [`LaneManager::admit_ranked`] at `ask.rank`, sharing a lane only
+    /// with jobs of `ask.class`.
+    pub fn admit_asking(
+        &mut self,
+        job: JobId,
+        p: u64,
+        t: u64,
+        ask: Ask,
+    ) -> Result<Admission, AdmitError> {
         if self.knows(job) {
             return Err(AdmitError::Duplicate { job });
         }
         let (p, t) = self.sizes(job, p, t)?;
-        if let Some((placement, moves)) = self.try_place(job, p, t) {
+        let Ask { rank, class } = ask;
+        if let Some((placement, moves)) = self.try_place(job, p, t, class) {
             return Ok(Admission::Admitted { placement, moves });
         }
-        let reason = self.reason(p, t);
+        let reason = self.reason(p, t, class);
         let position = self.queue.partition_point(|w| w.rank <= rank);
-        self.queue.insert(position, Waiting { job, p, t, rank });
+        self.queue.insert(
+            position,
+            Waiting {
+                job,
+                p,
+                t,
+                rank,
+                class,
+            },
+        );
         Ok(Admission::Queued { position, reason })
     }
 
@@ -406,7 +448,7 @@ impl LaneManager {
         let mut i = 0;
         while i < self.queue.len() {
             let w = self.queue[i].clone();
-            if let Some((_, moves)) = self.try_place(w.job, w.p, w.t) {
+            if let Some((_, moves)) = self.try_place(w.job, w.p, w.t, w.class) {
                 out.moves.extend(moves);
                 admitted.push(w.job);
                 self.queue.remove(i);
@@ -471,11 +513,17 @@ impl LaneManager {
         out
     }
 
-    pub(super) fn reason(&self, p: u64, t: u64) -> QueueReason {
-        let lanes_full = self.lanes.len() >= self.cfg.max_lanes;
+    /// Lanes open for jobs of `class`.
+    fn lanes_of(&self, class: LaneClass) -> usize {
+        self.lanes.iter().filter(|l| l.class == class).count()
+    }
+
+    pub(super) fn reason(&self, p: u64, t: u64, class: LaneClass) -> QueueReason {
+        let lanes_full = self.lanes_of(class) >= self.cfg.max_lanes;
         let grow = self
             .lanes
             .iter()
+            .filter(|l| l.class == class)
             .map(|l| l.required_with(p, t) - l.required())
             .min();
         let cheapest = match (lanes_full, grow) {
@@ -493,15 +541,21 @@ impl LaneManager {
     }
 
     /// Steps 1–4 of admission (see the module docs).
-    fn try_place(&mut self, job: JobId, p: u64, t: u64) -> Option<(Placement, Vec<Move>)> {
+    fn try_place(
+        &mut self,
+        job: JobId,
+        p: u64,
+        t: u64,
+        class: LaneClass,
+    ) -> Option<(Placement, Vec<Move>)> {
         let need = p + t;
-        let can_open = self.lanes.len() < self.cfg.max_lanes;
-        // 1. Best-fitting lane as it is.
+        let can_open = self.lanes_of(class) < self.cfg.max_lanes;
+        // 1. Best-fitting lane of its class as it is.
         let fit = self
             .lanes
             .iter()
             .enumerate()
-            .filter(|(_, l)| l.required_with(p, t) <= l.capacity)
+            .filter(|(_, l)| l.class == class && l.required_with(p, t) <= l.capacity)
             .min_by_key(|(_, l)| (l.capacity - l.required_with(p, t), l.start))
             .map(|(i, _)| i);
         if let Some(i) = fit {
@@ -515,13 +569,19 @@ impl LaneManager {
                 .filter(|&(_, len)| len >= need)
                 .min_by_key(|&(start, len)| (len, start));
             if let Some((start, _)) = gap {
-                return Some((self.put(Target::NewLane(start), job, p, t), Vec::new()));
+                return Some((
+                    self.put(Target::NewLane(start, class), job, p, t),
+                    Vec::new(),
+                ));
             }
         }
-        // 3. Grow a lane into the free range right after it.
+        // 3. Grow a lane of its class into the free range right after it.
         let grow = (0..self.lanes.len())
             .filter_map(|i| {
                 let l = &self.lanes[i];
+                if l.class != class {
+                    return None;
+                }
                 let next = self.lanes.get(i + 1).map_or(self.cfg.capacity, |n| n.start);
                 let extra = l.required_with(p, t) - l.capacity;
                 (extra <= next - l.end()).then_some((extra, i))
@@ -536,12 +596,13 @@ impl LaneManager {
         if can_open && need <= free {
             let moves = self.compact(None);
             let start = self.lanes.last().map_or(0, Lane::end);
-            return Some((self.put(Target::NewLane(start), job, p, t), moves));
+            return Some((self.put(Target::NewLane(start, class), job, p, t), moves));
         }
         let (extra, i) = self
             .lanes
             .iter()
             .enumerate()
+            .filter(|(_, l)| l.class == class)
             .map(|(i, l)| (l.required_with(p, t) - l.required(), i))
             .min()?;
         if extra > free {
@@ -555,7 +616,7 @@ impl LaneManager {
     fn put(&mut self, target: Target, job: JobId, p: u64, t: u64) -> Placement {
         let li = match target {
             Target::Lane(i) => i,
-            Target::NewLane(start) => {
+            Target::NewLane(start, class) => {
                 let id = LaneId(self.next_lane);
                 self.next_lane = self.next_lane.wrapping_add(1);
                 let pos = self.lanes.partition_point(|l| l.start < start);
@@ -565,6 +626,7 @@ impl LaneManager {
                         id,
                         start,
                         capacity: p + t,
+                        class,
                         jobs: Vec::new(),
                     },
                 );

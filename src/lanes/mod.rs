@@ -33,8 +33,8 @@ mod workers;
 pub use crate::size::{format_size, parse_size, ByteSize, SizeError};
 pub use desk::{AdmissionDesk, Closed, Gate, LoadError, Loaded};
 pub use manager::{
-    Admission, AdmissionRank, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement,
-    QueueReason, Released, MAX_CAPACITY,
+    Admission, AdmissionRank, AdmitError, Ask, JobId, LaneClass, LaneId, LaneManager, LanesConfig,
+    Move, Placement, QueueReason, Released, MAX_CAPACITY,
 };
 pub use parked::{ParkFull, Parked};
 pub use reservation::{Reservation, ReserveError};

@@ -46,8 +46,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::manager::{
-    Admission, AdmissionRank, AdmitError, JobId, LaneId, LaneManager, LanesConfig, Move, Placement,
-    Released,
+    Admission, AdmissionRank, AdmitError, Ask, JobId, LaneId, LaneManager, LanesConfig, Move,
+    Placement, Released,
 };
 use super::reservation::{Reservation, ReserveError};
 use super::snapshot::LanesSnapshot;
@@ -206,8 +206,20 @@ impl SharedLanes {
         t: u64,
         rank: AdmissionRank,
     ) -> Result<(Lease, Admission), AdmitError> {
+        self.admit_asking(job, p, t, Ask { rank, class: 0 })
+    }
+
+    /// [`SharedLanes::admit`] as `ask` says (see
+    /// [`LaneManager::admit_asking`]).
+    pub fn admit_asking(
+        &self,
+        job: JobId,
+        p: u64,
+        t: u64,
+        ask: Ask,
+    ) -> Result<(Lease, Admission), AdmitError> {
         let mut st = self.lock();
-        let a = st.manager.admit_ranked(job, p, t, rank)?;
+        let a = st.manager.admit_asking(job, p, t, ask)?;
         if let Admission::Admitted { moves, .. } = &a {
             st.relayout(moves);
         }

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-use super::manager::{JobId, LaneId, LaneManager, QueueReason};
+use super::manager::{JobId, LaneClass, LaneId, LaneManager, QueueReason};
 use crate::size::ByteSize;
 
 impl LaneManager {
@@ -19,6 +19,7 @@ impl LaneManager {
                 used: l.required(),
                 arena_offset: l.start + l.p_sum(),
                 arena_bytes: l.max_t(),
+                class: l.class,
                 jobs: (0..l.jobs.len())
                     .map(|k| {
                         let pl = l.placement(k);
@@ -49,7 +50,7 @@ impl LaneManager {
                     job: w.job,
                     p: w.p,
                     t: w.t,
-                    reason: self.reason(w.p, w.t),
+                    reason: self.reason(w.p, w.t, w.class),
                 })
                 .collect(),
             free,
@@ -83,6 +84,10 @@ pub struct LaneSnapshot {
     pub used: u64,
     pub arena_offset: u64,
     pub arena_bytes: u64,
+    /// The class of its jobs (`lanes_policies::Policy::lane_class`; under
+    /// `priority` 1 for inference jobs, else 0).
+    #[serde(default)]
+    pub class: LaneClass,
     pub jobs: Vec<JobSnapshot>,
 }
 
@@ -118,7 +123,7 @@ impl fmt::Display for LanesSnapshot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "reservation {}, {} lane(s) of at most {}; free {} (largest range {}), slack {}, fragmentation {:.2}",
+            "reservation {}, {} lane(s) of at most {} a class; free {} (largest range {}), slack {}, fragmentation {:.2}",
             ByteSize(self.capacity),
             self.lanes.len(),
             self.max_lanes,
@@ -128,7 +133,7 @@ impl fmt::Display for LanesSnapshot {
             self.fragmentation
         )?;
         for l in &self.lanes {
-            writeln!(
+            write!(
                 f,
                 "{:<5} at {:>12}  capacity {:>12}  used {:>12}  arena {:>12}  {} job(s)",
                 l.id.to_string(),
@@ -138,6 +143,10 @@ impl fmt::Display for LanesSnapshot {
                 ByteSize(l.arena_bytes).to_string(),
                 l.jobs.len()
             )?;
+            if l.class != 0 {
+                write!(f, "  class {}", l.class)?;
+            }
+            writeln!(f)?;
             for j in &l.jobs {
                 writeln!(
                     f,

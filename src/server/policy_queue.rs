@@ -127,6 +127,13 @@ impl PolicyChoice {
         self.build().admission_rank(&job)
     }
 
+    /// Which lanes a job of `spec` may share under this policy
+    /// (`Policy::lane_class`).
+    pub fn lane_class(self, spec: &SessionSpec) -> lanes_policies::LaneClass {
+        let job = job_spec(0, spec.kind, spec.expected_iterations, spec.priority);
+        self.build().lane_class(&job)
+    }
+
     /// A fresh instance of the policy.
     pub fn build(self) -> Box<dyn Policy> {
         match self {
@@ -472,6 +479,14 @@ mod tests {
         let train = SessionSpec::training("t");
         assert!(Priority.admission_rank(&inf) < Priority.admission_rank(&train));
         assert_eq!(Fifo.admission_rank(&inf), Fifo.admission_rank(&train));
+        // Lanes: only priority keeps inference out of training's lanes.
+        assert_ne!(Priority.lane_class(&inf), Priority.lane_class(&train));
+        let mut urgent = SessionSpec::training("u");
+        urgent.priority = 5;
+        assert_eq!(Priority.lane_class(&urgent), Priority.lane_class(&train));
+        for p in [Fifo, Srtf, Fair, Pack] {
+            assert_eq!(p.lane_class(&inf), p.lane_class(&train), "{p}");
+        }
     }
 
     #[test]

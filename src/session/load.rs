@@ -147,7 +147,7 @@ impl Session {
         let (p, t) = admission_sizes(self.backend, &valid, &plan)?;
         times.plan = clock.lap();
         let lease = match &self.lanes {
-            Some(lanes) => Some(lanes.admit_ranked(JobId(self.id.0), p, t, self.rank)?),
+            Some(lanes) => Some(lanes.admit_asking(JobId(self.id.0), p, t, self.ask)?),
             None => None,
         };
         if let Some((_, Admission::Queued { reason, .. })) = &lease {

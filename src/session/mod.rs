@@ -146,8 +146,9 @@ pub struct Session {
     /// and its recent Runs, `slo.rs`).
     slo: slo::SloGate,
     /// Its place in the lanes' admission queue when it has to wait (the
-    /// policy's `admission_rank`).
-    rank: crate::lanes::AdmissionRank,
+    /// policy's `admission_rank`) and the lanes it may share (its
+    /// `lane_class`).
+    ask: crate::lanes::Ask,
     /// Where the loaded graph's placeholders are published for the
     /// service's decoder (Runs' feeds are checked before being copied).
     feed_types: Option<FeedTypes>,
@@ -233,7 +234,7 @@ impl Session {
             share: GpuShare::default(),
             armed: None,
             slo: slo::SloGate::default(),
-            rank: Default::default(),
+            ask: Default::default(),
             feed_types: None,
             load_times: None,
             yield_request: YieldRequest::default(),
@@ -250,7 +251,14 @@ impl Session {
     /// Waits for memory at `rank` in the lanes' admission queue (smaller
     /// first; see `lanes_policies::Policy::admission_rank`).
     pub fn with_admission_rank(mut self, rank: crate::lanes::AdmissionRank) -> Self {
-        self.rank = rank;
+        self.ask.rank = rank;
+        self
+    }
+
+    /// Shares a lane only with jobs of `class` (see
+    /// `lanes_policies::Policy::lane_class`).
+    pub fn with_lane_class(mut self, class: crate::lanes::LaneClass) -> Self {
+        self.ask.class = class;
         self
     }
 
@@ -406,7 +414,7 @@ impl Session {
         let (Some(lanes), Some((p, t))) = (&self.lanes, self.memory) else {
             return Ok(false);
         };
-        let (lease, admission) = lanes.admit_ranked(JobId(self.id.0), p, t, self.rank)?;
+        let (lease, admission) = lanes.admit_asking(JobId(self.id.0), p, t, self.ask)?;
         let queued = matches!(admission, Admission::Queued { .. });
         if let Admission::Queued { reason, .. } = &admission {
             tracing::info!(session = %self.id, %reason, "evicted job waits for memory");

@@ -291,3 +291,73 @@ fn waiting_jobs_are_admitted_in_rank_order() {
     }
     assert_eq!(m.waiting_jobs(), vec![JobId(2), JobId(5), JobId(3)]);
 }
+
+#[test]
+fn classes_never_share_a_lane_and_max_lanes_bounds_each_class() {
+    let train = Ask {
+        rank: (1, 0),
+        class: 0,
+    };
+    let infer = Ask {
+        rank: (0, 0),
+        class: 1,
+    };
+    let mut m = mgr(1000, 2);
+    // Two training jobs fill the two lanes of their class, with slack
+    // after a third grows the first lane.
+    let (a, _) = admitted(m.admit_asking(JobId(1), 100, 100, train).unwrap());
+    let (b, _) = admitted(m.admit_asking(JobId(2), 100, 100, train).unwrap());
+    assert_ne!(a.lane, b.lane);
+    let (c, _) = admitted(m.admit_asking(JobId(3), 10, 10, train).unwrap());
+    assert!(c.lane == a.lane || c.lane == b.lane, "lanes full: shares");
+    // Room in a training lane does not take an inference job: it opens a
+    // lane of its own past max_lanes' count of training lanes.
+    let (i, _) = admitted(m.admit_asking(JobId(4), 10, 10, infer).unwrap());
+    assert!(i.lane != a.lane && i.lane != b.lane);
+    assert_eq!(m.snapshot().lanes.len(), 3);
+    // A second inference job opens a second lane of its class...
+    let (j, _) = admitted(m.admit_asking(JobId(5), 10, 10, infer).unwrap());
+    assert!(j.lane != i.lane && j.lane != a.lane && j.lane != b.lane);
+    // ...a third shares one of them, never a training lane.
+    let (k, _) = admitted(m.admit_asking(JobId(6), 10, 10, infer).unwrap());
+    assert!(k.lane == i.lane || k.lane == j.lane);
+    // A training job never joins an inference lane, and with its lanes
+    // capped it grows one of its own (here after re-partitioning).
+    let (d, _) = admitted(m.admit_asking(JobId(7), 50, 50, train).unwrap());
+    assert!(d.lane == a.lane || d.lane == b.lane);
+    let s = m.snapshot();
+    for l in &s.lanes {
+        let ids: Vec<u64> = l.jobs.iter().map(|j| j.job.0).collect();
+        let inference = ids.iter().filter(|&&id| (4..=6).contains(&id)).count();
+        assert!(
+            inference == 0 || inference == ids.len(),
+            "mixed lane {ids:?}"
+        );
+    }
+    // Waiting: the reason counts the lanes of the job's class.
+    let q = m.admit_asking(JobId(8), 300, 300, infer).unwrap();
+    let Admission::Queued { reason, .. } = q else {
+        panic!("{q:?}")
+    };
+    assert!(reason.lanes_full);
+    // When memory is freed a waiting job is placed by its class too.
+    for id in [1, 2, 3, 7] {
+        m.release(JobId(id)).unwrap();
+    }
+    let l8 = m.placement(JobId(8)).expect("admitted on release");
+    let l4 = m.placement(JobId(4)).unwrap().lane;
+    let l5 = m.placement(JobId(5)).unwrap().lane;
+    assert!(
+        l8.lane == l4 || l8.lane == l5,
+        "inference lanes still capped at 2"
+    );
+}
+
+#[test]
+fn one_class_keeps_the_old_placement() {
+    // admit_ranked is class 0: a job shares the best-fitting lane.
+    let mut m = mgr(1000, 1);
+    let (a, _) = admitted(m.admit_ranked(JobId(1), 100, 200, (1, 0)).unwrap());
+    let (b, _) = admitted(m.admit_ranked(JobId(2), 100, 100, (0, 0)).unwrap());
+    assert_eq!(a.lane, b.lane);
+}
