@@ -182,6 +182,12 @@ pub struct Args {
     /// gate's opening again); 0: no limit.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub gate_trickle_segments: u32,
+    /// The most training segments on the GPU at once, all training jobs
+    /// together, while an inference job is loaded; 0: one per training
+    /// job (an inference Run then finds up to one per training job
+    /// running).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub gate_in_flight: u32,
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
     /// 127.0.0.1:9400): request latency and queueing per session,
     /// iterations, errors by code, lanes, reservation, evictions,
@@ -386,6 +392,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             starve_after: Duration::from_secs_f64(args.gate_starve_ms / 1e3),
             min_share: args.gate_min_share,
             trickle_segments: args.gate_trickle_segments,
+            max_in_flight: args.gate_in_flight,
         }),
         auth_key,
         metrics: args

@@ -16,7 +16,10 @@
 //!   it launches; closed, it waits ([`GateMode::Hold`]), or launches only
 //!   while no other yielding segment is in flight ([`GateMode::Trickle`]).
 //!   It waits for each segment to finish before asking for the next, so at
-//!   most one of its segments is on the GPU when an urgent Run arrives.
+//!   most one of its segments is on the GPU when an urgent Run arrives;
+//!   and with several yielding programs at most
+//!   [`GateConfig::max_in_flight`] segments of all of them are (each more
+//!   is more work an urgent Run finds running beside it).
 //! - With no urgent session [`armed`](Gate::arm), yielding programs replay
 //!   their whole iteration as before (no cost without urgent work).
 //!
@@ -61,6 +64,10 @@ pub struct GateConfig {
     /// urgent work in one closed period of the gate (from the first urgent
     /// Run to the gate's opening again); 0: no limit.
     pub trickle_segments: u32,
+    /// The most yielding segments in flight on the device at once, all
+    /// yielding programs together, while an urgent session is armed (the
+    /// gate open or not); 0: no limit (one per program).
+    pub max_in_flight: u32,
 }
 
 impl Default for GateConfig {
@@ -72,6 +79,7 @@ impl Default for GateConfig {
             starve_after: Duration::from_millis(50),
             min_share: 0.1,
             trickle_segments: 0,
+            max_in_flight: 0,
         }
     }
 }
@@ -218,7 +226,10 @@ impl Gate {
     /// launches it and calls [`Gate::finished`] once it has completed.
     pub fn try_launch_at(&self, now: Instant) -> bool {
         let mut s = self.state();
-        let ok = if open(&s, self.config.release, now) {
+        let cap = self.config.max_in_flight;
+        let ok = if cap > 0 && s.in_flight >= cap as usize {
+            false
+        } else if open(&s, self.config.release, now) {
             s.closed_since = None;
             true
         } else if self.config.mode == GateMode::Trickle
@@ -396,6 +407,27 @@ mod tests {
         let _inside = none.enter();
         assert!(!none.try_launch_at(t0));
         assert!(!none.try_launch_at(t0 + Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn max_in_flight_bounds_the_segments_of_all_yielding_programs() {
+        let g = Gate::new(GateConfig {
+            max_in_flight: 2,
+            ..GateConfig::default()
+        });
+        let t0 = Instant::now();
+        // Three programs ask with the gate open: two go, the third waits
+        // for one of them to finish.
+        assert!(g.try_launch_at(t0));
+        assert!(g.try_launch_at(t0));
+        assert!(!g.try_launch_at(t0), "a third in flight");
+        g.finished();
+        assert!(g.try_launch_at(t0));
+        // No limit: one per program, as many programs as ask.
+        let free = gate(GateMode::Hold);
+        for _ in 0..8 {
+            assert!(free.try_launch_at(t0));
+        }
     }
 
     #[test]
