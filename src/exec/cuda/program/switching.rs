@@ -184,7 +184,10 @@ impl CudaProgram {
             return Ok(0);
         }
         let t0 = std::time::Instant::now();
-        let copied = self.refresh_host_image()?.copied;
+        // The ephemeral part holds nothing between iterations: it is given
+        // up while the persistent region is copied out (unmapping a lane's
+        // block of a training job's T took longer than the copy).
+        let copied = self.refresh_host_image_unmapping(true)?.copied;
         let t1 = std::time::Instant::now();
         // The fewest whole units holding `bytes`, then the block holding
         // them, and every unit inside that block.
@@ -283,6 +286,17 @@ impl CudaProgram {
     /// Brings the pinned host image up to date (copying only when stale),
     /// measures the link once and caches the plans.
     pub(super) fn refresh_host_image(&mut self) -> Result<Refreshed, ExecError> {
+        self.refresh_host_image_unmapping(false)
+    }
+
+    /// [`CudaProgram::refresh_host_image`] that, with `unmap_ephemeral`,
+    /// also unmaps the arena's ephemeral part while the copy runs (once
+    /// the iteration before has finished; the copy reads only the
+    /// persistent region).
+    fn refresh_host_image_unmapping(
+        &mut self,
+        unmap_ephemeral: bool,
+    ) -> Result<Refreshed, ExecError> {
         self.gpu
             .ctx
             .bind_to_thread()
@@ -311,10 +325,22 @@ impl CudaProgram {
                     )
                 }
                 .map_err(|e| dev_err("device to host copy", e))?;
+                let unmapped = if unmap_ephemeral {
+                    self.arena.unmap_ephemeral()
+                } else {
+                    Ok(())
+                };
+                // Waited for whatever the unmap said: `dst` is written
+                // until then.
                 self.sync()?;
+                unmapped?;
                 copied = bytes as u64;
             }
             self.res.dirty = false;
+        }
+        if unmap_ephemeral {
+            // Nothing was copied, or it was unmapped above (then a no-op).
+            self.arena.unmap_ephemeral()?;
         }
         if self.res.link.is_none() {
             let (link, measured) = self.link()?;

@@ -646,6 +646,14 @@ impl VmArena {
         self.unmap_part(EPH)
     }
 
+    /// Gives the ephemeral part up alone (the next [`VmArena::map`] maps
+    /// it again). The caller has synchronised every stream that used it;
+    /// copies out of the persistent part may still be in flight.
+    pub fn unmap_ephemeral(&mut self) -> Result<(), ExecError> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind", e))?;
+        self.unmap_part(EPH)
+    }
+
     /// [`VmArena::unmap`] but for the kept block (`[0, keep)`), which
     /// stays mapped with its contents: a partial eviction.
     pub fn unmap_keeping(&mut self) -> Result<(), ExecError> {
