@@ -46,8 +46,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::manager::{
-    Admission, AdmissionRank, AdmitError, Ask, JobId, LaneId, LaneManager, LanesConfig, Move,
-    Placement, Released,
+    Admission, AdmitError, Ask, JobId, LaneId, LaneManager, LanesConfig, Move, Placement, Released,
 };
 use super::reservation::{Reservation, ReserveError};
 use super::snapshot::LanesSnapshot;
@@ -194,22 +193,11 @@ impl SharedLanes {
 
     /// Admits `job` now or queues it. The lease releases it on drop.
     pub fn admit(&self, job: JobId, p: u64, t: u64) -> Result<(Lease, Admission), AdmitError> {
-        self.admit_ranked(job, p, t, AdmissionRank::default())
+        self.admit_asking(job, p, t, Ask::default())
     }
 
-    /// [`SharedLanes::admit`] at `rank` in the queue if it has to wait (see
-    /// [`LaneManager::admit_ranked`]).
-    pub fn admit_ranked(
-        &self,
-        job: JobId,
-        p: u64,
-        t: u64,
-        rank: AdmissionRank,
-    ) -> Result<(Lease, Admission), AdmitError> {
-        self.admit_asking(job, p, t, Ask { rank, class: 0 })
-    }
-
-    /// [`SharedLanes::admit`] as `ask` says (see
+    /// [`SharedLanes::admit`] at `ask.rank` in the queue if it has to wait,
+    /// sharing a lane only with jobs of `ask.class` (see
     /// [`LaneManager::admit_asking`]).
     pub fn admit_asking(
         &self,

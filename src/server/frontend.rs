@@ -600,8 +600,7 @@ impl Frontend {
                         .with_lanes(self.lanes.clone())
                         .with_pool(self.pool.clone())
                         .with_backend(super::backend_of(&self.config.device))
-                        .with_admission_rank(self.config.policy.admission_rank(&spec))
-                        .with_lane_class(self.config.policy.lane_class(&spec))
+                        .with_ask(self.config.policy.ask(&spec))
                         .with_slo(spec.slo_ms.map(|ms| Duration::from_secs_f64(ms / 1e3)))
                         .with_share(self.config.policy.share(
                             spec.kind,

@@ -120,18 +120,17 @@ impl PolicyChoice {
         }
     }
 
-    /// Where a job of `spec` waits in the lanes' admission queue under this
-    /// policy (`Policy::admission_rank`, as the simulator ranks it).
-    pub fn admission_rank(self, spec: &SessionSpec) -> lanes_policies::AdmissionRank {
-        let job = job_spec(0, spec.kind, spec.expected_iterations, spec.priority);
-        self.build().admission_rank(&job)
-    }
-
-    /// Which lanes a job of `spec` may share under this policy
+    /// How a job of `spec` asks the lanes for memory under this policy:
+    /// where it waits in the admission queue (`Policy::admission_rank`, as
+    /// the simulator ranks it) and which lanes it may share
     /// (`Policy::lane_class`).
-    pub fn lane_class(self, spec: &SessionSpec) -> lanes_policies::LaneClass {
+    pub fn ask(self, spec: &SessionSpec) -> crate::lanes::Ask {
         let job = job_spec(0, spec.kind, spec.expected_iterations, spec.priority);
-        self.build().lane_class(&job)
+        let policy = self.build();
+        crate::lanes::Ask {
+            rank: policy.admission_rank(&job),
+            class: policy.lane_class(&job),
+        }
     }
 
     /// A fresh instance of the policy.
@@ -477,15 +476,15 @@ mod tests {
         // Admission order: priority puts inference first, fifo arrival only.
         let inf = SessionSpec::inference("i");
         let train = SessionSpec::training("t");
-        assert!(Priority.admission_rank(&inf) < Priority.admission_rank(&train));
-        assert_eq!(Fifo.admission_rank(&inf), Fifo.admission_rank(&train));
+        assert!(Priority.ask(&inf).rank < Priority.ask(&train).rank);
+        assert_eq!(Fifo.ask(&inf).rank, Fifo.ask(&train).rank);
         // Lanes: only priority keeps inference out of training's lanes.
-        assert_ne!(Priority.lane_class(&inf), Priority.lane_class(&train));
+        assert_ne!(Priority.ask(&inf).class, Priority.ask(&train).class);
         let mut urgent = SessionSpec::training("u");
         urgent.priority = 5;
-        assert_eq!(Priority.lane_class(&urgent), Priority.lane_class(&train));
+        assert_eq!(Priority.ask(&urgent).class, Priority.ask(&train).class);
         for p in [Fifo, Srtf, Fair, Pack] {
-            assert_eq!(p.lane_class(&inf), p.lane_class(&train), "{p}");
+            assert_eq!(p.ask(&inf).class, p.ask(&train).class, "{p}");
         }
     }
 

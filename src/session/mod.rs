@@ -248,17 +248,11 @@ impl Session {
         self
     }
 
-    /// Waits for memory at `rank` in the lanes' admission queue (smaller
-    /// first; see `lanes_policies::Policy::admission_rank`).
-    pub fn with_admission_rank(mut self, rank: crate::lanes::AdmissionRank) -> Self {
-        self.ask.rank = rank;
-        self
-    }
-
-    /// Shares a lane only with jobs of `class` (see
-    /// `lanes_policies::Policy::lane_class`).
-    pub fn with_lane_class(mut self, class: crate::lanes::LaneClass) -> Self {
-        self.ask.class = class;
+    /// Waits for memory at `ask.rank` in the lanes' admission queue
+    /// (smaller first) and shares a lane only with jobs of `ask.class` (see
+    /// `lanes_policies::Policy::admission_rank` and `lane_class`).
+    pub fn with_ask(mut self, ask: crate::lanes::Ask) -> Self {
+        self.ask = ask;
         self
     }
 

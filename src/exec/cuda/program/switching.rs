@@ -305,6 +305,7 @@ impl CudaProgram {
         let bytes = self.res.bytes;
         let mut copied = 0u64;
         let mut link_measured = false;
+        let mut unmap_ephemeral = unmap_ephemeral;
         if self.res.dirty || self.res.host.is_none() {
             if self.res.host.is_none() && bytes > 0 {
                 // Written whole by the copy below before any read.
@@ -325,7 +326,7 @@ impl CudaProgram {
                     )
                 }
                 .map_err(|e| dev_err("device to host copy", e))?;
-                let unmapped = if unmap_ephemeral {
+                let unmapped = if std::mem::take(&mut unmap_ephemeral) {
                     self.arena.unmap_ephemeral()
                 } else {
                     Ok(())
@@ -339,7 +340,7 @@ impl CudaProgram {
             self.res.dirty = false;
         }
         if unmap_ephemeral {
-            // Nothing was copied, or it was unmapped above (then a no-op).
+            // Nothing was copied: not unmapped above.
             self.arena.unmap_ephemeral()?;
         }
         if self.res.link.is_none() {
