@@ -46,19 +46,9 @@ fn model() -> (GraphBuilder, Outlet) {
     (g, l)
 }
 
-/// Batch `k`: inputs from a sine, labels from the sign pattern of two of
-/// them (a task the MLP learns).
+/// Batch `k` (`util::sine_batch`).
 fn feeds(k: usize) -> BTreeMap<String, Tensor> {
-    let x: Vec<f32> = (0..N * 8)
-        .map(|i| ((i + 131 * k) as f32 * 0.61).sin() * 2.0)
-        .collect();
-    let y: Vec<i64> = (0..N)
-        .map(|r| i64::from(x[r * 8] > 0.0) * 2 + i64::from(x[r * 8 + 3] > 0.0))
-        .collect();
-    BTreeMap::from([
-        ("x".to_string(), Tensor::from_f32([N, 8], x).unwrap()),
-        ("y".to_string(), Tensor::from_i64([N], y).unwrap()),
-    ])
+    util::sine_batch(k, N)
 }
 
 fn options(opt: Optimizer, precision: Precision, loss_scale: LossScale) -> TrainOptions {

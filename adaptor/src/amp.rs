@@ -285,7 +285,13 @@ pub fn apply(
             out.widen_sink(id);
         }
     }
-    Ok((Graph { nodes: out.nodes }, vars))
+    Ok((
+        Graph {
+            nodes: out.nodes,
+            entries: valid.graph().entries.clone(),
+        },
+        vars,
+    ))
 }
 
 /// The graph being built: new nodes, where each old node went, and the

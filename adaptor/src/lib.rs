@@ -26,8 +26,8 @@ pub use client::{
     PendingBufferRun, PendingRun, Session,
 };
 pub use graph::{
-    validate, Conv2dAttrs, Graph, GraphBuilder, GraphError, GraphLimits, Node, NodeId, Op, Outlet,
-    Pool2dAttrs, ValidGraph, VarValues,
+    validate, Conv2dAttrs, Entry, Graph, GraphBuilder, GraphError, GraphLimits, Node, NodeId, Op,
+    Outlet, Part, Pool2dAttrs, ValidGraph, VarValues,
 };
 pub use optim::{
     lr_variable, training_graph, training_graph_at, training_graph_from, training_graph_grouped,

@@ -328,6 +328,10 @@ pub enum ExecError {
     },
     #[error("fetch `{key}` names no output of the graph")]
     UnknownFetch { key: String },
+    /// The fetches lie in different parts of the graph (the main iteration
+    /// and an entry, or two entries): see `lanes_adaptor::Entry`.
+    #[error("fetches: {reason}")]
+    FetchParts { reason: String },
     #[error("variable `{name}` has no value")]
     MissingVariable { name: String },
     #[error("variable `{name}` must be {expected}, got {got}")]
@@ -354,4 +358,20 @@ impl ExecError {
     pub fn dtype(expected: DType, got: DType) -> Self {
         ExecError::DType { expected, got }
     }
+}
+
+/// The part of `graph` a Run fetching `fetches` runs (the main iteration
+/// when they do not resolve or do not go together: the run itself then
+/// answers with the error).
+pub(crate) fn part_of(
+    graph: &lanes_adaptor::ValidGraph,
+    fetches: &[String],
+) -> lanes_adaptor::Part {
+    let g = graph.graph();
+    if !graph.has_entries() {
+        return lanes_adaptor::Part::Main;
+    }
+    let outs: Option<Vec<lanes_adaptor::Outlet>> = fetches.iter().map(|k| g.resolve(k)).collect();
+    outs.and_then(|o| graph.part_for(&o).ok())
+        .unwrap_or(lanes_adaptor::Part::Main)
 }

@@ -27,8 +27,9 @@ use lanes_adaptor::{NodeId, Op, ValidGraph};
 /// One unit: persistent tensors first consumed by the same node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unit {
-    /// Position in `graph.order()` of the first node that reads them (the
-    /// order's length for tensors nothing reads).
+    /// Position in `graph.main_order()` of the first node that reads them
+    /// (the main order's length for tensors nothing there reads: only an
+    /// entry's nodes, or none).
     pub first_use: usize,
     /// The variable and constant nodes, in layout order.
     pub tensors: Vec<NodeId>,
@@ -41,22 +42,23 @@ pub struct Unit {
 pub struct Layout {
     /// Units by increasing `first_use`.
     pub units: Vec<Unit>,
-    /// Nodes in the execution order.
+    /// Nodes in the main iteration's order.
     pub nodes: usize,
 }
 
 impl Layout {
     /// Units of `graph`: every `Variable` and `Constant` node, grouped by the
-    /// position of its first consumer in the execution order.
+    /// position of its first consumer in the main iteration's order.
     pub fn of(graph: &ValidGraph) -> Layout {
         let g = graph.graph();
         let order = graph.order();
+        let main = graph.main_order();
         let mut pos = vec![usize::MAX; g.nodes.len()];
         for (p, id) in order.iter().enumerate() {
             pos[id.index()] = p;
         }
-        let mut first = vec![order.len(); g.nodes.len()];
-        for &id in order {
+        let mut first = vec![main.len(); g.nodes.len()];
+        for &id in main {
             let p = pos[id.index()];
             for o in &g.nodes[id.index()].inputs {
                 let f = &mut first[o.node.index()];
@@ -89,7 +91,7 @@ impl Layout {
         }
         Layout {
             units,
-            nodes: order.len(),
+            nodes: main.len(),
         }
     }
 

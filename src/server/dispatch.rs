@@ -531,7 +531,7 @@ mod tests {
             let load = |s, id| {
                 let mut i = item(s, id);
                 i.work = Work::Load {
-                    graph: lanes_adaptor::Graph { nodes: vec![] },
+                    graph: lanes_adaptor::Graph::default(),
                     variables: vec![],
                     decoded: Duration::ZERO,
                 };

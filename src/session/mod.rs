@@ -91,7 +91,7 @@ pub fn exec_code(e: &ExecError) -> ErrorCode {
         ExecError::MissingFeed { .. }
         | ExecError::UnknownFeed { .. }
         | ExecError::FeedType { .. } => ErrorCode::BadFeed,
-        ExecError::UnknownFetch { .. } => ErrorCode::UnknownFetch,
+        ExecError::UnknownFetch { .. } | ExecError::FetchParts { .. } => ErrorCode::UnknownFetch,
         ExecError::MissingVariable { .. } | ExecError::VariableType { .. } => {
             ErrorCode::BadVariable
         }
@@ -523,7 +523,8 @@ impl Session {
     ) -> Result<Fetched, SessionError> {
         match feeds.into() {
             RunFeeds::Frames(feeds) => {
-                let fed = self.check_feeds(feeds.into_iter().map(|f| (f.name, f.tensor)))?;
+                let fed =
+                    self.check_feeds(feeds.into_iter().map(|f| (f.name, f.tensor)), fetches)?;
                 let out = self.run_fed(&fed, fetches, into);
                 // The feeds' storage is decoded into again.
                 if let Some(pool) = &self.pool {
@@ -532,17 +533,20 @@ impl Session {
                 out
             }
             RunFeeds::Shared(feeds) => {
-                let fed = self.check_feeds(feeds.into_iter().map(|f| (f.name.clone(), f)))?;
+                let fed =
+                    self.check_feeds(feeds.into_iter().map(|f| (f.name.clone(), f)), fetches)?;
                 self.run_fed(&fed, fetches, into)
             }
         }
     }
 
     /// `feeds` by name, each a placeholder of the graph of its type, none
-    /// twice, none missing.
+    /// twice, none missing that the part of the graph `fetches` run reads
+    /// (the main iteration, or an entry: `lanes_adaptor::Entry`).
     fn check_feeds<F: HostFeed>(
         &mut self,
         feeds: impl Iterator<Item = (String, F)>,
+        fetches: &[String],
     ) -> Result<BTreeMap<String, F>, SessionError> {
         let loaded = self.loaded()?;
         let mut fed = BTreeMap::new();
@@ -567,7 +571,19 @@ impl Session {
             }
             fed.insert(name, f);
         }
-        if let Some(missing) = loaded.placeholders.keys().find(|n| !fed.contains_key(*n)) {
+        let graph = loaded.program.graph();
+        let part = crate::exec::part_of(graph, fetches);
+        let reads = |name: &str| {
+            graph
+                .graph()
+                .find(name)
+                .is_none_or(|id| graph.runs(part, id))
+        };
+        if let Some(missing) = loaded
+            .placeholders
+            .keys()
+            .find(|n| !fed.contains_key(*n) && reads(n))
+        {
             return Err(SessionError::Feed {
                 name: missing.clone(),
                 reason: "placeholder not fed".into(),

@@ -326,3 +326,19 @@ pub fn bystander_is_served(ep: &str, seed: u64, run: u64) {
     s.load(&graph, vars).unwrap();
     s.run(vec![("x", x_for(run))], &["y"]).unwrap();
 }
+
+/// Batch `k` of `n` rows for an MLP over 8 features: inputs `x` from a
+/// sine, labels `y` (4 classes) from the sign pattern of two of them (a
+/// task an MLP learns).
+pub fn sine_batch(k: usize, n: usize) -> std::collections::BTreeMap<String, Tensor> {
+    let x: Vec<f32> = (0..n * 8)
+        .map(|i| ((i + 131 * k) as f32 * 0.61).sin() * 2.0)
+        .collect();
+    let y: Vec<i64> = (0..n)
+        .map(|r| i64::from(x[r * 8] > 0.0) * 2 + i64::from(x[r * 8 + 3] > 0.0))
+        .collect();
+    std::collections::BTreeMap::from([
+        ("x".to_string(), Tensor::from_f32([n, 8], x).unwrap()),
+        ("y".to_string(), Tensor::from_i64([n], y).unwrap()),
+    ])
+}

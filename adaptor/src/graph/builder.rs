@@ -6,7 +6,7 @@
 
 use super::infer::infer;
 use super::op::{Conv2dAttrs, Op, Pool2dAttrs};
-use super::{Graph, GraphError, Node, NodeId, Outlet, VarValues};
+use super::{Entry, Graph, GraphError, Node, NodeId, Outlet, VarValues};
 use crate::tensor::{DType, Tensor, TensorType};
 use std::collections::{HashMap, HashSet};
 
@@ -22,6 +22,7 @@ pub struct GraphBuilder {
     next_suffix: HashMap<String, usize>,
     scopes: Vec<String>,
     error: Option<GraphError>,
+    entries: Vec<Entry>,
 }
 
 impl GraphBuilder {
@@ -429,7 +430,29 @@ impl GraphBuilder {
             next_suffix: HashMap::new(),
             scopes: Vec::new(),
             error: None,
+            entries: graph.entries,
         }
+    }
+
+    /// Declares `outputs` (named as they are now: name them first) an entry
+    /// of the graph, run on its own by a Run that fetches them (see
+    /// [`Entry`]; `validate` checks it).
+    pub fn entry(&mut self, name: &str, outputs: &[Outlet]) {
+        let outputs = outputs
+            .iter()
+            .map(|&o| {
+                if o.slot == 0 {
+                    self.name_of(o).to_string()
+                } else {
+                    format!("{}:{}", self.name_of(o), o.slot)
+                }
+            })
+            .collect();
+        self.entries.push(Entry {
+            name: name.to_string(),
+            outputs,
+            updates: Vec::new(),
+        });
     }
 
     /// Initial values of the variables added so far.
@@ -454,7 +477,13 @@ impl GraphBuilder {
     pub fn finish(self) -> Result<(Graph, VarValues), GraphError> {
         match self.error {
             Some(e) => Err(e),
-            None => Ok((Graph { nodes: self.nodes }, self.vars)),
+            None => Ok((
+                Graph {
+                    nodes: self.nodes,
+                    entries: self.entries,
+                },
+                self.vars,
+            )),
         }
     }
 }

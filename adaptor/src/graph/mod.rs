@@ -5,10 +5,12 @@
 //! only form the service plans and runs.
 
 mod builder;
+mod entry;
 pub mod infer;
 pub mod op;
 
 pub use builder::GraphBuilder;
+pub use entry::{add_entry, Entry, Part, MAX_ENTRIES};
 pub use op::{Conv2dAttrs, Op, Pool2dAttrs};
 
 use crate::tensor::{Tensor, TensorType};
@@ -59,6 +61,9 @@ pub struct Node {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Graph {
     pub nodes: Vec<Node>,
+    /// Parts that run on their own, outside the main iteration (see
+    /// [`Entry`]); usually none.
+    pub entries: Vec<Entry>,
 }
 
 /// Initial values of a graph's variables, keyed by variable node name.
@@ -162,6 +167,8 @@ pub enum GraphError {
         name: String,
         op: &'static str,
     },
+    #[error("entry `{entry}`: {reason}")]
+    BadEntry { entry: String, reason: String },
     #[error("node name `{name}` is used by nodes {first} and {second}")]
     DuplicateName {
         name: String,
@@ -187,6 +194,8 @@ pub struct ValidGraph {
     graph: Graph,
     order: Vec<NodeId>,
     consumers: Vec<Vec<(NodeId, usize)>>,
+    /// Which nodes each part runs (boxed: most graphs have no entries).
+    parts: Box<entry::Parts>,
 }
 
 impl ValidGraph {
@@ -194,7 +203,9 @@ impl ValidGraph {
         &self.graph
     }
     /// Execution order: topological, and every in-place update of a variable
-    /// runs after all other readers of that variable.
+    /// runs after all other readers of that variable in the main
+    /// iteration. The main iteration's nodes come first
+    /// ([`ValidGraph::main_order`]), then the nodes only entries run.
     pub fn order(&self) -> &[NodeId] {
         &self.order
     }
@@ -309,8 +320,11 @@ pub fn validate(graph: Graph, limits: &GraphLimits) -> Result<ValidGraph, GraphE
             }
         }
     }
-    // In-place updates: the mutated input must be a variable's output; one writer per variable.
-    let mut writer: HashMap<NodeId, NodeId> = HashMap::new();
+    let mut parts = entry::parts(&graph)?;
+    // In-place updates: the mutated input must be a variable's output; one
+    // writer per variable in any part (a main iteration and an entry may
+    // each update it: they never run together).
+    let mut writers: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
     let mut extra: Vec<Vec<NodeId>> = vec![Vec::new(); n]; // extra[a] = nodes that must wait for a
     for (i, node) in graph.nodes.iter().enumerate() {
         let id = NodeId(i as u32);
@@ -330,26 +344,30 @@ pub fn validate(graph: Graph, limits: &GraphLimits) -> Result<ValidGraph, GraphE
                     ),
                 ));
             }
-            if let Some(prev) = writer.insert(target.node, id) {
-                if prev != id {
-                    return Err(GraphError::invalid(
-                        id,
-                        node,
-                        format!(
-                            "variable `{}` is already updated by node {prev}",
-                            tnode.name
-                        ),
-                    ));
-                }
+            let others = writers.entry(target.node).or_default();
+            if let Some(prev) = others.iter().find(|&&w| w != id && parts.together(w, id)) {
+                return Err(GraphError::invalid(
+                    id,
+                    node,
+                    format!(
+                        "variable `{}` is already updated by node {prev}",
+                        tnode.name
+                    ),
+                ));
             }
+            others.push(id);
+            // Its other readers first, those of a part that runs the
+            // update (the parts run apart).
             for &(reader, _) in &consumers[target.node.index()] {
-                if reader != id {
+                if reader != id && parts.together(reader, id) {
                     extra[reader.index()].push(id);
                 }
             }
         }
     }
-    // Kahn's algorithm, smallest id first, so the order follows the arena where it can.
+    // Kahn's algorithm, smallest id first, so the order follows the arena
+    // where it can; the main iteration's nodes before the entries' (nothing
+    // of the main iteration needs an entry's node).
     let mut indeg = vec![0usize; n];
     let mut succ: Vec<Vec<NodeId>> = vec![Vec::new(); n];
     for (i, node) in graph.nodes.iter().enumerate() {
@@ -362,17 +380,17 @@ pub fn validate(graph: Graph, limits: &GraphLimits) -> Result<ValidGraph, GraphE
             indeg[after.index()] += 1;
         }
     }
-    let mut ready: BinaryHeap<Reverse<NodeId>> = (0..n)
-        .filter(|&i| indeg[i] == 0)
-        .map(|i| Reverse(NodeId(i as u32)))
-        .collect();
+    let main = &parts.main;
+    let key = |i: usize| Reverse((!main[i], NodeId(i as u32)));
+    let mut ready: BinaryHeap<Reverse<(bool, NodeId)>> =
+        (0..n).filter(|&i| indeg[i] == 0).map(key).collect();
     let mut order = Vec::with_capacity(n);
-    while let Some(Reverse(id)) = ready.pop() {
+    while let Some(Reverse((_, id))) = ready.pop() {
         order.push(id);
         for &s in &succ[id.index()] {
             indeg[s.index()] -= 1;
             if indeg[s.index()] == 0 {
-                ready.push(Reverse(s));
+                ready.push(key(s.index()));
             }
         }
     }
@@ -385,10 +403,12 @@ pub fn validate(graph: Graph, limits: &GraphLimits) -> Result<ValidGraph, GraphE
             op: node.op.name(),
         });
     }
+    parts.main_len = parts.main.iter().filter(|&&m| m).count();
     Ok(ValidGraph {
         graph,
         order,
         consumers,
+        parts: Box::new(parts),
     })
 }
 

@@ -273,7 +273,13 @@ fn drop_dead(nodes: Vec<Node>, outputs: &HashSet<String>) -> (Graph, usize) {
         }
         kept.push(n);
     }
-    (Graph { nodes: kept }, dead)
+    (
+        Graph {
+            nodes: kept,
+            entries: Vec::new(),
+        },
+        dead,
+    )
 }
 
 #[cfg(test)]

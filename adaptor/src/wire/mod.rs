@@ -52,7 +52,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks. Bumped on any change to the byte
 /// format; a peer with another version gets [`ErrorCode::VersionMismatch`].
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Bounds on what one side accepts from the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -485,6 +485,15 @@ impl CpuProgram {
         if matches!(self.persist, Persist::Given) && region.is_none() {
             return Err(no_memory());
         }
+        // An entry's Run is not the iteration the switching profile times,
+        // and may update nothing.
+        let part = crate::exec::part_of(&self.graph, fetches);
+        let main = part == lanes_adaptor::Part::Main;
+        let updates = if main {
+            self.res.updates
+        } else {
+            self.graph.part_updates(part)
+        };
         let CpuProgram {
             graph,
             places,
@@ -508,7 +517,7 @@ impl CpuProgram {
                 vars: &mut vars,
                 arena: &mut held,
             };
-            let out = if res.profile.is_none() {
+            let out = if res.profile.is_none() && main {
                 let mut timer = UnitTimer::new(&res.layout);
                 let out = program::run_iteration(graph, mem, feeds, fetches, &mut |pos, _| {
                     timer.at(pos);
@@ -522,7 +531,7 @@ impl CpuProgram {
             } else {
                 program::run_iteration(graph, mem, feeds, fetches, &mut |_, _| Ok(()))
             };
-            if res.updates {
+            if updates {
                 res.dirty = true;
             }
             return out.map(|o| (o, None));
@@ -635,7 +644,8 @@ impl CpuProgram {
         } else {
             Persist::Given
         };
-        res.dirty = res.updates;
+        // A Run that updates nothing leaves the host image as good as it was.
+        res.dirty = updates;
         let report = SwitchReport {
             strategy,
             replayed: false,

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use lanes_adaptor::{Node, NodeId, Op, Outlet, Tensor, TensorType, ValidGraph, VarValues};
+use lanes_adaptor::{Node, NodeId, Op, Outlet, Part, Tensor, TensorType, ValidGraph, VarValues};
 
 use super::arena::{self, Held, Span};
 use super::run_op;
@@ -93,14 +93,20 @@ pub(super) fn run_iteration<'p, F: HostFeed>(
     }
     let mut results: Vec<Option<Tensor>> = vec![None; outlets.len()];
     let all_spans = held.spans;
-    // Needed: fetched nodes, in-place updates, and everything they read.
+    let part = graph
+        .part_for(&outlets)
+        .map_err(|reason| ExecError::FetchParts { reason })?;
+    // Needed: fetched nodes, the part's in-place updates, and everything
+    // they read.
     let mut needed = vec![false; n];
     let mut stack: Vec<NodeId> = outlets.iter().map(|o| o.node).collect();
     stack.extend(
         g.nodes
             .iter()
             .enumerate()
-            .filter(|(_, nd)| !nd.op.mutated_inputs().is_empty())
+            .filter(|(i, nd)| {
+                !nd.op.mutated_inputs().is_empty() && graph.runs(part, NodeId(*i as u32))
+            })
             .map(|(i, _)| NodeId(i as u32)),
     );
     while let Some(id) = stack.pop() {
@@ -111,7 +117,13 @@ pub(super) fn run_iteration<'p, F: HostFeed>(
     }
     // Ops whose outputs hold this iteration's values.
     let mut done = vec![false; n];
-    for (pos, &id) in graph.order().iter().enumerate() {
+    // The main iteration's positions (the residency units' first uses
+    // count there), or all for an entry.
+    let order = match part {
+        Part::Main => graph.main_order(),
+        Part::Entry(_) => graph.order(),
+    };
+    for (pos, &id) in order.iter().enumerate() {
         before(pos, vars)?;
         let i = id.index();
         if !needed[i] {
@@ -199,7 +211,7 @@ pub(super) fn run_iteration<'p, F: HostFeed>(
             }
         }
     }
-    before(graph.order().len(), vars)?;
+    before(order.len(), vars)?;
     outlets
         .iter()
         .zip(fetches)

@@ -150,6 +150,7 @@ mod tests {
                     outputs: vec![TensorType::new(dtype, [4, 4])],
                 },
             ],
+            entries: Vec::new(),
         };
         for dtype in [DType::F16, DType::BF16] {
             let mm = Op::MatMul {

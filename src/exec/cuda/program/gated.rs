@@ -125,7 +125,7 @@ impl CudaProgram {
     /// Records the order cut at `starts` (0 first, increasing), one graph
     /// per segment.
     fn record_cut(&self, starts: &[usize]) -> Result<Vec<(usize, Option<CudaGraph>)>, ExecError> {
-        let n = self.graph.order().len();
+        let n = self.graph.main_order().len();
         let mut out = Vec::with_capacity(starts.len());
         for (k, &a) in starts.iter().enumerate() {
             let b = starts.get(k + 1).copied().unwrap_or(n);
@@ -134,10 +134,10 @@ impl CudaProgram {
         Ok(out)
     }
 
-    /// Records the launches of positions `a..b` of the order as one CUDA
+    /// Records the launches of positions `a..b` of the main order as one CUDA
     /// graph (`None` if they launch nothing or the range is empty).
     pub(super) fn record_range(&self, a: usize, b: usize) -> Result<Option<CudaGraph>, ExecError> {
-        let order = self.graph.order();
+        let order = self.graph.main_order();
         let (a, b) = (a.min(order.len()), b.min(order.len()));
         if a >= b {
             return Ok(None);

@@ -142,33 +142,21 @@ impl CudaProgram {
         copied.and(synced)
     }
 
-    /// Feeds in placeholder order and fetch outlets, checked.
+    /// Fetch outlets, the part of the graph they need run, and the feeds
+    /// of that part's placeholders in placeholder order, checked (a feed of
+    /// a placeholder the part does not read is checked and not uploaded).
     #[allow(clippy::type_complexity)]
     pub(super) fn check_io<'t, F: HostFeed>(
         &self,
         feeds: &'t BTreeMap<String, F>,
         fetches: &[String],
-    ) -> Result<(Vec<(Outlet, &'t F)>, Vec<Outlet>), ExecError> {
+    ) -> Result<(Vec<(Outlet, &'t F)>, Vec<Outlet>, Part), ExecError> {
         let g = self.graph.graph();
         for name in feeds.keys() {
             match g.find(name).map(|id| &g.nodes[id.index()].op) {
                 Some(Op::Placeholder(_)) => {}
                 _ => return Err(ExecError::UnknownFeed { name: name.clone() }),
             }
-        }
-        let mut feed_list = Vec::new();
-        for (id, name, ty) in g.placeholders() {
-            let t = feeds
-                .get(name)
-                .ok_or_else(|| ExecError::MissingFeed { name: name.into() })?;
-            if t.ty() != *ty {
-                return Err(ExecError::FeedType {
-                    name: name.into(),
-                    expected: ty.clone(),
-                    got: t.ty(),
-                });
-            }
-            feed_list.push((Outlet::new(id, 0), t));
         }
         let outs = fetches
             .iter()
@@ -177,7 +165,31 @@ impl CudaProgram {
                     .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok((feed_list, outs))
+        let part = self
+            .graph
+            .part_for(&outs)
+            .map_err(|reason| ExecError::FetchParts { reason })?;
+        let mut feed_list = Vec::new();
+        for (id, name, ty) in g.placeholders() {
+            let runs = self.graph.runs(part, id);
+            let Some(t) = feeds.get(name) else {
+                if runs {
+                    return Err(ExecError::MissingFeed { name: name.into() });
+                }
+                continue;
+            };
+            if t.ty() != *ty {
+                return Err(ExecError::FeedType {
+                    name: name.into(),
+                    expected: ty.clone(),
+                    got: t.ty(),
+                });
+            }
+            if runs {
+                feed_list.push((Outlet::new(id, 0), t));
+            }
+        }
+        Ok((feed_list, outs, part))
     }
 
     /// Current values of the named variables (all variables when `names` is empty).

@@ -2,6 +2,7 @@
 //! iteration at a time on its own stream. Same contract as
 //! [`crate::exec::cpu::CpuProgram`].
 
+mod entry;
 mod gated;
 mod io;
 mod layout;
@@ -16,7 +17,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream, PinnedHostSlice};
 use lanes_adaptor::wire::shm::AttachedSegment;
-use lanes_adaptor::{NodeId, Op, Outlet, Tensor, TensorData, TensorType, ValidGraph, VarValues};
+use lanes_adaptor::{
+    NodeId, Op, Outlet, Part, Tensor, TensorData, TensorType, ValidGraph, VarValues,
+};
 
 use crate::compile::{self, MemoryPlan};
 use crate::exec::cuda::bn::{plan_batch_norms, BnPlan};
@@ -102,6 +105,8 @@ pub struct CudaProgram {
     capture_failures: u32,
     /// A yielding job's gate and segments (`gated.rs`).
     gated: Option<gated::Gated>,
+    /// Each entry's Runs so far and its recorded launches (`entry.rs`).
+    entries: HashMap<usize, entry::EntryRuns>,
     /// Residency: persistent tensors sit at the arena's start in first-use
     /// order, so a group of units is one contiguous copy.
     res: Residency,
@@ -356,6 +361,7 @@ impl CudaProgram {
             fusion: Fusion::default(),
             captured: None,
             gated: None,
+            entries: HashMap::new(),
             capture_failures: 0,
             res: Residency {
                 updates,
@@ -499,7 +505,7 @@ impl CudaProgram {
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
         self.pin_feeds(feeds);
-        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        let (feed_list, outs, part) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         if !self.res.resident {
             return self
@@ -511,9 +517,19 @@ impl CudaProgram {
         for (o, t) in feed_list {
             self.upload(o, t)?;
         }
-        self.iterate()?;
-        if self.res.updates {
-            self.res.dirty = true;
+        match part {
+            Part::Main => {
+                self.iterate()?;
+                if self.res.updates {
+                    self.res.dirty = true;
+                }
+            }
+            Part::Entry(k) => {
+                self.launch_entry(k)?;
+                if self.graph.part_updates(part) {
+                    self.res.dirty = true;
+                }
+            }
         }
         // Wait here, not inside the copies to pageable memory below (see
         // `wait_idle`).
@@ -608,6 +624,7 @@ impl CudaProgram {
         self.mem = mem;
         self.fusion = self.match_chains();
         self.captured = None;
+        self.entries.clear();
         self.capture_failures = 0;
         if let Some(g) = &mut self.gated {
             g.invalidate();
@@ -689,7 +706,7 @@ impl CudaProgram {
         let units = &self.res.layout.units;
         let mut b = vec![0];
         b.extend(plan.starts.iter().map(|&u| units[u].first_use));
-        b.push(self.graph.order().len());
+        b.push(self.graph.main_order().len());
         b
     }
 
@@ -710,12 +727,13 @@ impl CudaProgram {
         self.launch_nodes_with(&mut |_| Ok(()))
     }
 
-    /// Launches every node in order, calling `before` with each position.
+    /// Launches the main iteration's nodes in order, calling `before` with
+    /// each position.
     fn launch_nodes_with(
         &self,
         before: &mut dyn FnMut(usize) -> Result<(), ExecError>,
     ) -> Result<(), ExecError> {
-        for (pos, &id) in self.graph.order().iter().enumerate() {
+        for (pos, &id) in self.graph.main_order().iter().enumerate() {
             before(pos)?;
             self.step(id)?;
         }

@@ -36,7 +36,7 @@ impl CudaProgram {
             .bind_to_thread()
             .map_err(|e| dev_err("bind", e))?;
         self.arena.map()?;
-        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        let (feed_list, outs, _) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         for (o, t) in feed_list {
             self.upload(o, t)?;
@@ -48,7 +48,7 @@ impl CudaProgram {
         let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();
         let mut by_sig: BTreeMap<String, (usize, f64)> = BTreeMap::new();
         let g = self.graph.graph();
-        for (id, secs) in self.graph.order().iter().zip(times) {
+        for (id, secs) in self.graph.main_order().iter().zip(times) {
             // Nodes inside a fused chain launch nothing; the chain's kernel
             // counts under its own name (at its last node).
             let Some(name) = self.step_name(*id) else {
@@ -174,7 +174,7 @@ impl CudaProgram {
     /// Launches every node in order with a timing event between launches;
     /// returns each position's GPU time (seconds). Waits for the stream.
     pub(super) fn launch_timed(&self) -> Result<Vec<f64>, ExecError> {
-        let n = self.graph.order().len();
+        let n = self.graph.main_order().len();
         let marks = self.queued_behind_hold(|| {
             let mut marks = Vec::with_capacity(n + 1);
             self.launch_nodes_with(&mut |_| {

@@ -514,7 +514,7 @@ impl CudaProgram {
         let ms = |t: std::time::Instant| (t - t0).as_secs_f64() * 1e3;
         let mut trace = SwitchTrace::default();
         self.pin_feeds(feeds);
-        let (feed_list, outs) = self.check_io(feeds, fetches)?;
+        let (feed_list, outs, part) = self.check_io(feeds, fetches)?;
         self.cover_fetches(&outs)?;
         let plan = self.plan(strategy);
         let fill = arena_fill();
@@ -595,11 +595,13 @@ impl CudaProgram {
             .ok_or_else(|| dev_err("restore", "the evicted program has no host image"))?;
         let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
         let units = &self.res.layout.units;
+        // An entry's Run launches its own nodes, op by op, each waiting
+        // for the groups its position needs.
         let recorded = self
             .res
             .segments
             .get(&(strategy, plan.kept))
-            .filter(|sg| sg.starts == plan.starts);
+            .filter(|sg| part == Part::Main && sg.starts == plan.starts);
         let replayed = recorded.is_some();
         let mut done: Vec<CudaEvent> = Vec::new();
         // Recorded segments launch as their group's copy is queued: segment
@@ -683,7 +685,10 @@ impl CudaProgram {
                 }
                 Ok(())
             };
-            let launched = self.launch_nodes_with(&mut wait_until);
+            let launched = match part {
+                Part::Main => self.launch_nodes_with(&mut wait_until),
+                Part::Entry(k) => self.launch_entry_with(k, &mut wait_until),
+            };
             wait_until(usize::MAX)?;
             launched
         };
@@ -706,8 +711,13 @@ impl CudaProgram {
         }
         self.res.resident = true;
         self.res.kept_units = 0;
-        self.res.dirty = self.res.updates;
-        if !replayed
+        // A Run that updates nothing leaves the host image as good as it was.
+        self.res.dirty = match part {
+            Part::Main => self.res.updates,
+            Part::Entry(_) => self.graph.part_updates(part),
+        };
+        if part == Part::Main
+            && !replayed
             && r.is_ok()
             && self.options.cuda_graph
             && self.capture_failures < CAPTURE_TRIES
