@@ -9,6 +9,7 @@ use crate::convert::{tensor_from_numpy, values_from_dict, values_to_dict};
 use crate::errors::{client_error, local, onnx_error, zoo_error, ModelError, SessionClosedError};
 use crate::precision::{parse_loss_scale, parse_precision};
 use crate::{graph, optim, zoo};
+use lanes_adaptor::graph::add_entry;
 use lanes_adaptor::onnx::{import_file, ImportOptions};
 use lanes_adaptor::{training_graph_grouped, ParamGroup, TrainError, TrainOptions};
 use lanes_adaptor::{
@@ -515,8 +516,13 @@ impl Session {
     /// `growth_factor`, `backoff_factor` and `growth_interval` (the rest:
     /// PyTorch's defaults; a ValueError with another precision), or
     /// `enabled: False` (fp32 and bf16-mixed only: no scaling).
+    /// `batches`: more steps of the same model, each `(name, builder,
+    /// loss)` (a forward graph at another batch size, its variables named
+    /// as this one's), trained with the same groups and options and joined
+    /// as the graph's entry `name` on the same variables: a Run fetching
+    /// `{name}/{loss}` takes that step (its feeds `{name}/{placeholder}`).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None, loss_scale=None))]
+    #[pyo3(signature = (builder, loss, groups, max_grad_norm=None, outputs=None, save_to=None, example=None, precision=None, loss_scale=None, batches=None))]
     fn load_training(
         &self,
         py: Python<'_>,
@@ -529,10 +535,22 @@ impl Session {
         example: Option<&Bound<'_, PyDict>>,
         precision: Option<&str>,
         loss_scale: Option<&Bound<'_, PyDict>>,
+        batches: Option<Vec<(String, Bound<'_, graph::GraphBuilder>, String)>>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
         let precision = parse_precision(py, precision)?;
         let loss_scale = parse_loss_scale(py, loss_scale, precision)?;
         let b = builder.get().take()?;
+        let mut more = Vec::new();
+        for (name, eb, eloss) in batches.unwrap_or_default() {
+            let eb = eb.get().take()?;
+            let out = graph::GraphBuilder::resolve(&eb, &eloss).ok_or_else(|| {
+                local(
+                    py,
+                    ModelError::new_err(format!("no node `{eloss}` to train as {name}'s loss")),
+                )
+            })?;
+            more.push((name, eb, out));
+        }
         let out = graph::GraphBuilder::resolve(&b, loss).ok_or_else(|| {
             local(
                 py,
@@ -554,12 +572,28 @@ impl Session {
             precision,
             loss_scale,
         };
-        let t = py
+        let train_err = |e: TrainError| match e {
+            TrainError::BadLossScale(_) => local(py, PyValueError::new_err(e.to_string())),
+            e => local(py, ModelError::new_err(e.to_string())),
+        };
+        let mut t = py
             .detach(|| training_graph_grouped(b, out, &opts))
-            .map_err(|e| match e {
-                TrainError::BadLossScale(_) => local(py, PyValueError::new_err(e.to_string())),
-                e => local(py, ModelError::new_err(e.to_string())),
-            })?;
+            .map_err(train_err)?;
+        for (name, eb, out) in more {
+            let e = py
+                .detach(|| training_graph_grouped(eb, out, &opts))
+                .map_err(train_err)?;
+            add_entry(
+                &mut t.graph,
+                &mut t.vars,
+                e.graph,
+                e.vars,
+                &name,
+                &format!("{name}/"),
+                &[e.loss],
+            )
+            .map_err(|e| local(py, ModelError::new_err(e.to_string())))?;
+        }
         if let Some(dir) = save_to {
             save_job(py, &dir, &t.graph, &t.vars, t.loss.clone(), true, example)?;
         }

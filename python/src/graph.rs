@@ -175,6 +175,19 @@ impl GraphBuilder {
         })?
     }
 
+    /// Declares `outputs` (named first with `set_name`) an entry of the
+    /// graph: a Run fetching them runs only the nodes they need, apart
+    /// from the main iteration, and updates no variable (a training job's
+    /// evaluation forward of its current weights; docs/protocol.md,
+    /// *Entries*).
+    fn entry(&self, name: &str, outputs: Vec<PyOutlet>) -> PyResult<()> {
+        self.with(|b| {
+            let outs: Vec<Outlet> = outputs.into_iter().map(outlet).collect();
+            b.entry(name, &outs);
+            Self::check(b)
+        })?
+    }
+
     /// The name of the node of `outlet`.
     fn name_of(&self, outlet_: PyOutlet) -> PyResult<String> {
         self.with(|b| b.name_of(outlet(outlet_)).to_string())

@@ -19,13 +19,15 @@ supported, and what not yet: docs/torch.md in the repository.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .. import _lanes
 from .._lanes import ModelError
+from ._capture import MIN_TORCH, _WithLoss, _example_feeds, _export, _feeds, _in_batches, _to_numpy, translate
+from ._entries import EVAL_PREFIX, _capture_batch, _capture_evaluation, _declared_batches, _Evaluation
 from ._ir import DROPOUT_SEED, TorchImportError, _new_seed
 from ._translate import _Translator
 
@@ -38,114 +40,11 @@ __all__ = [
     "translate",
     "MIN_TORCH",
     "DROPOUT_SEED",
+    "EVAL_PREFIX",
 ]
-
-#: Oldest torch release this module is tested with (its training IR).
-MIN_TORCH = (2, 9)
 
 #: The loss-scaling variables of an fp16-mixed training job (docs/precision.md).
 _SCALE, _TRACKER = "amp/scale", "amp/growth_tracker"
-
-
-def _torch_version() -> Tuple[int, int]:
-    parts = torch.__version__.split("+")[0].split(".")
-    return int(parts[0]), int(parts[1])
-
-
-# ---------------------------------------------------------------------------
-# capture
-
-
-def _check_torch() -> None:
-    if _torch_version() < MIN_TORCH:
-        raise ModelError(
-            f"lanes.torch needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (torch.export's training IR); "
-            f"this is torch {torch.__version__}"
-        )
-
-
-def _export(module: torch.nn.Module, args: Sequence[Any], what: str) -> "torch.export.ExportedProgram":
-    _check_torch()
-    try:
-        return torch.export.export(module, tuple(args))
-    except Exception as e:  # torch.export's own message, with what to do about it
-        hint = (
-            "hint: torch.export captures one graph per shape; control flow that depends on a "
-            "tensor's values cannot be captured (rewrite it with torch.where or torch.cond), "
-            "and Hugging Face models need use_cache=False"
-        )
-        raise TorchImportError(f"torch.export could not capture the {what}: {e}\n{hint}", op="torch.export") from e
-
-
-class _WithLoss(torch.nn.Module):
-    """The user's model followed by its loss: one graph whose output is the loss."""
-
-    def __init__(self, model: torch.nn.Module, loss: Callable[..., Any], n_inputs: int):
-        super().__init__()
-        self.model = model
-        self.loss = loss
-        self.n_inputs = n_inputs
-
-    def forward(self, *args: Any) -> Any:
-        out = self.model(*args[: self.n_inputs])
-        if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
-            out = out.logits
-        return self.loss(out, *args[self.n_inputs :])
-
-
-def translate(ep: "torch.export.ExportedProgram", *, training: bool = False, prefix: str = "") -> _Translator:
-    """Translates a captured program into a `lanes.GraphBuilder` (the
-    translator's `b`), its feeds (`inputs`) and outputs (`outputs`).
-    Variables are named by their state_dict key less `prefix`."""
-    t = _Translator(ep, training=training, prefix=prefix)
-    t.run()
-    return t
-
-
-def _to_numpy(x: Any, name: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.dtype == torch.bool:
-            x = x.to(torch.float32)
-        elif x.is_floating_point():
-            x = x.to(torch.float32)
-        else:
-            x = x.to(torch.int64)
-        return np.ascontiguousarray(x.cpu().numpy())
-    a = np.asarray(x)
-    if a.dtype.kind == "f" or a.dtype == np.bool_:
-        return np.ascontiguousarray(a, dtype=np.float32)
-    if a.dtype.kind in "iu":
-        return np.ascontiguousarray(a, dtype=np.int64)
-    raise TypeError(f"input {name}: expected a tensor or array, got {type(x).__name__}")
-
-
-_OTHER_BATCH_HINT = {"step": "training_job(..., other_batches=True) takes other batch sizes"}
-
-
-def _feeds(inputs: Sequence[Tuple[str, Tuple[int, ...], str]], args: Sequence[Any], what: str) -> Dict[str, np.ndarray]:
-    if len(args) != len(inputs):
-        raise TypeError(f"{what} takes {len(inputs)} tensors (as in the example), got {len(args)}")
-    feeds = {}
-    for (name, shape, _), a in zip(inputs, args):
-        arr = _to_numpy(a, name)
-        if tuple(arr.shape) != tuple(shape):
-            raise _lanes.FeedError(
-                f"{what}: input {name[len('input_'):]} has shape {list(arr.shape)}; the job was captured at "
-                f"{list(shape)} ({_OTHER_BATCH_HINT.get(what, 'capture another job for another batch size')})"
-            )
-        feeds[name] = arr
-    return feeds
-
-
-def _example_feeds(t: _Translator, example: Sequence[Any]) -> Dict[str, np.ndarray]:
-    n = len(example)
-    feeds: Dict[str, np.ndarray] = {}
-    for j in range(0, len(t.inputs), n):  # each micro-batch of an accumulating job
-        feeds.update(_feeds(t.inputs[j : j + n], example, "example"))
-    if t.seed is not None:
-        feeds[DROPOUT_SEED] = np.array([0], dtype=np.int64)
-    return feeds
 
 
 # ---------------------------------------------------------------------------
@@ -191,8 +90,17 @@ class TrainingJob:
 
     def __init__(self, session: Any, t: _Translator, model: torch.nn.Module,
                  optimizer: "torch.optim.Optimizer", groups: List[List[str]], accumulate: int = 1,
-                 scaled: bool = False, other_batch: Optional[Callable[[Sequence[Any]], "TrainingJob"]] = None):
+                 scaled: bool = False, other_batch: Optional[Callable[[Sequence[Any]], "TrainingJob"]] = None,
+                 evaluation: Optional["_Evaluation"] = None,
+                 batches: Optional[Dict[int, List[Tuple[str, Tuple[int, ...], str]]]] = None):
         self.session = session
+        #: Steps of other batch sizes captured into the job's graph
+        #: (`other_batches=[n, ...]`): size → that step's feeds
+        #: (`batch{n}/input_{i}`), run as the graph's entry `batch{n}`.
+        self._batches = batches or {}
+        #: The evaluation-mode forward captured into the job's graph (an
+        #: entry of it), when `training_job(..., eval_example=...)`.
+        self._evaluation = evaluation
         #: Captures a job like this one at another batch size
         #: (`training_job(..., other_batches=True)`); its jobs by batch size.
         self._other_batch = other_batch
@@ -247,7 +155,9 @@ class TrainingJob:
         n = len(self.inputs)
         part = self._all_inputs[self._micro * n : (self._micro + 1) * n]
         other = self._batch_of(part, args)
-        if other is not None:
+        if other is not None and other in self._batches:
+            return self._step_declared_batch(other, args)
+        if other is not None and self._other_batch is not None:
             return self._step_other_batch(other, args)
         self._pending.update(_feeds(part, args, "step"))
         self._micro += 1
@@ -269,7 +179,8 @@ class TrainingJob:
         """The batch size of `args` when the job takes other batch sizes and
         they differ from the captured one in their first axis only (all by
         the same size); None otherwise (`_feeds` then checks them)."""
-        if self._other_batch is None or self.accumulate != 1 or len(args) != len(part) or not args:
+        if (self._other_batch is None and not self._batches) or self.accumulate != 1 \
+                or len(args) != len(part) or not args:
             return None
         shapes = [tuple(np.shape(a)) for a in args]
         captured = [tuple(shape) for _, shape, _ in part]
@@ -281,6 +192,19 @@ class TrainingJob:
         if len(sizes) != 1 or 0 in sizes:
             return None
         return sizes.pop()
+
+    def _step_declared_batch(self, batch: int, args: Sequence[Any]) -> float:
+        # The graph's entry for this size: the same variables, trained in
+        # place; nothing is copied.
+        prefix = f"batch{batch}/"
+        feeds = {prefix + name: v for name, v in _feeds(self._batches[batch], args, "step").items()}
+        self._sync_lr()
+        if self._dropout:
+            feeds[prefix + DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
+        loss = self.session.run(feeds, fetch=prefix + "loss")
+        self._steps += 1
+        self._optimizer._opt_called = True  # type: ignore[attr-defined]
+        return float(np.asarray(loss).reshape(-1)[0])
 
     def _step_other_batch(self, batch: int, args: Sequence[Any]) -> Optional[float]:
         # A job captured at this batch size (once, kept), given this job's
@@ -296,6 +220,31 @@ class TrainingJob:
         self.session.write_variables(other.session.read_variables())
         self._steps += 1
         return loss
+
+    def evaluate(self, *inputs: Any) -> Any:
+        """The model's forward in evaluation mode (`model.eval()`: BatchNorm
+        with its running statistics, no dropout) on the job's current
+        weights and statistics in the service, without copying them: the
+        graph's `eval` entry, captured by `training_job(...,
+        eval_example=...)`. Takes any number N of samples (the example's
+        shapes but the first dimension), in Runs of the example's batch,
+        the last padded with zeros; returns what the model returns for
+        them (one tensor or a tuple). Updates nothing: the next `step`
+        is the one it would have been."""
+        ev = self._evaluation
+        if ev is None:
+            raise ValueError(
+                "this job has no evaluation forward: make it with training_job(..., eval_example=x), "
+                "x the model's inputs at the batch to evaluate in"
+            )
+
+        def run(feeds: Dict[str, np.ndarray]) -> List[np.ndarray]:
+            return [np.asarray(o) for o in self.session.run(feeds, fetch=ev.outputs)]
+
+        outs = _in_batches(run, ev.inputs, len(ev.outputs), ev.batch, inputs, "evaluate", "evaluate")
+        ts = [torch.from_numpy(o) for o in outs]
+        ts = [x if d is None else x.to(d) for x, d in zip(ts, ev.dtypes)]
+        return ts[0] if len(ts) == 1 else tuple(ts)
 
     def set_lr(self, lr: float, group: Optional[int] = None) -> None:
         """Sets the learning rate of one parameter group (all when None), in
@@ -464,38 +413,8 @@ class InferenceJob:
     def _run_any_batch(self, args: Sequence[Any]) -> List[np.ndarray]:
         """Samples in runs of the captured batch, the last padded with
         zeros; each output's rows of the real samples, in order."""
-        batch = self.batch or 1
-        if len(args) != len(self.inputs):
-            raise TypeError(f"the model takes {len(self.inputs)} tensors (as in the example), got {len(args)}")
-        arrays = [_to_numpy(a, name) for (name, _, _), a in zip(self.inputs, args)]
-        n = arrays[0].shape[0] if arrays[0].ndim else 0
-        for (name, shape, _), a in zip(self.inputs, arrays):
-            if a.ndim != len(shape) or tuple(a.shape[1:]) != tuple(shape[1:]) or a.shape[0] != n:
-                raise _lanes.FeedError(
-                    f"the model: input {name[len('input_'):]} has shape {list(a.shape)}; the job takes "
-                    f"[N, {', '.join(str(d) for d in shape[1:])}] (any N, the same in every input)"
-                )
-        if n == 0:
-            raise _lanes.FeedError("the model: an empty batch (N = 0)")
-        parts: List[List[np.ndarray]] = []
-        for start in range(0, n, batch):
-            rows = min(batch, n - start)
-            feeds = {}
-            for (name, _, _), a in zip(self.inputs, arrays):
-                chunk = a[start:start + rows]
-                if rows < batch:
-                    pad = np.zeros((batch - rows,) + a.shape[1:], dtype=a.dtype)
-                    chunk = np.concatenate([chunk, pad])
-                feeds[name] = np.ascontiguousarray(chunk)
-            outs = self._run(feeds)
-            for o in outs:
-                if o.ndim == 0 or o.shape[0] != batch:
-                    raise _lanes.ModelError(
-                        f"dynamic_batch: an output of shape {list(o.shape)} does not have the batch "
-                        f"({batch}) first, so the samples' rows cannot be told apart"
-                    )
-            parts.append([o[:rows] for o in outs])
-        return [np.concatenate([p[k] for p in parts]) for k in range(len(self.outputs))]
+        return _in_batches(self._run, self.inputs, len(self.outputs), self.batch or 1, args,
+                           "the model", "dynamic_batch")
 
     def close(self) -> None:
         if self._bufs is not None:
@@ -559,7 +478,8 @@ def training_job(
     accumulate: int = 1,
     precision: Optional[str] = None,
     scaler: Any = None,
-    other_batches: bool = False,
+    other_batches: Union[bool, Sequence[int]] = False,
+    eval_example: Any = None,
 ) -> TrainingJob:
     """Captures `loss(model(*inputs), *targets)` at the example's shapes and
     loads it as a training session: the example is the model's inputs
@@ -596,8 +516,19 @@ def training_job(
     state (weights, buffers, optimizer state) is copied before the step and
     from which it is copied back after. That job takes as much service
     memory as this one while it lives, and each such step moves the state
-    both ways; not with `accumulate`. Without it another batch size is
-    refused (`lanes.FeedError` with the captured shape)."""
+    both ways; not with `accumulate`. `other_batches=[n, ...]` (sizes known
+    ahead, e.g. `[len(dataset) % batch]`) instead captures the step at each
+    size n into this job's graph (an entry `batch{n}`, docs/torch.md), on
+    the same weights, buffers and optimizer state: a step of size n runs
+    there with nothing copied, and the service holds the state once.
+    Without it another batch size is refused (`lanes.FeedError` with the
+    captured shape).
+    `eval_example` (the model's inputs, one tensor or a tuple, at the batch
+    to evaluate in) also captures the model's evaluation-mode forward into
+    the job's graph, on the same weights: `job.evaluate(x)` then runs it on
+    the job's current weights and BatchNorm statistics in the service, with
+    no copy of them and no update (docs/torch.md, *Evaluating a training
+    job*)."""
     loss_scale, tracker = _loss_scale(scaler)
     example = tuple(example)
     if targets < 0 or targets >= len(example):
@@ -606,6 +537,7 @@ def training_job(
         raise ValueError(f"accumulate must be at least 1, got {accumulate}")
     if other_batches and accumulate != 1:
         raise ValueError("other_batches does not go with accumulate (micro-batches are of the captured size)")
+    declared = _declared_batches(other_batches, example)
     n_inputs = len(example) - targets
     _refuse_half_weights(model)
     job_name = name or f"torch-{type(model).__name__}"
@@ -638,6 +570,8 @@ def training_job(
             total = t.emit("Add", [total, o])
         t.outputs = [t.emit_scale(total, 1.0 / accumulate)]
     t.b.set_name(t.outputs[0].outlet, "loss")
+    evaluation = _capture_evaluation(t, model, eval_example) if eval_example is not None else None
+    batches = [_capture_batch(model, loss, n_inputs, example, n) for n in declared]
     var_of_id = {id(tensor): name for name, tensor in t.variables.items()}
     groups = []
     group_names = []
@@ -659,14 +593,16 @@ def training_job(
         _, state = session.load_training(t.b, "loss", groups, max_grad_norm=max_grad_norm,
                                          save_to=save_to,
                                          example=_example_feeds(t, example) if save_to else None,
-                                         precision=precision, loss_scale=loss_scale)
+                                         precision=precision, loss_scale=loss_scale,
+                                         batches=[(f"batch{n}", tn.b, "loss") for n, tn in zip(declared, batches)])
         if tracker:
             session.write_variables({_TRACKER: np.array([tracker], dtype=np.float32)})
     except BaseException:
         session.close()
         raise
     return TrainingJob(session, t, model, optimizer, group_names, accumulate,
-                       scaled=_SCALE in state, other_batch=other if other_batches else None)
+                       scaled=_SCALE in state, other_batch=other if other_batches is True else None,
+                       evaluation=evaluation, batches={n: tn.inputs for n, tn in zip(declared, batches)})
 
 
 def inference_job(

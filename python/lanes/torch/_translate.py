@@ -69,6 +69,13 @@ class _Translator:
         #: Lanes variable name → the torch tensor it started from.
         self.variables: Dict[str, torch.Tensor] = {}
         self._var_of_tensor: Dict[int, _Out] = {}
+        #: Prefix of the names of large constants held as variables
+        #: (`const/{n}`): a step captured at another batch size joins the
+        #: job's graph, variables shared by name, so its own are named apart.
+        self.const_prefix = ""
+        #: Variables by name: a later walk of another program of the same
+        #: model (its evaluation forward) finds them by name too.
+        self._var_of_name: Dict[str, _Out] = {}
         self._buffer_vars: Dict[str, _Out] = {}
         #: Integer buffers counted on the client (num_batches_tracked): name → increment per step.
         self.counters: Dict[str, int] = {}
@@ -206,7 +213,7 @@ class _Translator:
         arr = np.ascontiguousarray(t.contiguous().numpy())
         if arr.nbytes > _BIG_CONSTANT:
             self._n_big += 1
-            o = self.b.variable(f"const/{self._n_big}", arr)
+            o = self.b.variable(f"{self.const_prefix}const/{self._n_big}", arr)
         else:
             o = self.b.constant(arr)
         shape, dtype = self.b.type_of(o)
@@ -219,10 +226,20 @@ class _Translator:
         key = id(tensor)
         if key in self._var_of_tensor:
             return self._var_of_tensor[key]
+        if name in self._var_of_name:
+            known = self.variables[name]
+            if tuple(known.shape) != tuple(tensor.shape) or known.dtype != tensor.dtype:
+                raise self.fail(
+                    f"`{name}` is {list(tensor.shape)} {tensor.dtype} here and was "
+                    f"{list(known.shape)} {known.dtype} in the earlier capture"
+                )
+            self._var_of_tensor[key] = self._var_of_name[name]
+            return self._var_of_name[name]
         t = tensor.detach().cpu()
         if t.dtype in _HALF_NAMES:
             out = self._half_variable(name, t)
             self._var_of_tensor[key] = out
+            self._var_of_name[name] = out
             self.variables[name] = tensor
             return out
         if t.is_floating_point():
@@ -239,6 +256,7 @@ class _Translator:
         shape, dtype = self.b.type_of(o)
         out = _Out(o, tuple(shape), dtype)
         self._var_of_tensor[key] = out
+        self._var_of_name[name] = out
         self.variables[name] = tensor
         return out
 
@@ -332,6 +350,19 @@ class _Translator:
         raise self.fail(f"cannot use {type(v).__name__} as a tensor")
 
     # -- the walk ------------------------------------------------------------
+
+    def walk(self, ep: "torch.export.ExportedProgram", *, training: bool, prefix: str,
+             state_prefix: str = "") -> None:
+        """Translates another program of the same model (its evaluation
+        forward) into the same graph: its weights and buffers are the
+        variables of the earlier walks (by tensor, else by name: its
+        state_dict keys less `state_prefix`), its feeds
+        `{prefix}input_{i}`."""
+        self.ep = ep
+        self.training = training
+        self.prefix = state_prefix
+        self._user_storages = None
+        self.run(prefix=prefix)
 
     def run(self, prefix: str = "") -> None:
         """Translates the program once more into the same graph: its feeds
