@@ -184,6 +184,13 @@ mod tests {
         save(&dir, &wrong).unwrap();
         let e = load(&dir).unwrap_err().to_string();
         assert!(e.contains("`x`"), "{e}");
+        // A job saved before graphs had entries (no `entries` key) loads
+        // with none.
+        save(&dir, &j).unwrap();
+        let text = std::fs::read_to_string(dir.join("job.json")).unwrap();
+        assert!(text.contains(",\"entries\":[]"), "{text}");
+        std::fs::write(dir.join("job.json"), text.replace(",\"entries\":[]", "")).unwrap();
+        assert_eq!(load(&dir).unwrap().graph, j.graph);
         // A file that is not a job.
         std::fs::write(dir.join("job.json"), b"{\"version\": 1}").unwrap();
         assert!(matches!(load(&dir), Err(SavedError::Format { .. })));

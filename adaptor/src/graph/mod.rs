@@ -62,7 +62,9 @@ pub struct Node {
 pub struct Graph {
     pub nodes: Vec<Node>,
     /// Parts that run on their own, outside the main iteration (see
-    /// [`Entry`]); usually none.
+    /// [`Entry`]); usually none (and none in a saved job's JSON from
+    /// before entries).
+    #[serde(default)]
     pub entries: Vec<Entry>,
 }
 
