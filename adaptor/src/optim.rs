@@ -447,22 +447,13 @@ fn with_precision(
         Precision::Bf16 => return Err(TrainError::HalfWeights(precision, "bf16-mixed")),
         Precision::F16 => return Err(TrainError::HalfWeights(precision, "bf16-mixed")),
     }
-    let key = outlet_key(&g, loss);
+    let key = g.key_of(loss);
     let (graph, vars) = g.finish()?;
     let (graph, vars) = amp::apply(graph, vars, precision)?;
     let loss = graph
         .resolve(&key)
         .ok_or(TrainError::UnknownLoss { name: key })?;
     Ok((GraphBuilder::from_parts(graph, vars), loss))
-}
-
-/// `name`, or `name:slot` for a node's later outputs.
-fn outlet_key(g: &GraphBuilder, o: Outlet) -> String {
-    if o.slot == 0 {
-        g.name_of(o).to_string()
-    } else {
-        format!("{}:{}", g.name_of(o), o.slot)
-    }
 }
 
 /// The finished training graph: `loss` as a fetch key (`name` or
@@ -473,7 +464,7 @@ fn finish_training(
     params: Vec<String>,
     state: Vec<String>,
 ) -> Result<TrainingGraph, TrainError> {
-    let loss_key = outlet_key(&g, loss);
+    let loss_key = g.key_of(loss);
     let (graph, vars) = g.finish()?;
     Ok(TrainingGraph {
         graph,

@@ -360,18 +360,25 @@ impl ExecError {
     }
 }
 
-/// The part of `graph` a Run fetching `fetches` runs (the main iteration
-/// when they do not resolve or do not go together: the run itself then
-/// answers with the error).
+/// The part of `graph` a Run fetching `fetches` runs; an unknown fetch or
+/// fetches from two parts are the Run's error. (A graph without entries
+/// has one part: its fetches are checked where it runs.)
 pub(crate) fn part_of(
     graph: &lanes_adaptor::ValidGraph,
     fetches: &[String],
-) -> lanes_adaptor::Part {
-    let g = graph.graph();
+) -> Result<lanes_adaptor::Part, ExecError> {
     if !graph.has_entries() {
-        return lanes_adaptor::Part::Main;
+        return Ok(lanes_adaptor::Part::Main);
     }
-    let outs: Option<Vec<lanes_adaptor::Outlet>> = fetches.iter().map(|k| g.resolve(k)).collect();
-    outs.and_then(|o| graph.part_for(&o).ok())
-        .unwrap_or(lanes_adaptor::Part::Main)
+    let g = graph.graph();
+    let outs = fetches
+        .iter()
+        .map(|k| {
+            g.resolve(k)
+                .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    graph
+        .part_for(&outs)
+        .map_err(|reason| ExecError::FetchParts { reason })
 }

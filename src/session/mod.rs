@@ -572,20 +572,14 @@ impl Session {
             fed.insert(name, f);
         }
         let graph = loaded.program.graph();
-        let part = crate::exec::part_of(graph, fetches);
-        let reads = |name: &str| {
-            graph
-                .graph()
-                .find(name)
-                .is_none_or(|id| graph.runs(part, id))
-        };
-        if let Some(missing) = loaded
-            .placeholders
-            .keys()
-            .find(|n| !fed.contains_key(*n) && reads(n))
+        let part = crate::exec::part_of(graph, fetches)?;
+        if let Some((_, missing, _)) = graph
+            .graph()
+            .placeholders()
+            .find(|(id, name, _)| !fed.contains_key(*name) && graph.runs(part, *id))
         {
             return Err(SessionError::Feed {
-                name: missing.clone(),
+                name: missing.to_string(),
                 reason: "placeholder not fed".into(),
             });
         }

@@ -6,7 +6,7 @@
 
 use super::infer::infer;
 use super::op::{Conv2dAttrs, Op, Pool2dAttrs};
-use super::{Entry, Graph, GraphError, Node, NodeId, Outlet, VarValues};
+use super::{fetch_key, Entry, Graph, GraphError, Node, NodeId, Outlet, VarValues};
 use crate::tensor::{DType, Tensor, TensorType};
 use std::collections::{HashMap, HashSet};
 
@@ -438,16 +438,7 @@ impl GraphBuilder {
     /// of the graph, run on its own by a Run that fetches them (see
     /// [`Entry`]; `validate` checks it).
     pub fn entry(&mut self, name: &str, outputs: &[Outlet]) {
-        let outputs = outputs
-            .iter()
-            .map(|&o| {
-                if o.slot == 0 {
-                    self.name_of(o).to_string()
-                } else {
-                    format!("{}:{}", self.name_of(o), o.slot)
-                }
-            })
-            .collect();
+        let outputs = outputs.iter().map(|&o| self.key_of(o)).collect();
         self.entries.push(Entry {
             name: name.to_string(),
             outputs,
@@ -466,6 +457,12 @@ impl GraphBuilder {
             .get(o.node.index())
             .map(|n| n.name.as_str())
             .unwrap_or("")
+    }
+
+    /// The fetch key of `o` (`name`, or `name:slot` for a node's later
+    /// outputs).
+    pub fn key_of(&self, o: Outlet) -> String {
+        fetch_key(self.name_of(o), o.slot)
     }
 
     /// The first error met while building, if any.

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Graph, GraphError, Node, NodeId, Op, Outlet, ValidGraph, VarValues};
+use super::{fetch_key, Graph, GraphError, Node, NodeId, Op, Outlet, ValidGraph, VarValues};
 
 /// A named part of a graph that a Run runs instead of the main iteration
 /// when it fetches the entry's own outputs: those outputs, the in-place
@@ -48,6 +48,9 @@ pub(super) struct Parts {
     pub(super) main: Vec<bool>,
     /// Per entry, per node, whether the entry runs it.
     pub(super) entry_nodes: Vec<Vec<bool>>,
+    /// Whether the main iteration, and each entry, updates a variable.
+    pub(super) main_updates: bool,
+    pub(super) entry_updates: Vec<bool>,
 }
 
 impl Parts {
@@ -66,11 +69,21 @@ impl Parts {
 /// `main_len` is filled in once the order is known.
 pub(super) fn parts(graph: &Graph) -> Result<Parts, GraphError> {
     let n = graph.nodes.len();
+    let updates = |runs: &[bool]| {
+        graph
+            .nodes
+            .iter()
+            .zip(runs)
+            .any(|(node, &r)| r && !node.op.mutated_inputs().is_empty())
+    };
     if graph.entries.is_empty() {
+        let main = vec![true; n];
         return Ok(Parts {
             main_len: n,
-            main: vec![true; n],
+            main_updates: updates(&main),
+            main,
             entry_nodes: Vec::new(),
+            entry_updates: Vec::new(),
         });
     }
     if graph.entries.len() > MAX_ENTRIES {
@@ -151,6 +164,8 @@ pub(super) fn parts(graph: &Graph) -> Result<Parts, GraphError> {
     }
     Ok(Parts {
         main_len: 0,
+        main_updates: updates(&main),
+        entry_updates: entry_nodes.iter().map(|m| updates(m)).collect(),
         main,
         entry_nodes,
     })
@@ -181,11 +196,10 @@ impl ValidGraph {
     }
     /// Whether `part` updates a variable in place.
     pub fn part_updates(&self, part: Part) -> bool {
-        self.graph
-            .nodes
-            .iter()
-            .enumerate()
-            .any(|(i, n)| !n.op.mutated_inputs().is_empty() && self.runs(part, NodeId(i as u32)))
+        match part {
+            Part::Main => self.parts.main_updates,
+            Part::Entry(k) => self.parts.entry_updates.get(k).copied().unwrap_or(false),
+        }
     }
     /// Whether the graph has entries besides its main iteration.
     pub fn has_entries(&self) -> bool {
@@ -321,14 +335,21 @@ pub fn add_entry(
             outputs: node.outputs.clone(),
         });
     }
+    // Each output by the name its node has in `graph` now.
     let outputs = outputs
         .iter()
         .map(|k| {
-            part.resolve(k)
-                .map(|_| format!("{prefix}{k}"))
-                .ok_or_else(|| bad(format!("output `{k}` is no node's output")))
+            let o = part
+                .resolve(k)
+                .ok_or_else(|| bad(format!("output `{k}` is no node's output")))?;
+            let id = map[o.node.index()];
+            let node = match id.index().checked_sub(base) {
+                Some(j) => &nodes[j].name,
+                None => &graph.nodes[id.index()].name,
+            };
+            Ok(fetch_key(node, o.slot))
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, GraphError>>()?;
     graph.nodes.extend(nodes);
     vars.extend(new_vars);
     graph.entries.push(Entry {
@@ -482,11 +503,11 @@ mod tests {
         g.finish().unwrap()
     }
 
-    #[test]
-    fn a_joined_step_updates_the_same_variable_apart_from_the_main_one() {
+    /// The step at 4 with the step at 2 joined as the entry `b2`, the
+    /// latter's own value of w set to 9 (not taken: the graph's is).
+    fn joined() -> (Graph, VarValues) {
         let (mut graph, mut vars) = step(4);
         let (part, mut part_vars) = step(2);
-        // Its own value of w is not taken: the graph's is.
         part_vars.insert("w".into(), Tensor::full([3, 2], 9.0));
         add_entry(
             &mut graph,
@@ -498,6 +519,12 @@ mod tests {
             &["y".into()],
         )
         .unwrap();
+        (graph, vars)
+    }
+
+    #[test]
+    fn a_joined_step_updates_the_same_variable_apart_from_the_main_one() {
+        let (graph, vars) = joined();
         assert_eq!(vars.len(), 1);
         assert_eq!(vars["w"].f32s().unwrap()[0], 0.5);
         let e = graph.entries[0].clone();
@@ -515,21 +542,23 @@ mod tests {
         let pos = |n: NodeId| v.order().iter().position(|&x| x == n).unwrap();
         assert!(pos(id("b2/y")) < pos(entry_up));
         assert!(v.main_order().len() < v.order().len());
-        // Twice one writer in one part is still refused.
-        let (mut graph, mut vars) = step(4);
-        let (part, part_vars) = step(2);
-        add_entry(
-            &mut graph,
-            &mut vars,
-            part,
-            part_vars,
-            "b2",
-            "b2/",
-            &["y".into()],
-        )
-        .unwrap();
+        // An output of the main iteration's is not the entry's.
+        let (mut graph, _) = joined();
         graph.entries[0].outputs.push("y".into());
-        assert!(validate(graph, &GraphLimits::default()).is_err());
+        assert!(matches!(
+            validate(graph, &GraphLimits::default()),
+            Err(GraphError::BadEntry { reason, .. }) if reason.contains("main iteration too")
+        ));
+        // Two writers of w in one part are refused: a second update like
+        // the entry's own, named among its updates.
+        let (mut graph, _) = joined();
+        let id = graph.find(&graph.entries[0].updates[0]).unwrap();
+        let mut again = graph.nodes[id.index()].clone();
+        again.name = "b2/again".into();
+        graph.nodes.push(again);
+        graph.entries[0].updates.push("b2/again".into());
+        let e = validate(graph, &GraphLimits::default()).unwrap_err();
+        assert!(e.to_string().contains("already updated"), "{e}");
         // A variable of another type is refused when joining.
         let (mut graph, mut vars) = step(4);
         let mut g = GraphBuilder::new();

@@ -68,6 +68,16 @@ pub struct Graph {
     pub entries: Vec<Entry>,
 }
 
+/// The fetch key of output `slot` of the node `name`: `name`, or
+/// `name:slot` for a later output (what [`Graph::resolve`] reads).
+pub fn fetch_key(name: &str, slot: u32) -> String {
+    if slot == 0 {
+        name.to_string()
+    } else {
+        format!("{name}:{slot}")
+    }
+}
+
 /// Initial values of a graph's variables, keyed by variable node name.
 pub type VarValues = BTreeMap<String, Tensor>;
 

@@ -96,8 +96,6 @@ struct Residency {
     host: Option<Vec<u64>>,
     /// The resident variables changed since the host copy was taken.
     dirty: bool,
-    /// Iterations change variables (in-place ops).
-    updates: bool,
     /// Per-unit copy seconds, measured when the host copy was taken.
     copy: Option<Vec<f64>>,
     /// While evicted partially: the persistent buffer's first words (the
@@ -201,11 +199,6 @@ impl CpuProgram {
         let places = Places::new(&graph, &layout)?;
         let own = places.fill(&graph, &vars)?;
         drop(vars);
-        let updates = graph
-            .graph()
-            .nodes
-            .iter()
-            .any(|n| !n.op.mutated_inputs().is_empty());
         Ok(CpuProgram {
             graph,
             places,
@@ -215,7 +208,6 @@ impl CpuProgram {
                 layout,
                 host: None,
                 dirty: true,
-                updates,
                 copy: None,
                 kept: Vec::new(),
                 kept_units: 0,
@@ -487,13 +479,9 @@ impl CpuProgram {
         }
         // An entry's Run is not the iteration the switching profile times,
         // and may update nothing.
-        let part = crate::exec::part_of(&self.graph, fetches);
+        let part = crate::exec::part_of(&self.graph, fetches)?;
         let main = part == lanes_adaptor::Part::Main;
-        let updates = if main {
-            self.res.updates
-        } else {
-            self.graph.part_updates(part)
-        };
+        let updates = self.graph.part_updates(part);
         let CpuProgram {
             graph,
             places,

@@ -165,8 +165,6 @@ struct Residency {
     /// arena's kept block, `VmArena::kept_bytes`); 0 otherwise.
     kept_units: usize,
     dirty: bool,
-    /// Iterations change variables (in-place ops).
-    updates: bool,
     profile: Option<Profile>,
     /// Measured host → device bandwidth (bytes/s) and per-copy overhead (s).
     link: Option<(f64, f64)>,
@@ -348,7 +346,6 @@ impl CudaProgram {
             }
             .map_err(|e| dev_err("memset", e))?;
         }
-        let updates = g.nodes.iter().any(|n| !n.op.mutated_inputs().is_empty());
         let mut prog = CudaProgram {
             graph,
             gpu,
@@ -364,7 +361,6 @@ impl CudaProgram {
             entries: HashMap::new(),
             capture_failures: 0,
             res: Residency {
-                updates,
                 layout,
                 ranges,
                 bytes: persistent_bytes,
@@ -518,18 +514,11 @@ impl CudaProgram {
             self.upload(o, t)?;
         }
         match part {
-            Part::Main => {
-                self.iterate()?;
-                if self.res.updates {
-                    self.res.dirty = true;
-                }
-            }
-            Part::Entry(k) => {
-                self.launch_entry(k)?;
-                if self.graph.part_updates(part) {
-                    self.res.dirty = true;
-                }
-            }
+            Part::Main => self.iterate()?,
+            Part::Entry(k) => self.launch_entry(k)?,
+        }
+        if self.graph.part_updates(part) {
+            self.res.dirty = true;
         }
         // Wait here, not inside the copies to pageable memory below (see
         // `wait_idle`).

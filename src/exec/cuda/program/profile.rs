@@ -42,7 +42,7 @@ impl CudaProgram {
             self.upload(o, t)?;
         }
         let times = self.launch_timed()?;
-        if self.res.updates {
+        if self.graph.part_updates(lanes_adaptor::Part::Main) {
             self.res.dirty = true;
         }
         let mut by_op: BTreeMap<&'static str, (usize, f64)> = BTreeMap::new();

@@ -365,7 +365,7 @@ impl CudaProgram {
     /// variables is left alone (running it would change its state).
     pub fn prepare_standby(&mut self) -> Result<StandbyTimes, ExecError> {
         let mut times = StandbyTimes::default();
-        if self.res.updates || !self.res.resident {
+        if self.graph.part_updates(Part::Main) || !self.res.resident {
             return Ok(times);
         }
         let mut clock = std::time::Instant::now();
@@ -712,10 +712,7 @@ impl CudaProgram {
         self.res.resident = true;
         self.res.kept_units = 0;
         // A Run that updates nothing leaves the host image as good as it was.
-        self.res.dirty = match part {
-            Part::Main => self.res.updates,
-            Part::Entry(_) => self.graph.part_updates(part),
-        };
+        self.res.dirty = self.graph.part_updates(part);
         if part == Part::Main
             && !replayed
             && r.is_ok()
