@@ -35,15 +35,13 @@ import torch
 
 import lanes
 import lanes.torch as lt
+import torch_train  # beside this script
 
 
 def resnet50(small):
-    import torchvision
-
-    b, s = (4, 32) if small else (32, 224)
-    m = torchvision.models.resnet50(num_classes=1000)
-    g = torch.Generator().manual_seed(0)
-    return m, torch.randn(b, 3, s, s, generator=g), torch.randint(0, 1000, (b,), generator=g)
+    # benches/torch_train.py's model and batch.
+    m, (x,), y, _, _ = torch_train.resnet50(small)
+    return m, x, y
 
 
 def resnet18(small):

@@ -549,13 +549,14 @@ class _BnMlp(torch.nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
-def test_other_batches_train_the_last_smaller_batch_like_pytorch(client):
-    # Two epochs of batches of 16, 16, 16 and a last one of 8, without
-    # drop_last: the 8-row steps run in a second job captured at 8, the
-    # state copied in and out; the loss curve, weights, BatchNorm's running
-    # statistics and AdamW's state follow PyTorch eager's, at the helper's
-    # tolerances (with Adam's: fc1's bias before the BatchNorm, which
-    # cancels its gradient, drifts by up to lr × steps).
+def _last_smaller_batch(client, check, **job_args):
+    """Two epochs of batches of 16, 16, 16 and a last one of 8, without
+    drop_last, on `_BnMlp` with AdamW through `training_job(**job_args)`
+    and PyTorch eager: the loss curve, weights, BatchNorm's running
+    statistics and AdamW's state follow PyTorch eager's, at the helper's
+    tolerances (with Adam's: fc1's bias before the BatchNorm, which cancels
+    its gradient, drifts by up to lr × steps). Returns the first batch, the
+    loss and the optimizer maker."""
     torch.manual_seed(0)
     sizes = [16, 16, 16, 8]
     data = [(torch.randn(n, 8), torch.randint(0, 4, (n,))) for n in sizes]
@@ -564,6 +565,14 @@ def test_other_batches_train_the_last_smaller_batch_like_pytorch(client):
     def make_opt(m):
         return torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01)
 
+    _assert_trains_like_torch(client, _BnMlp(), (data[0][0],), data[0][1], loss, make_opt, steps=8,
+                              batches=lambda i: ((data[i % 4][0],), data[i % 4][1]), check=check, **job_args)
+    return data[0], loss, make_opt
+
+
+def test_other_batches_train_the_last_smaller_batch_like_pytorch(client):
+    # The 8-row steps run in a second job captured at 8, the state copied
+    # in and out (`_last_smaller_batch`).
     def check(job):
         assert job.steps == 8
         # Another shape than the batch axis is still refused, naming the
@@ -571,12 +580,10 @@ def test_other_batches_train_the_last_smaller_batch_like_pytorch(client):
         with pytest.raises(lanes.FeedError, match=r"\[16, 8\]"):
             job.step(torch.randn(16, 9), torch.randint(0, 4, (16,)))
 
+    first, loss, make_opt = _last_smaller_batch(client, check, other_batches=True)
     m = _BnMlp()
-    _assert_trains_like_torch(client, m, (data[0][0],), data[0][1], loss, make_opt, steps=8,
-                              batches=lambda i: ((data[i % 4][0],), data[i % 4][1]), check=check,
-                              other_batches=True)
     with pytest.raises(ValueError, match="accumulate"):
-        lt.training_job(client, m, example=data[0], loss=loss, optimizer=make_opt(m), other_batches=True,
+        lt.training_job(client, m, example=first, loss=loss, optimizer=make_opt(m), other_batches=True,
                         accumulate=2)
 
 

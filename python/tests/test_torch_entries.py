@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 import lanes  # noqa: E402
 import lanes.torch as lt  # noqa: E402
-from test_torch import _BnMlp, _assert_trains_like_torch  # noqa: E402
+from test_torch import _BnMlp, _last_smaller_batch  # noqa: E402
 
 CUDA = os.environ.get("LANES_TEST_DEVICE", "cpu") == "cuda"
 
@@ -129,19 +129,9 @@ def test_a_job_without_an_eval_example_says_how_to_get_one(client):
 
 
 def test_declared_batch_sizes_train_in_the_same_job_like_pytorch(client):
-    # Two epochs of batches of 16, 16, 16 and a last one of 8, the 8
-    # declared ahead: its steps run as the graph's entry `batch8` on the
-    # same weights, BatchNorm statistics and AdamW state (nothing copied,
-    # no second session); the loss curve, weights and statistics follow
-    # PyTorch eager's at the helper's tolerances.
-    torch.manual_seed(0)
-    sizes = [16, 16, 16, 8]
-    data = [(torch.randn(n, 8), torch.randint(0, 4, (n,))) for n in sizes]
-    loss = torch.nn.CrossEntropyLoss()
-
-    def make_opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.01)
-
+    # The last batch of 8 declared ahead (`_last_smaller_batch`): its steps
+    # run as the graph's entry `batch8` on the same weights, BatchNorm
+    # statistics and AdamW state (nothing copied, no second session).
     def check(job):
         assert job.steps == 8
         assert not job._others  # no second job was made
@@ -151,9 +141,7 @@ def test_declared_batch_sizes_train_in_the_same_job_like_pytorch(client):
         with pytest.raises(lanes.FeedError, match=r"\[16, 8\]"):
             job.step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
 
-    _assert_trains_like_torch(client, _BnMlp(), (data[0][0],), data[0][1], loss, make_opt, steps=8,
-                              batches=lambda i: ((data[i % 4][0],), data[i % 4][1]), check=check,
-                              other_batches=[8], name="batches")
+    first, loss, make_opt = _last_smaller_batch(client, check, other_batches=[8], name="batches")
+    m = _BnMlp()
     with pytest.raises(ValueError, match="not another batch size"):
-        lt.training_job(client, _BnMlp(), example=data[0], loss=loss, optimizer=make_opt(_BnMlp()),
-                        other_batches=[16])
+        lt.training_job(client, m, example=first, loss=loss, optimizer=make_opt(m), other_batches=[16])

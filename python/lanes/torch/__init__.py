@@ -164,10 +164,15 @@ class TrainingJob:
         if self._micro < self.accumulate:
             return None
         feeds, self._pending, self._micro = self._pending, {}, 0
+        return self._run_step(feeds)
+
+    def _run_step(self, feeds: Dict[str, np.ndarray], prefix: str = "") -> float:
+        """One step's Run: the main iteration's feeds, or with `prefix` an
+        entry's (`batch{n}/`, its names prefixed); returns the loss."""
         self._sync_lr()
         if self._dropout:
-            feeds[DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
-        loss = self.session.run(feeds, fetch="loss")
+            feeds[prefix + DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
+        loss = self.session.run(feeds, fetch=prefix + "loss")
         self._steps += 1
         # The optimizer's step ran in the service: tell torch's learning-rate
         # schedulers so (they warn of a scheduler step before any optimizer
@@ -198,13 +203,7 @@ class TrainingJob:
         # place; nothing is copied.
         prefix = f"batch{batch}/"
         feeds = {prefix + name: v for name, v in _feeds(self._batches[batch], args, "step").items()}
-        self._sync_lr()
-        if self._dropout:
-            feeds[prefix + DROPOUT_SEED] = np.array([_new_seed()], dtype=np.int64)
-        loss = self.session.run(feeds, fetch=prefix + "loss")
-        self._steps += 1
-        self._optimizer._opt_called = True  # type: ignore[attr-defined]
-        return float(np.asarray(loss).reshape(-1)[0])
+        return self._run_step(feeds, prefix)
 
     def _step_other_batch(self, batch: int, args: Sequence[Any]) -> Optional[float]:
         # A job captured at this batch size (once, kept), given this job's
