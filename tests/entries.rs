@@ -275,8 +275,19 @@ fn a_service_session_runs_its_entry_between_steps() {
         .run(eval_feeds(0).into_iter().collect(), &["loss", "eval/out"])
         .unwrap_err();
     assert!(err.to_string().contains("entry `eval`"), "{err}");
+    // Evaluations are not iterations: the scheduler's progress (SRTF's
+    // remaining iterations) and the status count only the 6 steps.
+    assert_eq!(iterations_of(service.endpoint(), "eval"), 6);
+    assert_eq!(iterations_of(service.endpoint(), "plain"), 6);
     with.close().unwrap();
     without.close().unwrap();
+}
+
+/// The status's iteration count of the session named `name`.
+fn iterations_of(endpoint: &str, name: &str) -> u64 {
+    let status = Client::connect(endpoint).unwrap().status().unwrap();
+    let s = status.sessions.iter().find(|s| s.spec.name == name);
+    s.unwrap_or_else(|| panic!("no session {name}")).iterations
 }
 
 /// The step at batch 8 joined as the entry `batch8` (`add_entry`) trains
@@ -354,5 +365,7 @@ fn a_step_at_another_batch_size_as_an_entry_trains_the_same_variables() {
         let (g, w) = (got[name].f32s().unwrap(), want[name].f32s().unwrap());
         assert_matches(g, w, cuda, 1e-3, name);
     }
+    // A step at another size updates the variables: it is an iteration.
+    assert_eq!(iterations_of(service.endpoint(), "joined"), 7);
     s.close().unwrap();
 }

@@ -132,8 +132,12 @@ pub struct JobView {
     pub expected_iterations: u64,
     /// Iterations finished so far.
     pub done_iterations: u64,
-    /// Sum of the measured durations of its finished iterations.
+    /// Sum of the measured durations of its finished Runs: its
+    /// iterations and its other Runs (an evaluation between steps).
     pub attained: Duration,
+    /// The part of `attained` that was not iterations
+    /// ([`Event::OtherRunFinished`]).
+    pub other_service: Duration,
     /// Expected iteration duration before any measurement.
     pub iteration_hint: Option<Duration>,
     /// Persistent bytes P.
@@ -147,11 +151,12 @@ pub struct JobView {
 }
 
 impl JobView {
-    /// The mean measured iteration duration, or the hint before the first
+    /// The mean measured iteration duration (other Runs left out), or the hint before the first
     /// measurement, or zero.
     pub fn iteration_estimate(&self) -> Duration {
         if self.done_iterations > 0 {
-            let nanos = self.attained.as_nanos() / u128::from(self.done_iterations);
+            let iterations = self.attained.saturating_sub(self.other_service);
+            let nanos = iterations.as_nanos() / u128::from(self.done_iterations);
             Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
         } else {
             self.iteration_hint.unwrap_or(Duration::ZERO)
@@ -200,6 +205,16 @@ pub enum Event {
     },
     /// The job's running iteration finished after `duration`.
     IterationFinished {
+        /// The job.
+        job: JobId,
+        /// Measured duration.
+        duration: Duration,
+    },
+    /// The job's running request finished after `duration` and was not an
+    /// iteration (an evaluation, or another part of the job's graph): it
+    /// counts as service attained, not toward the iterations or their
+    /// mean time.
+    OtherRunFinished {
         /// The job.
         job: JobId,
         /// Measured duration.
@@ -312,6 +327,7 @@ impl JobTable {
                     expected_iterations: spec.expected_iterations,
                     done_iterations: 0,
                     attained: Duration::ZERO,
+                    other_service: Duration::ZERO,
                     iteration_hint: spec.iteration_hint,
                     persistent_bytes: spec.persistent_bytes,
                     ephemeral_bytes: spec.ephemeral_bytes,
@@ -343,6 +359,15 @@ impl JobTable {
                 j.running = false;
                 j.done_iterations += 1;
                 j.attained = j.attained.saturating_add(*duration);
+            }
+            Event::OtherRunFinished { job, duration } => {
+                let j = self.slot(*job)?;
+                if !j.running {
+                    return Err(bad(*job, "run finished", "not running"));
+                }
+                j.running = false;
+                j.attained = j.attained.saturating_add(*duration);
+                j.other_service = j.other_service.saturating_add(*duration);
             }
             Event::Finished { job } => {
                 let i = self
@@ -417,6 +442,50 @@ mod tests {
         );
         assert_eq!(v.iteration_estimate(), d);
         assert_eq!(v.remaining_work_nanos(), 3 * d.as_nanos());
+    }
+
+    #[test]
+    fn other_runs_count_as_service_not_as_iterations() {
+        let mut t = JobTable::new();
+        arrive(&mut t, 7);
+        let z = Duration::ZERO;
+        let step = Duration::from_millis(10);
+        for (other, d) in [
+            (false, step),
+            (true, Duration::from_millis(90)),
+            (false, step),
+        ] {
+            t.apply(&Event::Queued { job: 7 }, z).unwrap();
+            t.apply(&Event::Started { job: 7 }, z).unwrap();
+            let e = if other {
+                Event::OtherRunFinished {
+                    job: 7,
+                    duration: d,
+                }
+            } else {
+                Event::IterationFinished {
+                    job: 7,
+                    duration: d,
+                }
+            };
+            t.apply(&e, z).unwrap();
+        }
+        let v = t.get(7).unwrap();
+        // Fair sharing sees all 110 ms; SRTF two iterations of 10 ms, two left.
+        assert_eq!(v.attained, Duration::from_millis(110));
+        assert_eq!((v.done_iterations, v.running), (2, false));
+        assert_eq!(v.iteration_estimate(), step);
+        assert_eq!(v.remaining_work_nanos(), 2 * step.as_nanos());
+        assert!(matches!(
+            t.apply(
+                &Event::OtherRunFinished {
+                    job: 7,
+                    duration: z
+                },
+                z
+            ),
+            Err(PolicyError::BadTransition { job: 7, .. })
+        ));
     }
 
     #[test]

@@ -78,6 +78,9 @@ impl SchedError {
 pub struct JobStats {
     /// Iterations finished.
     pub iterations: u64,
+    /// Other requests finished (evaluations between steps: not
+    /// iterations, not in `service_total`).
+    pub other_runs: u64,
     /// Requests dispatched (finished or running).
     pub dispatched: u64,
     /// Sum over dispatched requests of the time from `submit` to `pick`.
@@ -305,6 +308,27 @@ impl<R> Scheduler<R> {
         duration: Duration,
         now: Duration,
     ) -> Result<(), SchedError> {
+        self.finish_as(job, duration, now, true)
+    }
+
+    /// Record that `job`'s running request took `duration` and was not an
+    /// iteration (an evaluation between steps): service, not progress.
+    pub fn finish_other(
+        &mut self,
+        job: JobId,
+        duration: Duration,
+        now: Duration,
+    ) -> Result<(), SchedError> {
+        self.finish_as(job, duration, now, false)
+    }
+
+    fn finish_as(
+        &mut self,
+        job: JobId,
+        duration: Duration,
+        now: Duration,
+        iteration: bool,
+    ) -> Result<(), SchedError> {
         let q = self
             .queues
             .get_mut(&job)
@@ -313,11 +337,17 @@ impl<R> Scheduler<R> {
             return Err(SchedError::NotRunning { job });
         }
         q.running = false;
-        q.stats.iterations += 1;
-        q.stats.service_total = q.stats.service_total.saturating_add(duration);
-        q.stats.service_max = q.stats.service_max.max(duration);
+        let event = if iteration {
+            q.stats.iterations += 1;
+            q.stats.service_total = q.stats.service_total.saturating_add(duration);
+            q.stats.service_max = q.stats.service_max.max(duration);
+            Event::IterationFinished { job, duration }
+        } else {
+            q.stats.other_runs += 1;
+            Event::OtherRunFinished { job, duration }
+        };
         let more = !q.pending.is_empty();
-        self.event(Event::IterationFinished { job, duration }, now)?;
+        self.event(event, now)?;
         if more {
             self.event(Event::Queued { job }, now)?;
         }

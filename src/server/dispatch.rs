@@ -109,9 +109,11 @@ pub trait ReadyQueue: Send + fmt::Debug {
     /// Items queued for one session.
     fn queued_for(&self, session: SessionId) -> usize;
     /// A session's item (the one [`ReadyQueue::pop`] returned last for it)
-    /// finished after `took`. Called for every popped item, unless the
-    /// session was removed meanwhile (then it may be called or not).
-    fn finished(&mut self, _session: SessionId, _took: Duration) {}
+    /// finished after `took`; `iteration`: it was one of the job's
+    /// iterations (every item but a Run that evaluates, updating nothing).
+    /// Called for every popped item, unless the session was removed
+    /// meanwhile (then it may be called or not).
+    fn finished(&mut self, _session: SessionId, _took: Duration, _iteration: bool) {}
     /// The ordering's name, shown by `lanes status`.
     fn name(&self) -> &'static str;
     /// A session's queueing delay and service time so far, if measured.
@@ -310,10 +312,11 @@ impl Dispatcher {
     }
 
     /// Marks a session's item finished after `took` (measured by the
-    /// worker), so its next item may run.
-    pub fn done(&self, session: SessionId, took: Duration) {
+    /// worker), so its next item may run; `iteration`: whether it was one
+    /// of the job's iterations (not an evaluation Run).
+    pub fn done(&self, session: SessionId, took: Duration, iteration: bool) {
         let mut st = self.lock();
-        st.queue.finished(session, took);
+        st.queue.finished(session, took, iteration);
         st.busy.remove(&session);
         st.loading.remove(&session);
         st.running.remove(&session);
@@ -415,10 +418,10 @@ mod tests {
         let b = d.next().unwrap();
         assert_eq!(b.request_id, 3);
         assert!(!d.is_idle(SessionId(1)));
-        d.done(SessionId(1), Duration::ZERO);
+        d.done(SessionId(1), Duration::ZERO, true);
         assert_eq!(d.next().unwrap().request_id, 2);
-        d.done(SessionId(1), Duration::ZERO);
-        d.done(SessionId(2), Duration::ZERO);
+        d.done(SessionId(1), Duration::ZERO, true);
+        d.done(SessionId(2), Duration::ZERO, true);
         assert!(d.is_idle(SessionId(1)));
         assert_eq!(d.queued(), 0);
     }
@@ -440,7 +443,7 @@ mod tests {
         d.submit(item(1, 2));
         // Session 2 waits for memory: session 1's later item goes first.
         assert_eq!(d.next().unwrap().request_id, 2);
-        d.done(SessionId(1), Duration::ZERO);
+        d.done(SessionId(1), Duration::ZERO, true);
         let d2 = Arc::clone(&d);
         let t = std::thread::spawn(move || d2.next().map(|i| i.request_id));
         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -477,7 +480,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(50));
             // One lane: job 2 waits for job 1's item; two lanes: it runs.
             assert_eq!(t.is_finished(), !same_lane);
-            d.done(SessionId(1), Duration::ZERO);
+            d.done(SessionId(1), Duration::ZERO, true);
             assert_eq!(t.join().unwrap(), Some(2));
         }
     }
@@ -499,7 +502,7 @@ mod tests {
         };
         d.submit(run(1, 1));
         let a = d.next().unwrap();
-        d.done(a.session, Duration::from_millis(7));
+        d.done(a.session, Duration::from_millis(7), true);
         let st = d.stats(SessionId(1)).unwrap();
         assert_eq!(
             (st.iterations, st.service_total),
@@ -552,7 +555,7 @@ mod tests {
             assert_eq!(d.next().unwrap().request_id, 1);
             // Session 2's load waits for session 1's; session 3's Run goes.
             assert_eq!(d.next().unwrap().request_id, 3);
-            d.done(SessionId(1), Duration::ZERO);
+            d.done(SessionId(1), Duration::ZERO, true);
             assert_eq!(d.next().unwrap().request_id, 2);
         }
     }

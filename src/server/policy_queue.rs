@@ -363,7 +363,7 @@ impl ReadyQueue for PolicyQueue {
         Some(d.request)
     }
 
-    fn finished(&mut self, session: SessionId, took: Duration) {
+    fn finished(&mut self, session: SessionId, took: Duration, iteration: bool) {
         let now = self.now();
         let Some(q) = self.sessions.get_mut(&session) else {
             return; // removed while its item ran
@@ -371,7 +371,12 @@ impl ReadyQueue for PolicyQueue {
         match std::mem::replace(&mut q.running, Running::Nothing) {
             Running::Run => {
                 q.runs_out = q.runs_out.saturating_sub(1);
-                if let Err(e) = self.sched.finish(session.0, took, now) {
+                let finished = if iteration {
+                    self.sched.finish(session.0, took, now)
+                } else {
+                    self.sched.finish_other(session.0, took, now)
+                };
+                if let Err(e) = finished {
                     tracing::error!(%session, error = %e, "finished run unknown to the scheduler");
                 }
             }
@@ -455,7 +460,7 @@ mod tests {
     /// Pops one item, "runs" it for `took` and reports it finished.
     fn serve(q: &mut PolicyQueue, took: Duration) -> Option<(u64, u64)> {
         let it = q.pop(&HashSet::new(), true)?;
-        q.finished(it.session, took);
+        q.finished(it.session, took, true);
         Some((it.session.0, it.request_id))
     }
 
@@ -576,6 +581,30 @@ mod tests {
     }
 
     #[test]
+    fn srtf_leaves_runs_that_are_not_iterations_out_of_a_jobs_progress() {
+        let mut q = PolicyQueue::of(PolicyChoice::Srtf);
+        let once = |q: &mut PolicyQueue, it: WorkItem, ms: u64, iteration: bool| {
+            q.push(it);
+            let it = q.pop(&HashSet::new(), true).unwrap();
+            q.finished(it.session, Duration::from_millis(ms), iteration);
+        };
+        // Job 1 (4 iterations): a step of 5 ms, then an evaluation of 100 ms.
+        once(&mut q, train(1, 1, 4), 5, true);
+        once(&mut q, train(1, 2, 4), 100, false);
+        let st = q.stats(SessionId(1)).unwrap();
+        assert_eq!((st.iterations, st.other_runs), (1, 1));
+        assert_eq!(st.service_mean(), Duration::from_millis(5));
+        // Job 2 (3 iterations): a step of 20 ms.
+        once(&mut q, train(2, 3, 3), 20, true);
+        // Left: job 1 3 × 5 ms = 15 ms, job 2 2 × 20 ms = 40 ms. Had the
+        // evaluation counted as an iteration, job 1 would have had 2 left
+        // of 52.5 ms each (105 ms) and job 2 would go first.
+        q.push(train(2, 4, 3));
+        q.push(train(1, 5, 4));
+        assert_eq!(serve(&mut q, Duration::from_millis(1)).unwrap().0, 1);
+    }
+
+    #[test]
     fn srtf_uses_the_measured_durations_the_workers_report() {
         let mut q = PolicyQueue::of(PolicyChoice::Srtf);
         // Job 1: 10 iterations, job 2: 4 iterations; one probe each.
@@ -633,8 +662,8 @@ mod tests {
         assert_eq!(gone.len(), 2);
         assert_eq!(q.len(), 0);
         assert!(q.stats(SessionId(2)).is_none());
-        q.finished(SessionId(1), Duration::from_millis(3));
-        q.finished(SessionId(2), Duration::from_millis(3)); // removed: ignored
+        q.finished(SessionId(1), Duration::from_millis(3), true);
+        q.finished(SessionId(2), Duration::from_millis(3), true); // removed: ignored
         assert_eq!(q.stats(SessionId(1)).unwrap().iterations, 1);
         assert_eq!(q.queued_for(SessionId(2)), 0);
     }

@@ -130,6 +130,10 @@ pub(crate) struct Answered {
     pub switched_in: bool,
     /// A LoadGraph that succeeded: its decode time and its phases.
     pub loaded: Option<(std::time::Duration, crate::session::LoadTimes)>,
+    /// Whether the item counts as one of the job's iterations for the
+    /// scheduler: not an evaluation Run (it updates nothing), nor a Run
+    /// answered with an error.
+    pub iteration: bool,
 }
 
 /// Runs one item, turning a panic in the executor into an Internal error.
@@ -145,6 +149,7 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
     let t0 = std::time::Instant::now();
     let mut switched_in = false;
     let mut loaded = None;
+    let mut iteration = true;
     let reply = catch_unwind(AssertUnwindSafe(|| {
         let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
         switched_in = matches!(work, Work::Run { .. }) && s.is_loaded() && !s.is_resident();
@@ -152,7 +157,10 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
             Work::Load { decoded, .. } => Some(*decoded),
             _ => None,
         };
+        let run = matches!(work, Work::Run { .. });
         let reply = execute(&mut s, work, limits, request_id);
+        // A refused or failed Run is no progress either.
+        iteration = !run || (s.last_run_was_iteration() && !matches!(reply, Reply::Error(_)));
         if matches!(reply, Reply::GraphLoaded { .. }) {
             loaded = decoded.zip(s.load_times());
         }
@@ -190,6 +198,7 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
         error,
         switched_in,
         loaded,
+        iteration,
     }
 }
 
@@ -215,6 +224,7 @@ pub(crate) fn run(
             error,
             switched_in,
             loaded,
+            iteration,
         } = handle(item, &limits);
         let took = started.elapsed();
         if let Some(m) = &metrics {
@@ -236,7 +246,7 @@ pub(crate) fn run(
         if what == "run" {
             yield_if_asked(&dispatcher, session, &state);
         }
-        dispatcher.done(session, took);
+        dispatcher.done(session, took, iteration);
         sent?;
         // Something waits for memory: the socket thread looks again now
         // that this session may be idle (an empty message, which it drops),

@@ -121,7 +121,12 @@ pub struct Session {
     id: SessionId,
     spec: SessionSpec,
     loaded: Option<Loaded>,
+    /// Runs that were iterations (every Run but an entry that updates
+    /// nothing: an evaluation between steps).
     iterations: u64,
+    /// Whether the last Run asked for was an iteration (true until the
+    /// Run's part is known: a refused Run counts as its job's attempt).
+    last_run_iteration: bool,
     /// The service's lanes, when it was started with `--memory`.
     lanes: Option<SharedLanes>,
     /// This job's claim on the lanes: its memory goes when the session goes.
@@ -225,6 +230,7 @@ impl Session {
             spec,
             loaded: None,
             iterations: 0,
+            last_run_iteration: true,
             lanes: None,
             lease: None,
             memory: None,
@@ -492,9 +498,17 @@ impl Session {
         Ok(())
     }
 
-    /// Iterations run so far.
+    /// Iterations run so far (an entry's Run that updates nothing, such
+    /// as an evaluation, is not one).
     pub fn iterations(&self) -> u64 {
         self.iterations
+    }
+
+    /// Whether the last Run asked for was one of the job's iterations
+    /// rather than an entry that updates nothing (the scheduler's
+    /// progress and iteration time count only iterations).
+    pub fn last_run_was_iteration(&self) -> bool {
+        self.last_run_iteration
     }
 
     fn loaded(&mut self) -> Result<&mut Loaded, SessionError> {
@@ -521,6 +535,7 @@ impl Session {
         fetches: &[String],
         into: Option<&mut dyn FetchInto>,
     ) -> Result<Fetched, SessionError> {
+        self.last_run_iteration = true;
         match feeds.into() {
             RunFeeds::Frames(feeds) => {
                 let fed =
@@ -573,6 +588,7 @@ impl Session {
         }
         let graph = loaded.program.graph();
         let part = crate::exec::part_of(graph, fetches)?;
+        let iteration = part == lanes_adaptor::Part::Main || graph.part_updates(part);
         if let Some((_, missing, _)) = graph
             .graph()
             .placeholders()
@@ -583,6 +599,7 @@ impl Session {
                 reason: "placeholder not fed".into(),
             });
         }
+        self.last_run_iteration = iteration;
         Ok(fed)
     }
 
@@ -644,7 +661,7 @@ impl Session {
                 "brought back"
             );
         }
-        self.iterations += 1;
+        self.iterations += u64::from(self.last_run_iteration);
         Ok(out)
     }
 

@@ -256,7 +256,8 @@ pub struct SessionStatus {
     pub session: SessionId,
     pub spec: SessionSpec,
     pub state: SessionState,
-    /// Iterations (Runs) completed.
+    /// Iterations completed: Runs, but not those of an entry that updates
+    /// nothing (an evaluation between steps).
     pub iterations: u64,
     /// Milliseconds since the session's last request or reply.
     pub idle_ms: u64,
