@@ -501,11 +501,15 @@ pub struct SwitchReport {
 /// (so the two clocks differ by the host's work before that event).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct SwitchTrace {
-    /// Host: the first group's memory mapped (and the ephemeral part).
-    pub host_mapped_ms: f64,
+    /// Host: the Run checked and planned, before any mapping.
+    pub host_checked_ms: f64,
+    /// Host: the ephemeral part mapped (where the feeds land).
+    pub host_ephemeral_ms: f64,
     /// Host: the feeds' copies enqueued (on the copy stream, before the
     /// weights).
     pub host_feeds_ms: f64,
+    /// Host: the own part's first group mapped (while the feeds copy).
+    pub host_mapped_ms: f64,
     /// Host: each group's copy enqueued (its memory mapped first).
     pub host_enqueued_ms: Vec<f64>,
     /// Host: the compute launched (segments or nodes).

@@ -519,9 +519,9 @@ impl CudaProgram {
         let plan = self.plan(strategy);
         let fill = arena_fill();
         // Memory back under the arena's fixed address: the recorded graphs
-        // stay valid. The persistent part's chunks beyond the first group
-        // are mapped while the earlier groups copy (below); a fill touches
-        // it all at once.
+        // stay valid. The persistent part's first group is mapped while
+        // the feeds copy, its chunks beyond the first group while the
+        // earlier groups copy (below); a fill touches it all at once.
         let units = &self.res.layout.units;
         // The first copied group's end (a partial eviction's kept group is
         // mapped already).
@@ -530,12 +530,15 @@ impl CudaProgram {
             g if g <= copied_from => 0,
             _ => self.res.ranges[plan.range(copied_from, units.len()).end - 1].1,
         };
+        // The ephemeral part first: the feeds land there, and their copy
+        // runs while the host maps the own part's first group (below).
+        trace.host_checked_ms = ms(std::time::Instant::now());
         if fill.is_some() {
             self.arena.map()?;
         } else {
-            self.arena.map_deferred(first)?;
+            self.arena.map_ephemeral_first()?;
         }
-        trace.host_mapped_ms = ms(std::time::Instant::now());
+        trace.host_ephemeral_ms = ms(std::time::Instant::now());
         let base = self.base;
         let p = self.res.bytes;
         // The ephemeral part is left as mapped: every kernel
@@ -585,6 +588,10 @@ impl CudaProgram {
         }
         let feeds_in = self.event(copy, traced)?;
         trace.host_feeds_ms = ms(std::time::Instant::now());
+        if fill.is_none() {
+            self.arena.map_own_deferred(first)?;
+        }
+        trace.host_mapped_ms = ms(std::time::Instant::now());
         self.stream
             .wait(&feeds_in)
             .map_err(|e| dev_err("stream wait", e))?;

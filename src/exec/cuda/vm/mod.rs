@@ -608,25 +608,32 @@ impl VmArena {
         Ok(())
     }
 
-    /// [`VmArena::map`], but of the own part only the pieces covering its
-    /// first `first` bytes (from the arena's base; the kept block is mapped
-    /// whole): the rest is mapped by [`VmArena::map_through`] while earlier
-    /// pieces are being filled (a switched-back program maps one chunk per
-    /// call inside a device reservation; this takes those calls off the
-    /// path to its first copy). A part that is one allocation is mapped
-    /// whole.
-    pub fn map_deferred(&mut self, first: usize) -> Result<(), ExecError> {
+    /// The first step of [`VmArena::map`] for a switch: the ephemeral part
+    /// alone (the lane's block or an own one), where the feeds land; the
+    /// own part follows with [`VmArena::map_own_deferred`] while the
+    /// feeds' copy runs.
+    pub fn map_ephemeral_first(&mut self) -> Result<(), ExecError> {
+        self.map_ephemeral()
+    }
+
+    /// The kept block and, of the own part, only the pieces covering its
+    /// first `first` bytes (from the arena's base): the rest is mapped by
+    /// [`VmArena::map_through`] while earlier pieces are being filled (a
+    /// switched-back program maps one chunk per call inside a device
+    /// reservation; this takes those calls off the path to its first
+    /// copy). A part that is one allocation is mapped whole.
+    pub fn map_own_deferred(&mut self, first: usize) -> Result<(), ExecError> {
         self.map_kept()?;
         let own = self.split - self.keep;
         if self.parts[OWN].is_none() && own > 0 {
             let b = Block::take(&self.ctx, own)?;
             self.map_part_upto(OWN, b, first.saturating_sub(self.keep))?;
         }
-        self.map_ephemeral()
+        Ok(())
     }
 
     /// Maps the own part's pieces up to `upto` bytes from the arena's base
-    /// (after [`VmArena::map_deferred`]); nothing when they are mapped.
+    /// (after [`VmArena::map_own_deferred`]); nothing when they are mapped.
     /// Every byte a copy or kernel touches must be mapped through first.
     pub fn map_through(&mut self, upto: usize) -> Result<(), ExecError> {
         let upto = upto.saturating_sub(self.keep);
