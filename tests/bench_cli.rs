@@ -281,6 +281,44 @@ fn switch_reports_every_strategy_with_identical_outputs() {
 /// kept) switches back bit-identical too; the report says what was kept and
 /// what was copied, and its ratios against both bounds. `--keep none`
 /// leaves the row out.
+/// `--reserve` maps the arenas from a device reservation's chunks, as the
+/// service does: on the GPU the switches still match the resident run; on
+/// the CPU, which has no reservation, it is refused.
+#[test]
+fn switch_inside_a_device_reservation() {
+    let args = [
+        "switch",
+        "--model",
+        "lenet",
+        "--batch",
+        "2",
+        "--iters",
+        "2",
+        "--keep",
+        "none",
+        "--reserve",
+        "1GiB",
+    ];
+    if device() == "cpu" {
+        let out = Command::new(util::lanes_bin())
+            .arg("bench")
+            .args(args)
+            .args(["--device", "cpu"])
+            .output()
+            .expect("lanes runs");
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("--reserve is for --device cuda"),
+            "{stderr}"
+        );
+        return;
+    }
+    let (v, _) = bench(&args);
+    assert_eq!(v["reserved_bytes"].as_u64(), Some(1 << 30), "{v}");
+    assert_eq!(v["outputs_identical_to_resident"], Value::Bool(true), "{v}");
+}
+
 #[test]
 fn switch_with_a_kept_prefix_reports_it() {
     let keep = |k: &str| {

@@ -14,7 +14,9 @@
 //! `--keep auto|BYTES` (default `auto`) adds the row `pipelined_keep`: the
 //! pipelined switch of a program evicted *partially*, its first units kept
 //! on the device (`Program::evict_keeping`), with the bytes kept and its
-//! ratio to both bounds; `--keep none` leaves it out.
+//! ratio to both bounds; `--keep none` leaves it out. `--reserve BYTES`
+//! maps every arena from a device reservation's chunks, as the service
+//! does with `--memory`.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -57,6 +59,15 @@ pub struct SwitchArgs {
     /// count (`16MiB`), or `none` (no such row).
     #[arg(long, default_value = "auto", value_parser = parse_keep)]
     keep: Keep,
+    /// Take a device reservation of this size first (`4GiB`), as `lanes
+    /// serve --memory` does: every arena is then mapped from its 16 MiB
+    /// chunks, piece by piece, as in the service (CUDA only).
+    #[arg(long, value_parser = parse_reserve)]
+    reserve: Option<u64>,
+}
+
+fn parse_reserve(s: &str) -> Result<u64, String> {
+    lanes::size::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// What `--keep` asks a partial eviction to keep.
@@ -122,6 +133,14 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
     let backend = match device {
         super::paths::Device::Cuda => Backend::Cuda,
         super::paths::Device::Cpu => Backend::Cpu,
+    };
+    let reservation = match (a.reserve, device) {
+        (None, _) => None,
+        (Some(bytes), super::paths::Device::Cuda) => Some(
+            lanes::exec::cuda::DeviceReservation::new(bytes)
+                .context("taking the device reservation (--reserve)")?,
+        ),
+        (Some(_), super::paths::Device::Cpu) => bail!("--reserve is for --device cuda"),
     };
     let mut prog = Program::new(backend, graph, built.vars)?;
     // Page-locked feeds (held until the timing is done): their copy is a
@@ -250,8 +269,12 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "outputs_identical_to_resident": identical,
         "iters": a.iters,
         "feeds": if pins.is_empty() { "pageable host memory" } else { "page-locked host memory" },
+        "reserved_bytes": a.reserve,
     });
     drop(pins);
+    // The program's blocks go back to the reservation before it goes.
+    drop(prog);
+    drop(reservation);
     outln!("{json}")?;
     if !identical {
         bail!("a switched run's output differs from the resident run");
