@@ -277,10 +277,6 @@ fn switch_reports_every_strategy_with_identical_outputs() {
     );
 }
 
-/// `bench switch --keep`: the partially evicted model (its first units
-/// kept) switches back bit-identical too; the report says what was kept and
-/// what was copied, and its ratios against both bounds. `--keep none`
-/// leaves the row out.
 /// `--reserve` maps the arenas from a device reservation's chunks, as the
 /// service does: on the GPU the switches still match the resident run; on
 /// the CPU, which has no reservation, it is refused.
@@ -319,6 +315,10 @@ fn switch_inside_a_device_reservation() {
     assert_eq!(v["outputs_identical_to_resident"], Value::Bool(true), "{v}");
 }
 
+/// `bench switch --keep`: the partially evicted model (its first units
+/// kept) switches back bit-identical too; the report says what was kept and
+/// what was copied, and its ratios against both bounds. `--keep none`
+/// leaves the row out.
 #[test]
 fn switch_with_a_kept_prefix_reports_it() {
     let keep = |k: &str| {
