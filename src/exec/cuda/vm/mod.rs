@@ -509,6 +509,7 @@ impl VmArena {
         if upto <= from {
             return Ok(());
         }
+        let t0 = std::time::Instant::now();
         let mut mapped = from;
         for &h in &block.handles[from / piece..upto / piece] {
             // SAFETY: the range was reserved by `new` and this piece of it
@@ -521,6 +522,7 @@ impl VmArena {
             }
             mapped += piece;
         }
+        let t1 = std::time::Instant::now();
         let access = sys::CUmemAccessDesc {
             location: location(self.device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -535,6 +537,16 @@ impl VmArena {
             return Err(dev_err("arena access", e));
         }
         self.mapped[part] = upto;
+        // What a switch's mapping costs, call by call (RUST_LOG=
+        // lanes::exec::cuda::vm=trace; docs/switching.md).
+        tracing::trace!(
+            part,
+            pieces = (upto - from) / piece,
+            bytes = upto - from,
+            map_us = (t1 - t0).as_secs_f64() * 1e6,
+            access_us = t1.elapsed().as_secs_f64() * 1e6,
+            "mapped pieces"
+        );
         Ok(())
     }
 
