@@ -133,7 +133,7 @@ pub struct JobView {
     /// Iterations finished so far.
     pub done_iterations: u64,
     /// Sum of the measured durations of its finished Runs: its
-    /// iterations and its other Runs (an evaluation between steps).
+    /// iterations and its other Runs ([`Event::OtherRunFinished`]).
     pub attained: Duration,
     /// The part of `attained` that was not iterations
     /// ([`Event::OtherRunFinished`]).
@@ -151,8 +151,8 @@ pub struct JobView {
 }
 
 impl JobView {
-    /// The mean measured iteration duration (other Runs left out), or the hint before the first
-    /// measurement, or zero.
+    /// The mean measured iteration duration (other Runs left out), or the
+    /// hint before the first measurement, or zero.
     pub fn iteration_estimate(&self) -> Duration {
         if self.done_iterations > 0 {
             let iterations = self.attained.saturating_sub(self.other_service);
@@ -211,9 +211,9 @@ pub enum Event {
         duration: Duration,
     },
     /// The job's running request finished after `duration` and was not an
-    /// iteration (an evaluation, or another part of the job's graph): it
-    /// counts as service attained, not toward the iterations or their
-    /// mean time.
+    /// iteration (an evaluation between steps, or a Run answered with an
+    /// error): it counts as service attained, not toward the iterations
+    /// or their mean time.
     OtherRunFinished {
         /// The job.
         job: JobId,

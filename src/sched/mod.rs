@@ -78,8 +78,9 @@ impl SchedError {
 pub struct JobStats {
     /// Iterations finished.
     pub iterations: u64,
-    /// Other requests finished (evaluations between steps: not
-    /// iterations, not in `service_total`).
+    /// Runs finished that were not iterations (evaluations between
+    /// steps, Runs answered with an error): not in `iterations` or
+    /// `service_total`.
     pub other_runs: u64,
     /// Requests dispatched (finished or running).
     pub dispatched: u64,
@@ -312,7 +313,8 @@ impl<R> Scheduler<R> {
     }
 
     /// Record that `job`'s running request took `duration` and was not an
-    /// iteration (an evaluation between steps): service, not progress.
+    /// iteration (an evaluation between steps, or a Run answered with an
+    /// error): service, not progress.
     pub fn finish_other(
         &mut self,
         job: JobId,

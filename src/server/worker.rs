@@ -132,7 +132,7 @@ pub(crate) struct Answered {
     pub loaded: Option<(std::time::Duration, crate::session::LoadTimes)>,
     /// Whether the item counts as one of the job's iterations for the
     /// scheduler: not an evaluation Run (it updates nothing), nor a Run
-    /// answered with an error.
+    /// answered with an error (a panic included).
     pub iteration: bool,
 }
 
@@ -149,15 +149,17 @@ pub(crate) fn handle(item: WorkItem, limits: &GraphLimits) -> Answered {
     let t0 = std::time::Instant::now();
     let mut switched_in = false;
     let mut loaded = None;
-    let mut iteration = true;
+    // A Run is an iteration once it succeeded and was the job's step (a
+    // panic leaves it none); other items are not Runs and count as before.
+    let run = matches!(work, Work::Run { .. });
+    let mut iteration = !run;
     let reply = catch_unwind(AssertUnwindSafe(|| {
         let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
-        switched_in = matches!(work, Work::Run { .. }) && s.is_loaded() && !s.is_resident();
+        switched_in = run && s.is_loaded() && !s.is_resident();
         let decoded = match &work {
             Work::Load { decoded, .. } => Some(*decoded),
             _ => None,
         };
-        let run = matches!(work, Work::Run { .. });
         let reply = execute(&mut s, work, limits, request_id);
         // A refused or failed Run is no progress either.
         iteration = !run || (s.last_run_was_iteration() && !matches!(reply, Reply::Error(_)));

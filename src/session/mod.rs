@@ -124,8 +124,9 @@ pub struct Session {
     /// Runs that were iterations (every Run but an entry that updates
     /// nothing: an evaluation between steps).
     iterations: u64,
-    /// Whether the last Run asked for was an iteration (true until the
-    /// Run's part is known: a refused Run counts as its job's attempt).
+    /// Whether the last Run asked for ran the job's step rather than an
+    /// entry that updates nothing (true until its part is known; the
+    /// worker leaves out Runs answered with an error anyway).
     last_run_iteration: bool,
     /// The service's lanes, when it was started with `--memory`.
     lanes: Option<SharedLanes>,

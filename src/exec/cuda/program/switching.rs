@@ -539,7 +539,7 @@ impl CudaProgram {
         if fill.is_some() {
             self.arena.map()?;
         } else {
-            self.arena.map_ephemeral_first()?;
+            self.arena.map_ephemeral()?;
         }
         trace.host_ephemeral_ms = ms(std::time::Instant::now());
         let base = self.base;

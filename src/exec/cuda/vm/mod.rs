@@ -599,8 +599,10 @@ impl VmArena {
     }
 
     /// Maps the ephemeral part (the lane's block or an own one) when it is
-    /// not.
-    fn map_ephemeral(&mut self) -> Result<(), ExecError> {
+    /// not. A switch maps it first, where the feeds land; the own part
+    /// follows with [`VmArena::map_own_deferred`] while the feeds' copy
+    /// runs.
+    pub fn map_ephemeral(&mut self) -> Result<(), ExecError> {
         if self.parts[EPH].is_none() {
             let bytes = self.size - self.split;
             let b = match self.lane {
@@ -618,14 +620,6 @@ impl VmArena {
             self.map_part(EPH, b)?;
         }
         Ok(())
-    }
-
-    /// The first step of [`VmArena::map`] for a switch: the ephemeral part
-    /// alone (the lane's block or an own one), where the feeds land; the
-    /// own part follows with [`VmArena::map_own_deferred`] while the
-    /// feeds' copy runs.
-    pub fn map_ephemeral_first(&mut self) -> Result<(), ExecError> {
-        self.map_ephemeral()
     }
 
     /// The kept block and, of the own part, only the pieces covering its
