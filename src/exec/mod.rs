@@ -370,15 +370,31 @@ pub(crate) fn part_of(
     if !graph.has_entries() {
         return Ok(lanes_adaptor::Part::Main);
     }
-    let g = graph.graph();
-    let outs = fetches
+    part_for(graph, &resolve_fetches(graph.graph(), fetches)?)
+}
+
+/// `fetches` (`name` or `name:slot`) as outlets of `g`; an unknown key is
+/// the Run's error.
+pub(crate) fn resolve_fetches(
+    g: &lanes_adaptor::Graph,
+    fetches: &[String],
+) -> Result<Vec<lanes_adaptor::Outlet>, ExecError> {
+    fetches
         .iter()
         .map(|k| {
             g.resolve(k)
                 .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
+
+/// The part of `graph` a Run fetching `outs` runs; outlets of two parts
+/// are the Run's error.
+pub(crate) fn part_for(
+    graph: &lanes_adaptor::ValidGraph,
+    outs: &[lanes_adaptor::Outlet],
+) -> Result<lanes_adaptor::Part, ExecError> {
     graph
-        .part_for(&outs)
+        .part_for(outs)
         .map_err(|reason| ExecError::FetchParts { reason })
 }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use lanes_adaptor::{Node, NodeId, Op, Outlet, Part, Tensor, TensorType, ValidGraph, VarValues};
+use lanes_adaptor::{Node, NodeId, Op, Part, Tensor, TensorType, ValidGraph, VarValues};
 
 use super::arena::{self, Held, Span};
 use super::run_op;
@@ -76,13 +76,7 @@ pub(super) fn run_iteration<'p, F: HostFeed>(
         }
     }
     // Fetch keys resolve.
-    let outlets: Vec<Outlet> = fetches
-        .iter()
-        .map(|k| {
-            g.resolve(k)
-                .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
-        })
-        .collect::<Result<_, _>>()?;
+    let outlets = crate::exec::resolve_fetches(g, fetches)?;
     // Fetched outputs of ops, by node: copied out right after their op
     // ran (the plan may let them die before the end of the iteration).
     let mut fetched_at: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -93,9 +87,7 @@ pub(super) fn run_iteration<'p, F: HostFeed>(
     }
     let mut results: Vec<Option<Tensor>> = vec![None; outlets.len()];
     let all_spans = held.spans;
-    let part = graph
-        .part_for(&outlets)
-        .map_err(|reason| ExecError::FetchParts { reason })?;
+    let part = crate::exec::part_for(graph, &outlets)?;
     // Needed: fetched nodes, the part's in-place updates, and everything
     // they read.
     let mut needed = vec![false; n];

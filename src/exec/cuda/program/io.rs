@@ -158,17 +158,8 @@ impl CudaProgram {
                 _ => return Err(ExecError::UnknownFeed { name: name.clone() }),
             }
         }
-        let outs = fetches
-            .iter()
-            .map(|k| {
-                g.resolve(k)
-                    .ok_or_else(|| ExecError::UnknownFetch { key: k.clone() })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let part = self
-            .graph
-            .part_for(&outs)
-            .map_err(|reason| ExecError::FetchParts { reason })?;
+        let outs = crate::exec::resolve_fetches(g, fetches)?;
+        let part = crate::exec::part_for(&self.graph, &outs)?;
         let mut feed_list = Vec::new();
         for (id, name, ty) in g.placeholders() {
             let runs = self.graph.runs(part, id);
