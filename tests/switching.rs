@@ -367,3 +367,44 @@ fn memory_handed_in_is_only_evicted_whole() {
     assert!(!p.is_resident());
     assert_eq!(p.kept_bytes(), 0);
 }
+
+/// On the GPU a switch copies its feeds into the staging buffer while the
+/// host maps the arena (docs/switching.md, *Feeds staged*); with staging
+/// off it maps first and copies them into place. Both give the resident
+/// run's outputs bit for bit, for every model and across repeated
+/// switches. On the CPU nothing is staged.
+#[test]
+fn feeds_staged_or_not_give_the_resident_outputs() {
+    for arch in models() {
+        let m = arch.inference(3, 5).unwrap();
+        let feeds = feeds_for(&m.inputs, 11, 6);
+        let fetch = [m.output.clone()];
+        let mut p = program(m.graph, m.vars);
+        let (want, _) = p
+            .run_switching(&feeds, &fetch, Strategy::Pipelined)
+            .unwrap();
+        let want = bits(&want[0]);
+        let mut staged = 0;
+        for round in 0..6 {
+            // Alternated; other tests of this binary may switch meanwhile
+            // (they then take the buffer, or find staging off).
+            let stage = round % 2 == 0;
+            lanes::exec::cuda::set_stage_feeds(stage);
+            p.evict().unwrap();
+            let (got, rep) = p
+                .run_switching(&feeds, &fetch, Strategy::Pipelined)
+                .unwrap();
+            lanes::exec::cuda::set_stage_feeds(true);
+            let rep = rep.expect("a non-resident run switches");
+            if !cuda() || !stage {
+                assert!(!rep.feeds_staged, "{} round {round}", arch.name());
+            }
+            staged += usize::from(rep.feeds_staged);
+            assert_eq!(bits(&got[0]), want, "{} round {round}", arch.name());
+        }
+        if cuda() {
+            assert!(staged >= 1, "{}: no switch staged its feeds", arch.name());
+            assert!(lanes::exec::cuda::staging_bytes() > 0);
+        }
+    }
+}

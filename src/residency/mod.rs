@@ -491,6 +491,9 @@ pub struct SwitchReport {
     pub kept_bytes: u64,
     /// The plan's prediction, seconds.
     pub predicted: f64,
+    /// The feeds crossed the link into the staging buffer while the host
+    /// mapped the arena (CUDA; docs/switching.md, *Feeds staged*).
+    pub feeds_staged: bool,
     /// Where the switch's time went, when asked for (`LANES_SWITCH_TRACE=1`,
     /// CUDA only).
     pub trace: Option<SwitchTrace>,
@@ -503,12 +506,14 @@ pub struct SwitchReport {
 pub struct SwitchTrace {
     /// Host: the Run checked and planned, before any mapping.
     pub host_checked_ms: f64,
-    /// Host: the ephemeral part mapped (where the feeds land).
+    /// Host: the ephemeral part mapped (where the feeds land; after the
+    /// own part's first group when the feeds were staged).
     pub host_ephemeral_ms: f64,
     /// Host: the feeds' copies enqueued (on the copy stream, before the
     /// weights).
     pub host_feeds_ms: f64,
-    /// Host: the own part's first group mapped (while the feeds copy).
+    /// Host: the own part's first group mapped (while the feeds copy; its
+    /// copy enqueued too when they were staged).
     pub host_mapped_ms: f64,
     /// Host: each group's copy enqueued (its memory mapped first).
     pub host_enqueued_ms: Vec<f64>,

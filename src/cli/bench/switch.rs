@@ -16,7 +16,8 @@
 //! on the device (`Program::evict_keeping`), with the bytes kept and its
 //! ratio to both bounds; `--keep none` leaves it out. `--reserve BYTES`
 //! maps every arena from a device reservation's chunks, as the service
-//! does with `--memory`.
+//! does with `--memory`. On CUDA, `feeds_staging` times the pipelined
+//! switch with its feeds staged (the default) and without, alternated.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -93,6 +94,8 @@ struct Timed {
     times: Vec<f64>,
     groups: usize,
     replayed: bool,
+    /// Every timed switch staged its feeds (docs/switching.md).
+    staged: bool,
     identical: bool,
     traces: Vec<Option<lanes::residency::SwitchTrace>>,
     kept_bytes: u64,
@@ -184,6 +187,19 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         medians.insert(s.name(), median(t.times.clone()));
         rows.insert(s.name().into(), row(&t, plan.predicted));
     }
+    // The pipelined switch with its feeds staged and without, alternated
+    // switch by switch (CUDA: docs/switching.md, *Feeds staged*).
+    let staging = match device {
+        super::paths::Device::Cuda => {
+            eprintln!("switching with pipelined, feeds staged and not, alternated …");
+            let ab = staging_ab(&mut prog, &feeds, &fetch, &want, a.iters);
+            lanes::exec::cuda::set_stage_feeds(true);
+            let (staged, unstaged) = ab?;
+            identical &= staged.identical && unstaged.identical;
+            Some((staged, unstaged))
+        }
+        super::paths::Device::Cpu => None,
+    };
     // A partial eviction: the first units stay, the rest is switched in
     // pipelined.
     let keep = match a.keep {
@@ -270,6 +286,17 @@ pub fn switch(a: SwitchArgs) -> anyhow::Result<()> {
         "iters": a.iters,
         "feeds": if pins.is_empty() { "pageable host memory" } else { "page-locked host memory" },
         "reserved_bytes": a.reserve,
+        "feeds_staging": staging.as_ref().map(|(on, off)| {
+            let (on_ms, off_ms) = (median(on.times.clone()), median(off.times.clone()));
+            serde_json::json!({
+                "staged_ms": on_ms,
+                "unstaged_ms": off_ms,
+                "staged_over_bound": on_ms / bound_ms,
+                "unstaged_over_bound": off_ms / bound_ms,
+                "every_switch_staged": on.staged,
+            })
+        }),
+        "staging_bytes": lanes::exec::cuda::staging_bytes(),
     });
     drop(pins);
     // The program's blocks go back to the reservation before it goes.
@@ -300,6 +327,7 @@ fn timed(
         times: Vec::with_capacity(iters),
         groups: 0,
         replayed: true,
+        staged: true,
         identical: true,
         traces: Vec::with_capacity(iters),
         kept_bytes: 0,
@@ -317,12 +345,45 @@ fn timed(
             t.copied_bytes = r.bytes;
         }
         t.traces.push(rep.as_ref().and_then(|r| r.trace.clone()));
-        t.replayed &= rep.is_some_and(|r| r.replayed);
+        t.replayed &= rep.as_ref().is_some_and(|r| r.replayed);
+        t.staged &= rep.as_ref().is_some_and(|r| r.feeds_staged);
         t.identical &= bits(&out)? == want;
         bar.inc(1);
     }
     bar.finish_and_clear();
     Ok(t)
+}
+
+/// `iters` pipelined switches with the feeds staged and `iters` without,
+/// alternated (so that both meet the same machine); outputs compared with
+/// `want`. Leaves staging off: the caller turns it back on.
+fn staging_ab(
+    prog: &mut Program,
+    feeds: &BTreeMap<String, Tensor>,
+    fetch: &[String],
+    want: &[u32],
+    iters: usize,
+) -> anyhow::Result<(Timed, Timed)> {
+    let mut on = timed(prog, feeds, fetch, want, Strategy::Pipelined, 0, 1)?;
+    lanes::exec::cuda::set_stage_feeds(false);
+    let mut off = timed(prog, feeds, fetch, want, Strategy::Pipelined, 0, 1)?;
+    on.times.clear();
+    off.times.clear();
+    let bar = crate::cli::bar(iters, "switches, staged and not");
+    for _ in 0..iters {
+        for (stage, t) in [(true, &mut on), (false, &mut off)] {
+            lanes::exec::cuda::set_stage_feeds(stage);
+            prog.evict()?;
+            let t0 = Instant::now();
+            let (out, rep) = prog.run_switching(feeds, fetch, Strategy::Pipelined)?;
+            t.times.push(t0.elapsed().as_secs_f64() * 1e3);
+            t.staged &= rep.as_ref().is_some_and(|r| r.feeds_staged);
+            t.identical &= bits(&out)? == want;
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok((on, off))
 }
 
 /// A strategy's row of the report.
@@ -339,6 +400,7 @@ fn row(t: &Timed, predicted: f64) -> serde_json::Value {
         "min_ms": t.times.iter().copied().fold(f64::INFINITY, f64::min),
         "groups": t.groups,
         "replayed_segments": t.replayed,
+        "feeds_staged": t.staged,
         "predicted_ms": predicted * 1e3,
         "trace": trace,
     })

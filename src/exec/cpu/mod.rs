@@ -641,6 +641,7 @@ impl CpuProgram {
             bytes: res.layout.bytes() - kept_bytes,
             kept_bytes,
             predicted: plan.predicted,
+            feeds_staged: false,
             trace: None,
         };
         out.map(|o| (o, Some(report)))

@@ -23,6 +23,7 @@ mod host_pool;
 mod ops;
 mod pin;
 mod program;
+mod staging;
 mod vm;
 
 /// (hits, misses) of the cuDNN algorithm choices kept by convolution shape.
@@ -66,6 +67,7 @@ pub fn memory_info() -> Result<(u64, u64), ExecError> {
 }
 
 pub use device::{device_count, select_device, selected_device};
+pub use staging::{set_stage_feeds, staging_bytes, STAGE_MAX};
 pub use vm::{lane_block_bytes, DeviceReservation, RESERVE_CHUNK};
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 mod entry;
 mod gated;
+mod host_image;
 mod io;
 mod layout;
 mod options;

@@ -2,15 +2,6 @@
 //! it back, pipelined with the iteration's compute (docs/switching.md).
 
 use super::*;
-use crate::exec::StandbyTimes;
-
-/// What bringing the host image up to date did.
-pub(super) struct Refreshed {
-    /// Bytes copied from the device.
-    pub copied: u64,
-    /// This call measured the link (no program of its size class had).
-    pub link_measured: bool,
-}
 
 /// `LANES_ARENA_FILL`: `zero` or `poison` (0xFF bytes: NaN) fills the
 /// ephemeral part of an arena allocated by a switch; unset leaves it as is.
@@ -216,6 +207,17 @@ impl CudaProgram {
         }
         self.res.resident = false;
         self.res.kept_units = kept_units;
+        // Room to stage the next switch's feeds (made here, off that
+        // switch's path; without it the switch copies them after mapping).
+        let feeds = self
+            .graph
+            .graph()
+            .placeholders()
+            .map(|(_, _, ty)| ty.bytes());
+        let need = crate::exec::cuda::staging::bytes_for(feeds);
+        if let Err(e) = crate::exec::cuda::staging::reserve(&self.gpu.ctx, need) {
+            tracing::debug!(error = %e, need, "no room to stage feeds");
+        }
         tracing::debug!(
             copied,
             kept = keep,
@@ -231,22 +233,8 @@ impl CudaProgram {
     fn fill_kept(&mut self) -> Result<(), ExecError> {
         self.arena.map_kept()?;
         let n = self.arena.kept_bytes().min(self.res.bytes);
-        let host = self
-            .res
-            .host
-            .as_ref()
-            .ok_or_else(|| dev_err("evict", "the program has no host image"))?;
-        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
-        let src = src
-            .get(..n)
-            .ok_or_else(|| dev_err("evict", "the host image is short"))?;
-        // SAFETY: [base, base + n) is the kept block, mapped just above;
-        // the pinned source lives in `self` and the copy stream is
-        // synchronised below.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(self.base, src, self.res.copy.cu_stream())
-        }
-        .map_err(|e| dev_err("host to device copy", e))?;
+        let copy = self.res.copy.clone();
+        self.copy_image_range(0, n, &copy)?;
         wait_idle(&self.res.copy)
     }
 
@@ -281,201 +269,6 @@ impl CudaProgram {
             }
             Err(e) => tracing::debug!(error = %e, "segments not recorded"),
         }
-    }
-
-    /// Brings the pinned host image up to date (copying only when stale),
-    /// measures the link once and caches the plans.
-    pub(super) fn refresh_host_image(&mut self) -> Result<Refreshed, ExecError> {
-        self.refresh_host_image_unmapping(false)
-    }
-
-    /// [`CudaProgram::refresh_host_image`] that, with `unmap_ephemeral`,
-    /// also unmaps the arena's ephemeral part while the copy runs (once
-    /// the iteration before has finished; the copy reads only the
-    /// persistent region).
-    fn refresh_host_image_unmapping(
-        &mut self,
-        unmap_ephemeral: bool,
-    ) -> Result<Refreshed, ExecError> {
-        self.gpu
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| dev_err("bind", e))?;
-        self.sync()?;
-        let bytes = self.res.bytes;
-        let mut copied = 0u64;
-        let mut link_measured = false;
-        let mut unmap_ephemeral = unmap_ephemeral;
-        if self.res.dirty || self.res.host.is_none() {
-            if self.res.host.is_none() && bytes > 0 {
-                // Written whole by the copy below before any read.
-                self.res.host = Some(crate::exec::cuda::host_pool::take(&self.gpu.ctx, bytes)?);
-            }
-            if let Some(host) = self.res.host.as_mut() {
-                let dst = host
-                    .as_mut_slice()
-                    .map_err(|e| dev_err("pinned memory", e))?;
-                // SAFETY: the arena's first `bytes` bytes are the persistent
-                // region; `dst` holds exactly `bytes` bytes and stays borrowed
-                // until the synchronize below.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(
-                        dst,
-                        self.base,
-                        self.stream.cu_stream(),
-                    )
-                }
-                .map_err(|e| dev_err("device to host copy", e))?;
-                let unmapped = if std::mem::take(&mut unmap_ephemeral) {
-                    self.arena.unmap_ephemeral()
-                } else {
-                    Ok(())
-                };
-                // Waited for whatever the unmap said: `dst` is written
-                // until then.
-                self.sync()?;
-                unmapped?;
-                copied = bytes as u64;
-            }
-            self.res.dirty = false;
-        }
-        if unmap_ephemeral {
-            // Nothing was copied: not unmapped above.
-            self.arena.unmap_ephemeral()?;
-        }
-        if self.res.link.is_none() {
-            let (link, measured) = self.link()?;
-            self.res.link = Some(link);
-            link_measured = measured;
-            self.res.plans.invalidate();
-        }
-        let costs = self.costs();
-        self.res.plans.fill(&costs, 0);
-        Ok(Refreshed {
-            copied,
-            link_measured,
-        })
-    }
-
-    /// Standby for an inference program (no in-place updates): runs it with
-    /// zero feeds until it is warm, profiled and recorded, takes the pinned
-    /// host image, measures the link, plans the switch and records the
-    /// pipelined plan's segments — so that the first eviction copies nothing
-    /// and every switch replays recorded segments. A graph that updates
-    /// variables is left alone (running it would change its state).
-    pub fn prepare_standby(&mut self) -> Result<StandbyTimes, ExecError> {
-        let mut times = StandbyTimes::default();
-        if self.graph.part_updates(Part::Main) || !self.res.resident {
-            return Ok(times);
-        }
-        let mut clock = std::time::Instant::now();
-        let mut lap = || {
-            let now = std::time::Instant::now();
-            let d = now - clock;
-            clock = now;
-            d
-        };
-        let g = self.graph.graph();
-        let feeds: BTreeMap<String, Tensor> = g
-            .placeholders()
-            .map(|(_, name, ty)| {
-                let n = ty.shape.numel();
-                let data = TensorData::zeros(ty.dtype, n);
-                Tensor::new(ty.shape.clone(), data)
-                    .map(|t| (name.to_string(), t))
-                    .map_err(|e| dev_err("standby feeds", e))
-            })
-            .collect::<Result<_, _>>()?;
-        // Warm-up, profile, record and time the recorded iteration.
-        for _ in 0..3 {
-            if self.res.graph_secs.is_some() && self.res.profile.is_some() {
-                break;
-            }
-            self.run(&feeds, &[])?;
-        }
-        times.runs = lap();
-        times.link_measured = self.refresh_host_image()?.link_measured;
-        times.host_image = lap();
-        if self.options.cuda_graph && self.capture_failures < CAPTURE_TRIES {
-            let plan = self.plan(Strategy::Pipelined);
-            let sg = self.record_segments(&plan)?;
-            self.res.segments.insert((Strategy::Pipelined, 0), sg);
-        }
-        times.segments = lap();
-        Ok(times)
-    }
-
-    /// The link's bandwidth and per-copy overhead: measured once per
-    /// process for each size class of persistent regions (a power of two:
-    /// small copies do not reach the link's peak), by the first program of
-    /// that class to take its host image; later ones reuse it (each
-    /// measurement copies the region twice).
-    /// Whether this call measured it is the second value.
-    fn link(&self) -> Result<((f64, f64), bool), ExecError> {
-        use std::collections::HashMap;
-        use std::sync::{Mutex, OnceLock, PoisonError};
-        static LINKS: OnceLock<Mutex<HashMap<u32, (f64, f64)>>> = OnceLock::new();
-        let class = self.res.bytes.max(1).ilog2();
-        let links = LINKS.get_or_init(Default::default);
-        if let Some(&l) = links
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&class)
-        {
-            return Ok((l, false));
-        }
-        let l = self.measure_link()?;
-        if l.0 > 0.0 {
-            links
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(class, l);
-        }
-        Ok((l, true))
-    }
-
-    /// Times one copy of the whole persistent region from the pinned image
-    /// and one copy per unit (writing the same bytes back: harmless):
-    /// bandwidth and the fixed cost of one more copy.
-    pub(super) fn measure_link(&self) -> Result<(f64, f64), ExecError> {
-        let Some(host) = self.res.host.as_ref() else {
-            return Ok((0.0, 0.0));
-        };
-        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
-        let copy = &self.res.copy;
-        let e0 = self.event(copy, true)?;
-        // SAFETY: the persistent region holds `src.len()` bytes at `base`; the
-        // pinned source lives in `self` and the stream is synchronised below.
-        unsafe { cudarc::driver::result::memcpy_htod_async(self.base, src, copy.cu_stream()) }
-            .map_err(|e| dev_err("host to device copy", e))?;
-        let e1 = self.event(copy, true)?;
-        for &(lo, hi) in &self.res.ranges {
-            // SAFETY: as above, for the unit's sub-range.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    self.base + lo as u64,
-                    &src[lo..hi],
-                    copy.cu_stream(),
-                )
-            }
-            .map_err(|e| dev_err("host to device copy", e))?;
-        }
-        let e2 = self.event(copy, true)?;
-        wait_idle(copy)?;
-        let whole = f64::from(e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))?) / 1e3;
-        let units = f64::from(e1.elapsed_ms(&e2).map_err(|e| dev_err("event", e))?) / 1e3;
-        let bw = if whole > 0.0 {
-            src.len() as f64 / whole
-        } else {
-            0.0
-        };
-        let n = self.res.ranges.len();
-        let over = if n > 1 {
-            ((units - whole) / (n - 1) as f64).max(0.0)
-        } else {
-            0.0
-        };
-        Ok((bw, over))
     }
 
     /// Runs one iteration; when the program is not resident, its persistent
@@ -521,7 +314,7 @@ impl CudaProgram {
         // Memory back under the arena's fixed address: the recorded graphs
         // stay valid. The persistent part's first group is mapped while
         // the feeds copy, its chunks beyond the first group while the
-        // earlier groups copy (below); a fill touches it all at once.
+        // earlier groups copy (below); a fill maps it all at once.
         let units = &self.res.layout.units;
         // The first copied group's end (a partial eviction's kept group is
         // mapped already).
@@ -530,12 +323,58 @@ impl CudaProgram {
             g if g <= copied_from => 0,
             _ => self.res.ranges[plan.range(copied_from, units.len()).end - 1].1,
         };
-        // The ephemeral part first: the feeds land there, and their copy
-        // runs while the host maps the own part's first group (below).
-        // (Mapping only the pieces the feeds land in first, then the rest
-        // under their copy, changed nothing inside a device reservation:
-        // the rest took 0.3 ms, three times the copy; docs/switching.md.)
         trace.host_checked_ms = ms(std::time::Instant::now());
+        let copy = &self.res.copy.clone();
+        let start = traced.then(|| self.event(copy, true)).transpose()?;
+        // The feeds first, before any mapping: into the staging buffer,
+        // which is always mapped, so that they cross the link while the
+        // host maps (docs/switching.md, *Feeds staged*). Then the own
+        // part's first group, whose copy follows the feeds', then the
+        // ephemeral part, where the feeds are moved on the compute stream.
+        let staged = match fill {
+            None => {
+                let mut bytes = Vec::with_capacity(feed_list.len());
+                for (o, t) in &feed_list {
+                    let b = t.bytes();
+                    if b.len() != self.slot(*o).ty.bytes() {
+                        return Err(dev_err(
+                            "host to device copy",
+                            "a feed's bytes do not match its type",
+                        ));
+                    }
+                    bytes.push(b);
+                }
+                crate::exec::cuda::staging::stage(&self.gpu.ctx, &bytes, copy)?
+            }
+            Some(_) => None,
+        };
+        let mut early: Option<CudaEvent> = None;
+        let staged_in = match &staged {
+            Some(_) => {
+                let ev = self.event(copy, traced)?;
+                trace.host_feeds_ms = ms(std::time::Instant::now());
+                self.arena.map_own_deferred(first)?;
+                trace.host_mapped_ms = ms(std::time::Instant::now());
+                if plan.groups() > copied_from && plan.copies(copied_from) {
+                    let r = plan.range(copied_from, units.len());
+                    let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
+                    self.arena.map_through(hi)?;
+                    self.copy_image_range(lo, hi, copy)?;
+                    early = Some(self.event(copy, traced)?);
+                    if traced {
+                        trace.host_enqueued_ms.push(ms(std::time::Instant::now()));
+                    }
+                }
+                Some(ev)
+            }
+            None => None,
+        };
+        // Without staging the ephemeral part first: the feeds land there,
+        // and their copy runs while the host maps the own part's first
+        // group (below). (Mapping only the pieces the feeds land in first,
+        // then the rest under their copy, changed nothing inside a device
+        // reservation: the rest took 0.3 ms, three times the copy;
+        // docs/switching.md.)
         if fill.is_some() {
             self.arena.map()?;
         } else {
@@ -579,31 +418,34 @@ impl CudaProgram {
             }
             at = at.max(hi);
         }
-        let copy = &self.res.copy.clone();
-        let start = traced.then(|| self.event(copy, true)).transpose()?;
-        // The feeds first, on the copy stream: queued on the compute stream
-        // behind the weights' copies instead, a feed from pageable memory
-        // came in only after all of them (ResNet-50 on the H100: feeds in
-        // at 2.10 ms, after 1.86 ms of weights; the pipeline then had
-        // nothing to overlap).
-        for (o, t) in &feed_list {
-            self.upload_on(*o, *t, copy)?;
-        }
-        let feeds_in = self.event(copy, traced)?;
-        trace.host_feeds_ms = ms(std::time::Instant::now());
-        if fill.is_none() {
-            self.arena.map_own_deferred(first)?;
-        }
-        trace.host_mapped_ms = ms(std::time::Instant::now());
-        self.stream
-            .wait(&feeds_in)
-            .map_err(|e| dev_err("stream wait", e))?;
-        let host = self
-            .res
-            .host
-            .as_ref()
-            .ok_or_else(|| dev_err("restore", "the evicted program has no host image"))?;
-        let src = host.as_slice().map_err(|e| dev_err("pinned memory", e))?;
+        let feeds_staged = staged.is_some();
+        let feeds_in = match (staged, staged_in) {
+            (Some(st), Some(ev)) => {
+                let dsts: Vec<u64> = feed_list.iter().map(|(o, _)| self.addr(*o)).collect();
+                st.land(&ev, &dsts, &self.stream)?;
+                ev
+            }
+            _ => {
+                // The feeds first, on the copy stream: queued on the compute
+                // stream behind the weights' copies instead, a feed from
+                // pageable memory came in only after all of them (ResNet-50
+                // on the H100: feeds in at 2.10 ms, after 1.86 ms of
+                // weights; the pipeline then had nothing to overlap).
+                for (o, t) in &feed_list {
+                    self.upload_on(*o, *t, copy)?;
+                }
+                let feeds_in = self.event(copy, traced)?;
+                trace.host_feeds_ms = ms(std::time::Instant::now());
+                if fill.is_none() {
+                    self.arena.map_own_deferred(first)?;
+                }
+                trace.host_mapped_ms = ms(std::time::Instant::now());
+                self.stream
+                    .wait(&feeds_in)
+                    .map_err(|e| dev_err("stream wait", e))?;
+                feeds_in
+            }
+        };
         let units = &self.res.layout.units;
         // An entry's Run launches its own nodes, op by op, each waiting
         // for the groups its position needs.
@@ -652,19 +494,19 @@ impl CudaProgram {
                 launch(k + 1, None)?;
                 continue;
             }
-            let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
-            self.arena.map_through(hi)?;
-            // SAFETY: [lo, hi) lies in the persistent region of the new arena
-            // (mapped through `hi` just above) and of the pinned image, which
-            // outlives the copy (synchronised before returning).
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    base + lo as u64,
-                    &src[lo..hi],
-                    copy.cu_stream(),
-                )
+            if k == copied_from {
+                if let Some(ev) = early.take() {
+                    // Queued before the ephemeral part was mapped (above).
+                    launch(k + 1, Some(&ev))?;
+                    groups.push((units[r.start].first_use, Some(ev)));
+                    continue;
+                }
             }
-            .map_err(|e| dev_err("host to device copy", e))?;
+            let (lo, hi) = (self.res.ranges[r.start].0, self.res.ranges[r.end - 1].1);
+            // Mapped through `hi` first; the copy stream is synchronised
+            // before returning.
+            self.arena.map_through(hi)?;
+            self.copy_image_range(lo, hi, copy)?;
             let ev = self.event(copy, traced)?;
             launch(k + 1, Some(&ev))?;
             groups.push((units[r.start].first_use, Some(ev)));
@@ -750,6 +592,7 @@ impl CudaProgram {
             bytes: self.res.layout.bytes() - kept_bytes,
             kept_bytes,
             predicted: plan.predicted,
+            feeds_staged,
             trace: traced.then_some(trace),
         };
         r.map(|o| (o, Some(report)))
