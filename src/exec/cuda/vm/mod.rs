@@ -25,8 +25,11 @@
 //! (the next block of the same size is mapped without asking the driver for
 //! new memory). The list keeps at most [`FREE_KEPT_BYTES`]; more is released
 //! to the driver. A block is given up when no arena maps it any more.
-//! The device reservation whose chunks every block is made of while one is
-//! held is in `reservation.rs`.
+//! The device reservation whose allocations every block is made of while
+//! one is held is in `reservation.rs`: whole chunks, as few allocations as
+//! fit (each costs a step of `cuMemSetAccess` at every mapping). A lane's
+//! block may then end in an allocation that runs past a smaller program's
+//! ephemeral part, so an arena reserves address space past its end for it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -100,15 +103,22 @@ pub(super) fn min_granularity(ctx: &Arc<CudaContext>) -> Result<usize, ExecError
     Ok(gran.max(1))
 }
 
-/// Unmaps `bytes` mapped from `at` in pieces of `piece` bytes (error path).
-fn unmap_pieces(at: u64, bytes: usize, piece: usize) {
+/// Unmaps the first pieces of `block`, mapped side by side from `at`,
+/// that cover `bytes` (a prefix of whole pieces).
+fn unmap_pieces(at: u64, block: &Block, bytes: usize) -> Result<(), ExecError> {
     let mut done = 0usize;
-    while done < bytes {
-        let n = piece.max(1).min(bytes - done);
-        // SAFETY: the pieces were mapped by the caller just before.
-        let _ = unsafe { sys::cuMemUnmap(at + done as u64, n) };
+    for &(_, n) in &block.pieces {
+        if done >= bytes {
+            break;
+        }
+        // SAFETY: the caller mapped this piece here and no work uses it
+        // any more.
+        unsafe { sys::cuMemUnmap(at + done as u64, n) }
+            .result()
+            .map_err(|e| dev_err("unmapping the arena", e))?;
         done += n;
     }
+    Ok(())
 }
 
 pub(super) fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
@@ -117,17 +127,17 @@ pub(super) fn round_up(bytes: usize, gran: usize) -> Result<usize, ExecError> {
         .ok_or_else(|| dev_err("arena size", "overflows"))
 }
 
-/// Physical memory of one arena part: one allocation, or chunks of the
-/// device reservation; back to the reservation, the free list or the
-/// driver when the last arena that maps it lets go.
+/// Physical memory of one arena part: one allocation, or allocations of
+/// the device reservation (whole chunks, the largest first); back to the
+/// reservation, the free list or the driver when the last arena that maps
+/// it lets go.
 struct Block {
     ctx: Arc<CudaContext>,
     device: sys::CUdevice,
-    /// Equal allocations of `piece` bytes each, mapped side by side.
-    handles: Vec<sys::CUmemGenericAllocationHandle>,
-    piece: usize,
+    /// Allocations and their bytes, mapped side by side in this order.
+    pieces: Vec<(sys::CUmemGenericAllocationHandle, usize)>,
     size: usize,
-    /// Chunks of the device reservation.
+    /// Allocations of the device reservation.
     pooled: bool,
 }
 
@@ -148,21 +158,19 @@ impl Block {
             .as_mut()
             .filter(|p| p.device == device)
         {
-            let n = size.div_ceil(p.chunk);
-            if p.free.len() >= n {
-                let at = p.free.len() - n;
+            let units = size.div_ceil(p.chunk);
+            if let Some(pieces) = p.take_units(units) {
                 return Ok(Arc::new(Block {
                     ctx: ctx.clone(),
                     device,
-                    handles: p.free.split_off(at),
-                    piece: p.chunk,
-                    size: n * p.chunk,
+                    pieces,
+                    size: units * p.chunk,
                     pooled: true,
                 }));
             }
             tracing::warn!(
                 bytes = size,
-                free = p.free.len() * p.chunk,
+                free = p.free_bytes(),
                 "device reservation exhausted: memory taken from the driver"
             );
         }
@@ -187,8 +195,7 @@ impl Block {
         Ok(Arc::new(Block {
             ctx: ctx.clone(),
             device,
-            handles: vec![handle],
-            piece: size,
+            pieces: vec![(handle, size)],
             size,
             pooled: false,
         }))
@@ -221,10 +228,22 @@ impl Drop for Block {
         let _ = self.ctx.bind_to_thread();
         if self.pooled {
             let mut pool = POOL.lock().unwrap_or_else(PoisonError::into_inner);
-            match pool.as_mut().filter(|p| p.device == self.device) {
-                Some(p) => p.free.append(&mut self.handles),
+            let pool = pool.as_mut().filter(|p| p.device == self.device);
+            match pool {
+                Some(p) => {
+                    for (h, bytes) in self.pieces.drain(..) {
+                        match p.class_of(bytes) {
+                            Some(k) => p.free[k].push(h),
+                            None => {
+                                // SAFETY: mapped by no arena any more (each
+                                // mapping holds an `Arc` to this block).
+                                let _ = unsafe { sys::cuMemRelease(h) };
+                            }
+                        }
+                    }
+                }
                 None => {
-                    for &h in &self.handles {
+                    for &(h, _) in &self.pieces {
                         // SAFETY: no arena maps the chunk any more (each
                         // mapping holds an `Arc` to this block) and the
                         // reservation is gone.
@@ -234,7 +253,7 @@ impl Drop for Block {
             }
             return;
         }
-        let Some(&handle) = self.handles.first() else {
+        let Some(&(handle, _)) = self.pieces.first() else {
             return;
         };
         let mut free = FREE.lock().unwrap_or_else(PoisonError::into_inner);
@@ -278,6 +297,10 @@ pub(super) struct VmArena {
     device: sys::CUdevice,
     va: u64,
     size: usize,
+    /// Address space reserved: `size`, and room past it for the last
+    /// allocation of a lane's block that covers the ephemeral part and
+    /// runs past its end (see [`VmArena::covers`]).
+    reserved: usize,
     split: usize,
     /// Where the own memory is cut (0: one block for all of it).
     keep: usize,
@@ -308,16 +331,28 @@ impl VmArena {
         let size = split
             .checked_add(round_up(ephemeral.max(1), gran)?)
             .ok_or_else(|| dev_err("arena size", "overflows"))?;
+        // Inside a device reservation a lane's block is made of allocations
+        // up to the largest class; one may end past the ephemeral part.
+        let slack = POOL
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .filter(|p| p.device == ctx.cu_device())
+            .map_or(0, |p| p.class_bytes(reservation::CLASSES - 1) - p.chunk);
+        let reserved = size
+            .checked_add(slack)
+            .ok_or_else(|| dev_err("arena size", "overflows"))?;
         let mut va = 0u64;
         // SAFETY: valid out-pointer; the range is freed in `Drop`.
-        unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) }
+        unsafe { sys::cuMemAddressReserve(&mut va, reserved, 0, 0, 0) }
             .result()
-            .map_err(|e| dev_err(&format!("reserving {size} bytes of address space"), e))?;
+            .map_err(|e| dev_err(&format!("reserving {reserved} bytes of address space"), e))?;
         let mut a = VmArena {
             ctx: ctx.clone(),
             device: ctx.cu_device(),
             va,
             size,
+            reserved,
             split,
             keep: 0,
             lane: None,
@@ -435,7 +470,10 @@ impl VmArena {
         };
         let bytes = self.size - self.split;
         let want = match lane {
-            Some(l) => Block::of_lane(&self.ctx, l, bytes)?,
+            Some(l) => match Block::of_lane(&self.ctx, l, bytes)? {
+                b if !self.covers(EPH, &b) => Block::take(&self.ctx, bytes)?,
+                b => b,
+            },
             None if self.lane.is_none() => return Ok(()),
             None => Block::take(&self.ctx, bytes)?,
         };
@@ -461,6 +499,25 @@ impl VmArena {
         self.map_part_upto(part, block, usize::MAX)
     }
 
+    /// Whether the first allocations of `block` cover `part` and end
+    /// inside the address space reserved for it: exactly at its end, or,
+    /// for the ephemeral part (the last), in the room reserved past it.
+    fn covers(&self, part: usize, block: &Block) -> bool {
+        let (_, bytes) = self.range(part);
+        let room = match part {
+            EPH => self.reserved - self.split,
+            _ => bytes,
+        };
+        let mut end = 0usize;
+        for &(_, n) in &block.pieces {
+            if end >= bytes {
+                break;
+            }
+            end += n;
+        }
+        end >= bytes && end <= room
+    }
+
     /// Maps `block` under `part`: the pieces covering its first `upto` bytes
     /// (see [`VmArena::extend_part`]).
     fn map_part_upto(
@@ -473,54 +530,60 @@ impl VmArena {
         if bytes == 0 {
             return Ok(());
         }
-        // Whole pieces side by side (a lane's block may be larger than this
-        // part: its first pieces); a single allocation maps whole (of the
-        // part's size: `map_ephemeral` sees to it for a lane's block).
-        if block.handles.len() > 1 && bytes % block.piece != 0 {
+        // Whole allocations side by side (a lane's block may be larger than
+        // this part: its first allocations; a single allocation maps
+        // whole).
+        if !self.covers(part, &block) {
             return Err(dev_err(
                 "mapping the arena",
-                format!("{bytes} bytes is not whole chunks of {}", block.piece),
+                format!(
+                    "a block of {} bytes in {} allocations does not fit a part of {bytes}",
+                    block.size,
+                    block.pieces.len()
+                ),
             ));
-        }
-        if block.handles.len() > 1 && (bytes / block.piece) > block.handles.len() {
-            return Err(dev_err("mapping the arena", "block smaller than the part"));
         }
         self.parts[part] = Some(block);
         self.mapped[part] = 0;
         self.extend_part(part, upto.min(bytes))
     }
 
-    /// Maps the pieces of `part`'s block that cover its first `upto` bytes
-    /// and are not mapped yet (a single allocation: all of it), and makes
-    /// them accessible.
+    /// Maps the allocations of `part`'s block that cover its first `upto`
+    /// bytes and are not mapped yet (whole ones: a single allocation is
+    /// all of it), and makes them accessible with one `cuMemSetAccess`
+    /// (whose time grows with the allocations in its range).
     fn extend_part(&mut self, part: usize, upto: usize) -> Result<(), ExecError> {
         let (at, bytes) = self.range(part);
         let Some(block) = self.parts[part].clone() else {
             return Err(dev_err("mapping the arena", "no block for the part"));
         };
-        let single = block.handles.len() == 1;
-        let piece = if single { bytes } else { block.piece };
-        let upto = if single {
-            bytes
-        } else {
-            upto.min(bytes).next_multiple_of(piece)
-        };
         let from = self.mapped[part];
+        let upto = upto.min(bytes);
         if upto <= from {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
+        let mut off = 0usize;
         let mut mapped = from;
-        for &h in &block.handles[from / piece..upto / piece] {
-            // SAFETY: the range was reserved by `new` and this piece of it
-            // is unmapped; the allocation holds at least `piece` bytes.
-            if let Err(e) = unsafe { sys::cuMemMap(at + mapped as u64, piece, 0, h, 0) }.result() {
-                unmap_pieces(at, mapped, piece);
-                self.parts[part] = None;
-                self.mapped[part] = 0;
-                return Err(dev_err("mapping the arena", e));
+        let mut pieces = 0usize;
+        for &(h, n) in &block.pieces {
+            if off >= upto {
+                break;
             }
-            mapped += piece;
+            if off >= from {
+                // SAFETY: the range was reserved by `new` (with room past
+                // the ephemeral part: `covers`) and this piece of it is
+                // unmapped; the allocation holds `n` bytes.
+                if let Err(e) = unsafe { sys::cuMemMap(at + off as u64, n, 0, h, 0) }.result() {
+                    let _ = unmap_pieces(at, &block, mapped);
+                    self.parts[part] = None;
+                    self.mapped[part] = 0;
+                    return Err(dev_err("mapping the arena", e));
+                }
+                mapped = off + n;
+                pieces += 1;
+            }
+            off += n;
         }
         let t1 = std::time::Instant::now();
         let access = sys::CUmemAccessDesc {
@@ -529,20 +592,20 @@ impl VmArena {
         };
         // SAFETY: the range is mapped (just above).
         if let Err(e) =
-            unsafe { sys::cuMemSetAccess(at + from as u64, upto - from, &access, 1) }.result()
+            unsafe { sys::cuMemSetAccess(at + from as u64, mapped - from, &access, 1) }.result()
         {
-            unmap_pieces(at, upto, piece);
+            let _ = unmap_pieces(at, &block, mapped);
             self.parts[part] = None;
             self.mapped[part] = 0;
             return Err(dev_err("arena access", e));
         }
-        self.mapped[part] = upto;
+        self.mapped[part] = mapped;
         // What a switch's mapping costs, call by call (RUST_LOG=
         // lanes::exec::cuda::vm=trace; docs/switching.md).
         tracing::trace!(
             part,
-            pieces = (upto - from) / piece,
-            bytes = upto - from,
+            pieces,
+            bytes = mapped - from,
             map_us = (t1 - t0).as_secs_f64() * 1e6,
             access_us = t1.elapsed().as_secs_f64() * 1e6,
             "mapped pieces"
@@ -551,25 +614,12 @@ impl VmArena {
     }
 
     fn unmap_part(&mut self, part: usize) -> Result<(), ExecError> {
-        if self.parts[part].is_none() {
+        let Some(block) = self.parts[part].clone() else {
             return Ok(());
-        }
-        let (at, part_bytes) = self.range(part);
-        let piece = self.parts[part]
-            .as_ref()
-            .filter(|b| b.handles.len() > 1)
-            .map_or(part_bytes, |b| b.piece);
+        };
+        let (at, _) = self.range(part);
         // Only what is mapped (a prefix of whole pieces).
-        let bytes = self.mapped[part];
-        let mut done = 0usize;
-        while done < bytes {
-            let n = piece.min(bytes - done);
-            // SAFETY: this piece is mapped and no work uses it any more.
-            unsafe { sys::cuMemUnmap(at + done as u64, n) }
-                .result()
-                .map_err(|e| dev_err("unmapping the arena", e))?;
-            done += n;
-        }
+        unmap_pieces(at, &block, self.mapped[part])?;
         self.parts[part] = None;
         self.mapped[part] = 0;
         Ok(())
@@ -606,13 +656,15 @@ impl VmArena {
         if self.parts[EPH].is_none() {
             let bytes = self.size - self.split;
             let b = match self.lane {
-                // A lane's block of one allocation maps only whole: the
-                // driver refuses part of one (CUDA_ERROR_NOT_SUPPORTED, seen
-                // on an H100 when programs of different T shared a lane
-                // without a device reservation). A program whose part is
-                // smaller than such a block takes a block of its own.
+                // An allocation maps only whole: the driver refuses part of
+                // one (CUDA_ERROR_NOT_SUPPORTED, seen on an H100 when
+                // programs of different T shared a lane without a device
+                // reservation). A program whose part the lane's first
+                // allocations do not cover within its address space (a
+                // lane's block of one larger allocation) takes a block of
+                // its own.
                 Some(l) => match Block::of_lane(&self.ctx, l, bytes)? {
-                    b if b.handles.len() == 1 && b.size != bytes => Block::take(&self.ctx, bytes)?,
+                    b if !self.covers(EPH, &b) => Block::take(&self.ctx, bytes)?,
                     b => b,
                 },
                 None => Block::take(&self.ctx, bytes)?,
@@ -686,6 +738,6 @@ impl Drop for VmArena {
             self.parts[part] = None;
         }
         // SAFETY: the range was reserved by `new` and is unmapped now.
-        let _ = unsafe { sys::cuMemAddressFree(self.va, self.size) };
+        let _ = unsafe { sys::cuMemAddressFree(self.va, self.reserved) };
     }
 }

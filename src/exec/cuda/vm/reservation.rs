@@ -1,6 +1,6 @@
 //! The service's device reservation (`--memory`, taken at start-up as
-//! equal chunks) from which, while it is held, every arena block is made
-//! (see the parent module).
+//! whole chunks in allocations of three sizes) from which, while it is
+//! held, every arena block is made (see the parent module).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -13,11 +13,12 @@ use crate::exec::ExecError;
 
 /// Smallest chunk of a device reservation: larger chunks waste more (a
 /// block is whole chunks), smaller ones cost more map calls per switch
-/// (2 MiB chunks doubled a ResNet-50 switch on the H100).
+/// (2 MiB chunks doubled a ResNet-50 switch on the H100). Blocks are made
+/// of allocations of up to [`FANOUT`]² chunks ([`CLASSES`]).
 pub const RESERVE_CHUNK: u64 = 16 << 20;
 
-/// Most chunks a reservation is cut into before its chunks grow (each is
-/// one `cuMemCreate` at start-up; 8192 × 16 MiB = 128 GiB).
+/// Most chunks a reservation is cut into before its chunks grow
+/// (8192 × 16 MiB = 128 GiB).
 pub const MAX_RESERVE_CHUNKS: usize = 8192;
 
 /// The chunk of a reservation of `bytes`: [`RESERVE_CHUNK`], or the power
@@ -29,21 +30,133 @@ pub fn reserve_chunk(bytes: usize) -> usize {
         .unwrap_or(RESERVE_CHUNK as usize)
 }
 
-/// The chunks of the device reservation (see [`DeviceReservation`]).
+/// Size classes of a reservation's allocations: the chunk, and chunks of
+/// [`FANOUT`] and [`FANOUT`]² of them (16, 64 and 256 MiB). Every
+/// allocation in an arena's range costs one more step of `cuMemSetAccess`
+/// on each mapping (about 22 µs on an H200, whatever its size), so a block
+/// is made of the largest allocations that fit it; the small ones come
+/// from splitting a large one when none is free (docs/switching.md).
+pub(super) const CLASSES: usize = 3;
+
+/// Chunks of class k-1 in one allocation of class k.
+pub(super) const FANOUT: usize = 4;
+
+/// The free allocations of the device reservation (see
+/// [`DeviceReservation`]), by size class: `free[k]` holds allocations of
+/// `chunk × FANOUT^k` bytes.
 pub(super) struct Pool {
     pub(super) device: sys::CUdevice,
     pub(super) chunk: usize,
-    pub(super) free: Vec<sys::CUmemGenericAllocationHandle>,
+    pub(super) free: [Vec<sys::CUmemGenericAllocationHandle>; CLASSES],
+}
+
+impl Pool {
+    /// Bytes of an allocation of class `k`.
+    pub(super) fn class_bytes(&self, k: usize) -> usize {
+        self.chunk * FANOUT.pow(k as u32)
+    }
+
+    /// The class of an allocation of `bytes` (one this pool made).
+    pub(super) fn class_of(&self, bytes: usize) -> Option<usize> {
+        (0..CLASSES).find(|&k| self.class_bytes(k) == bytes)
+    }
+
+    /// Bytes free.
+    pub(super) fn free_bytes(&self) -> usize {
+        (0..CLASSES)
+            .map(|k| self.free[k].len() * self.class_bytes(k))
+            .sum()
+    }
+
+    /// Takes allocations that together hold exactly `units` chunks, the
+    /// largest first (each one fewer step for `cuMemSetAccess`), splitting a
+    /// larger free allocation when only such ones are left. `None` (and
+    /// nothing taken) when the pool holds fewer free chunks.
+    pub(super) fn take_units(
+        &mut self,
+        units: usize,
+    ) -> Option<Vec<(sys::CUmemGenericAllocationHandle, usize)>> {
+        let free_units: usize = (0..CLASSES)
+            .map(|k| self.free[k].len() * FANOUT.pow(k as u32))
+            .sum();
+        if free_units < units {
+            return None;
+        }
+        let mut pieces = Vec::new();
+        let mut want = units;
+        while want > 0 {
+            let fits = (0..CLASSES)
+                .rev()
+                .find(|&k| FANOUT.pow(k as u32) <= want && !self.free[k].is_empty());
+            if let Some(k) = fits {
+                if let Some(h) = self.free[k].pop() {
+                    pieces.push((h, self.class_bytes(k)));
+                    want -= FANOUT.pow(k as u32);
+                }
+                continue;
+            }
+            // Only allocations larger than what is left are free: split the
+            // smallest of them.
+            let Some(k) = (1..CLASSES).find(|&k| !self.free[k].is_empty()) else {
+                break;
+            };
+            if !self.split(k) {
+                break;
+            }
+        }
+        if want > 0 {
+            // A split failed (the driver refused memory just given back):
+            // give back what was taken.
+            for (h, bytes) in pieces {
+                if let Some(k) = self.class_of(bytes) {
+                    self.free[k].push(h);
+                }
+            }
+            return None;
+        }
+        Some(pieces)
+    }
+
+    /// Replaces one free allocation of class `k` (≥ 1) by [`FANOUT`] of
+    /// class `k - 1`: released, then made again (the memory goes back to
+    /// the driver between the two). False when the driver refused; the
+    /// reservation is then smaller by what it refused.
+    fn split(&mut self, k: usize) -> bool {
+        let Some(h) = self.free[k].pop() else {
+            return false;
+        };
+        // SAFETY: a free allocation is mapped nowhere.
+        let _ = unsafe { sys::cuMemRelease(h) };
+        let bytes = self.class_bytes(k - 1);
+        let p = prop(self.device);
+        let mut made = 0;
+        for _ in 0..FANOUT {
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: valid out-pointer and property struct.
+            match unsafe { sys::cuMemCreate(&mut h, bytes, &p, 0) }.result() {
+                Ok(()) => {
+                    self.free[k - 1].push(h);
+                    made += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(error = ?e, bytes, "splitting a reservation allocation: the driver refused; the reservation is smaller");
+                    break;
+                }
+            }
+        }
+        made > 0
+    }
 }
 
 /// The device reservation's chunks while one is held (one per process).
 pub(super) static POOL: Mutex<Option<Pool>> = Mutex::new(None);
 
-/// The service's device memory (`--memory`), taken at start-up as equal
-/// chunks: while it is held every block a program maps (persistent region,
-/// lane block) is made of its chunks, mapped side by side under the
-/// program's fixed address. Dropping it releases the free chunks; chunks
-/// still mapped go back to the driver when their program lets go.
+/// The service's device memory (`--memory`), taken at start-up as whole
+/// chunks, made as allocations of the largest class first: while it is
+/// held every block a program maps (persistent region, lane block) is made
+/// of its allocations, mapped side by side under the program's fixed
+/// address. Dropping it releases the free allocations; those still mapped
+/// go back to the driver when their program lets go.
 #[derive(Debug)]
 pub struct DeviceReservation {
     ctx: Arc<CudaContext>,
@@ -55,7 +168,8 @@ impl DeviceReservation {
     /// Takes `bytes` of device memory now, in chunks of
     /// [`RESERVE_CHUNK`] (a larger power of two above
     /// [`MAX_RESERVE_CHUNKS`] chunks; the lanes align to the chunk, which
-    /// must be a power of two), rounded down to whole chunks. One
+    /// must be a power of two), rounded down to whole chunks, as
+    /// allocations of [`FANOUT`]² chunks, then [`FANOUT`], then one. One
     /// reservation per process.
     pub fn new(bytes: u64) -> Result<Self, ExecError> {
         let gpu = crate::exec::cuda::device::gpu()?;
@@ -80,18 +194,24 @@ impl DeviceReservation {
         }
         let device = ctx.cu_device();
         let p = prop(device);
-        let mut free = Vec::with_capacity(n);
-        for _ in 0..n {
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: valid out-pointer and property struct.
-            if let Err(e) = unsafe { sys::cuMemCreate(&mut h, chunk, &p, 0) }.result() {
-                for h in free {
-                    // SAFETY: ours, mapped nowhere.
-                    let _ = unsafe { sys::cuMemRelease(h) };
+        // The n chunks as the largest allocations first.
+        let mut free: [Vec<sys::CUmemGenericAllocationHandle>; CLASSES] = Default::default();
+        let mut left = n;
+        for k in (0..CLASSES).rev() {
+            let units = FANOUT.pow(k as u32);
+            for _ in 0..left / units {
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: valid out-pointer and property struct.
+                if let Err(e) = unsafe { sys::cuMemCreate(&mut h, chunk * units, &p, 0) }.result() {
+                    for h in free.iter().flatten() {
+                        // SAFETY: ours, mapped nowhere.
+                        let _ = unsafe { sys::cuMemRelease(*h) };
+                    }
+                    return Err(dev_err(&format!("reserving {} bytes", n * chunk), e));
                 }
-                return Err(dev_err(&format!("reserving {} bytes", n * chunk), e));
+                free[k].push(h);
             }
-            free.push(h);
+            left %= units;
         }
         *pool = Some(Pool {
             device,
@@ -120,7 +240,7 @@ impl DeviceReservation {
         POOL.lock()
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
-            .map_or(0, |p| (p.free.len() * p.chunk) as u64)
+            .map_or(0, |p| p.free_bytes() as u64)
     }
 }
 
@@ -128,7 +248,7 @@ impl Drop for DeviceReservation {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         if let Some(p) = POOL.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            for h in p.free {
+            for h in p.free.into_iter().flatten() {
                 // SAFETY: free chunks are mapped nowhere.
                 let _ = unsafe { sys::cuMemRelease(h) };
             }
@@ -137,8 +257,67 @@ impl Drop for DeviceReservation {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// A pool of made-up handles (no driver call is made unless a split
+    /// is needed, which these cases never need).
+    fn pool(counts: [usize; CLASSES]) -> Pool {
+        let mut next = 0u64;
+        let mut free: [Vec<sys::CUmemGenericAllocationHandle>; CLASSES] = Default::default();
+        for (k, &n) in counts.iter().enumerate() {
+            for _ in 0..n {
+                next += 1;
+                free[k].push(next);
+            }
+        }
+        Pool {
+            device: 0,
+            chunk: 16 << 20,
+            free,
+        }
+    }
+
+    fn mib(pieces: &[(sys::CUmemGenericAllocationHandle, usize)]) -> Vec<usize> {
+        pieces.iter().map(|&(_, b)| b >> 20).collect()
+    }
+
+    #[test]
+    fn blocks_take_the_largest_allocations_that_fit() {
+        let mut p = pool([3, 2, 1]);
+        assert_eq!(p.free_bytes(), (3 * 16 + 2 * 64 + 256) << 20);
+        // 21 chunks: one of 16, one of 4, one chunk.
+        let got = p.take_units(21).unwrap();
+        assert_eq!(mib(&got), vec![256, 64, 16]);
+        assert_eq!(p.free_bytes(), (2 * 16 + 64) << 20);
+        // 6 chunks, with one 64 MiB allocation and two chunks left.
+        let got = p.take_units(6).unwrap();
+        assert_eq!(mib(&got), vec![64, 16, 16]);
+        // More than is free: nothing is taken.
+        assert_eq!(p.take_units(1), None);
+        assert_eq!(p.free_bytes(), 0);
+        // Given back (as `Block::drop` does), the same sizes come again.
+        for (h, b) in got {
+            let k = p.class_of(b).unwrap();
+            p.free[k].push(h);
+        }
+        assert_eq!(mib(&p.take_units(6).unwrap()), vec![64, 16, 16]);
+    }
+
+    #[test]
+    fn a_block_short_of_large_allocations_takes_small_ones() {
+        // 8 chunks, no 64 MiB allocation free: eight 16 MiB ones.
+        let mut p = pool([10, 0, 0]);
+        assert_eq!(mib(&p.take_units(8).unwrap()), vec![16; 8]);
+        assert_eq!(p.free[0].len(), 2);
+        assert_eq!(p.take_units(3), None);
+        assert_eq!(
+            p.free[0].len(),
+            2,
+            "a refused take leaves the pool as it was"
+        );
+    }
 
     #[test]
     fn reservation_chunks_are_powers_of_two_and_few_enough() {
