@@ -33,7 +33,11 @@ fn a_short_soak_holds_its_verdict() {
         )
     });
     let verdict = &v["verdict"];
-    assert_eq!(verdict["ok"], true, "{verdict}\n{}", v["counts"]);
+    assert_eq!(
+        verdict["ok"], true,
+        "{verdict}\n{}\n{}",
+        v["counts"], v["rss_kib"]
+    );
     assert!(out.status.success());
     let counts = &v["counts"];
     assert!(counts["runs"].as_u64().unwrap() > 0, "{counts}");

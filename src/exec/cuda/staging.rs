@@ -193,13 +193,20 @@ impl Staged<'_> {
         stream
             .wait(staged_in)
             .map_err(|e| dev_err("stream wait", e))?;
+        let mut moved = Ok(());
         for (&dst, &(src, n)) in dsts.iter().zip(&self.spans) {
             // SAFETY: `src` holds the feed's `n` bytes once `staged_in` is
             // done (waited for above); `dst` holds `n` bytes (the caller's
             // contract).
-            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, n, stream.cu_stream()) }
-                .map_err(|e| dev_err("device to device copy", e))?;
+            let r = unsafe {
+                cudarc::driver::result::memcpy_dtod_async(dst, src, n, stream.cu_stream())
+            };
+            if let Err(e) = r {
+                moved = Err(dev_err("device to device copy", e));
+                break;
+            }
         }
+        // Whatever was queued reads the buffer until this event.
         let ev = stream
             .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(|e| dev_err("record event", e))?;
@@ -207,7 +214,7 @@ impl Staged<'_> {
             b.free_after = Some(ev);
         }
         self.landed = true;
-        Ok(())
+        moved
     }
 }
 
@@ -216,18 +223,15 @@ impl Drop for Staged<'_> {
         if self.landed {
             return;
         }
-        // Never moved (an error on the way): the next use must still not
-        // write the buffer before these copies in are done.
-        let ev = self
-            .copy
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING));
+        // Never moved (an error on the way): the switch returns an error
+        // and its feeds' host memory may go, so the copies in are waited
+        // for here (polling, as a worker waits); the next use then finds
+        // the buffer free.
+        if super::program::wait_idle(&self.copy).is_err() {
+            let _ = self.copy.synchronize();
+        }
         if let Some(b) = self.guard.as_mut() {
-            match ev {
-                Ok(ev) => b.free_after = Some(ev),
-                Err(_) => {
-                    let _ = self.copy.synchronize();
-                }
-            }
+            b.free_after = None;
         }
     }
 }
