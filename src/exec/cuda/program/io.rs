@@ -15,13 +15,7 @@ impl CudaProgram {
         stream: &CudaStream,
     ) -> Result<(), ExecError> {
         let dst = self.addr(o);
-        let bytes = t.bytes();
-        if bytes.len() != self.slot(o).ty.bytes() {
-            return Err(dev_err(
-                "host to device copy",
-                "a feed's bytes do not match its type",
-            ));
-        }
+        let bytes = self.feed_bytes(o, t)?;
         // SAFETY: `dst` is the start of this outlet's range in the arena,
         // which holds exactly `bytes.len()` bytes (checked just above), and
         // the host bytes live until the stream is synchronised by the caller
@@ -29,6 +23,23 @@ impl CudaProgram {
         let r =
             unsafe { cudarc::driver::result::memcpy_htod_async(dst, bytes, stream.cu_stream()) };
         r.map_err(|e| dev_err("host to device copy", e))
+    }
+
+    /// The host bytes of feed `t` for outlet `o`, checked to be exactly
+    /// its type's size.
+    pub(super) fn feed_bytes<'t, F: HostFeed>(
+        &self,
+        o: Outlet,
+        t: &'t F,
+    ) -> Result<&'t [u8], ExecError> {
+        let bytes = t.bytes();
+        if bytes.len() != self.slot(o).ty.bytes() {
+            return Err(dev_err(
+                "host to device copy",
+                "a feed's bytes do not match its type",
+            ));
+        }
+        Ok(bytes)
     }
 
     /// Registers the shared segments `feeds` lie in (once each), so that

@@ -333,17 +333,10 @@ impl CudaProgram {
         // ephemeral part, where the feeds are moved on the compute stream.
         let staged = match fill {
             None => {
-                let mut bytes = Vec::with_capacity(feed_list.len());
-                for (o, t) in &feed_list {
-                    let b = t.bytes();
-                    if b.len() != self.slot(*o).ty.bytes() {
-                        return Err(dev_err(
-                            "host to device copy",
-                            "a feed's bytes do not match its type",
-                        ));
-                    }
-                    bytes.push(b);
-                }
+                let bytes = feed_list
+                    .iter()
+                    .map(|(o, t)| self.feed_bytes(*o, *t))
+                    .collect::<Result<Vec<_>, _>>()?;
                 crate::exec::cuda::staging::stage(&self.gpu.ctx, &bytes, copy)?
             }
             Some(_) => None,

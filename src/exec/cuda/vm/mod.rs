@@ -470,10 +470,7 @@ impl VmArena {
         };
         let bytes = self.size - self.split;
         let want = match lane {
-            Some(l) => match Block::of_lane(&self.ctx, l, bytes)? {
-                b if !self.covers(EPH, &b) => Block::take(&self.ctx, bytes)?,
-                b => b,
-            },
+            Some(l) => self.lane_block(l)?,
             None if self.lane.is_none() => return Ok(()),
             None => Block::take(&self.ctx, bytes)?,
         };
@@ -497,6 +494,21 @@ impl VmArena {
 
     fn map_part(&mut self, part: usize, block: Arc<Block>) -> Result<(), ExecError> {
         self.map_part_upto(part, block, usize::MAX)
+    }
+
+    /// The block the ephemeral part maps in `lane`: the lane's shared one,
+    /// or, where its first allocations do not cover the part within the
+    /// address space reserved for it (a lane's block of one larger
+    /// allocation), one of the part's own. An allocation maps only whole:
+    /// the driver refuses part of one (CUDA_ERROR_NOT_SUPPORTED, seen on
+    /// an H100 when programs of different T shared a lane without a
+    /// device reservation).
+    fn lane_block(&self, lane: u64) -> Result<Arc<Block>, ExecError> {
+        let bytes = self.size - self.split;
+        match Block::of_lane(&self.ctx, lane, bytes)? {
+            b if !self.covers(EPH, &b) => Block::take(&self.ctx, bytes),
+            b => Ok(b),
+        }
     }
 
     /// Whether the first allocations of `block` cover `part` and end
@@ -656,17 +668,7 @@ impl VmArena {
         if self.parts[EPH].is_none() {
             let bytes = self.size - self.split;
             let b = match self.lane {
-                // An allocation maps only whole: the driver refuses part of
-                // one (CUDA_ERROR_NOT_SUPPORTED, seen on an H100 when
-                // programs of different T shared a lane without a device
-                // reservation). A program whose part the lane's first
-                // allocations do not cover within its address space (a
-                // lane's block of one larger allocation) takes a block of
-                // its own.
-                Some(l) => match Block::of_lane(&self.ctx, l, bytes)? {
-                    b if !self.covers(EPH, &b) => Block::take(&self.ctx, bytes)?,
-                    b => b,
-                },
+                Some(l) => self.lane_block(l)?,
                 None => Block::take(&self.ctx, bytes)?,
             };
             self.map_part(EPH, b)?;

@@ -41,6 +41,11 @@ pub(super) const CLASSES: usize = 3;
 /// Chunks of class k-1 in one allocation of class k.
 pub(super) const FANOUT: usize = 4;
 
+/// Chunks in one allocation of class `k`.
+fn class_chunks(k: usize) -> usize {
+    FANOUT.pow(k as u32)
+}
+
 /// The free allocations of the device reservation (see
 /// [`DeviceReservation`]), by size class: `free[k]` holds allocations of
 /// `chunk × FANOUT^k` bytes.
@@ -53,7 +58,7 @@ pub(super) struct Pool {
 impl Pool {
     /// Bytes of an allocation of class `k`.
     pub(super) fn class_bytes(&self, k: usize) -> usize {
-        self.chunk * FANOUT.pow(k as u32)
+        self.chunk * class_chunks(k)
     }
 
     /// The class of an allocation of `bytes` (one this pool made).
@@ -76,10 +81,7 @@ impl Pool {
         &mut self,
         units: usize,
     ) -> Option<Vec<(sys::CUmemGenericAllocationHandle, usize)>> {
-        let free_units: usize = (0..CLASSES)
-            .map(|k| self.free[k].len() * FANOUT.pow(k as u32))
-            .sum();
-        if free_units < units {
+        if self.free_bytes() / self.chunk < units {
             return None;
         }
         let mut pieces = Vec::new();
@@ -87,11 +89,11 @@ impl Pool {
         while want > 0 {
             let fits = (0..CLASSES)
                 .rev()
-                .find(|&k| FANOUT.pow(k as u32) <= want && !self.free[k].is_empty());
+                .find(|&k| class_chunks(k) <= want && !self.free[k].is_empty());
             if let Some(k) = fits {
                 if let Some(h) = self.free[k].pop() {
                     pieces.push((h, self.class_bytes(k)));
-                    want -= FANOUT.pow(k as u32);
+                    want -= class_chunks(k);
                 }
                 continue;
             }
@@ -198,7 +200,7 @@ impl DeviceReservation {
         let mut free: [Vec<sys::CUmemGenericAllocationHandle>; CLASSES] = Default::default();
         let mut left = n;
         for k in (0..CLASSES).rev() {
-            let units = FANOUT.pow(k as u32);
+            let units = class_chunks(k);
             for _ in 0..left / units {
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: valid out-pointer and property struct.
